@@ -1,0 +1,47 @@
+# agentloop: `make demo` runs a rollout on a tiny local model; `make test` runs the test suite.
+# Both create .venv and install what they need. EXTRA=gpu installs the CUDA engine instead.
+PYTHON ?= python3
+VENV ?= .venv
+EXTRA ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.agentloop-$(EXTRA)-installed
+
+export RAY_AUTH_MODE ?= disabled
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export RAY_DEDUP_LOGS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install model demo test test-unit lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break transformers next to the CPU torch.
+	if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	touch $@
+
+install: $(STAMP)
+
+model: install
+	$(PY) scripts/make_tiny_model.py
+
+demo: install
+	$(VENV)/bin/agentloop rollout --config examples/quickstart/config.yaml \
+	  actor_rollout_ref.model.path=$$($(PY) scripts/make_tiny_model.py --quiet)
+
+test: install
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+test-unit: install
+	$(PY) -m pytest tests/unit -q
+
+lint: install
+	$(VENV)/bin/ruff check agentloop tests scripts
+	$(VENV)/bin/mypy agentloop
+
+bench: install
+	$(PY) scripts/bench_overhead.py
+
+clean:
+	rm -rf outputs .pytest_cache

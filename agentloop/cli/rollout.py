@@ -1,0 +1,160 @@
+"""``agentloop rollout``: roll out a dataset with AgentLoopManager and write the results.
+
+    agentloop rollout [--config FILE.yaml] key=value ...
+
+The config is ``agentloop/configs/rollout.yaml`` merged with ``--config`` (if given) and then the
+Hydra-style overrides.  Writes to ``output_dir``:
+
+* ``rollout.dataproto`` — the padded DataProto (``DataProto.load_from_disk``);
+* ``trajectories.jsonl`` — one line per trajectory: decoded prompt and response, num_turns, status,
+  lengths;
+* ``summary.json`` — wall time, throughput, length / turn / status statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from agentloop.config import default_config, resolve_config
+from agentloop.errors import ConfigError
+from agentloop.protocol import DataProto
+
+
+def build_config(config_file: str | None, overrides: list[str]) -> DictConfig:
+    """Defaults ← ``config_file`` ← ``key=value`` overrides (OmegaConf dotlist syntax, ``+`` prefix allowed)."""
+    cfg = default_config()
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config {config_file!r} does not exist")
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+    return cfg  # type: ignore[return-value]
+
+
+def _decode(tokenizer: Any, ids: np.ndarray, mask: np.ndarray) -> str:
+    return tokenizer.decode(ids[mask.astype(bool)].tolist(), skip_special_tokens=False)
+
+
+def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
+    """One JSON line per row: decoded text, lengths, turns, status, error."""
+    b = output.batch
+    p_len = b["prompts"].shape[1]
+    attn = b["attention_mask"].numpy()
+    nt = output.non_tensor_batch
+    with path.open("w") as f:
+        for i in range(len(output)):
+            p_mask, r_mask = attn[i, :p_len], attn[i, p_len:]
+            row = {
+                "index": _jsonable(nt["index"][i]) if "index" in nt else i,
+                "uid": _jsonable(nt["uid"][i]) if "uid" in nt else None,
+                "agent_name": _jsonable(nt["agent_name"][i]) if "agent_name" in nt else None,
+                "prompt": _decode(tokenizer, b["prompts"][i].numpy(), p_mask),
+                "response": _decode(tokenizer, b["responses"][i].numpy(), r_mask),
+                "prompt_length": int(p_mask.sum()),
+                "response_length": int(r_mask.sum()),
+                "num_turns": int(nt["__num_turns__"][i]),
+                "status": str(nt["status"][i]),
+                "error": nt["error"][i],
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def _jsonable(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any]:
+    """Throughput and length statistics of a finished rollout."""
+    p_len = output.batch["prompts"].shape[1]
+    attn = output.batch["attention_mask"]
+    resp = attn[:, p_len:].sum(-1).numpy()
+    prompt = attn[:, :p_len].sum(-1).numpy()
+    turns = np.asarray(output.non_tensor_batch["__num_turns__"], dtype=np.float64)
+    statuses: dict[str, int] = {}
+    for s in output.non_tensor_batch["status"].tolist():
+        statuses[str(s)] = statuses.get(str(s), 0) + 1
+    return {
+        "num_samples": num_samples,
+        "num_trajectories": len(output),
+        "wall_time_s": round(wall, 3),
+        "response_tokens": int(resp.sum()),
+        "response_tokens_per_s": round(float(resp.sum()) / wall, 1) if wall > 0 else None,
+        "prompt_length": {"mean": float(prompt.mean()), "max": int(prompt.max())},
+        "response_length": {"mean": float(resp.mean()), "min": int(resp.min()), "max": int(resp.max())},
+        "num_turns": {"mean": float(turns.mean()), "max": int(turns.max())},
+        "status": statuses,
+        "timing": {k: round(float(v), 4) for k, v in output.meta_info.get("timing", {}).items()},
+    }
+
+
+def run_rollout(cfg: DictConfig) -> Path:
+    """Roll out ``data.train_files`` and write the three output files; returns the output dir."""
+    from tqdm import tqdm
+
+    from agentloop.data import load_dataset
+    from agentloop.manager import AgentLoopManager
+
+    resolve_config(cfg)  # fail on a bad model path / config before Ray or the engine start
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is not set: pass data.train_files=path/to/data.parquet (or .jsonl)")
+    batch = load_dataset(
+        str(cfg.data.train_files), prompt_key=str(cfg.data.prompt_key),
+        n=int(cfg.actor_rollout_ref.rollout.n), max_samples=int(cfg.data.max_samples),
+    )
+    out_dir = Path(str(cfg.output_dir)).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manager = AgentLoopManager(cfg)
+    try:
+        t0 = time.perf_counter()
+        step = max(1, int(cfg.data.train_batch_size))
+        parts: list[DataProto] = []
+        with tqdm(total=len(batch), desc="rollout", unit="sample") as bar:
+            for start in range(0, len(batch), step):
+                part = manager.generate_sequences(batch[start : start + step])
+                parts.append(part)
+                tokens = sum(int(p.batch["response_mask"].sum()) for p in parts)
+                bar.update(min(step, len(batch) - start))
+                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        wall = time.perf_counter() - t0
+    finally:
+        manager.shutdown()
+    output = DataProto.concat(parts)
+    output.meta_info["timing"] = parts[-1].meta_info.get("timing", {})
+    output.save_to_disk(str(out_dir / "rollout.dataproto"))
+    from agentloop.worker import load_tokenizer
+
+    write_trajectories(output, load_tokenizer(cfg.actor_rollout_ref.model), out_dir / "trajectories.jsonl")
+    summary = summarize(output, wall, len(batch))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: summary[k] for k in ("num_samples", "wall_time_s", "response_tokens_per_s", "status")}))
+    print(f"wrote {out_dir}/rollout.dataproto, trajectories.jsonl, summary.json")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``agentloop``."""
+    parser = argparse.ArgumentParser(prog="agentloop", description="Ray-native agentic rollouts")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ro = sub.add_parser("rollout", help="roll out a dataset (Hydra-style key=value overrides)")
+    ro.add_argument("--config", help="YAML merged over the defaults before the overrides")
+    ro.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    try:
+        run_rollout(build_config(args.config, args.overrides))
+    except ConfigError as e:
+        raise SystemExit(f"agentloop: config error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Config loading and slicing.
+
+Users pass either a trainer-shaped config (``actor_rollout_ref.rollout`` / ``actor_rollout_ref.model``,
+as in verl) or just the rollout subtree plus a model path.  :func:`resolve_config` turns either into
+:class:`AgentLoopConfig`, and each component then receives only its own slice: servers get
+``rollout`` + ``model``, workers get ``rollout`` + ``model``, agent loops get ``rollout``.
+Missing keys are filled from ``configs/rollout.yaml`` so a partial config works.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentloop.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def default_config() -> DictConfig:
+    """The full default config (``agentloop/configs/rollout.yaml``), unresolved."""
+    return OmegaConf.load(CONFIG_DIR / "rollout.yaml")  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """The two config slices the rollout stack needs."""
+
+    rollout: DictConfig
+    """``actor_rollout_ref.rollout`` with defaults filled in and interpolations resolved."""
+    model: DictConfig
+    """``actor_rollout_ref.model`` (``path``, ``trust_remote_code``)."""
+
+    @property
+    def model_path(self) -> str:
+        """Local model directory, ``~`` expanded."""
+        return os.path.expanduser(str(self.model.path))
+
+
+def _merge_defaults(config: DictConfig) -> DictConfig:
+    merged = OmegaConf.merge(default_config(), config)
+    OmegaConf.resolve(merged)
+    return merged  # type: ignore[return-value]
+
+
+def resolve_config(config: DictConfig | dict[str, Any], model_path: str | None = None) -> AgentLoopConfig:
+    """Accept a trainer-shaped config or a rollout subtree and return its slices.
+
+    Args:
+        config: either a root config with ``actor_rollout_ref`` or the rollout subtree itself.
+        model_path: required when ``config`` is a rollout subtree; overrides the model path otherwise.
+    """
+    if not isinstance(config, DictConfig):
+        config = OmegaConf.create(config)
+    if "actor_rollout_ref" in config:
+        root = _merge_defaults(config)
+    else:
+        if model_path is None:
+            raise ConfigError(
+                "got a rollout-only config but no model path: pass model_path=... or a trainer-shaped config "
+                "with actor_rollout_ref.model.path"
+            )
+        rollout = OmegaConf.to_container(config, resolve=False)
+        rollout.setdefault("prompt_length", 512)  # type: ignore[union-attr]
+        rollout.setdefault("response_length", 512)  # type: ignore[union-attr]
+        root = _merge_defaults(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}}))
+    if model_path is not None:
+        root.actor_rollout_ref.model.path = model_path
+    cfg = AgentLoopConfig(rollout=root.actor_rollout_ref.rollout, model=root.actor_rollout_ref.model)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: AgentLoopConfig) -> None:
+    """Check the values that would otherwise fail late, inside an engine or actor."""
+    r = cfg.rollout
+    for key in ("prompt_length", "response_length"):
+        if not isinstance(r[key], int) or r[key] <= 0:
+            raise ConfigError(f"actor_rollout_ref.rollout.{key} must be a positive int, got {r[key]!r}")
+    if int(r.agent.num_workers) < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.agent.num_workers must be >= 1, got {r.agent.num_workers}")
+    if r.agent.prompt_truncation not in ("left", "error"):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.agent.prompt_truncation must be 'left' or 'error', "
+            f"got {r.agent.prompt_truncation!r}"
+        )
+    if r.name not in ("vllm", "sglang"):
+        raise ConfigError(f"actor_rollout_ref.rollout.name must be 'vllm' or 'sglang', got {r.name!r}")
+    path = Path(cfg.model_path)
+    if not path.is_dir():
+        raise ConfigError(
+            f"actor_rollout_ref.model.path {str(cfg.model.path)!r} is not a directory on this machine. "
+            "agentloop loads models from local paths only; build the tiny test model with "
+            "`python scripts/make_tiny_model.py` or point model.path at a downloaded checkpoint."
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"actor_rollout_ref.model.path {str(path)!r} has no config.json; is it a HF model dir?")
+
+
+def sampling_params_from_config(rollout: DictConfig, validate: bool = False) -> dict[str, Any]:
+    """verl's per-batch sampling params: ``val_kwargs`` replace them when ``validate`` is set."""
+    src = rollout.val_kwargs if validate else rollout
+    params: dict[str, Any] = {
+        "temperature": float(src.temperature),
+        "top_p": float(src.top_p),
+        "top_k": int(src.top_k),
+        "repetition_penalty": float(rollout.get("repetition_penalty", 1.0)),
+        "logprobs": bool(rollout.calculate_log_probs),
+    }
+    if not src.get("do_sample", True):
+        params["temperature"] = 0.0
+    if rollout.ignore_eos:
+        params["ignore_eos"] = True
+    return params

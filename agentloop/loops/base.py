@@ -1,0 +1,159 @@
+"""AgentLoopBase and the agent-loop registry.
+
+An agent loop is a small state machine that turns one sample into one trajectory (or several) by
+calling the router.  Loops are selected per sample by the ``agent_name`` non-tensor field.
+
+Registration, two ways (as in verl):
+
+* in code: ``@register("my_agent")`` on an :class:`AgentLoopBase` subclass;
+* in YAML: ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` points at a list of
+  ``{name: my_agent, _target_: pkg.module.MyAgentLoop, **kwargs}``; the kwargs are passed to the
+  constructor of every instance.
+
+Each AgentLoopWorker resolves the registry once (:func:`resolve_registry`) into classes and kwargs,
+then builds one cheap loop instance per sample, without Hydra in the per-sample path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentloop.errors import ConfigError, UnknownAgentError
+from agentloop.types import AgentLoopOutput
+
+_agent_loop_registry: dict[str, dict[str, Any]] = {}
+
+
+def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
+    """Class decorator: make an AgentLoopBase subclass selectable as ``agent_name``."""
+
+    def decorator(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
+            raise ConfigError(f"@register({agent_name!r}) must decorate an AgentLoopBase subclass, got {cls!r}")
+        _agent_loop_registry[agent_name] = {"_target_": f"{cls.__module__}.{cls.__qualname__}", "_class_": cls}
+        return cls
+
+    return decorator
+
+
+def registered_agent_names() -> list[str]:
+    """Names registered in code so far (YAML entries are added per worker)."""
+    return sorted(_agent_loop_registry)
+
+
+class AgentLoopBase(ABC):
+    """Base class of agent loops.
+
+    Args:
+        config: the rollout config slice (``actor_rollout_ref.rollout``).
+        server_manager: an :class:`agentloop.routing.AsyncLLMServerManager`.
+        tokenizer: a HF tokenizer of the served model.
+        processor: a HF processor for multimodal models, else None.
+        **kwargs: extra keys from the YAML registry entry.
+    """
+
+    def __init__(
+        self,
+        config: DictConfig,
+        server_manager: Any,
+        tokenizer: Any,
+        processor: Any | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config = config
+        self.server_manager = server_manager
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.prompt_length: int = int(config.prompt_length)
+        self.response_length: int = int(config.response_length)
+        self.loop = asyncio.get_running_loop()
+
+    @classmethod
+    def init_class(cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
+        """Once-per-worker set-up shared by all instances (load tools, parsers...). Default: nothing."""
+        return None
+
+    @abstractmethod
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
+        """Roll out one sample.
+
+        Args:
+            sampling_params: verl-style sampling params for this batch.
+            **kwargs: the sample's non-tensor fields (``raw_prompt``, ``extra_info``, ``index``, ...).
+
+        Returns:
+            One trajectory, or a list of them (each becomes a row with this sample's fields).
+        """
+
+
+@dataclass
+class ResolvedAgentLoop:
+    """A registry entry with its class imported: build instances with :meth:`create`."""
+
+    name: str
+    cls: type[AgentLoopBase]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _import_target(target: str, name: str) -> type[AgentLoopBase]:
+    module_name, _, attr = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"agent loop {name!r}: cannot import _target_ {target!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
+        raise ConfigError(f"agent loop {name!r}: _target_ {target!r} is not an AgentLoopBase subclass")
+    return cls
+
+
+def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
+    """Read an ``agent_loop_config_path`` YAML: a list of ``{name, _target_, **kwargs}``."""
+    try:
+        entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except FileNotFoundError as e:
+        raise ConfigError(f"agent_loop_config_path {path!r} does not exist") from e
+    if not isinstance(entries, list):
+        raise ConfigError(f"{path}: expected a YAML list of {{name, _target_}} entries, got {type(entries).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "name" not in entry or "_target_" not in entry:
+            raise ConfigError(f"{path}: entry {i} must have 'name' and '_target_', got {entry!r}")
+        entry = dict(entry)
+        out[str(entry.pop("name"))] = entry
+    return out
+
+
+def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, ResolvedAgentLoop]:
+    """Import every registered loop class once; YAML entries override code registrations."""
+    # Importing the built-in loops registers them.
+    import agentloop.loops.single_turn  # noqa: F401
+
+    entries = dict(_agent_loop_registry)
+    if agent_loop_config_path:
+        entries.update(load_registry_file(agent_loop_config_path))
+    resolved = {}
+    for name, entry in entries.items():
+        entry = dict(entry)
+        target = entry.pop("_target_")
+        cls = entry.pop("_class_", None) or _import_target(target, name)
+        resolved[name] = ResolvedAgentLoop(name=name, cls=cls, kwargs=entry)
+    return resolved
+
+
+def lookup(registry: dict[str, ResolvedAgentLoop], agent_name: str) -> ResolvedAgentLoop:
+    """Registry lookup with an error that lists what exists."""
+    try:
+        return registry[agent_name]
+    except KeyError:
+        raise UnknownAgentError(
+            f"agent_name {agent_name!r} is not registered; registered agent loops: {sorted(registry)}. "
+            "Register it with @register(name) in a module the worker imports, or list it in "
+            "actor_rollout_ref.rollout.agent.agent_loop_config_path."
+        ) from None

@@ -1,0 +1,58 @@
+"""SingleTurnAgentLoop: one chat-completion turn, registered as ``single_turn_agent``.
+
+Spec:
+1. Render ``raw_prompt`` with the chat template (generation prompt appended); apply the
+   prompt-length policy (left truncation, counted; or an error).
+2. One ``server_manager.generate`` call with a fresh request id.
+3. Every sampled token gets mask 1; the response is cut to ``response_length``.
+4. Status: ``length`` when the engine stopped on ``max_tokens`` (or the cut applied), ``aborted``
+   when the engine aborted, else ``stop``.  ``num_turns`` is 2 (user + assistant), as in verl.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from uuid import uuid4
+
+from agentloop.loops.base import AgentLoopBase, register
+from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
+from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
+
+
+@register("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoopBase):
+    """Naive loop: render the prompt, generate once, return the response."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        messages = as_messages(kwargs["raw_prompt"])
+        prompt_ids = await self.loop.run_in_executor(
+            None, lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
+        )
+        prompt_ids, dropped = fit_prompt(prompt_ids, self.prompt_length, self.config.agent.prompt_truncation)
+
+        start = time.perf_counter()
+        output = await self.server_manager.generate(
+            request_id=uuid4().hex, prompt_ids=prompt_ids, sampling_params=sampling_params
+        )
+        metrics = AgentLoopMetrics(
+            generate_sequences=time.perf_counter() - start, num_preempted=output.num_preempted
+        )
+
+        response_ids = output.token_ids[: self.response_length]
+        status = {
+            StopReason.LENGTH: RolloutStatus.LENGTH,
+            StopReason.ABORTED: RolloutStatus.ABORTED,
+        }.get(output.stop_reason, RolloutStatus.STOP)
+        if len(output.token_ids) > self.response_length:
+            status = RolloutStatus.LENGTH
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            response_mask=[1] * len(response_ids),
+            response_logprobs=output.log_probs[: self.response_length] if output.log_probs is not None else None,
+            num_turns=2,
+            metrics=metrics,
+            extra_fields={"prompt_truncated": dropped},
+            status=status,
+        )

@@ -1,0 +1,149 @@
+"""AgentLoopManager: the driver-side entry point a trainer calls every step.
+
+Builds, on the current Ray cluster: the server actors (standalone placement), one GlobalBalancer
+actor shared by every worker, and ``rollout.agent.num_workers`` AgentLoopWorker actors spread
+round-robin over alive nodes.  ``generate_sequences(batch)`` chunks the batch over the workers,
+concatenates the chunks and adds timing metrics.
+
+Usage from a trainer::
+
+    manager = AgentLoopManager(config)            # trainer-shaped or rollout-only config
+    for batch in dataloader:
+        out = manager.generate_sequences(batch)  # DataProto, verl's layout
+        ...
+        manager.update_weights(policy.state_dict())
+    manager.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import ray
+from omegaconf import DictConfig
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from agentloop.config import AgentLoopConfig, resolve_config
+from agentloop.loops.base import resolve_registry
+from agentloop.protocol import DataProto
+from agentloop.routing.balancer_actor import create_global_balancer
+from agentloop.servers.placement import ServerGroup, start_standalone_servers, stop_servers
+from agentloop.worker import AgentLoopWorker, check_batch
+
+logger = logging.getLogger(__name__)
+
+
+class AgentLoopManager:
+    """Owns the rollout servers and agent-loop workers.
+
+    Args:
+        config: trainer-shaped config (``actor_rollout_ref...``) or the rollout subtree.
+        worker_group: accepted for verl compatibility; servers are placed standalone.
+        model_path: required with a rollout-only config; overrides the model path otherwise.
+    """
+
+    def __init__(
+        self, config: DictConfig | dict[str, Any], worker_group: Any = None, *, model_path: str | None = None
+    ) -> None:
+        self.config: AgentLoopConfig = resolve_config(config, model_path=model_path)  # fails before Ray
+        self.rollout = self.config.rollout
+        self.registry = resolve_registry(self.rollout.agent.agent_loop_config_path)
+        if not ray.is_initialized():
+            ray.init()
+        self.servers: ServerGroup = start_standalone_servers(self.config)
+        self.server_handles = self.servers.handles
+        self.balancer = create_global_balancer(
+            len(self.server_handles), max_cache_size=int(self.rollout.server.max_cache_size)
+        )
+        self.agent_loop_workers = self._init_workers()
+        self._sleeping = False
+        if self.rollout.free_cache_engine:
+            self.sleep()
+
+    def _init_workers(self) -> list[Any]:
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        cls = ray.remote(AgentLoopWorker)
+        workers = []
+        for i in range(int(self.rollout.agent.num_workers)):
+            workers.append(
+                cls.options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True),
+                    max_concurrency=10000,
+                ).remote(self.rollout, self.config.model, self.server_handles, self.balancer, self.registry)
+            )
+        return workers
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Roll out ``prompts`` (one row per sample; ``raw_prompt`` required) and return padded trajectories."""
+        t0 = time.perf_counter()
+        check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
+        if self.rollout.free_cache_engine:
+            self.wake_up()
+        n = min(len(self.agent_loop_workers), len(prompts))
+        chunks = prompts.chunk(n) if n > 1 else [prompts]
+        outputs = ray.get(
+            [w.generate_sequences.remote(c) for w, c in zip(self.agent_loop_workers, chunks, strict=False)]
+        )
+        output = DataProto.concat(outputs)
+        if self.rollout.free_cache_engine:
+            self.sleep()
+        timing = performance_metrics(output, time.perf_counter() - t0)
+        output.meta_info = {**output.meta_info, "timing": timing}
+        return output
+
+    def wake_up(self) -> None:
+        """Wake every server (no-op on engines that cannot sleep)."""
+        if self._sleeping:
+            ray.get([s.wake_up.remote() for s in self.server_handles])
+            self._sleeping = False
+
+    def sleep(self) -> None:
+        """Put every server to sleep, freeing accelerator memory (no-op on CPU)."""
+        if not self._sleeping:
+            ray.get([s.sleep.remote() for s in self.server_handles])
+            self._sleeping = True
+
+    def update_weights(self, named_tensors: dict[str, Any]) -> None:
+        """Load new policy weights (HF names → tensors) into every server."""
+        ref = ray.put(named_tensors)
+        ray.get([s.update_weights.remote(ref) for s in self.server_handles])
+
+    def shutdown(self) -> None:
+        """Stop workers, balancer and engines, and release their resources."""
+        for w in self.agent_loop_workers:
+            ray.kill(w)
+        ray.kill(self.balancer)
+        stop_servers(self.servers)
+        self.agent_loop_workers = []
+
+
+def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
+    """verl's ``agent_loop/*`` timing keys plus status counts and truncated-prompt count."""
+    metrics = output.meta_info.get("metrics", [])
+    timing: dict[str, float] = {"agent_loop/wall": wall}
+    if not metrics:
+        return timing
+    gen = np.array([m["generate_sequences"] for m in metrics], dtype=np.float64)
+    tool = np.array([m["tool_calls"] for m in metrics], dtype=np.float64)
+    for name, arr in (("generate_sequences", gen), ("tool_calls", tool)):
+        timing[f"agent_loop/{name}/min"] = float(arr.min())
+        timing[f"agent_loop/{name}/max"] = float(arr.max())
+        timing[f"agent_loop/{name}/mean"] = float(arr.mean())
+    slowest = int(np.argmax(gen + tool))
+    attention = output.batch["attention_mask"]
+    prompt_len = output.batch["prompts"].shape[1]
+    timing["agent_loop/slowest/generate_sequences"] = float(gen[slowest])
+    timing["agent_loop/slowest/tool_calls"] = float(tool[slowest])
+    timing["agent_loop/slowest/prompt_length"] = float(attention[slowest, :prompt_len].sum())
+    timing["agent_loop/slowest/response_length"] = float(attention[slowest, prompt_len:].sum())
+    for status, count in Counter(output.non_tensor_batch["status"].tolist()).items():
+        timing[f"agent_loop/status/{status}"] = float(count)
+    truncated = output.non_tensor_batch.get("prompt_truncated")
+    if truncated is not None:
+        timing["agent_loop/num_truncated_prompts"] = float(sum(1 for t in truncated.tolist() if t))
+    return timing

@@ -1,0 +1,124 @@
+"""Placing server actors on the Ray cluster.
+
+Standalone placement: one placement group with one bundle per server (``tensor_model_parallel_size``
+GPUs + 1 CPU on GPU clusters; ``rollout.server.num_cpus_per_server`` CPUs on CPU-only machines);
+server ``i`` is pinned to bundle ``i``.  On CPU each engine gets its own slice of cores
+(``VLLM_CPU_OMP_THREADS_BIND``) so several engines on one machine do not pile onto one core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from agentloop.config import AgentLoopConfig
+from agentloop.errors import ConfigError, ServerError
+
+
+@dataclass
+class ServerGroup:
+    """The server actors of one manager, with the placement group that owns their resources."""
+
+    handles: list[Any]
+    placement_group: PlacementGroup | None
+    device: str
+    info: list[dict[str, Any]]
+
+
+def detect_device(setting: str) -> str:
+    """``auto`` → ``cuda`` when the Ray cluster has GPUs, else ``cpu``."""
+    if setting in ("cuda", "cpu"):
+        return setting
+    if setting != "auto":
+        raise ConfigError(f"actor_rollout_ref.rollout.server.device must be auto|cuda|cpu, got {setting!r}")
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
+def count_servers(cfg: AgentLoopConfig, device: str, trainer_gpus: int | None = None) -> int:
+    """Configured ``server.num_servers``, else all GPUs / TP on GPU clusters, else 1."""
+    configured = cfg.rollout.server.num_servers
+    if configured:
+        return int(configured)
+    if device == "cpu":
+        return 1
+    tp = int(cfg.rollout.tensor_model_parallel_size)
+    gpus = trainer_gpus or int(ray.cluster_resources().get("GPU", 0))
+    if gpus < tp:
+        raise ConfigError(f"tensor_model_parallel_size={tp} but the cluster has only {gpus} GPUs")
+    return gpus // tp
+
+
+def _cpu_bind_env(index: int, num_servers: int) -> dict[str, str]:
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {"VLLM_CPU_OMP_THREADS_BIND": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+    cores = os.cpu_count() or 1
+    if num_servers > cores:
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    per = cores // num_servers
+    first = index * per
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + per - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def _server_class(name: str) -> type:
+    if name == "vllm":
+        from agentloop.servers.vllm import VLLMServer
+
+        return VLLMServer
+    raise ConfigError(f"rollout.name={name!r}: only the 'vllm' backend is available in this version")
+
+
+def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = None) -> ServerGroup:
+    """Create and start the server actors; raises :class:`ServerError` naming what failed."""
+    device = detect_device(str(cfg.rollout.server.device))
+    n = count_servers(cfg, device, trainer_gpus)
+    tp = int(cfg.rollout.tensor_model_parallel_size)
+    cpus = float(cfg.rollout.server.num_cpus_per_server)
+    bundle = {"GPU": float(tp), "CPU": 1.0} if device == "cuda" else {"CPU": cpus}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=120)
+    except Exception as e:
+        ray.util.remove_placement_group(pg)
+        raise ServerError(
+            f"could not reserve {n} x {bundle} for the rollout servers (cluster has {ray.cluster_resources()}); "
+            "lower actor_rollout_ref.rollout.server.num_servers / num_cpus_per_server"
+        ) from e
+    cls = ray.remote(_server_class(str(cfg.rollout.name)))
+    handles = []
+    for i in range(n):
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        if device == "cpu":
+            env.update(_cpu_bind_env(i, n))
+        handles.append(
+            cls.options(
+                num_cpus=0 if device == "cuda" else cpus,
+                num_gpus=tp if device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": env},
+                max_concurrency=100000,
+            ).remote(cfg.rollout, cfg.model, i)
+        )
+    try:
+        info = ray.get([h.start.remote() for h in handles])
+    except Exception as e:
+        for h in handles:
+            ray.kill(h)
+        ray.util.remove_placement_group(pg)
+        raise ServerError(f"rollout servers failed to start: {e}") from e
+    return ServerGroup(handles=handles, placement_group=pg, device=device, info=info)
+
+
+def stop_servers(group: ServerGroup) -> None:
+    """Shut the engines down and release their resources."""
+    with contextlib.suppress(Exception):  # best effort; the actors are killed next
+        ray.get([h.shutdown.remote() for h in group.handles], timeout=60)
+    for h in group.handles:
+        ray.kill(h)
+    if group.placement_group is not None:
+        ray.util.remove_placement_group(group.placement_group)

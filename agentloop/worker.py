@@ -1,0 +1,162 @@
+"""AgentLoopWorker: runs one agent loop per sample of a batch chunk and pads the results.
+
+A plain class (usable in-process with :class:`agentloop.testing.ScriptedServer`); the manager wraps
+it in a Ray actor.  For one ``generate_sequences(batch)`` call:
+
+1. Check the batch (``raw_prompt`` present, every ``agent_name`` registered) before any generation.
+2. Build sampling params from the rollout config (``val_kwargs`` when ``meta_info['validate']``).
+3. Start one asyncio task per sample: registry[agent_name](...).run(sampling_params, **fields),
+   under the optional ``agent.sample_timeout``.  An exception or timeout becomes a row with
+   ``status`` ``error`` / ``timeout`` and the message in ``error``: the batch always comes back whole.
+4. Flatten list outputs (multi-trajectory); each row keeps its sample's non-tensor fields (uid, index...).
+5. Pad into the DataProto layout (:func:`agentloop.postprocess.postprocess`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from agentloop.config import sampling_params_from_config
+from agentloop.errors import DatasetError
+from agentloop.loops.base import ResolvedAgentLoop, lookup, resolve_registry
+from agentloop.postprocess import postprocess
+from agentloop.protocol import DataProto
+from agentloop.routing import AsyncLLMServerManager
+from agentloop.types import AgentLoopOutput, RolloutStatus
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model: DictConfig) -> Any:
+    """The HF tokenizer of ``model.path``."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    path = os.path.expanduser(str(model.path))
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model.get("trust_remote_code", False)))
+
+
+def trajectory_info(index: np.ndarray, step: int, validate: bool) -> list[dict[str, Any]]:
+    """verl's trajectory info: ``rollout_n`` counts earlier rows with the same sample index."""
+    seen: Counter = Counter()
+    out = []
+    for idx in index.tolist():
+        out.append({"step": step, "sample_index": idx, "rollout_n": seen[idx], "validate": validate})
+        seen[idx] += 1
+    return out
+
+
+def check_batch(batch: DataProto, registry: dict[str, ResolvedAgentLoop], default_agent: str) -> np.ndarray:
+    """Fail before any generation if ``raw_prompt`` is missing or an ``agent_name`` is unknown.
+
+    Returns the per-sample agent names (``default_agent`` where the column is absent).
+    """
+    if "raw_prompt" not in batch.non_tensor_batch:
+        raise DatasetError(
+            f"batch has no 'raw_prompt' column (non-tensor keys: {sorted(batch.non_tensor_batch)}); "
+            "each sample needs its chat messages under non_tensor_batch['raw_prompt']"
+        )
+    names = batch.non_tensor_batch.get("agent_name")
+    if names is None:
+        names = np.array([default_agent] * len(batch), dtype=object)
+    for name in set(names.tolist()):
+        lookup(registry, str(name))
+    return names
+
+
+class AgentLoopWorker:
+    """Runs agent loops for a chunk of samples.
+
+    Args:
+        rollout: rollout config slice.
+        model: model config slice.
+        server_handles: server actor handles (or in-process LLMServer objects).
+        balancer: a GlobalBalancer actor handle or a local Balancer; None builds a local one.
+        registry: resolved agent loops (the manager passes the driver's, so loops registered in the
+            driver's ``__main__`` work too); None resolves it here.
+        tokenizer: pass one to skip loading it from ``model.path``.
+    """
+
+    def __init__(
+        self,
+        rollout: DictConfig,
+        model: DictConfig,
+        server_handles: list[Any],
+        balancer: Any = None,
+        registry: dict[str, ResolvedAgentLoop] | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.rollout = rollout
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        self.server_manager = AsyncLLMServerManager(
+            server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size)
+        )
+        self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
+        for entry in self.registry.values():
+            entry.cls.init_class(rollout, self.tokenizer, **entry.kwargs)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    async def generate_sequences(self, batch: DataProto) -> DataProto:
+        """Roll out every sample of ``batch``; returns the padded DataProto (one row per trajectory)."""
+        names = check_batch(batch, self.registry, str(self.rollout.agent.default_agent_loop))
+        validate = bool(batch.meta_info.get("validate", False))
+        sampling_params = sampling_params_from_config(self.rollout, validate=validate)
+        index = batch.non_tensor_batch.get("index", np.arange(len(batch)))
+        infos = trajectory_info(np.asarray(index), int(batch.meta_info.get("global_steps", -1)), validate)
+        fields = {k: v for k, v in batch.non_tensor_batch.items()}
+        tasks = []
+        for i in range(len(batch)):
+            sample = {k: v[i] for k, v in fields.items()}
+            sample["agent_name"] = str(names[i])
+            tasks.append(asyncio.create_task(self._run_sample(str(names[i]), sampling_params, sample, infos[i])))
+        results = await asyncio.gather(*tasks)
+        return self._postprocess(results, fields, names)
+
+    async def _run_sample(
+        self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
+    ) -> list[AgentLoopOutput]:
+        entry = self.registry[name]
+        timeout = self.rollout.agent.get("sample_timeout")
+        try:
+            loop = entry.cls(self.rollout, self.server_manager, self.tokenizer, **entry.kwargs)
+            coro = loop.run(dict(sampling_params), trajectory_info=info, **sample)
+            output = await (asyncio.wait_for(coro, float(timeout)) if timeout else coro)
+        except asyncio.TimeoutError:
+            logger.warning("sample %s (%s) timed out after %ss", info["sample_index"], name, timeout)
+            return [_failed(RolloutStatus.TIMEOUT, f"agent loop {name!r} exceeded sample_timeout={timeout}s")]
+        except Exception as e:  # noqa: BLE001 - a failed sample is data, not a crash
+            logger.warning("sample %s (%s) failed: %r", info["sample_index"], name, e)
+            return [_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
+        outputs = output if isinstance(output, list) else [output]
+        if not outputs or not all(isinstance(o, AgentLoopOutput) for o in outputs):
+            msg = f"agent loop {name!r} returned {type(output).__name__}; expected AgentLoopOutput or a list of them"
+            return [_failed(RolloutStatus.ERROR, msg)]
+        return outputs
+
+    def _postprocess(
+        self, results: list[list[AgentLoopOutput]], fields: dict[str, np.ndarray], names: np.ndarray
+    ) -> DataProto:
+        rows = np.array([i for i, outs in enumerate(results) for _ in outs], dtype=np.int64)
+        flat = [o for outs in results for o in outs]
+        sample_fields = {k: v[rows] for k, v in fields.items()}
+        sample_fields["agent_name"] = np.asarray(names, dtype=object)[rows]
+        return postprocess(
+            flat,
+            prompt_length=int(self.rollout.prompt_length),
+            response_length=int(self.rollout.response_length),
+            pad_token_id=self.pad_token_id,
+            sample_fields=sample_fields,
+            calculate_log_probs=bool(self.rollout.calculate_log_probs),
+        )
+
+
+def _failed(status: RolloutStatus, message: str) -> AgentLoopOutput:
+    return AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[], status=status, error=message)

@@ -1,0 +1,167 @@
+"""The full path on a real engine: manager → workers → global balancer → 2 vLLM CPU servers.
+
+One manager (2 servers, 2 workers, tiny model, fp32) is shared by the module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+from uuid import uuid4
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from agentloop.config import default_config
+from agentloop.data import rows_to_batch
+from agentloop.loops.base import AgentLoopBase, register
+from agentloop.types import AgentLoopOutput
+
+pytestmark = pytest.mark.integration
+
+PROMPT_LEN, RESPONSE_LEN = 128, 24
+
+
+@register("three_turn_probe")
+class ThreeTurnProbe(AgentLoopBase):
+    """Generates three turns under one request id and records which server served each."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        request_id = uuid4().hex
+        ids = [int(t) for t in self.tokenizer.apply_chat_template(
+            list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True, return_dict=False)]
+        prompt_len, mask, servers = len(ids), [], []
+        for _ in range(3):
+            out = await self.server_manager.generate(
+                request_id=request_id, prompt_ids=ids, sampling_params={**sampling_params, "max_tokens": 4}
+            )
+            servers.append(out.extra_fields["server_index"])
+            ids = ids + out.token_ids
+            mask += [1] * len(out.token_ids)
+        return AgentLoopOutput(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], response_mask=mask,
+                               num_turns=4, extra_fields={"servers": servers})
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def manager(model_path):
+    import ray
+    import ray.cloudpickle
+
+    from agentloop.manager import AgentLoopManager
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    cfg = default_config()
+    for k, v in {
+        "actor_rollout_ref.model.path": model_path,
+        "data.max_prompt_length": PROMPT_LEN,
+        "data.max_response_length": RESPONSE_LEN,
+        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.rollout.free_cache_engine": False,
+        "actor_rollout_ref.rollout.max_num_seqs": 32,
+        "actor_rollout_ref.rollout.agent.num_workers": 2,
+        "actor_rollout_ref.rollout.server.num_servers": 2,
+        "actor_rollout_ref.rollout.server.device": "cpu",
+    }.items():
+        OmegaConf.update(cfg, k, v)
+    m = AgentLoopManager(cfg)
+    yield m
+    m.shutdown()
+    ray.shutdown()
+
+
+def make_batch(n_prompts: int, n: int, agent_name: str | None = None):
+    rows = []
+    for i in range(n_prompts):
+        row: dict[str, Any] = {"prompt": [{"role": "user", "content": f"Say something about item {i}."}],
+                               "extra_info": {"index": i}}
+        if agent_name:
+            row["agent_name"] = agent_name
+        rows.append(row)
+    return rows_to_batch(rows, n=n)
+
+
+def test_sixteen_samples_layout_and_logprobs(manager):
+    out = manager.generate_sequences(make_batch(8, n=2))
+    b, nt = out.batch, out.non_tensor_batch
+    assert len(out) == 16
+    assert b["prompts"].shape == (16, PROMPT_LEN) and b["responses"].shape == (16, RESPONSE_LEN)
+    assert torch.equal(b["input_ids"], torch.cat([b["prompts"], b["responses"]], dim=1))
+    attn = b["attention_mask"]
+    p_attn, r_attn = attn[:, :PROMPT_LEN], attn[:, PROMPT_LEN:]
+    # prompts left-padded (mask is 0...0 1...1), responses right-padded (1...1 0...0)
+    assert torch.all(p_attn[:, 1:] >= p_attn[:, :-1]) and torch.all(r_attn[:, 1:] <= r_attn[:, :-1])
+    assert torch.all(r_attn.sum(-1) > 0)
+    assert torch.equal(b["position_ids"], torch.clamp(attn.cumsum(-1) - 1, min=0))
+    assert torch.equal(b["response_mask"], r_attn)  # single-turn: every response token was sampled
+    lp = b["rollout_log_probs"]
+    assert torch.isfinite(lp).all() and torch.all(lp[r_attn.bool()] <= 0) and torch.all(lp[~r_attn.bool()] == 0)
+    assert set(nt["status"]) <= {"stop", "length"}
+    assert list(nt["__num_turns__"]) == [2] * 16
+    assert list(nt["index"]) == [i for i in range(8) for _ in range(2)]
+    timing = out.meta_info["timing"]
+    assert timing["agent_loop/generate_sequences/max"] >= timing["agent_loop/generate_sequences/min"] > 0
+
+
+def test_every_turn_of_a_request_stays_on_one_server(manager):
+    out = manager.generate_sequences(make_batch(16, n=1, agent_name="three_turn_probe"))
+    servers = out.non_tensor_batch["servers"]
+    assert all(len(set(s)) == 1 for s in servers), servers
+    assert {s[0] for s in servers} == {0, 1}, "least-in-flight should use both servers"
+
+
+def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    original = {k: v.clone() for k, v in hf.state_dict().items()}
+    torch.manual_seed(123)
+    new = {k: v + 0.05 * torch.randn_like(v) if v.dim() > 1 else v for k, v in original.items()}
+    manager.update_weights(new)
+    try:
+        batch = make_batch(2, n=1)
+        batch.meta_info["validate"] = True  # greedy
+        out = manager.generate_sequences(batch)
+        hf.load_state_dict(new)
+        b = out.batch
+        for i in range(len(out)):
+            mask = b["attention_mask"][i].bool()
+            ids = b["input_ids"][i][mask].unsqueeze(0)
+            with torch.no_grad():
+                logits = hf(ids).logits[0].float()
+            n_resp = int(b["response_mask"][i].sum())
+            logp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            expected = logp[-n_resp:]
+            got = b["rollout_log_probs"][i, :n_resp]
+            assert torch.allclose(got, expected, atol=1e-3), (got, expected)
+    finally:
+        manager.update_weights(original)
+
+
+def test_unknown_agent_name_fails_with_names(manager):
+    from agentloop.errors import UnknownAgentError
+
+    with pytest.raises(UnknownAgentError, match="single_turn_agent"):
+        manager.generate_sequences(make_batch(2, n=1, agent_name="no_such_agent"))
+
+
+def test_output_round_trips_through_disk(manager, tmp_path):
+    from agentloop.protocol import DataProto
+
+    out = manager.generate_sequences(make_batch(2, n=1))
+    out.save_to_disk(str(tmp_path / "o.dp"))
+    back = DataProto.load_from_disk(str(tmp_path / "o.dp"))
+    assert torch.equal(back.batch["input_ids"], out.batch["input_ids"])
+    assert np.array_equal(back.non_tensor_batch["uid"], out.non_tensor_batch["uid"])

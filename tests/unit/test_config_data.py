@@ -1,0 +1,103 @@
+"""Config slicing, dataset reading and the CLI's early errors (no Ray, no engine)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from agentloop.cli.rollout import build_config, main
+from agentloop.config import resolve_config, sampling_params_from_config
+from agentloop.data import load_dataset, rows_to_batch
+from agentloop.errors import ConfigError, DatasetError
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_trainer_shaped_and_rollout_only_configs_give_same_slices(model_dir):
+    trainer = OmegaConf.create({"actor_rollout_ref": {"model": {"path": str(model_dir)},
+                                                      "rollout": {"temperature": 0.5}},
+                                "data": {"max_prompt_length": 100, "max_response_length": 20}})
+    a = resolve_config(trainer)
+    assert a.rollout.temperature == 0.5 and a.rollout.prompt_length == 100 and a.rollout.response_length == 20
+    assert a.rollout.agent.default_agent_loop == "single_turn_agent"
+    b = resolve_config({"temperature": 0.5, "prompt_length": 100, "response_length": 20}, model_path=str(model_dir))
+    assert OmegaConf.to_container(a.rollout) == OmegaConf.to_container(b.rollout)
+    assert b.model_path == str(model_dir)
+
+
+def test_missing_model_path_fails_fast_with_hint(tmp_path):
+    cfg = {"actor_rollout_ref": {"model": {"path": str(tmp_path / "nope")}}}
+    with pytest.raises(ConfigError, match="make_tiny_model"):
+        resolve_config(cfg)
+    with pytest.raises(ConfigError, match="model_path"):
+        resolve_config({"temperature": 1.0})
+
+
+def test_cli_reports_bad_model_path_before_starting_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["rollout", f"actor_rollout_ref.model.path={tmp_path}/missing", "data.train_files=x.jsonl"])
+    assert "is not a directory" in str(e.value)
+
+
+def test_bad_values_are_named(model_dir):
+    base = {"actor_rollout_ref": {"model": {"path": str(model_dir)}}}
+    with pytest.raises(ConfigError, match="prompt_truncation"):
+        resolve_config(OmegaConf.merge(base, {"actor_rollout_ref": {"rollout": {"agent": {"prompt_truncation": "x"}}}}))
+    with pytest.raises(ConfigError, match="num_workers"):
+        resolve_config(OmegaConf.merge(base, {"actor_rollout_ref": {"rollout": {"agent": {"num_workers": 0}}}}))
+
+
+def test_sampling_params_follow_verl_keys(model_dir):
+    cfg = resolve_config({"temperature": 0.7, "top_p": 0.9, "calculate_log_probs": True}, model_path=str(model_dir))
+    p = sampling_params_from_config(cfg.rollout)
+    assert p == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    assert sampling_params_from_config(cfg.rollout, validate=True)["temperature"] == 0.0
+
+
+def test_build_config_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("actor_rollout_ref:\n  rollout:\n    temperature: 0.3\n")
+    cfg = build_config(str(f), ["actor_rollout_ref.rollout.top_p=0.5", "+output_dir=/tmp/o"])
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.3
+    assert cfg.actor_rollout_ref.rollout.top_p == 0.5
+    with pytest.raises(ConfigError, match="key=value"):
+        build_config(None, ["oops"])
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_jsonl_dataset_to_batch(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "extra_info": {"index": 10 + i},
+             "agent_name": "single_turn_agent"} for i in range(3)]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    batch = load_dataset(tmp_path / "d.jsonl", n=2)
+    assert len(batch) == 6
+    assert list(batch.non_tensor_batch["index"]) == [10, 10, 11, 11, 12, 12]
+    uids = batch.non_tensor_batch["uid"]
+    assert uids[0] == uids[1] and uids[0] != uids[2]
+    assert batch.non_tensor_batch["raw_prompt"][0] == [{"role": "user", "content": "q0"}]
+
+
+def test_parquet_dataset_lists_come_back_as_lists(tmp_path):
+    pd = pytest.importorskip("pandas")
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "extra_info": {"index": 0}}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    batch = load_dataset(tmp_path / "d.parquet")
+    assert batch.non_tensor_batch["raw_prompt"][0] == [{"role": "user", "content": "hi"}]
+    assert isinstance(batch.non_tensor_batch["raw_prompt"], np.ndarray)
+
+
+def test_missing_prompt_column_is_named():
+    with pytest.raises(DatasetError, match="'prompt'"):
+        rows_to_batch([{"question": "hi"}])
