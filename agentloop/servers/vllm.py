@@ -178,7 +178,7 @@ class VLLMServer:
         """
         from safetensors.torch import save_file
 
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named_tensors.items()}
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in named_tensors.items()}
         if self.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
         with tempfile.TemporaryDirectory(prefix="agentloop-weights-") as tmp:

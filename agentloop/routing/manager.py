@@ -1,0 +1,96 @@
+"""AsyncLLMServerManager: the async client agent loops call to generate.
+
+``generate(request_id, *, prompt_ids, sampling_params, image_data=None) -> TokenOutput``:
+acquire a server from the balancer (sticky by request id, else least in-flight), call it, and
+release the in-flight slot when the call ends — on success, on error and on cancellation.
+Servers may be Ray actor handles or in-process objects implementing
+:class:`agentloop.servers.base.LLMServer` (e.g. :class:`agentloop.testing.ScriptedServer`); the
+balancer may be a local :class:`Balancer` or the GlobalBalancer actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+from agentloop.errors import ServerError
+from agentloop.routing.strategies import Balancer, make_balancer
+from agentloop.types import TokenOutput
+
+
+class AsyncLLMServerManager:
+    """Routes token-in/token-out requests over several servers.
+
+    Args:
+        server_handles: Ray actor handles or in-process LLMServer objects.
+        balancer: a GlobalBalancer actor handle or a local Balancer (default: a new local one).
+        max_cache_size: sticky LRU size for the default local balancer.
+    """
+
+    def __init__(
+        self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
+        max_cache_size: int = 10000,
+    ) -> None:
+        self.server_handles = list(server_handles)
+        self.balancer = balancer if balancer is not None else make_balancer(
+            len(self.server_handles), max_cache_size=max_cache_size
+        )
+        self._remote_balancer = isinstance(self.balancer, ActorHandle)
+
+    async def _acquire(self, request_id: str, prompt_len: int) -> int:
+        if self._remote_balancer:
+            return await self.balancer.acquire.remote(request_id, prompt_len)
+        return self.balancer.acquire(request_id, prompt_len)
+
+    def _release_nowait(self, server: int) -> Any:
+        if self._remote_balancer:
+            return self.balancer.release.remote(server)  # ordered after acquire by the actor queue
+        self.balancer.release(server)
+        return None
+
+    async def _call(self, server: int, method: str, **kwargs: Any) -> Any:
+        handle = self.server_handles[server]
+        if isinstance(handle, ActorHandle):
+            return await getattr(handle, method).remote(**kwargs)
+        return await getattr(handle, method)(**kwargs)
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: list[Any] | None = None,
+    ) -> TokenOutput:
+        """Generate on the server chosen for ``request_id``; see the module docstring."""
+        server = await self._acquire(request_id, len(prompt_ids))
+        try:
+            output = await self._call(
+                server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
+                request_id=request_id, image_data=image_data,
+            )
+        except RayActorError as e:  # the server process died; errors raised inside it propagate as they are
+            raise ServerError(f"server {server} failed on request {request_id}: {e}") from e
+        finally:
+            self._release_nowait(server)
+        output = output.model_copy(update={"extra_fields": {**output.extra_fields, "server_index": server}})
+        return output
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` on the server it is bound to (no-op if unknown)."""
+        if self._remote_balancer:
+            server = await self.balancer.lookup.remote(request_id)
+        else:
+            server = self.balancer.lookup(request_id)
+        if server is not None:
+            await self._call(server, "abort", request_id=request_id)
+
+    async def stats(self) -> dict[str, list[int]]:
+        """The balancer's in-flight and routed counts."""
+        if self._remote_balancer:
+            return await self.balancer.stats.remote()
+        return self.balancer.stats()
+

@@ -1,0 +1,121 @@
+"""Routing strategies: plain Python, no Ray, no asyncio.
+
+Servers are numbered ``0..N-1``.  A strategy picks one for a request given the current in-flight
+counts; :class:`Balancer` owns the counts (``acquire`` on start, ``release`` on end — success,
+error or cancellation alike).  The default is :func:`make_balancer`: sticky by request id (an LRU
+of ``max_cache_size`` entries, verl's default 10000) wrapping least-in-flight with a random
+tie-break, so ties never pin to server 0.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agentloop.errors import RoutingError
+
+
+@dataclass
+class RouteContext:
+    """What a strategy may look at when choosing a server."""
+
+    request_id: str
+    prompt_len: int = 0
+
+
+class RoutingStrategy(Protocol):
+    """Picks a server index for a request."""
+
+    def choose(self, ctx: RouteContext, in_flight: Sequence[int]) -> int: ...
+
+
+class LeastInFlight:
+    """The server with the fewest in-flight requests; ties broken at random or by rotation."""
+
+    def __init__(self, tie_break: str = "random", seed: int | None = None) -> None:
+        if tie_break not in ("random", "rotate"):
+            raise RoutingError(f"tie_break must be 'random' or 'rotate', got {tie_break!r}")
+        self.tie_break = tie_break
+        self._rng = random.Random(seed)
+        self._cursor = 0
+
+    def choose(self, ctx: RouteContext, in_flight: Sequence[int]) -> int:
+        low = min(in_flight)
+        tied = [i for i, c in enumerate(in_flight) if c == low]
+        if len(tied) == 1:
+            return tied[0]
+        if self.tie_break == "random":
+            return self._rng.choice(tied)
+        self._cursor += 1
+        return tied[self._cursor % len(tied)]
+
+
+class StickySession:
+    """Requests with a known id go back to their server (prefix cache); others ask ``fallback``."""
+
+    def __init__(self, fallback: RoutingStrategy, max_cache_size: int = 10000) -> None:
+        self.fallback = fallback
+        self.max_cache_size = max_cache_size
+        self._cache: OrderedDict[str, int] = OrderedDict()
+
+    def lookup(self, request_id: str) -> int | None:
+        """The server a request id is bound to, if any."""
+        return self._cache.get(request_id)
+
+    def choose(self, ctx: RouteContext, in_flight: Sequence[int]) -> int:
+        server = self._cache.get(ctx.request_id)
+        if server is not None:
+            self._cache.move_to_end(ctx.request_id)
+            return server
+        server = self.fallback.choose(ctx, in_flight)
+        self._cache[ctx.request_id] = server
+        if len(self._cache) > self.max_cache_size:
+            self._cache.popitem(last=False)
+        return server
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request id's binding."""
+        self._cache.pop(request_id, None)
+
+
+class Balancer:
+    """In-flight accounting around a strategy."""
+
+    def __init__(self, num_servers: int, strategy: RoutingStrategy) -> None:
+        if num_servers < 1:
+            raise RoutingError("no servers to route to: the balancer needs at least one server")
+        self.num_servers = num_servers
+        self.strategy = strategy
+        self.in_flight = [0] * num_servers
+        self.routed = [0] * num_servers
+
+    def acquire(self, request_id: str, prompt_len: int = 0) -> int:
+        """Choose a server for a request starting now and count it in flight."""
+        server = self.strategy.choose(RouteContext(request_id, prompt_len), self.in_flight)
+        self.in_flight[server] += 1
+        self.routed[server] += 1
+        return server
+
+    def release(self, server: int) -> None:
+        """A request on ``server`` ended (any way)."""
+        if not 0 <= server < self.num_servers:
+            raise RoutingError(f"release: server index {server} out of range 0..{self.num_servers - 1}")
+        self.in_flight[server] = max(0, self.in_flight[server] - 1)
+
+    def lookup(self, request_id: str) -> int | None:
+        """The server a request id is bound to, when the strategy is sticky."""
+        return self.strategy.lookup(request_id) if isinstance(self.strategy, StickySession) else None
+
+    def stats(self) -> dict[str, list[int]]:
+        """Current in-flight and total routed counts per server."""
+        return {"in_flight": list(self.in_flight), "routed": list(self.routed)}
+
+
+def make_balancer(
+    num_servers: int, *, max_cache_size: int = 10000, tie_break: str = "random", seed: int | None = None
+) -> Balancer:
+    """The default: sticky by request id over least in-flight."""
+    return Balancer(num_servers, StickySession(LeastInFlight(tie_break, seed), max_cache_size))
