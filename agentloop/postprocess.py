@@ -1,20 +1,33 @@
-"""Padding a flat list of AgentLoopOutput into the trainer's DataProto layout (verl's, DESIGN §4).
+"""Pad a flat list of :class:`~agentloop.types.AgentLoopOutput` into verl's rollout DataProto layout.
 
-* ``prompts`` [B, P]: left-padded with ``pad_token_id`` (a longer prompt keeps its last P tokens);
-* ``responses`` [B, R]: right-padded (a longer response keeps its first R tokens);
-* ``input_ids`` = cat(prompts, responses); ``attention_mask`` 1 on real tokens;
-* ``position_ids`` = clip(cumsum(attention_mask) - 1, 0);
-* ``response_mask`` [B, R]: the loop's mask (1 = sampled by the policy) times the response attention;
-* ``rollout_log_probs`` [B, R] float32 when requested (0.0 on padding and for outputs without logprobs);
-* ``rm_scores`` [B, R] float32, the score on the last response token, when every output has one.
+Tensor columns (``P = prompt_length``, ``R = response_length``, all integer tensors int64):
 
-Non-tensor: ``__num_turns__``, ``status``, ``error``, each ``extra_fields`` key (None where absent),
-``multi_modal_data`` when any output has it, and the given per-row sample fields.
-Padding is vectorised: one boolean-mask assignment per tensor, no per-sample tokenizer calls.
+* ``prompts`` [B, P]: prompt ids, left-padded with ``pad_token_id``; a longer prompt keeps its last P ids.
+* ``responses`` [B, R]: response ids, right-padded; a longer response keeps its first R ids.
+* ``input_ids`` [B, P+R]: ``prompts`` followed by ``responses``.
+* ``attention_mask`` [B, P+R]: 1 on real tokens, 0 on padding.
+* ``position_ids`` [B, P+R]: ``cumsum(attention_mask) - 1`` clipped at 0.
+* ``response_mask`` [B, R]: the loop's mask (1 = sampled by the policy), 0 on padding.
+* ``rollout_log_probs`` [B, R] float32: only when ``calculate_log_probs``; 0.0 on padding and on rows
+  whose output carries no log-probs (e.g. failed samples), so the column exists whenever it is asked for.
+* ``rm_scores`` [B, R] float32: only when every output has a ``reward_score``; the score sits on the last
+  real response token (column 0 for an empty response, so ``rm_scores.sum(-1)`` is always the score).
+
+Non-tensor columns (numpy arrays, one entry per row): ``__num_turns__`` (int32), ``status`` (the
+:class:`~agentloop.types.RolloutStatus` value string), ``error`` (message or None), one object column per
+``extra_fields`` key seen in any output (None where a row lacks it), ``multi_modal_data`` when any output has
+it, and every ``sample_fields`` column.  ``meta_info`` is ``{"metrics": [per-row metrics dict, ...]}``.
+
+Column precedence when names collide: ``sample_fields`` first, then ``extra_fields`` (a row that sets the
+key overrides the sample's value, a row that lacks it keeps the sample's value), then the built-in columns.
+
+All padding is vectorised: each ragged column is flattened once and scattered into a preallocated array
+through a boolean mask, with no per-row or per-token Python work beyond reading lengths.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,65 +35,148 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from agentloop.errors import DatasetError
 from agentloop.protocol import DataProto
 from agentloop.types import AgentLoopOutput
 
-
-def _lengths(seqs: Sequence[Sequence[Any]], length: int) -> np.ndarray:
-    return np.fromiter((min(len(s), length) for s in seqs), dtype=np.int64, count=len(seqs))
+_BUILTIN_COLUMNS = ("__num_turns__", "status", "error", "multi_modal_data")
 
 
-def _valid(lens: np.ndarray, length: int, left: bool) -> np.ndarray:
-    cols = np.arange(length)[None, :]
-    return cols >= (length - lens)[:, None] if left else cols < lens[:, None]
+def _lengths(rows: Sequence[Sequence[Any]]) -> np.ndarray:
+    """Lengths of ragged rows as an int64 array."""
+    return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
 
 
-def pad_sequences(
-    seqs: Sequence[Sequence[Any]], length: int, pad_value: Any, *, left: bool, dtype: Any = np.int64
+def pad_rows(
+    rows: Sequence[Sequence[Any]], width: int, fill: float, dtype: Any, *, left: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Pad (and cut) ragged sequences to ``[B, length]``; returns (values, valid-mask)."""
-    lens = _lengths(seqs, length)
-    out = np.full((len(seqs), length), pad_value, dtype=dtype)
-    valid = _valid(lens, length, left)
-    if len(seqs) and lens.sum():
-        kept = [s[len(s) - n:] if left else s[:n] for s, n in zip(seqs, lens.tolist(), strict=True)]
-        out[valid] = np.concatenate([np.asarray(k, dtype=dtype) for k in kept if len(k)])
+    """Pack ragged ``rows`` into a ``[len(rows), width]`` array.
+
+    With ``left=False`` rows are right-padded and a longer row keeps its first ``width`` items; with
+    ``left=True`` rows are left-padded and a longer row keeps its last ``width`` items.
+
+    Returns ``(values, valid)`` where ``valid`` is a boolean array, True on the cells holding row data.
+    """
+    lens = _lengths(rows)
+    keep = np.minimum(lens, width)
+    cols = np.arange(width)
+    valid = cols[None, :] >= (width - keep)[:, None] if left else cols[None, :] < keep[:, None]
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lens.sum()))
+    # First kept source index of each row (row starts in ``flat`` plus, when left-padding, the cut prefix).
+    first = np.cumsum(lens) - lens + (lens - keep if left else 0)
+    # ``out[valid]`` walks rows in order and each row's kept cells left to right, i.e. flat[first[b] + j].
+    dest_start = np.cumsum(keep) - keep
+    src = np.repeat(first - dest_start, keep) + np.arange(int(keep.sum()))
+    out[valid] = flat[src]
     return out, valid
 
 
-def _object_column(values: list[Any]) -> np.ndarray:
+def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) -> None:
+    """Raise :class:`DatasetError` when a row's mask or log-probs do not align with its response ids."""
+    n_ids = _lengths([o.response_ids for o in outputs])
+    n_mask = _lengths([o.response_mask for o in outputs])
+    bad = np.flatnonzero(n_ids != n_mask)
+    if bad.size:
+        i = int(bad[0])
+        raise DatasetError(
+            f"output {i}: response_mask has {n_mask[i]} entries but response_ids has {n_ids[i]}; "
+            "the agent loop must append one mask value per response token"
+        )
+    if not calculate_log_probs:
+        return
+    for i, o in enumerate(outputs):
+        if o.response_logprobs is not None and len(o.response_logprobs) != n_ids[i]:
+            raise DatasetError(
+                f"output {i}: response_logprobs has {len(o.response_logprobs)} entries but response_ids has "
+                f"{n_ids[i]}; use 0.0 for tokens the policy did not sample"
+            )
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array holding ``values`` as-is (lists and dicts stay single entries)."""
     arr = np.empty(len(values), dtype=object)
-    arr[:] = values
+    arr[:] = list(values)
     return arr
 
 
-def _tensors(
+def _tensor_columns(
     outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int,
     calculate_log_probs: bool,
 ) -> dict[str, torch.Tensor]:
-    prompts, p_valid = pad_sequences([o.prompt_ids for o in outputs], prompt_length, pad_token_id, left=True)
-    responses, r_valid = pad_sequences([o.response_ids for o in outputs], response_length, pad_token_id, left=False)
-    mask, _ = pad_sequences([o.response_mask for o in outputs], response_length, 0, left=False)
-    attention = np.concatenate([p_valid, r_valid], axis=1).astype(np.int64)
+    """Build every tensor column of the layout described in the module docstring."""
+    prompts, prompt_valid = pad_rows([o.prompt_ids for o in outputs], prompt_length, pad_token_id, np.int64, left=True)
+    responses, resp_valid = pad_rows([o.response_ids for o in outputs], response_length, pad_token_id, np.int64)
+    resp_mask, _ = pad_rows([o.response_mask for o in outputs], response_length, 0, np.int64)
+    attention = np.concatenate([prompt_valid, resp_valid], axis=1).astype(np.int64)
     position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
-    t = {
+    cols = {
         "prompts": prompts,
         "responses": responses,
-        "response_mask": mask * r_valid,
+        "response_mask": resp_mask * resp_valid,
         "input_ids": np.concatenate([prompts, responses], axis=1),
         "attention_mask": attention,
         "position_ids": position,
     }
     if calculate_log_probs:
-        logprobs = [o.response_logprobs if o.response_logprobs is not None else [0.0] * len(o.response_ids)
-                    for o in outputs]
-        t["rollout_log_probs"], _ = pad_sequences(logprobs, response_length, 0.0, left=False, dtype=np.float32)
+        logprobs = [o.response_logprobs if o.response_logprobs is not None else () for o in outputs]
+        cols["rollout_log_probs"], _ = pad_rows(logprobs, response_length, 0.0, np.float32)
     if outputs and all(o.reward_score is not None for o in outputs):
-        scores = np.zeros((len(outputs), response_length), dtype=np.float32)
-        last = np.maximum(r_valid.sum(axis=1) - 1, 0)
-        scores[np.arange(len(outputs)), last] = [float(o.reward_score) for o in outputs]  # type: ignore[arg-type]
-        t["rm_scores"] = scores
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in t.items()}
+        cols["rm_scores"] = _score_column(outputs, resp_valid)
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cols.items()}
+
+
+def _score_column(outputs: list[AgentLoopOutput], resp_valid: np.ndarray) -> np.ndarray:
+    """``[B, R]`` float32 zeros with each row's reward on its last real response token."""
+    scores = np.zeros(resp_valid.shape, dtype=np.float32)
+    if resp_valid.shape[1] == 0:
+        return scores
+    # An empty response has no last token; its score goes to column 0 so that rm_scores.sum(-1) keeps it.
+    last = np.maximum(resp_valid.sum(axis=1) - 1, 0)
+    scores[np.arange(len(outputs)), last] = np.array([o.reward_score for o in outputs], dtype=np.float32)
+    return scores
+
+
+def _extra_columns(outputs: list[AgentLoopOutput], base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One object column per ``extra_fields`` key; rows lacking a key keep ``base[key]`` or None."""
+    keys = list(dict.fromkeys(k for o in outputs for k in o.extra_fields))
+    columns: dict[str, np.ndarray] = {}
+    for key in keys:
+        fallback = base.get(key)
+        values = [
+            o.extra_fields[key] if key in o.extra_fields else (None if fallback is None else fallback[i])
+            for i, o in enumerate(outputs)
+        ]
+        columns[key] = _object_array(values)
+    return columns
+
+
+def _sample_columns(sample_fields: dict[str, Any] | None, batch_size: int) -> dict[str, np.ndarray]:
+    """Validate ``sample_fields`` (one value per output row) and return them as numpy arrays."""
+    columns: dict[str, np.ndarray] = {}
+    for key, value in (sample_fields or {}).items():
+        arr = value if isinstance(value, np.ndarray) else _object_array(list(value))
+        if len(arr) != batch_size:
+            raise DatasetError(
+                f"sample_fields[{key!r}] has {len(arr)} rows but there are {batch_size} outputs; "
+                "repeat each sample's value once per trajectory before calling postprocess"
+            )
+        columns[key] = arr
+    return columns
+
+
+def _non_tensor_columns(
+    outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None
+) -> dict[str, np.ndarray]:
+    """Build every non-tensor column, applying the precedence described in the module docstring."""
+    columns = _sample_columns(sample_fields, len(outputs))
+    columns.update(_extra_columns(outputs, columns))
+    columns["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int32)
+    columns["status"] = _object_array([getattr(o.status, "value", o.status) for o in outputs])
+    columns["error"] = _object_array([o.error for o in outputs])
+    if any(o.multi_modal_data is not None for o in outputs):
+        columns["multi_modal_data"] = _object_array([o.multi_modal_data for o in outputs])
+    return columns
 
 
 def postprocess(
@@ -92,22 +188,32 @@ def postprocess(
     sample_fields: dict[str, np.ndarray] | None = None,
     calculate_log_probs: bool = False,
 ) -> DataProto:
-    """Pad ``outputs`` (one per row) into a DataProto; ``sample_fields`` are per-row object arrays."""
-    tensors = _tensors(outputs, prompt_length, response_length, pad_token_id, calculate_log_probs)
-    non_tensor: dict[str, np.ndarray] = {
-        "__num_turns__": np.array([o.num_turns for o in outputs], dtype=np.int32),
-        "status": _object_column([o.status.value for o in outputs]),
-        "error": _object_column([o.error for o in outputs]),
-    }
-    extra_keys = sorted({k for o in outputs for k in o.extra_fields})
-    for key in extra_keys:
-        non_tensor[key] = _object_column([o.extra_fields.get(key) for o in outputs])
-    if any(o.multi_modal_data for o in outputs):
-        non_tensor["multi_modal_data"] = _object_column([o.multi_modal_data for o in outputs])
-    for key, values in (sample_fields or {}).items():
-        if len(values) != len(outputs):
-            raise ValueError(f"sample field {key!r} has {len(values)} rows for {len(outputs)} outputs")
-        non_tensor.setdefault(key, values)
+    """Pad ``outputs`` (one row per trajectory) into verl's rollout layout.
+
+    Args:
+        outputs: trajectories in row order; several may come from the same sample.
+        prompt_length: width P of ``prompts`` (left-padded, over-long prompts keep their tail).
+        response_length: width R of ``responses`` (right-padded, over-long responses keep their head).
+        pad_token_id: id written into padded cells of ``prompts``, ``responses`` and ``input_ids``.
+        sample_fields: per-row columns copied into ``non_tensor_batch`` (e.g. ``uid``), already repeated
+            so that entry ``i`` belongs to ``outputs[i]``.
+        calculate_log_probs: add ``rollout_log_probs``; rows without log-probs are filled with 0.0.
+
+    Returns:
+        A DataProto of ``len(outputs)`` rows; see the module docstring for every column.
+
+    Raises:
+        DatasetError: a row's ``response_mask`` / ``response_logprobs`` length differs from its
+            ``response_ids``, a ``sample_fields`` column has the wrong length, or a width is negative.
+    """
+    if prompt_length < 0 or response_length < 0:
+        raise DatasetError(f"prompt_length and response_length must be >= 0, got {prompt_length}, {response_length}")
+    _check_lengths(outputs, calculate_log_probs)
+    tensors = _tensor_columns(outputs, prompt_length, response_length, pad_token_id, calculate_log_probs)
     batch = TensorDict(tensors, batch_size=[len(outputs)])
-    metrics = [o.metrics.model_dump() for o in outputs]
-    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={"metrics": metrics})
+    non_tensor = _non_tensor_columns(outputs, sample_fields)
+    meta_info = {"metrics": [o.metrics.model_dump() for o in outputs]}
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+
+__all__ = ["pad_rows", "postprocess"]

@@ -33,10 +33,6 @@ def _merge_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _index(arr: np.ndarray, idx: Any) -> np.ndarray:
-    return arr[idx]
-
-
 def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
     if a.shape != b.shape:
         return False
@@ -64,6 +60,10 @@ class DataProto:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.batch is not None and (not isinstance(self.batch, TensorDict) or not self.batch.batch_size):
+            raise DatasetError(
+                f"DataProto.batch must be a TensorDict with at least one batch dim or None, got {self.batch!r}"
+            )
         n = None if self.batch is None else int(self.batch.batch_size[0])
         for key, val in self.non_tensor_batch.items():
             if not isinstance(val, np.ndarray):
@@ -87,8 +87,15 @@ class DataProto:
         non = {k: v if isinstance(v, np.ndarray) else _object_array(list(v)) for k, v in (non_tensors or {}).items()}
         batch = None
         if tensors:
-            first = next(iter(tensors.values()))
-            batch = TensorDict(dict(tensors), batch_size=list(first.shape[:num_batch_dims]))
+            first_key, first = next(iter(tensors.items()))
+            dims = tuple(first.shape[:num_batch_dims])
+            for key, val in tensors.items():
+                if tuple(val.shape[:num_batch_dims]) != dims:
+                    raise DatasetError(
+                        f"from_dict: tensor {key!r} has leading dims {tuple(val.shape[:num_batch_dims])} but "
+                        f"{first_key!r} has {dims}; every tensor needs the same first {num_batch_dims} dim(s)"
+                    )
+            batch = TensorDict(dict(tensors), batch_size=list(dims))
         return cls(batch=batch, non_tensor_batch=non, meta_info=dict(meta_info or {}))
 
     @classmethod
@@ -139,7 +146,7 @@ class DataProto:
         idxs = idxs.astype(np.int64)
         return DataProto(
             batch=None if self.batch is None else self.batch[torch.from_numpy(idxs)],
-            non_tensor_batch={k: _index(v, idxs) for k, v in self.non_tensor_batch.items()},
+            non_tensor_batch={k: v[idxs] for k, v in self.non_tensor_batch.items()},
             meta_info=dict(self.meta_info),
         )
 
@@ -171,6 +178,8 @@ class DataProto:
         meta_info_keys: list[str] | None = None,
     ) -> DataProto:
         """Remove the named keys from self and return them as a new DataProto."""
+        if batch_keys and self.batch is None:
+            raise DatasetError(f"pop: batch_keys {list(batch_keys)} requested but this DataProto has no tensors")
         tensors = {k: self.batch.pop(k) for k in batch_keys or []} if self.batch is not None else {}
         non = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys or []}
         meta = {k: self.meta_info.pop(k) for k in meta_info_keys or []}
@@ -196,8 +205,9 @@ class DataProto:
             if self.batch is None:
                 self.batch = other.batch
             else:
+                existing = set(self.batch.keys())  # TensorDict does not support ``key in td``
                 for k, v in other.batch.items():
-                    if k in self.batch.keys() and not torch.equal(self.batch[k], v):
+                    if k in existing and not torch.equal(self.batch[k], v):
                         raise DatasetError(f"union: tensor {k!r} differs between the two DataProtos")
                     self.batch[k] = v
         for k, v in other.non_tensor_batch.items():
@@ -220,6 +230,8 @@ class DataProto:
 
     def split(self, split_size: int) -> list[DataProto]:
         """Consecutive parts of ``split_size`` rows (the last may be shorter)."""
+        if split_size < 1:
+            raise DatasetError(f"split: split_size must be >= 1, got {split_size}")
         return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
 
     @staticmethod
@@ -227,6 +239,7 @@ class DataProto:
         """Row-wise concatenation; ``meta_info['metrics']`` lists are concatenated too."""
         if not data:
             raise DatasetError("concat: got an empty list")
+        _check_same_keys(data)
         batch = None
         if data[0].batch is not None:
             batch = torch.cat([d.batch for d in data], dim=0)  # type: ignore[misc]
@@ -245,6 +258,8 @@ class DataProto:
         """A copy with ``padding_size`` rows appended, taken cyclically from the start."""
         if padding_size <= 0:
             return self.slice()
+        if len(self) == 0:
+            raise DatasetError(f"padding: cannot pad an empty DataProto with {padding_size} rows")
         idx = np.concatenate([np.arange(len(self)), np.arange(padding_size) % len(self)])
         return self.select_idxs(idx)
 
@@ -274,10 +289,33 @@ class DataProto:
             self.batch = self.batch.to(device)
         return self
 
+    def print_size(self, prefix: str = "") -> None:
+        """Print the tensor bytes (MiB) and the number of non-tensor columns."""
+        nbytes = 0 if self.batch is None else sum(t.numel() * t.element_size() for t in self.batch.values())
+        print(f"{prefix}DataProto: {len(self)} rows, tensors {nbytes / 2**20:.3f} MiB, "
+              f"{len(self.non_tensor_batch)} non-tensor columns")
+
     def __repr__(self) -> str:
         keys = [] if self.batch is None else list(self.batch.keys())
         return (f"DataProto(len={len(self)}, batch_keys={keys}, non_tensor_keys={list(self.non_tensor_batch)}, "
                 f"meta_info_keys={list(self.meta_info)})")
+
+
+def _key_summary(d: DataProto) -> tuple[frozenset[str] | None, frozenset[str]]:
+    tensors = None if d.batch is None else frozenset(d.batch.keys())
+    return tensors, frozenset(d.non_tensor_batch)
+
+
+def _check_same_keys(data: list[DataProto]) -> None:
+    """Raise :class:`DatasetError` naming the keys that differ between ``data[0]`` and another part."""
+    ref_t, ref_n = _key_summary(data[0])
+    for i, d in enumerate(data[1:], start=1):
+        t, n = _key_summary(d)
+        if (t is None) != (ref_t is None):
+            raise DatasetError(f"concat: part 0 and part {i} disagree on having a tensor batch")
+        diff = sorted((t or frozenset()) ^ (ref_t or frozenset())) + sorted(n ^ ref_n)
+        if diff:
+            raise DatasetError(f"concat: part {i} does not have the same keys as part 0; differing keys: {diff}")
 
 
 def _object_array(values: list[Any]) -> np.ndarray:
