@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,6 +31,13 @@ def _merge_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
                 out.setdefault(k, []).extend(x if isinstance(x, list) else [x])
         merged["metrics"] = out
     return merged
+
+
+def _tensors_equal(a: Any, b: Any) -> bool:
+    """Exact equality of two tensors (or nested TensorDicts) of the same shape."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return bool(a.shape == b.shape and (a == b).all())
 
 
 def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -206,18 +213,18 @@ class DataProto:
                 self.batch = other.batch
             else:
                 existing = set(self.batch.keys())  # TensorDict does not support ``key in td``
-                for k, v in other.batch.items():
-                    if k in existing and not torch.equal(self.batch[k], v):
-                        raise DatasetError(f"union: tensor {k!r} differs between the two DataProtos")
-                    self.batch[k] = v
-        for k, v in other.non_tensor_batch.items():
-            if k in self.non_tensor_batch and not _arrays_equal(self.non_tensor_batch[k], v):
-                raise DatasetError(f"union: non-tensor {k!r} differs between the two DataProtos")
-            self.non_tensor_batch[k] = v
-        for k, v in other.meta_info.items():
-            if k in self.meta_info and self.meta_info[k] != v:
-                raise DatasetError(f"union: meta_info {k!r} differs between the two DataProtos")
-            self.meta_info[k] = v
+                for tkey, tval in other.batch.items():
+                    if tkey in existing and not _tensors_equal(self.batch[tkey], tval):
+                        raise DatasetError(f"union: tensor {tkey!r} differs between the two DataProtos")
+                    self.batch[tkey] = tval
+        for nkey, nval in other.non_tensor_batch.items():
+            if nkey in self.non_tensor_batch and not _arrays_equal(self.non_tensor_batch[nkey], nval):
+                raise DatasetError(f"union: non-tensor {nkey!r} differs between the two DataProtos")
+            self.non_tensor_batch[nkey] = nval
+        for mkey, mval in other.meta_info.items():
+            if mkey in self.meta_info and self.meta_info[mkey] != mval:
+                raise DatasetError(f"union: meta_info {mkey!r} differs between the two DataProtos")
+            self.meta_info[mkey] = mval
         return self
 
     # ---- splitting and joining ----------------------------------------------------------------
@@ -242,7 +249,7 @@ class DataProto:
         _check_same_keys(data)
         batch = None
         if data[0].batch is not None:
-            batch = torch.cat([d.batch for d in data], dim=0)  # type: ignore[misc]
+            batch = cast(TensorDict, torch.cat([d.batch for d in data], dim=0))  # type: ignore[misc]
         non = {}
         for key in data[0].non_tensor_batch:
             non[key] = np.concatenate([d.non_tensor_batch[key] for d in data], axis=0)
@@ -291,7 +298,8 @@ class DataProto:
 
     def print_size(self, prefix: str = "") -> None:
         """Print the tensor bytes (MiB) and the number of non-tensor columns."""
-        nbytes = 0 if self.batch is None else sum(t.numel() * t.element_size() for t in self.batch.values())
+        leaves = [] if self.batch is None else self.batch.values(include_nested=True, leaves_only=True)
+        nbytes = sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor))
         print(f"{prefix}DataProto: {len(self)} rows, tensors {nbytes / 2**20:.3f} MiB, "
               f"{len(self.non_tensor_batch)} non-tensor columns")
 
@@ -302,7 +310,7 @@ class DataProto:
 
 
 def _key_summary(d: DataProto) -> tuple[frozenset[str] | None, frozenset[str]]:
-    tensors = None if d.batch is None else frozenset(d.batch.keys())
+    tensors = None if d.batch is None else frozenset(map(str, d.batch.keys()))
     return tensors, frozenset(d.non_tensor_batch)
 
 

@@ -56,16 +56,17 @@ def trajectory_info(index: np.ndarray, step: int, validate: bool) -> list[dict[s
 def check_batch(batch: DataProto, registry: dict[str, ResolvedAgentLoop], default_agent: str) -> np.ndarray:
     """Fail before any generation if ``raw_prompt`` is missing or an ``agent_name`` is unknown.
 
-    Returns the per-sample agent names (``default_agent`` where the column is absent).
+    Returns the per-sample agent names (``default_agent`` where the column or the value is absent).
     """
     if "raw_prompt" not in batch.non_tensor_batch:
         raise DatasetError(
             f"batch has no 'raw_prompt' column (non-tensor keys: {sorted(batch.non_tensor_batch)}); "
             "each sample needs its chat messages under non_tensor_batch['raw_prompt']"
         )
-    names = batch.non_tensor_batch.get("agent_name")
-    if names is None:
-        names = np.array([default_agent] * len(batch), dtype=object)
+    given = batch.non_tensor_batch.get("agent_name")
+    names = np.empty(len(batch), dtype=object)
+    values = given.tolist() if given is not None else [None] * len(batch)
+    names[:] = [str(n) if n else default_agent for n in values]
     for name in set(names.tolist()):
         lookup(registry, str(name))
     return names

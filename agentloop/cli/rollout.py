@@ -94,7 +94,7 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
         "response_length": {"mean": float(resp.mean()), "min": int(resp.min()), "max": int(resp.max())},
         "num_turns": {"mean": float(turns.mean()), "max": int(turns.max())},
         "status": statuses,
-        "timing": {k: round(float(v), 4) for k, v in output.meta_info.get("timing", {}).items()},
+        "timing_last_batch": {k: round(float(v), 4) for k, v in output.meta_info.get("timing", {}).items()},
     }
 
 
@@ -138,7 +138,7 @@ def run_rollout(cfg: DictConfig) -> Path:
     summary = summarize(output, wall, len(batch))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: summary[k] for k in ("num_samples", "wall_time_s", "response_tokens_per_s", "status")}))
-    print(f"wrote {out_dir}/rollout.dataproto, trajectories.jsonl, summary.json")
+    print(f"outputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json}}")
     return out_dir
 
 

@@ -92,7 +92,10 @@ def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = No
     cls = ray.remote(_server_class(str(cfg.rollout.name)))
     handles = []
     for i in range(n):
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        }
         if device == "cpu":
             env.update(_cpu_bind_env(i, n))
         handles.append(

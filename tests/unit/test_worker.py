@@ -156,3 +156,9 @@ def test_register_decorator_and_yaml_registry(tmp_path):
     reg = resolve_registry(str(cfg_file))
     assert reg["unit_custom_agent"].cls is Custom
     assert reg["yaml_agent"].kwargs == {"foo": 1}
+
+
+def test_missing_agent_name_values_use_default():
+    server = ScriptedServer(lambda ids, p, rid: [70, IM_END], eos_token_id=IM_END)
+    out = run(make_worker(server).generate_sequences(make_batch(2, [None, "single_turn_agent"])))
+    assert list(out.non_tensor_batch["agent_name"]) == ["single_turn_agent"] * 2
