@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 from omegaconf import DictConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -89,7 +90,7 @@ class AgentLoopManager:
         outputs = ray.get(
             [w.generate_sequences.remote(c) for w, c in zip(self.agent_loop_workers, chunks, strict=False)]
         )
-        output = DataProto.concat(outputs)
+        output = DataProto.concat(align_keys(outputs))
         if self.rollout.free_cache_engine:
             self.sleep()
         timing = performance_metrics(output, time.perf_counter() - t0)
@@ -120,6 +121,30 @@ class AgentLoopManager:
         ray.kill(self.balancer)
         stop_servers(self.servers)
         self.agent_loop_workers = []
+
+
+def align_keys(parts: list[DataProto]) -> list[DataProto]:
+    """Give every worker's chunk the same columns before concatenation.
+
+    A column that depends on the data (``rm_scores`` only when every row has a score, an extra field
+    only some loops set, ``prompt_truncated`` absent from a chunk whose samples all failed) is added
+    where missing: zeros for tensors, None for non-tensor fields.
+    """
+    tensor_ref: dict[str, torch.Tensor] = {}
+    non_tensor_keys: set[str] = set()
+    for p in parts:
+        if p.batch is not None:
+            for k in p.batch.keys():
+                tensor_ref.setdefault(k, p.batch[k])
+        non_tensor_keys.update(p.non_tensor_batch)
+    for p in parts:
+        n = len(p)
+        for k, ref in tensor_ref.items():
+            if p.batch is not None and k not in set(p.batch.keys()):  # noqa: SIM118 - TensorDict
+                p.batch[k] = torch.zeros((n, *ref.shape[1:]), dtype=ref.dtype)
+        for k in non_tensor_keys - set(p.non_tensor_batch):
+            p.non_tensor_batch[k] = np.full(n, None, dtype=object)
+    return parts
 
 
 def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:

@@ -77,7 +77,12 @@ def run_raw(cfg, prompts: list[list[int]], repeats: int) -> list[float]:
 
     os.environ.update(_cpu_bind_env(0, 1))
     r = cfg.actor_rollout_ref.rollout
-    params = SamplingParams(max_tokens=int(r.response_length), temperature=1.0, ignore_eos=True, detokenize=False)
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(  # the raw engine used at its best: no detokenizing, final output only
+        max_tokens=int(r.response_length), temperature=1.0, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
     async def main() -> list[float]:
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(r, cfg.actor_rollout_ref.model, True)))

@@ -1,26 +1,31 @@
 """Build (or find) the tiny local test model and print its directory.
 
     python scripts/make_tiny_model.py [--out DIR] [--force] [--quiet]
+
+Without ``--out`` the model goes to ``$AGENTLOOP_CACHE_DIR/tiny-qwen2`` (default
+``~/.cache/agentloop/models/tiny-qwen2``).  An up-to-date model is reused unless ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from agentloop.testing.tiny_model import ensure_tiny_model
+from agentloop.testing.tiny_model import ensure_tiny_model, tiny_model_path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--out", help="model directory (default: ~/.cache/agentloop/models/tiny-qwen2)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, build or reuse the model, print its path (last line of stdout)."""
+    parser = argparse.ArgumentParser(description="Build (or find) the tiny local test model and print its path.")
+    parser.add_argument("--out", help=f"model directory (default: {tiny_model_path()})")
+    parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date model is present")
     parser.add_argument("--quiet", action="store_true", help="print only the path")
-    args = parser.parse_args()
-    t0 = time.perf_counter()
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
     path = ensure_tiny_model(args.out, force=args.force)
     if not args.quiet:
-        print(f"tiny model ready in {time.perf_counter() - t0:.1f}s:")
+        print(f"tiny model ready in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     print(path)
 
 

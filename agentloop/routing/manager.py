@@ -17,6 +17,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from agentloop.errors import ServerError
+from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.strategies import Balancer, make_balancer
 from agentloop.types import TokenOutput
 
@@ -39,17 +40,18 @@ class AsyncLLMServerManager:
             len(self.server_handles), max_cache_size=max_cache_size
         )
         self._remote_balancer = isinstance(self.balancer, ActorHandle)
+        self._client = RemoteBalancer(self.balancer) if self._remote_balancer else None
 
     async def _acquire(self, request_id: str, prompt_len: int) -> int:
-        if self._remote_balancer:
-            return await self.balancer.acquire.remote(request_id, prompt_len)
+        if self._client is not None:
+            return await self._client.acquire(request_id, prompt_len)
         return self.balancer.acquire(request_id, prompt_len)
 
-    def _release_nowait(self, server: int) -> Any:
-        if self._remote_balancer:
-            return self.balancer.release.remote(server)  # ordered after acquire by the actor queue
-        self.balancer.release(server)
-        return None
+    def _release_nowait(self, server: int) -> None:
+        if self._client is not None:
+            self._client.release(server)
+        else:
+            self.balancer.release(server)
 
     async def _call(self, server: int, method: str, **kwargs: Any) -> Any:
         handle = self.server_handles[server]

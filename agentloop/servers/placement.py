@@ -60,7 +60,8 @@ def _cpu_bind_env(index: int, num_servers: int) -> dict[str, str]:
     cores = os.cpu_count() or 1
     if num_servers > cores:
         return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    per = cores // num_servers
+    # Leave one core for Ray, the agent-loop workers and the engines' own Python threads when possible.
+    per = max(1, (cores - 1) // num_servers)
     first = index * per
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + per - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 

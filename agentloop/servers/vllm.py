@@ -43,11 +43,14 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool) -> dict[s
         "seed": int(rollout.get("seed", 0)),
         "disable_log_stats": bool(rollout.disable_log_stats),
         "tensor_parallel_size": int(rollout.tensor_model_parallel_size),
+        # On CPU this is the fraction of the NUMA node's memory that must be free at start-up (vLLM's
+        # default 0.92 fails as soon as the page cache holds a GiB); the KV cache itself is sized by
+        # VLLM_CPU_KVCACHE_SPACE.
+        "gpu_memory_utilization": float(rollout.gpu_memory_utilization),
     }
     if on_cpu:
         args["distributed_executor_backend"] = "uni" if args["tensor_parallel_size"] == 1 else "mp"
     else:
-        args["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
         args["enable_sleep_mode"] = bool(rollout.free_cache_engine)
         args["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
     extra = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
@@ -97,13 +100,16 @@ class VLLMServer:
 
     def _sampling_params(self, prompt_len: int, params: dict[str, Any]) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         budget = self.prompt_length + self.response_length - prompt_len
         max_tokens = params.get("max_tokens") or min(self.response_length, budget)
         kwargs = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
         if params.get("logprobs"):
             kwargs["logprobs"] = 0
-        return SamplingParams(max_tokens=int(min(max_tokens, budget)), detokenize=False, **kwargs)
+        return SamplingParams(
+            max_tokens=int(min(max_tokens, budget)), detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, **kwargs
+        )
 
     async def generate(
         self,

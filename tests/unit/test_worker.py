@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from agentloop.config import default_config
@@ -162,3 +163,16 @@ def test_missing_agent_name_values_use_default():
     server = ScriptedServer(lambda ids, p, rid: [70, IM_END], eos_token_id=IM_END)
     out = run(make_worker(server).generate_sequences(make_batch(2, [None, "single_turn_agent"])))
     assert list(out.non_tensor_batch["agent_name"]) == ["single_turn_agent"] * 2
+
+
+def test_chunks_with_different_columns_concatenate():
+    from agentloop.manager import align_keys
+
+    ok = make_worker(ScriptedServer(lambda ids, p, rid: [70, IM_END], eos_token_id=IM_END))
+    bad = make_worker(ScriptedServer(lambda ids, p, rid: (_ for _ in ()).throw(RuntimeError("x"))))
+    a = run(ok.generate_sequences(make_batch(2)))
+    b = run(bad.generate_sequences(make_batch(2)))
+    a.batch["rm_scores"] = torch.ones(2, 16)
+    out = DataProto.concat(align_keys([a, b]))
+    assert len(out) == 4 and out.batch["rm_scores"][2:].sum() == 0
+    assert list(out.non_tensor_batch["status"]) == ["stop", "stop", "error", "error"]

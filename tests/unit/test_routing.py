@@ -1,0 +1,121 @@
+"""Router behaviour: sticky sessions, least in-flight spreading, release on every exit, no tie pinning."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from agentloop.errors import RoutingError
+from agentloop.routing import AsyncLLMServerManager, LeastInFlight, RouteContext, StickySession, make_balancer
+from agentloop.testing import ScriptedServer
+
+
+def servers(n: int, delay: float = 0.0) -> list[ScriptedServer]:
+    return [ScriptedServer(lambda ids, p, rid: [1, 2], delay=delay, name=f"s{i}") for i in range(n)]
+
+
+def test_sticky_turns_of_interleaved_requests_hit_one_server():
+    srv = servers(3)
+    mgr = AsyncLLMServerManager(srv)
+
+    async def conversation(rid: str) -> set[int]:
+        used = set()
+        for _ in range(4):
+            out = await mgr.generate(rid, prompt_ids=[1, 2, 3], sampling_params={})
+            used.add(out.extra_fields["server_index"])
+            await asyncio.sleep(0)
+        return used
+
+    async def main():
+        return await asyncio.gather(*(conversation(f"r{i}") for i in range(12)))
+
+    results = asyncio.run(main())
+    assert all(len(u) == 1 for u in results)
+    for i, s in enumerate(srv):  # the server index recorded is the one that served the calls
+        assert all(c["request_id"] in {f"r{j}" for j, u in enumerate(results) if u == {i}} for c in s.calls)
+
+
+def test_least_in_flight_spreads_concurrent_requests_evenly():
+    srv = servers(4, delay=0.05)
+    mgr = AsyncLLMServerManager(srv)
+
+    async def main():
+        return await asyncio.gather(
+            *(mgr.generate(f"r{i}", prompt_ids=[1], sampling_params={}) for i in range(8))
+        )
+
+    outs = asyncio.run(main())
+    assert Counter(o.extra_fields["server_index"] for o in outs) == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert mgr.balancer.in_flight == [0, 0, 0, 0]
+
+
+def test_in_flight_released_on_error_and_cancellation():
+    bad = ScriptedServer([RuntimeError("boom")])
+    slow = ScriptedServer(lambda ids, p, rid: [1], delay=10)
+    mgr = AsyncLLMServerManager([bad])
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(mgr.generate("a", prompt_ids=[1], sampling_params={}))
+    assert mgr.balancer.in_flight == [0]
+
+    mgr2 = AsyncLLMServerManager([slow])
+
+    async def cancel_it():
+        task = asyncio.create_task(mgr2.generate("b", prompt_ids=[1], sampling_params={}))
+        await asyncio.sleep(0.01)
+        assert mgr2.balancer.in_flight == [1]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_it())
+    assert mgr2.balancer.in_flight == [0]
+
+
+def test_ties_do_not_pin_to_first_server():
+    mgr = AsyncLLMServerManager(servers(4))
+
+    async def main():
+        return [
+            (await mgr.generate(f"seq{i}", prompt_ids=[1], sampling_params={})).extra_fields["server_index"]
+            for i in range(40)
+        ]
+
+    used = Counter(asyncio.run(main()))
+    assert set(used) == {0, 1, 2, 3}
+    assert max(used.values()) < 25
+
+
+def test_rotate_tie_break_cycles():
+    lif = LeastInFlight(tie_break="rotate")
+    picks = [lif.choose(RouteContext(f"r{i}"), [0, 0, 0]) for i in range(6)]
+    assert sorted(Counter(picks).values()) == [2, 2, 2]
+
+
+def test_lru_evicts_oldest_request_id():
+    sticky = StickySession(LeastInFlight(seed=0), max_cache_size=2)
+    for rid in ("a", "b", "c"):
+        sticky.choose(RouteContext(rid), [0, 0])
+    assert sticky.lookup("a") is None and sticky.lookup("b") is not None and sticky.lookup("c") is not None
+
+
+def test_balancer_errors_are_clear():
+    with pytest.raises(RoutingError, match="no servers"):
+        make_balancer(0)
+    bal = make_balancer(2)
+    with pytest.raises(RoutingError, match="out of range"):
+        bal.release(5)
+
+
+def test_abort_goes_to_the_bound_server():
+    srv = servers(2)
+    mgr = AsyncLLMServerManager(srv)
+
+    async def main():
+        out = await mgr.generate("x", prompt_ids=[1], sampling_params={})
+        await mgr.abort("x")
+        return out.extra_fields["server_index"]
+
+    idx = asyncio.run(main())
+    assert srv[idx].counts["abort"] == 1 and srv[1 - idx].counts["abort"] == 0

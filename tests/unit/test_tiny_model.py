@@ -1,0 +1,168 @@
+"""tiny_model: deterministic build, tokenizer as AutoTokenizer loads it, chat template, model load, caching."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentloop.testing import tiny_model
+from agentloop.testing.tiny_model import MARKER, ensure_tiny_model, tiny_model_path
+
+TOOL_CALL_TEXT = (
+    'Ann has 12 apples. <tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path):  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_build_is_deterministic(model_dir: Path, tmp_path: Path) -> None:
+    again = ensure_tiny_model(tmp_path / "again")
+    first, second = file_hashes(model_dir), file_hashes(again)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors", MARKER):
+        assert first[name] == second[name], name
+    assert first == second
+    assert sorted(first) == sorted(
+        [MARKER, "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+         "tokenizer.json", "tokenizer_config.json"]
+    )
+
+
+def test_ensure_is_idempotent_and_rebuilds_when_stale(tmp_path: Path) -> None:
+    path = ensure_tiny_model(tmp_path / "m")
+    stamps = {name: (path / name).stat().st_mtime_ns for name in (MARKER, "model.safetensors", "tokenizer.json")}
+    inode = path.stat().st_ino
+    assert ensure_tiny_model(path) == path
+    assert {name: (path / name).stat().st_mtime_ns for name in stamps} == stamps
+    assert path.stat().st_ino == inode
+    marker = json.loads((path / MARKER).read_text())
+    assert marker["builder_version"] == tiny_model.BUILDER_VERSION
+    (path / MARKER).write_text(json.dumps({**marker, "builder_version": "old"}))
+    ensure_tiny_model(path)
+    assert json.loads((path / MARKER).read_text()) == marker
+    assert path.stat().st_ino != inode  # rebuilt and swapped in
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m-") and p.is_dir()]  # no leftovers
+
+
+def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        ensure_tiny_model(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_cache_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTLOOP_CACHE_DIR", str(tmp_path))
+    assert tiny_model_path() == tmp_path / "tiny-qwen2"
+    assert tiny_model_path("other") == tmp_path / "other"
+    monkeypatch.delenv("AGENTLOOP_CACHE_DIR")
+    assert tiny_model_path() == tiny_model.DEFAULT_CACHE_DIR / "tiny-qwen2"
+
+
+def test_auto_tokenizer_matches_saved_tokenizer(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    texts = [TOOL_CALL_TEXT, "The answer is 1234567890.", "<tool_response>\n-84\n</tool_response>", "It's 3.5 km!"]
+    texts += tiny_model.synthetic_corpus(n_conversations=20, n_sentences=20, seed=7)
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == raw.encode(text).ids, text
+        assert tok.decode(ids) == text
+    assert len(tok) == 2048
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+
+
+def test_digits_and_tool_tags(tok) -> None:  # type: ignore[no-untyped-def]
+    assert tok.convert_ids_to_tokens(tok.encode("2026")) == ["2", "0", "2", "6"]
+    for tag in tiny_model.TOOL_TOKENS:
+        assert len(tok.encode(tag)) == 1
+    ids = tok.encode("<|im_start|>assistant\n" + TOOL_CALL_TEXT + "<|im_end|>")
+    assert tok.convert_tokens_to_ids("<tool_call>") in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "assistant\n" + TOOL_CALL_TEXT
+    assert tok.decode(ids[-1:]) == "<|im_end|>"
+
+
+def test_chat_template_conversation(tok) -> None:  # type: ignore[no-untyped-def]
+    messages = [
+        {"role": "system", "content": "You are a careful math assistant."},
+        {"role": "user", "content": "What is 12 * 7?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 7"}}}]},
+        {"role": "tool", "content": "84"},
+        {"role": "assistant", "content": "The answer is 84."},
+    ]
+    expected = (
+        "<|im_start|>system\nYou are a careful math assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nThe answer is 84.<|im_end|>\n"
+    )
+    assert tok.apply_chat_template(messages, tokenize=False) == expected
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        expected + "<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_tools_grouped_responses(tok) -> None:  # type: ignore[no-untyped-def]
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    messages = [
+        {"role": "user", "content": "Add both."},
+        {"role": "assistant", "content": "Two calls.", "tool_calls": [
+            {"function": {"name": "calculator", "arguments": '{"expression": "1 + 2"}'}},
+            {"name": "calculator", "arguments": {"expression": "3 + 4"}}]},
+        {"role": "tool", "content": "3"},
+        {"role": "tool", "content": "7"},
+    ]
+    expected = (
+        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "calculator", "parameters": {}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nAdd both.<|im_end|>\n"
+        "<|im_start|>assistant\nTwo calls.\n"
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    rendered = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert rendered == expected
+
+
+def test_model_loads_and_runs(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = model.config
+    assert model.dtype == torch.float32
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 2, 4)
+    assert config.num_key_value_heads == 2 and config.tie_word_embeddings
+    assert config.vocab_size >= len(tok) and config.vocab_size % 64 == 0
+    assert config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") == model.generation_config.eos_token_id
+    assert config.pad_token_id == tok.pad_token_id
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([tok.encode(TOOL_CALL_TEXT)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], config.vocab_size)
+    assert torch.isfinite(logits).all()
