@@ -3,7 +3,7 @@
 The same requests (``--num-prompts`` chat prompts, exactly ``--max-tokens`` new tokens each, EOS
 ignored) go (a) straight into a vLLM ``AsyncLLM`` in this process and (b) through
 ``AgentLoopManager.generate_sequences`` with one server actor built from the same engine settings.
-Each side gets a warm-up pass, then ``--repeats`` timed passes, alternating.  Prints both
+Each side gets two full-size warm-up passes, then ``--repeats`` timed passes, alternating.  Prints both
 throughputs and the ratio agentloop / raw (goal: >= 0.97).
 
     python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 3]
@@ -87,7 +87,8 @@ def run_raw(cfg, prompts: list[list[int]], repeats: int) -> list[float]:
     async def main() -> list[float]:
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(r, cfg.actor_rollout_ref.model, True)))
         try:
-            await raw_pass(engine, prompts[:32], params)  # warm-up
+            for _ in range(2):  # warm-up at full batch size (CPU kernels compile per batch shape)
+                await raw_pass(engine, prompts, params)
             rates = []
             for _ in range(repeats):
                 wall, tokens = await raw_pass(engine, prompts, params)
@@ -104,7 +105,8 @@ def run_agentloop(cfg, batch, repeats: int) -> list[float]:
 
     manager = AgentLoopManager(cfg)
     try:
-        manager.generate_sequences(batch[:32])  # warm-up
+        for _ in range(2):  # warm-up at full batch size, as for the raw engine
+            manager.generate_sequences(batch)
         rates = []
         for _ in range(repeats):
             t0 = time.perf_counter()

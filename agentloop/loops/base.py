@@ -73,6 +73,7 @@ class AgentLoopBase(ABC):
         self.processor = processor
         self.prompt_length: int = int(config.prompt_length)
         self.response_length: int = int(config.response_length)
+        self.prompt_truncation: str = str((config.get("agent") or {}).get("prompt_truncation", "left"))
         self.loop = asyncio.get_running_loop()
 
     @classmethod
