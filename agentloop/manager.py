@@ -57,8 +57,10 @@ class AgentLoopManager:
             ray.init()
         self.servers: ServerGroup = start_standalone_servers(self.config)
         self.server_handles = self.servers.handles
-        self.balancer = create_global_balancer(
-            len(self.server_handles), max_cache_size=int(self.rollout.server.max_cache_size)
+        # One server leaves nothing to balance: workers then route locally and skip the actor hop.
+        self.balancer = (
+            create_global_balancer(len(self.server_handles), max_cache_size=int(self.rollout.server.max_cache_size))
+            if len(self.server_handles) > 1 else None
         )
         self.agent_loop_workers = self._init_workers()
         self._sleeping = False
@@ -118,7 +120,8 @@ class AgentLoopManager:
         """Stop workers, balancer and engines, and release their resources."""
         for w in self.agent_loop_workers:
             ray.kill(w)
-        ray.kill(self.balancer)
+        if self.balancer is not None:
+            ray.kill(self.balancer)
         stop_servers(self.servers)
         self.agent_loop_workers = []
 

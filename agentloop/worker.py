@@ -102,6 +102,8 @@ class AgentLoopWorker:
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         for entry in self.registry.values():
             entry.cls.init_class(rollout, self.tokenizer, **entry.kwargs)
+        timeout = rollout.agent.get("sample_timeout")
+        self.sample_timeout: float | None = float(timeout) if timeout else None
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
 
@@ -125,11 +127,11 @@ class AgentLoopWorker:
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
     ) -> list[AgentLoopOutput]:
         entry = self.registry[name]
-        timeout = self.rollout.agent.get("sample_timeout")
+        timeout = self.sample_timeout
         try:
             loop = entry.cls(self.rollout, self.server_manager, self.tokenizer, **entry.kwargs)
             coro = loop.run(dict(sampling_params), trajectory_info=info, **sample)
-            output = await (asyncio.wait_for(coro, float(timeout)) if timeout else coro)
+            output = await (asyncio.wait_for(coro, timeout) if timeout else coro)
         except asyncio.TimeoutError:
             logger.warning("sample %s (%s) timed out after %ss", info["sample_index"], name, timeout)
             return [_failed(RolloutStatus.TIMEOUT, f"agent loop {name!r} exceeded sample_timeout={timeout}s")]
