@@ -133,17 +133,18 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
     only some loops set, ``prompt_truncated`` absent from a chunk whose samples all failed) is added
     where missing: zeros for tensors, None for non-tensor fields.
     """
-    tensor_ref: dict[str, torch.Tensor] = {}
+    tensor_ref: dict[str, Any] = {}
     non_tensor_keys: set[str] = set()
     for p in parts:
         if p.batch is not None:
-            for k in p.batch.keys():
-                tensor_ref.setdefault(k, p.batch[k])
+            for k, v in p.batch.items():
+                tensor_ref.setdefault(k, v)
         non_tensor_keys.update(p.non_tensor_batch)
     for p in parts:
         n = len(p)
+        present = set(p.batch.keys()) if p.batch is not None else set()  # TensorDict: `in` is not key lookup
         for k, ref in tensor_ref.items():
-            if p.batch is not None and k not in set(p.batch.keys()):  # noqa: SIM118 - TensorDict
+            if p.batch is not None and k not in present:
                 p.batch[k] = torch.zeros((n, *ref.shape[1:]), dtype=ref.dtype)
         for k in non_tensor_keys - set(p.non_tensor_batch):
             p.non_tensor_batch[k] = np.full(n, None, dtype=object)
@@ -163,6 +164,7 @@ def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
         timing[f"agent_loop/{name}/max"] = float(arr.max())
         timing[f"agent_loop/{name}/mean"] = float(arr.mean())
     slowest = int(np.argmax(gen + tool))
+    assert output.batch is not None
     attention = output.batch["attention_mask"]
     prompt_len = output.batch["prompts"].shape[1]
     timing["agent_loop/slowest/generate_sequences"] = float(gen[slowest])

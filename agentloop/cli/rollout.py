@@ -29,7 +29,7 @@ from agentloop.protocol import DataProto
 
 def build_config(config_file: str | None, overrides: list[str]) -> DictConfig:
     """Defaults ← ``config_file`` ← ``key=value`` overrides (OmegaConf dotlist syntax, ``+`` prefix allowed)."""
-    cfg = default_config()
+    cfg: Any = default_config()
     if config_file:
         path = Path(config_file)
         if not path.is_file():
@@ -48,7 +48,7 @@ def _decode(tokenizer: Any, ids: np.ndarray, mask: np.ndarray) -> str:
 
 def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
     """One JSON line per row: decoded text, lengths, turns, status, error."""
-    b = output.batch
+    b = _tensors(output)
     p_len = b["prompts"].shape[1]
     attn = b["attention_mask"].numpy()
     nt = output.non_tensor_batch
@@ -70,14 +70,21 @@ def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _tensors(output: DataProto) -> Any:
+    if output.batch is None:
+        raise ValueError("rollout output has no tensor batch")
+    return output.batch
+
+
 def _jsonable(v: Any) -> Any:
     return v.item() if isinstance(v, np.generic) else v
 
 
 def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any]:
     """Throughput and length statistics of a finished rollout."""
-    p_len = output.batch["prompts"].shape[1]
-    attn = output.batch["attention_mask"]
+    b = _tensors(output)
+    p_len = b["prompts"].shape[1]
+    attn = b["attention_mask"]
     resp = attn[:, p_len:].sum(-1).numpy()
     prompt = attn[:, :p_len].sum(-1).numpy()
     turns = np.asarray(output.non_tensor_batch["__num_turns__"], dtype=np.float64)
@@ -119,11 +126,12 @@ def run_rollout(cfg: DictConfig) -> Path:
         t0 = time.perf_counter()
         step = max(1, int(cfg.data.train_batch_size))
         parts: list[DataProto] = []
+        tokens = 0
         with tqdm(total=len(batch), desc="rollout", unit="sample") as bar:
             for start in range(0, len(batch), step):
-                part = manager.generate_sequences(batch[start : start + step])
+                part = manager.generate_sequences(batch.slice(start, start + step))
                 parts.append(part)
-                tokens = sum(int(p.batch["response_mask"].sum()) for p in parts)
+                tokens += int(_tensors(part)["response_mask"].sum())
                 bar.update(min(step, len(batch) - start))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         wall = time.perf_counter() - t0

@@ -36,7 +36,7 @@ class AsyncLLMServerManager:
         max_cache_size: int = 10000,
     ) -> None:
         self.server_handles = list(server_handles)
-        self.balancer = balancer if balancer is not None else make_balancer(
+        self.balancer: Any = balancer if balancer is not None else make_balancer(
             len(self.server_handles), max_cache_size=max_cache_size
         )
         self._remote_balancer = isinstance(self.balancer, ActorHandle)

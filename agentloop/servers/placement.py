@@ -90,8 +90,8 @@ def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = No
             f"could not reserve {n} x {bundle} for the rollout servers (cluster has {ray.cluster_resources()}); "
             "lower actor_rollout_ref.rollout.server.num_servers / num_cpus_per_server"
         ) from e
-    cls = ray.remote(_server_class(str(cfg.rollout.name)))
-    handles = []
+    cls: Any = ray.remote(_server_class(str(cfg.rollout.name)))
+    handles: list[Any] = []
     for i in range(n):
         env = {
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

@@ -54,7 +54,8 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool) -> dict[s
         args["enable_sleep_mode"] = bool(rollout.free_cache_engine)
         args["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
     extra = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
-    args.update(OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra))
+    extra_dict = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra)
+    args.update(extra_dict)  # type: ignore[arg-type]
     return args
 
 
@@ -108,7 +109,10 @@ class VLLMServer:
         if params.get("logprobs"):
             kwargs["logprobs"] = 0
         return SamplingParams(
-            max_tokens=int(min(max_tokens, budget)), detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY, **kwargs
+            max_tokens=int(min(max_tokens, budget)),
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            **kwargs,
         )
 
     async def generate(
@@ -131,7 +135,7 @@ class VLLMServer:
         if image_data:
             prompt["multi_modal_data"] = {"image": image_data}
         final = None
-        async for out in self.engine.generate(TokensPrompt(**prompt), params, request_id):
+        async for out in self.engine.generate(TokensPrompt(**prompt), params, request_id):  # type: ignore[typeddict-item]
             final = out
         if final is None:
             return TokenOutput(token_ids=[], stop_reason=StopReason.ABORTED)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from agentloop.errors import ServerError
 from agentloop.types import StopReason, TokenOutput
 
-Script = Union[list[int], TokenOutput, Exception]
+Script = list[int] | TokenOutput | Exception
 
 
 class ScriptedServer:

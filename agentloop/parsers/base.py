@@ -1,0 +1,73 @@
+"""Tool-call parsers: turn the policy's sampled ids into (content, tool calls).
+
+Registry as in verl: ``@ToolParser.register("hermes")`` and ``ToolParser.get_tool_parser(name, tokenizer)``
+(also exported as :func:`get_tool_parser`).  ``extract_tool_calls`` never raises on model output: a
+malformed call comes back as a :class:`FunctionCall` with ``error`` set (the loop reports it to the
+model and records a ``parse_error`` status); arguments are never ``eval``-ed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field
+
+from agentloop.errors import ConfigError
+
+
+class FunctionCall(BaseModel):
+    """One tool call the policy asked for."""
+
+    name: str
+    """Function name ("" when it could not be parsed)."""
+    arguments: str
+    """Arguments as a JSON object string (the raw text when it was not valid JSON)."""
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    """Call id, echoed in the tool message (``tool_call_id``)."""
+    error: str | None = None
+    """Why the call is malformed; None for a well-formed call."""
+
+
+class ToolParser(ABC):
+    """Base class; subclasses implement :meth:`extract_tool_calls`."""
+
+    _registry: ClassVar[dict[str, type[ToolParser]]] = {}
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    async def extract_tool_calls(
+        self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
+        """Split a response into its text content and its tool calls."""
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+        """Class decorator registering a parser under ``name`` (the ``multi_turn.format`` value)."""
+
+        def decorator(sub: type[ToolParser]) -> type[ToolParser]:
+            cls._registry[name] = sub
+            return sub
+
+        return decorator
+
+    @classmethod
+    def get_tool_parser(cls, name: str, tokenizer: Any) -> ToolParser:
+        """An instance of the parser registered as ``name``."""
+        import agentloop.parsers.hermes  # noqa: F401 - registers the built-in parsers
+
+        if name not in cls._registry:
+            raise ConfigError(
+                f"unknown tool parser {name!r} (actor_rollout_ref.rollout.multi_turn.format); "
+                f"registered: {sorted(cls._registry)}"
+            )
+        return cls._registry[name](tokenizer)
+
+
+def get_tool_parser(name: str, tokenizer: Any) -> ToolParser:
+    """Module-level alias of :meth:`ToolParser.get_tool_parser`."""
+    return ToolParser.get_tool_parser(name, tokenizer)
