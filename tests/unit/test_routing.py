@@ -119,3 +119,63 @@ def test_abort_goes_to_the_bound_server():
 
     idx = asyncio.run(main())
     assert srv[idx].counts["abort"] == 1 and srv[1 - idx].counts["abort"] == 0
+
+
+class _FakeActorMethod:
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def remote(self, *args):
+        self.calls.append(args)
+
+        async def run():
+            await asyncio.sleep(0.01)
+            return self.fn(*args)
+
+        return run()
+
+
+class _FakeBalancerHandle:
+    """Stands in for the GlobalBalancer actor handle: same methods, counts round trips."""
+
+    def __init__(self, num_servers: int):
+        from agentloop.routing.balancer_actor import BalancerActor
+
+        self.actor = BalancerActor(num_servers, seed=0)
+        self.calls: list = []
+        self.acquire_many = _FakeActorMethod(self.actor.acquire_many, self.calls)
+
+
+def test_remote_balancer_batches_round_trips_and_releases():
+    from agentloop.routing.balancer_actor import RemoteBalancer
+
+    handle = _FakeBalancerHandle(2)
+    client = RemoteBalancer(handle)
+
+    async def main():
+        servers = await asyncio.gather(*(client.acquire(f"r{i}") for i in range(50)))
+        for s in servers:
+            client.release(s)
+        await asyncio.sleep(0.05)
+        return servers
+
+    servers = asyncio.run(main())
+    assert Counter(servers) == {0: 25, 1: 25}
+    assert len(handle.calls) <= 3, "50 acquires and 50 releases should take a few round trips, not 100"
+    assert handle.actor.balancer.in_flight == [0, 0]
+
+
+def test_remote_balancer_releases_a_slot_whose_waiter_was_cancelled():
+    from agentloop.routing.balancer_actor import RemoteBalancer
+
+    handle = _FakeBalancerHandle(1)
+    client = RemoteBalancer(handle)
+
+    async def main():
+        task = asyncio.create_task(client.acquire("gone"))
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert handle.actor.balancer.in_flight == [0]
