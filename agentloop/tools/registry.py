@@ -1,0 +1,69 @@
+"""Loading tools from a YAML file (verl's ``tool_config_path`` format).
+
+    tools:
+      - class_name: agentloop.tools.calculator.CalculatorTool
+        config: {type: native, timeout: 5}
+        tool_schema: {type: function, function: {name: calculator, ...}}   # optional when the class has one
+
+Everything is checked at start-up: a bad class path, a schema that fails validation, or a duplicate
+tool name raises :class:`~agentloop.errors.ConfigError` naming the file and the entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from pydantic import ValidationError
+
+from agentloop.errors import ConfigError
+from agentloop.tools.base import BaseTool
+from agentloop.tools.schemas import OpenAIFunctionToolSchema
+
+
+def _import_class(path: str, where: str) -> type[BaseTool]:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot import class_name {path!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
+        raise ConfigError(f"{where}: class_name {path!r} is not a BaseTool subclass")
+    return cls
+
+
+def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
+    """One tool from one YAML entry."""
+    if not isinstance(entry, dict) or "class_name" not in entry:
+        raise ConfigError(f"{where}: each tool needs a 'class_name', got {entry!r}")
+    cls = _import_class(str(entry["class_name"]), where)
+    config = dict(entry.get("config") or {})
+    raw_schema = entry.get("tool_schema")
+    try:
+        schema = OpenAIFunctionToolSchema.model_validate(raw_schema) if raw_schema is not None else None
+    except ValidationError as e:
+        raise ConfigError(f"{where}: tool_schema does not validate: {e}") from e
+    try:
+        return cls(config, schema) if schema is not None else cls(config)  # type: ignore[call-arg]
+    except TypeError as e:
+        raise ConfigError(f"{where}: {cls.__name__} needs a tool_schema in the YAML entry ({e})") from e
+
+
+def initialize_tools_from_config(tool_config_path: str | Path) -> list[BaseTool]:
+    """All tools of a ``tool_config_path`` YAML, validated."""
+    path = Path(tool_config_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"tool_config_path {str(path)!r} does not exist")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    entries = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ConfigError(f"{path}: expected a top-level 'tools:' list")
+    tools: list[BaseTool] = []
+    for i, entry in enumerate(entries):
+        tool = build_tool(entry, f"{path} tools[{i}]")
+        if any(t.name == tool.name for t in tools):
+            raise ConfigError(f"{path} tools[{i}]: duplicate tool name {tool.name!r}")
+        tools.append(tool)
+    return tools
