@@ -6,6 +6,7 @@ template is ChatML-like: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per mes
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 PAD, IM_START, IM_END = 0, 1, 2
@@ -17,11 +18,18 @@ class FakeTokenizer:
 
     pad_token_id = PAD
     eos_token_id = IM_END
+    eos_token = _SPECIAL[IM_END]
+    pad_token = _SPECIAL[PAD]
     padding_side = "left"
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Bytes + 3."""
-        return [b + 3 for b in text.encode("utf-8")]
+        """Bytes + 3; the special token strings map to their ids."""
+        pattern = "(" + "|".join(re.escape(s) for s in _SPECIAL.values()) + ")"
+        ids: list[int] = []
+        for part in re.split(pattern, text):
+            special = next((k for k, v in _SPECIAL.items() if v == part), None)
+            ids += [special] if special is not None else [b + 3 for b in part.encode("utf-8")]
+        return ids
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         """Inverse of :meth:`encode`; special ids become their names unless skipped."""
