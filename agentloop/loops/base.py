@@ -135,6 +135,7 @@ def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, Res
     """Import every registered loop class once; YAML entries override code registrations."""
     # Importing the built-in loops registers them.
     import agentloop.loops.single_turn  # noqa: F401
+    import agentloop.loops.tool_agent  # noqa: F401
 
     entries = dict(_agent_loop_registry)
     if agent_loop_config_path:

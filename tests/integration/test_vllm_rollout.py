@@ -167,3 +167,14 @@ def test_output_round_trips_through_disk(manager, tmp_path):
     back = DataProto.load_from_disk(str(tmp_path / "o.dp"))
     assert torch.equal(back.batch["input_ids"], out.batch["input_ids"])
     assert np.array_equal(back.non_tensor_batch["uid"], out.non_tensor_batch["uid"])
+
+
+def test_tool_agent_runs_on_the_real_engine(manager):
+    out = manager.generate_sequences(make_batch(4, n=1, agent_name="tool_agent"))
+    assert len(out) == 4
+    assert set(out.non_tensor_batch["status"]) <= {"stop", "length", "max_turns"}
+    resp_attn = out.batch["attention_mask"][:, PROMPT_LEN:]
+    # the random-weight model rarely emits a tool call; every token it sampled has mask 1
+    mask = out.batch["response_mask"]
+    assert torch.all(mask <= resp_attn)
+    assert torch.all((mask.sum(-1) > 0) | (out.non_tensor_batch["__num_turns__"] == 0))

@@ -1,0 +1,205 @@
+"""ToolAgentLoop: multi-turn generation with tool calls, registered as ``tool_agent``.
+
+Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
+
+* Budgets: the response (everything after the prompt: sampled tokens and tool turns) never exceeds
+  ``response_length``; each generation asks for at most the remaining budget.  ``max_assistant_turns``
+  and ``max_user_turns`` (tool turns count as user turns, as in verl) cap the turns; null = no cap.
+* Tokens: sampled ids are kept exactly; tool turns are appended with
+  :func:`agentloop.tokenization.encode_new_turns`, so the sequence equals a full chat-template render
+  of the conversation.  Mask 1 on sampled tokens, 0 on tool turns; logprobs 0.0 on tool tokens.
+* Tools: see :mod:`agentloop.loops.tool_calls` (errors become tool messages; nothing is dropped silently).
+* Stop precedence after a generation: ``aborted`` (engine) > ``length`` (budget spent or engine hit
+  max_tokens) > no tool call → ``stop`` > ``max_turns`` (assistant cap) > run the tools.  After the tool
+  turn: ``length`` if it does not fit in the budget (it is not appended, as in verl) > ``max_turns``
+  (user cap) > generate again.
+* ``num_turns`` = user turns + assistant turns + 1 (verl).  ``extra_fields``: ``tool_rewards``,
+  ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``, ``num_tool_timeouts``.
+
+Interactions (simulated users) and engine-side images are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+from uuid import uuid4
+
+from omegaconf import DictConfig
+
+from agentloop.loops.base import AgentLoopBase, register
+from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
+from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
+from agentloop.parsers.base import ToolParser, get_tool_parser
+from agentloop.tokenization import encode_new_turns
+from agentloop.tools.base import BaseTool
+from agentloop.tools.registry import initialize_tools_from_config
+from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
+
+
+class AgentState(str, Enum):
+    """States of the loop (verl's names)."""
+
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    TERMINATED = "terminated"
+
+
+@dataclass
+class AgentData:
+    """Everything one rollout accumulates."""
+
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    status: RolloutStatus = RolloutStatus.STOP
+    pending_calls: list[Any] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=lambda: {
+        "tool_rewards": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
+        "num_dropped_calls": 0, "num_tool_timeouts": 0,
+    })
+    metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
+
+
+@register("tool_agent")
+class ToolAgentLoop(AgentLoopBase):
+    """Generate → parse tool calls → run tools → generate …, until a stop condition."""
+
+    tools: ClassVar[dict[str, BaseTool]] = {}
+    tool_schemas: ClassVar[list[dict[str, Any]] | None] = None
+    tool_parser: ClassVar[ToolParser | None] = None
+    runner: ClassVar[ToolRunner | None] = None
+
+    @classmethod
+    def init_class(cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
+        """Load tools and the parser once per worker."""
+        mt = config.multi_turn
+        tool_list = initialize_tools_from_config(mt.tool_config_path) if mt.tool_config_path else []
+        cls.tools = {t.name: t for t in tool_list}
+        cls.tool_schemas = [t.tool_schema.model_dump(exclude_none=True) for t in tool_list] or None
+        cls.tool_parser = get_tool_parser(str(mt.format), tokenizer)
+        cls.runner = ToolRunner(
+            tools=cls.tools,
+            max_parallel_calls=int(mt.max_parallel_calls or 1),
+            max_response_length=int(mt.max_tool_response_length),
+            truncate_side=str(mt.tool_response_truncate_side),
+            timeout=float(mt.tool_timeout) if mt.get("tool_timeout") else None,
+        )
+
+    def __init__(self, config: DictConfig, server_manager: Any, tokenizer: Any, processor: Any | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(config, server_manager, tokenizer, processor, **kwargs)
+        if type(self).tool_parser is None:  # used without a worker (e.g. directly in a test)
+            type(self).init_class(config, tokenizer, processor)
+        mt = config.multi_turn
+        self.max_assistant_turns: int | None = mt.max_assistant_turns
+        self.max_user_turns: int | None = mt.max_user_turns
+        self.request_id = uuid4().hex
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        data = AgentData(messages=as_messages(kwargs["raw_prompt"]))
+        tools_kwargs = kwargs.get("tools_kwargs") or {}
+        self.sampling_params = dict(sampling_params)
+        state = AgentState.PENDING
+        while state != AgentState.TERMINATED:  # 1. pending → 2. generating ⇄ 3. processing tools
+            if state == AgentState.PENDING:
+                state = self._pending(data)
+            elif state == AgentState.GENERATING:
+                state = await self._generating(data)
+            else:
+                state = await self._processing_tools(data, tools_kwargs)
+        return self._output(data)
+
+    def _pending(self, data: AgentData) -> AgentState:
+        ids = apply_chat_template(self.tokenizer, data.messages, tools=self.tool_schemas, add_generation_prompt=True)
+        data.prompt_ids, dropped = fit_prompt(ids, self.prompt_length, self.prompt_truncation)
+        data.counters["prompt_truncated"] = dropped
+        return AgentState.GENERATING
+
+    async def _generating(self, data: AgentData) -> AgentState:
+        budget = self.response_length - len(data.response_mask)
+        start = time.perf_counter()
+        out = await self.server_manager.generate(
+            request_id=self.request_id, prompt_ids=data.prompt_ids + data.response_ids,
+            sampling_params={**self.sampling_params, "max_tokens": budget},
+        )
+        data.metrics.generate_sequences += time.perf_counter() - start
+        data.response_ids += out.token_ids
+        data.response_mask += [1] * len(out.token_ids)
+        data.response_logprobs += out.log_probs if out.log_probs is not None else [0.0] * len(out.token_ids)
+        data.assistant_turns += 1
+        if out.stop_reason == StopReason.ABORTED:
+            return self._end(data, RolloutStatus.ABORTED)
+        if out.stop_reason == StopReason.LENGTH or len(data.response_mask) >= self.response_length:
+            return self._end(data, RolloutStatus.LENGTH)
+        content, calls = await self.tool_parser.extract_tool_calls(out.token_ids, self.tool_schemas)  # type: ignore[union-attr]
+        data.messages.append(_assistant_message(content, calls))
+        if not calls:
+            return self._end(data, RolloutStatus.STOP)
+        if self.max_assistant_turns and data.assistant_turns >= self.max_assistant_turns:
+            return self._end(data, RolloutStatus.MAX_TURNS)
+        data.pending_calls = calls
+        return AgentState.PROCESSING_TOOLS
+
+    async def _processing_tools(self, data: AgentData, tools_kwargs: dict[str, Any]) -> AgentState:
+        start = time.perf_counter()
+        result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
+        data.metrics.tool_calls += time.perf_counter() - start
+        _count(data, result, len(data.pending_calls))
+        system = data.messages[0] if data.messages[0]["role"] == "system" else None
+        ids = encode_new_turns(self.tokenizer, result.messages, system=system, tools=self.tool_schemas)
+        if len(data.response_mask) + len(ids) >= self.response_length:
+            return self._end(data, RolloutStatus.LENGTH)
+        data.messages += result.messages
+        data.response_ids += ids
+        data.response_mask += [0] * len(ids)
+        data.response_logprobs += [0.0] * len(ids)
+        data.user_turns += 1
+        if self.max_user_turns and data.user_turns >= self.max_user_turns:
+            return self._end(data, RolloutStatus.MAX_TURNS)
+        return AgentState.GENERATING
+
+    @staticmethod
+    def _end(data: AgentData, status: RolloutStatus) -> AgentState:
+        data.status = status
+        return AgentState.TERMINATED
+
+    def _output(self, data: AgentData) -> AgentLoopOutput:
+        n = self.response_length
+        want_logprobs = bool(self.sampling_params.get("logprobs"))
+        return AgentLoopOutput(
+            prompt_ids=data.prompt_ids,
+            response_ids=data.response_ids[:n],
+            response_mask=data.response_mask[:n],
+            response_logprobs=data.response_logprobs[:n] if want_logprobs else None,
+            num_turns=data.user_turns + data.assistant_turns + 1,
+            metrics=data.metrics,
+            extra_fields=dict(data.counters),
+            status=data.status,
+        )
+
+
+def _assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
+    return message
+
+
+def _count(data: AgentData, result: ToolTurnResult, num_calls: int) -> None:
+    c = data.counters
+    c["num_tool_calls"] += num_calls
+    c["tool_rewards"] += result.rewards
+    c["num_tool_errors"] += result.num_errors
+    c["num_parse_errors"] += result.num_parse_errors
+    c["num_dropped_calls"] += result.num_dropped
+    c["num_tool_timeouts"] += result.num_timeouts
