@@ -5,11 +5,25 @@ run against it exactly as against vLLM.  Use it in your own tests::
 
     server = ScriptedServer([[11, 12, 2], RuntimeError("boom")], eos_token_id=2)
     manager = AsyncLLMServerManager([server])
+
+Reply rules, in order:
+
+1. Every call is recorded in :attr:`ScriptedServer.calls`, then waits ``delay`` seconds.
+2. An :meth:`abort` of the request while it waits ends it at once with ``stop_reason='aborted'``
+   and no tokens (aborting an id that is not pending is a no-op, as in vLLM).
+3. The reply comes from the script: the next list item, the callable's result, or (no script) the
+   last ``min(4, max_tokens)`` prompt ids.  An Exception item is raised; a TokenOutput item is
+   returned untouched.
+4. Token lists are shaped: longer than ``max_tokens`` → truncated; the stop reason is ``stop`` when
+   the ids end with ``eos_token_id``, ``length`` when they were truncated or exactly fill
+   ``max_tokens`` without EOS (an EOS is configured), else ``stop``.  ``logprobs`` truthy → one
+   deterministic finite log-probability per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,31 +31,47 @@ from agentloop.errors import ServerError
 from agentloop.types import StopReason, TokenOutput
 
 Script = list[int] | TokenOutput | Exception
+"""One scripted reply: token ids, a ready TokenOutput, or an exception to raise."""
+
+ScriptFn = Callable[[list[int], dict[str, Any], str], "list[int] | TokenOutput"]
+"""A reply function ``(prompt_ids, sampling_params, request_id) -> reply``."""
+
+
+def fake_log_probs(n: int) -> list[float]:
+    """Deterministic, finite, negative log-probabilities: -0.1, -0.2, … -1.0, then repeating."""
+    return [-0.1 * ((i % 10) + 1) for i in range(n)]
 
 
 class ScriptedServer:
-    """Replies from a script.
+    """Replies from a script (see the module docstring for the exact rules).
 
     Args:
         responses: a list consumed in order (token id lists, TokenOutputs, or Exceptions to raise), or
             a callable ``(prompt_ids, sampling_params, request_id) -> list[int] | TokenOutput``; None
             echoes the last ``min(4, max_tokens)`` prompt ids.
         eos_token_id: a reply ending with it has ``stop_reason='stop'``.
-        delay: seconds to wait before replying (lets tests overlap requests).
+        delay: seconds to wait before replying (lets tests overlap, time out or abort requests).
         name: shown in error messages.
+
+    Attributes:
+        calls: one dict per ``generate`` call: request_id, prompt_ids, sampling_params, image_data.
+        counts: how many times ``wake_up``, ``sleep``, ``update_weights`` and ``abort`` were called.
+        weights: the tensors passed to the last ``update_weights``.
     """
 
     supports_sleep = True
 
     def __init__(
         self,
-        responses: Sequence[Script] | Callable[[list[int], dict[str, Any], str], Any] | None = None,
+        responses: Sequence[Script] | ScriptFn | None = None,
         *,
         eos_token_id: int | None = None,
         delay: float = 0.0,
         name: str = "scripted",
     ) -> None:
-        self._script = responses if callable(responses) or responses is None else list(responses)
+        self._script: list[Script] | ScriptFn | None = (
+            responses if callable(responses) or responses is None else list(responses)
+        )
         self._next = 0
         self.eos_token_id = eos_token_id
         self.delay = delay
@@ -49,20 +79,43 @@ class ScriptedServer:
         self.calls: list[dict[str, Any]] = []
         self.counts = {"wake_up": 0, "sleep": 0, "update_weights": 0, "abort": 0}
         self.weights: dict[str, Any] = {}
-        self._aborted: set[str] = set()
+        self._pending: dict[str, asyncio.Event] = {}
+
+    @property
+    def remaining(self) -> int | None:
+        """Scripted replies not consumed yet (None for a callable or echo script)."""
+        return len(self._script) - self._next if isinstance(self._script, list) else None
 
     def _reply(self, prompt_ids: list[int], params: dict[str, Any], request_id: str) -> Any:
         if self._script is None:
-            return list(prompt_ids[-min(4, int(params.get("max_tokens") or 4)):])
+            max_tokens = params.get("max_tokens")
+            n = 4 if max_tokens is None else max(0, min(4, int(max_tokens)))
+            return list(prompt_ids[len(prompt_ids) - n :]) if n else []
         if callable(self._script):
             return self._script(list(prompt_ids), params, request_id)
         if self._next >= len(self._script):
             raise ServerError(
-                f"{self.name}: script exhausted after {len(self._script)} replies (request {request_id!r})"
+                f"{self.name}: script exhausted: {len(self._script)} replies were scripted and all were used; "
+                f"request {request_id!r} is call {len(self.calls)} — add more replies or pass a callable"
             )
         reply = self._script[self._next]
         self._next += 1
         return reply
+
+    async def _wait(self, request_id: str) -> bool:
+        """Sleep ``delay`` seconds; True when the request was aborted meanwhile."""
+        if not self.delay:
+            return False
+        event = self._pending.setdefault(request_id, asyncio.Event())
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), self.delay)
+            return event.is_set()
+        finally:
+            if self._pending.get(request_id) is event and not any(
+                c["request_id"] == request_id for c in self._running
+            ):
+                del self._pending[request_id]
 
     async def generate(
         self,
@@ -71,14 +124,13 @@ class ScriptedServer:
         request_id: str,
         image_data: list[Any] | None = None,
     ) -> TokenOutput:
-        """Record the call, wait ``delay``, then reply from the script."""
-        self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
-                           "sampling_params": dict(sampling_params), "image_data": image_data})
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        if request_id in self._aborted:
-            self._aborted.discard(request_id)
-            return TokenOutput(token_ids=[], stop_reason=StopReason.ABORTED)
+        """Record the call, wait ``delay`` (abortable), then reply from the script."""
+        call = {"request_id": request_id, "prompt_ids": list(prompt_ids),
+                "sampling_params": dict(sampling_params), "image_data": image_data}
+        self.calls.append(call)
+        if await self._wait(request_id):
+            return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+                               stop_reason=StopReason.ABORTED)
         reply = self._reply(prompt_ids, sampling_params, request_id)
         if isinstance(reply, Exception):
             raise reply
@@ -87,29 +139,37 @@ class ScriptedServer:
         return self._shape(list(reply), sampling_params)
 
     def _shape(self, ids: list[int], params: dict[str, Any]) -> TokenOutput:
-        stop = StopReason.STOP
+        """Apply ``max_tokens``, pick the stop reason and add log-probs (rule 4)."""
         max_tokens = params.get("max_tokens")
-        if max_tokens is not None and len(ids) > int(max_tokens):
-            ids, stop = ids[: int(max_tokens)], StopReason.LENGTH
-        elif self.eos_token_id is not None and (not ids or ids[-1] != self.eos_token_id) and max_tokens is not None:
-            stop = StopReason.LENGTH if len(ids) == int(max_tokens) else StopReason.STOP
-        log_probs = [-0.1 * ((i % 10) + 1) for i in range(len(ids))] if params.get("logprobs") else None
+        truncated = max_tokens is not None and len(ids) > int(max_tokens)
+        if truncated:
+            ids = ids[: int(max_tokens)]
+        ends_with_eos = self.eos_token_id is not None and bool(ids) and ids[-1] == self.eos_token_id
+        filled = self.eos_token_id is not None and max_tokens is not None and len(ids) == int(max_tokens)
+        stop = StopReason.STOP if ends_with_eos or not (truncated or filled) else StopReason.LENGTH
+        log_probs = fake_log_probs(len(ids)) if params.get("logprobs") else None
         return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=stop, num_preempted=0)
 
     async def abort(self, request_id: str) -> None:
-        """The pending (or next) call with this id returns ``aborted`` with no tokens."""
+        """End the pending call(s) with this id at once, with ``stop_reason='aborted'``."""
         self.counts["abort"] += 1
-        self._aborted.add(request_id)
+        event = self._pending.get(request_id)
+        if event is not None:
+            event.set()
 
     async def wake_up(self) -> None:
+        """Count the call (nothing to re-acquire)."""
         self.counts["wake_up"] += 1
 
     async def sleep(self) -> None:
+        """Count the call (nothing to release)."""
         self.counts["sleep"] += 1
 
     async def update_weights(self, named_tensors: dict[str, Any]) -> None:
+        """Count the call and keep the tensors in :attr:`weights`."""
         self.counts["update_weights"] += 1
         self.weights = dict(named_tensors)
 
     async def shutdown(self) -> None:
+        """Nothing to stop."""
         return None
