@@ -13,10 +13,16 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
   max_tokens) > no tool call → ``stop`` > ``max_turns`` (assistant cap) > run the tools.  After the tool
   turn: ``length`` if it does not fit in the budget (it is not appended, as in verl) > ``max_turns``
   (user cap) > generate again.
+* Interactions: when the sample names one (``extra_info.interaction_kwargs.name``, loaded from
+  ``multi_turn.interaction_config_path``), an assistant turn without tool calls goes to INTERACTING
+  instead of ending: the interaction replies (a user turn, mask 0, counted as a user turn) or ends the
+  conversation; its per-turn scores land in ``extra_fields["turn_scores"]`` and its
+  ``calculate_score`` in ``reward_score``.  ``finalize_interaction`` is always called.
 * ``num_turns`` = user turns + assistant turns + 1 (verl).  ``extra_fields``: ``tool_rewards``,
-  ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``, ``num_tool_timeouts``.
+  ``turn_scores``, ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``,
+  ``num_tool_timeouts``.
 
-Interactions (simulated users) and engine-side images are not implemented yet.
+Images returned by tools are carried in the tool message content; engine-side image input is a later step.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from uuid import uuid4
 
 from omegaconf import DictConfig
 
+from agentloop.errors import ConfigError
+from agentloop.interactions.base import BaseInteraction
+from agentloop.interactions.registry import initialize_interactions_from_config
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
@@ -45,6 +54,7 @@ class AgentState(str, Enum):
     PENDING = "pending"
     GENERATING = "generating"
     PROCESSING_TOOLS = "processing_tools"
+    INTERACTING = "interacting"
     TERMINATED = "terminated"
 
 
@@ -62,10 +72,14 @@ class AgentData:
     status: RolloutStatus = RolloutStatus.STOP
     pending_calls: list[Any] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=lambda: {
-        "tool_rewards": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
+        "tool_rewards": [], "turn_scores": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
         "num_dropped_calls": 0, "num_tool_timeouts": 0,
     })
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
+    interaction: BaseInteraction | None = None
+    interaction_id: str | None = None
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_score: float | None = None
 
 
 @register("tool_agent")
@@ -76,6 +90,7 @@ class ToolAgentLoop(AgentLoopBase):
     tool_schemas: ClassVar[list[dict[str, Any]] | None] = None
     tool_parser: ClassVar[ToolParser | None] = None
     runner: ClassVar[ToolRunner | None] = None
+    interactions: ClassVar[dict[str, BaseInteraction]] = {}
 
     @classmethod
     def init_class(cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
@@ -85,6 +100,8 @@ class ToolAgentLoop(AgentLoopBase):
         cls.tools = {t.name: t for t in tool_list}
         cls.tool_schemas = [t.tool_schema.model_dump(exclude_none=True) for t in tool_list] or None
         cls.tool_parser = get_tool_parser(str(mt.format), tokenizer)
+        path = mt.get("interaction_config_path")
+        cls.interactions = initialize_interactions_from_config(path) if path else {}
         cls.runner = ToolRunner(
             tools=cls.tools,
             max_parallel_calls=int(mt.max_parallel_calls or 1),
@@ -107,15 +124,38 @@ class ToolAgentLoop(AgentLoopBase):
         data = AgentData(messages=as_messages(kwargs["raw_prompt"]))
         tools_kwargs = kwargs.get("tools_kwargs") or {}
         self.sampling_params = dict(sampling_params)
+        await self._start_interaction(data, kwargs.get("extra_info"))
         state = AgentState.PENDING
-        while state != AgentState.TERMINATED:  # 1. pending → 2. generating ⇄ 3. processing tools
-            if state == AgentState.PENDING:
-                state = self._pending(data)
-            elif state == AgentState.GENERATING:
-                state = await self._generating(data)
-            else:
-                state = await self._processing_tools(data, tools_kwargs)
+        try:
+            # 1. pending → 2. generating → (3. processing tools | 4. interacting) → 2. … → terminated
+            while state != AgentState.TERMINATED:
+                if state == AgentState.PENDING:
+                    state = self._pending(data)
+                elif state == AgentState.GENERATING:
+                    state = await self._generating(data)
+                elif state == AgentState.PROCESSING_TOOLS:
+                    state = await self._processing_tools(data, tools_kwargs)
+                else:
+                    state = await self._interacting(data)
+            if data.interaction is not None:
+                data.reward_score = await data.interaction.calculate_score(data.interaction_id)  # type: ignore[arg-type]
+        finally:
+            if data.interaction is not None:
+                await data.interaction.finalize_interaction(data.interaction_id)  # type: ignore[arg-type]
         return self._output(data)
+
+    async def _start_interaction(self, data: AgentData, extra_info: Any) -> None:
+        kwargs = dict((extra_info or {}).get("interaction_kwargs") or {}) if isinstance(extra_info, dict) else {}
+        if not kwargs:
+            return
+        name = kwargs.get("name", "interaction_agent")
+        if name not in self.interactions:
+            raise ConfigError(
+                f"sample asks for interaction {name!r}; loaded interactions: {sorted(self.interactions)} "
+                "(actor_rollout_ref.rollout.multi_turn.interaction_config_path)"
+            )
+        data.interaction, data.interaction_kwargs = self.interactions[name], kwargs
+        data.interaction_id = await data.interaction.start_interaction(uuid4().hex, **kwargs)
 
     def _pending(self, data: AgentData) -> AgentState:
         ids = apply_chat_template(self.tokenizer, data.messages, tools=self.tool_schemas, add_generation_prompt=True)
@@ -142,7 +182,7 @@ class ToolAgentLoop(AgentLoopBase):
         content, calls = await self.tool_parser.extract_tool_calls(out.token_ids, self.tool_schemas)  # type: ignore[union-attr]
         data.messages.append(_assistant_message(content, calls))
         if not calls:
-            return self._end(data, RolloutStatus.STOP)
+            return AgentState.INTERACTING if data.interaction is not None else self._end(data, RolloutStatus.STOP)
         if self.max_assistant_turns and data.assistant_turns >= self.max_assistant_turns:
             return self._end(data, RolloutStatus.MAX_TURNS)
         data.pending_calls = calls
@@ -153,11 +193,25 @@ class ToolAgentLoop(AgentLoopBase):
         result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
         data.metrics.tool_calls += time.perf_counter() - start
         _count(data, result, len(data.pending_calls))
+        return self._append_turn(data, result.messages)
+
+    async def _interacting(self, data: AgentData) -> AgentState:
+        assert data.interaction is not None and data.interaction_id is not None
+        terminate, reply, score, _ = await data.interaction.generate_response(
+            data.interaction_id, data.messages, **data.interaction_kwargs
+        )
+        data.counters["turn_scores"].append(float(score))
+        if terminate:
+            return self._end(data, RolloutStatus.STOP)
+        return self._append_turn(data, [{"role": "user", "content": reply}])
+
+    def _append_turn(self, data: AgentData, messages: list[dict[str, Any]]) -> AgentState:
+        """Append tool / user messages (mask 0) if they fit, then decide whether to generate again."""
         system = data.messages[0] if data.messages[0]["role"] == "system" else None
-        ids = encode_new_turns(self.tokenizer, result.messages, system=system, tools=self.tool_schemas)
+        ids = encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas)
         if len(data.response_mask) + len(ids) >= self.response_length:
             return self._end(data, RolloutStatus.LENGTH)
-        data.messages += result.messages
+        data.messages += messages
         data.response_ids += ids
         data.response_mask += [0] * len(ids)
         data.response_logprobs += [0.0] * len(ids)
@@ -182,6 +236,7 @@ class ToolAgentLoop(AgentLoopBase):
             num_turns=data.user_turns + data.assistant_turns + 1,
             metrics=data.metrics,
             extra_fields=dict(data.counters),
+            reward_score=data.reward_score,
             status=data.status,
         )
 

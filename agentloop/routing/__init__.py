@@ -1,5 +1,6 @@
 """Routing: strategies (plain Python), the shared balancer actor and the async client."""
 
+from agentloop.routing.balancer_actor import BalancerActor, RemoteBalancer, create_global_balancer
 from agentloop.routing.manager import AsyncLLMServerManager
 from agentloop.routing.strategies import (
     Balancer,
@@ -13,9 +14,12 @@ from agentloop.routing.strategies import (
 __all__ = [
     "AsyncLLMServerManager",
     "Balancer",
+    "BalancerActor",
     "LeastInFlight",
+    "RemoteBalancer",
     "RouteContext",
     "RoutingStrategy",
     "StickySession",
+    "create_global_balancer",
     "make_balancer",
 ]

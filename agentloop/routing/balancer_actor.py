@@ -10,6 +10,7 @@ the per-request version cost ~25% throughput on the overhead benchmark, see docs
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any
 
 import ray
@@ -24,9 +25,11 @@ class BalancerActor:
         self.balancer = make_balancer(num_servers, **kwargs)
 
     def acquire(self, request_id: str, prompt_len: int = 0) -> int:
+        """Choose a server for ``request_id`` and count it in flight."""
         return self.balancer.acquire(request_id, prompt_len)
 
     def release(self, server: int) -> None:
+        """A request on ``server`` ended."""
         self.balancer.release(server)
 
     def acquire_many(self, requests: list[tuple[str, int]], releases: list[int]) -> list[int]:
@@ -36,9 +39,11 @@ class BalancerActor:
         return [self.balancer.acquire(rid, plen) for rid, plen in requests]
 
     def lookup(self, request_id: str) -> int | None:
+        """The server ``request_id`` is bound to, if any."""
         return self.balancer.lookup(request_id)
 
     def stats(self) -> dict[str, list[int]]:
+        """In-flight and total routed counts per server."""
         return self.balancer.stats()
 
 
@@ -56,6 +61,9 @@ class RemoteBalancer:
     ``acquire`` resolves once the actor has chosen a server; ``release`` is fire-and-forget and
     rides on the next round trip (one is started at once if none is in flight).  An acquire whose
     caller was cancelled while waiting is released automatically, so no slot leaks.
+    ``release(server, now=True)`` submits the release to the actor synchronously instead: use it
+    when the caller is being cancelled, since a round-trip task started then may never run (the
+    event loop may be shutting down).
     """
 
     def __init__(self, handle: Any) -> None:
@@ -63,38 +71,69 @@ class RemoteBalancer:
         self._acquires: list[tuple[str, int, asyncio.Future[int]]] = []
         self._releases: list[int] = []
         self._busy = False
+        self._task: asyncio.Task[None] | None = None  # strong reference: unreferenced tasks can be collected
 
     async def acquire(self, request_id: str, prompt_len: int = 0) -> int:
+        """Ask the actor for a server (batched with concurrent acquires and pending releases)."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._acquires.append((request_id, prompt_len, future))
         self._kick()
         return await future
 
-    def release(self, server: int) -> None:
+    def release(self, server: int, *, now: bool = False) -> None:
+        """Give ``server``'s slot back: batched, or submitted at once (no await) when ``now``."""
+        if now:
+            self._send_releases([server])
+            return
         self._releases.append(server)
         self._kick()
+
+    def _send_releases(self, servers: list[int]) -> None:
+        """Submit releases without awaiting; Ray runs the call even though its result is dropped."""
+        self.handle.acquire_many.remote([], servers)
 
     def _kick(self) -> None:
         if not self._busy and (self._acquires or self._releases):
             self._busy = True
-            asyncio.get_running_loop().create_task(self._round_trip())
+            self._task = asyncio.get_running_loop().create_task(self._round_trip())
 
     async def _round_trip(self) -> None:
+        """Send queued acquires and releases in one call until the queues are empty."""
         try:
             while self._acquires or self._releases:
                 batch, self._acquires = self._acquires, []
                 releases, self._releases = self._releases, []
-                try:
-                    servers = await self.handle.acquire_many.remote([(r, p) for r, p, _ in batch], releases)
-                except Exception as e:  # noqa: BLE001 - handed to every waiter
-                    for _, _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    continue
-                for (_, _, fut), server in zip(batch, servers, strict=True):
-                    if fut.cancelled():
-                        self._releases.append(server)
-                    else:
-                        fut.set_result(server)
+                await self._trip(batch, releases)
         finally:
+            if self._releases:  # cancelled mid-trip (loop shutting down): do not lose queued releases
+                self._send_releases(self._releases)
+                self._releases = []
             self._busy = False
+            self._task = None
+
+    async def _trip(self, batch: list[tuple[str, int, asyncio.Future[int]]], releases: list[int]) -> None:
+        """One actor call: apply ``releases``, acquire for ``batch`` and resolve its futures."""
+        ref = self.handle.acquire_many.remote([(r, p) for r, p, _ in batch], releases)
+        try:
+            servers = await ref
+        except asyncio.CancelledError:  # the loop is going away: nobody will use what the call acquires
+            for _, _, fut in batch:
+                fut.cancel()
+            if isinstance(ref, ray.ObjectRef):
+                ref.future().add_done_callback(self._release_result)
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to every waiter
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, _, fut), server in zip(batch, servers, strict=True):
+            if fut.cancelled():
+                self._releases.append(server)
+            else:
+                fut.set_result(server)
+
+    def _release_result(self, done: concurrent.futures.Future[list[int]]) -> None:
+        """Done-callback (a Ray thread): release the servers an abandoned acquire call got."""
+        if not done.cancelled() and done.exception() is None and done.result():
+            self._send_releases(done.result())

@@ -10,13 +10,14 @@ balancer may be a local :class:`Balancer` or the GlobalBalancer actor.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from agentloop.errors import ServerError
+from agentloop.errors import RoutingError, ServerError
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.strategies import Balancer, make_balancer
 from agentloop.types import TokenOutput
@@ -36,6 +37,8 @@ class AsyncLLMServerManager:
         max_cache_size: int = 10000,
     ) -> None:
         self.server_handles = list(server_handles)
+        if not self.server_handles:
+            raise RoutingError("no servers to route to: AsyncLLMServerManager got an empty server_handles list")
         self.balancer: Any = balancer if balancer is not None else make_balancer(
             len(self.server_handles), max_cache_size=max_cache_size
         )
@@ -47,13 +50,20 @@ class AsyncLLMServerManager:
             return await self._client.acquire(request_id, prompt_len)
         return self.balancer.acquire(request_id, prompt_len)
 
-    def _release_nowait(self, server: int) -> None:
+    def _release_nowait(self, server: int, *, cancelled: bool = False) -> None:
+        """Release without awaiting; on cancellation an actor release is submitted at once."""
         if self._client is not None:
-            self._client.release(server)
+            self._client.release(server, now=cancelled)
         else:
             self.balancer.release(server)
 
     async def _call(self, server: int, method: str, **kwargs: Any) -> Any:
+        """Call ``method`` on server ``server``, awaiting an actor call or a local coroutine alike."""
+        if not 0 <= server < len(self.server_handles):
+            raise RoutingError(
+                f"the balancer chose server {server} but this manager has {len(self.server_handles)} servers; "
+                "create the GlobalBalancer with num_servers equal to the number of server handles"
+            )
         handle = self.server_handles[server]
         if isinstance(handle, ActorHandle):
             return await getattr(handle, method).remote(**kwargs)
@@ -69,15 +79,19 @@ class AsyncLLMServerManager:
     ) -> TokenOutput:
         """Generate on the server chosen for ``request_id``; see the module docstring."""
         server = await self._acquire(request_id, len(prompt_ids))
+        cancelled = False
         try:
             output = await self._call(
                 server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
                 request_id=request_id, image_data=image_data,
             )
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         except RayActorError as e:  # the server process died; errors raised inside it propagate as they are
             raise ServerError(f"server {server} failed on request {request_id}: {e}") from e
         finally:
-            self._release_nowait(server)
+            self._release_nowait(server, cancelled=cancelled)
         output = output.model_copy(update={"extra_fields": {**output.extra_fields, "server_index": server}})
         return output
 

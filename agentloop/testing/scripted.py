@@ -79,7 +79,7 @@ class ScriptedServer:
         self.calls: list[dict[str, Any]] = []
         self.counts = {"wake_up": 0, "sleep": 0, "update_weights": 0, "abort": 0}
         self.weights: dict[str, Any] = {}
-        self._pending: dict[str, asyncio.Event] = {}
+        self._pending: dict[str, list[asyncio.Event]] = {}
 
     @property
     def remaining(self) -> int | None:
@@ -106,16 +106,18 @@ class ScriptedServer:
         """Sleep ``delay`` seconds; True when the request was aborted meanwhile."""
         if not self.delay:
             return False
-        event = self._pending.setdefault(request_id, asyncio.Event())
+        event = asyncio.Event()
+        self._pending.setdefault(request_id, []).append(event)
         try:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), self.delay)
             return event.is_set()
         finally:
-            if self._pending.get(request_id) is event and not any(
-                c["request_id"] == request_id for c in self._running
-            ):
-                del self._pending[request_id]
+            waiting = self._pending.get(request_id, [])
+            if event in waiting:
+                waiting.remove(event)
+            if not waiting:
+                self._pending.pop(request_id, None)
 
     async def generate(
         self,
@@ -140,12 +142,13 @@ class ScriptedServer:
 
     def _shape(self, ids: list[int], params: dict[str, Any]) -> TokenOutput:
         """Apply ``max_tokens``, pick the stop reason and add log-probs (rule 4)."""
-        max_tokens = params.get("max_tokens")
-        truncated = max_tokens is not None and len(ids) > int(max_tokens)
-        if truncated:
-            ids = ids[: int(max_tokens)]
+        raw_max = params.get("max_tokens")
+        max_tokens = None if raw_max is None else int(raw_max)
+        truncated = max_tokens is not None and len(ids) > max_tokens
+        if max_tokens is not None and truncated:
+            ids = ids[:max_tokens]
         ends_with_eos = self.eos_token_id is not None and bool(ids) and ids[-1] == self.eos_token_id
-        filled = self.eos_token_id is not None and max_tokens is not None and len(ids) == int(max_tokens)
+        filled = self.eos_token_id is not None and len(ids) == max_tokens
         stop = StopReason.STOP if ends_with_eos or not (truncated or filled) else StopReason.LENGTH
         log_probs = fake_log_probs(len(ids)) if params.get("logprobs") else None
         return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=stop, num_preempted=0)
@@ -153,8 +156,7 @@ class ScriptedServer:
     async def abort(self, request_id: str) -> None:
         """End the pending call(s) with this id at once, with ``stop_reason='aborted'``."""
         self.counts["abort"] += 1
-        event = self._pending.get(request_id)
-        if event is not None:
+        for event in self._pending.pop(request_id, []):
             event.set()
 
     async def wake_up(self) -> None:

@@ -157,3 +157,63 @@ def test_generation_asks_only_for_the_remaining_budget(tool_yaml):
     first_budget = server.calls[0]["sampling_params"]["max_tokens"]
     second_budget = server.calls[1]["sampling_params"]["max_tokens"]
     assert first_budget == 300 and second_budget == 300 - (len(server.calls[1]["prompt_ids"]) - len(out.prompt_ids))
+
+
+def run_with_interaction(tmp_path, tool_yaml, script, truth="5", max_attempts=2, max_user_turns=None):
+    inter = tmp_path / "interactions.yaml"
+    inter.write_text("interaction:\n  - name: grader\n"
+                     "    class_name: agentloop.interactions.answer_check.AnswerCheckInteraction\n"
+                     f"    config: {{max_attempts: {max_attempts}}}\n")
+    cfg = default_config()
+    cfg.data.max_prompt_length = 256
+    cfg.data.max_response_length = 400
+    OmegaConf.resolve(cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+    rollout.multi_turn.tool_config_path = tool_yaml
+    rollout.multi_turn.interaction_config_path = str(inter)
+    rollout.multi_turn.max_user_turns = max_user_turns
+    server = ScriptedServer(script, eos_token_id=IM_END)
+
+    async def go():
+        ToolAgentLoop.init_class(rollout, TOK)
+        loop = ToolAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
+        extra = {"interaction_kwargs": {"name": "grader", "ground_truth": truth}}
+        return await loop.run({}, raw_prompt=[{"role": "user", "content": "2 + 3?"}], extra_info=extra)
+
+    return asyncio.run(go()), server
+
+
+def test_interaction_asks_again_then_scores(tmp_path, tool_yaml):
+    out, server = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 6."), say("The answer is 5.")])
+    assert out.status == "stop" and out.reward_score == 1.0
+    assert out.extra_fields["turn_scores"] == [0.0, 1.0]
+    assert "not right" in tool_text(out) and len(server.calls) == 2
+    assert out.num_turns == 4  # prompt + 2 assistant + 1 user reply
+
+
+def test_interaction_gives_up_after_max_attempts(tmp_path, tool_yaml):
+    out, _ = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 1.")] * 3, max_attempts=2)
+    assert out.reward_score == 0.0 and out.extra_fields["turn_scores"] == [0.0, 0.0]
+
+
+def test_interaction_with_tool_calls_and_user_turn_limit(tmp_path, tool_yaml):
+    script = [say(call("calculator", expression="2 + 3")), say("The answer is 4."), say("The answer is 5.")]
+    out, server = run_with_interaction(tmp_path, tool_yaml, script, max_user_turns=2)
+    assert out.status == "max_turns" and len(server.calls) == 2  # tool turn + grader reply = 2 user turns
+
+
+def test_unknown_interaction_name_is_an_error(tmp_path, tool_yaml):
+    from agentloop.errors import ConfigError
+
+    cfg = default_config()
+    OmegaConf.resolve(cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+
+    async def go():
+        ToolAgentLoop.init_class(rollout, TOK)
+        loop = ToolAgentLoop(rollout, AsyncLLMServerManager([ScriptedServer()]), TOK)
+        return await loop.run({}, raw_prompt=[{"role": "user", "content": "x"}],
+                              extra_info={"interaction_kwargs": {"name": "nobody"}})
+
+    with pytest.raises(ConfigError, match="nobody"):
+        asyncio.run(go())

@@ -1,0 +1,7 @@
+"""Interactions: simulated users selected per sample by ``extra_info.interaction_kwargs.name``."""
+
+from agentloop.interactions.answer_check import AnswerCheckInteraction
+from agentloop.interactions.base import BaseInteraction
+from agentloop.interactions.registry import initialize_interactions_from_config
+
+__all__ = ["AnswerCheckInteraction", "BaseInteraction", "initialize_interactions_from_config"]

@@ -1,0 +1,112 @@
+"""Two AsyncLLMServerManagers sharing one GlobalBalancer actor over ScriptedServer actors (local Ray, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from agentloop.errors import ServerError
+from agentloop.routing import AsyncLLMServerManager, create_global_balancer
+from agentloop.testing import ScriptedServer
+from agentloop.types import StopReason
+
+pytestmark = pytest.mark.integration
+
+NUM_SERVERS = 4
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+def server_actors(ray: Any, n: int, delay: float) -> list[Any]:
+    actor_cls = ray.remote(num_cpus=0)(ScriptedServer)
+    return [actor_cls.remote(delay=delay, name=f"s{i}") for i in range(n)]
+
+
+def wait_idle(ray: Any, balancer: Any, timeout: float = 5.0) -> dict[str, list[int]]:
+    """Releases are fire-and-forget; poll until every in-flight count is back to 0."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = ray.get(balancer.stats.remote())
+        if not any(stats["in_flight"]) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_two_managers_share_load_and_release(ray_session):
+    ray = ray_session
+    servers = server_actors(ray, NUM_SERVERS, delay=0.3)
+    balancer = create_global_balancer(NUM_SERVERS, seed=0)
+    a, b = AsyncLLMServerManager(servers, balancer), AsyncLLMServerManager(servers, balancer)
+
+    async def main():
+        calls = [m.generate(f"{tag}{i}", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 2})
+                 for m, tag in ((a, "a"), (b, "b")) for i in range(4)]
+        return await asyncio.gather(*calls)
+
+    outs = asyncio.run(main())
+    assert all(o.token_ids == [2, 3] and o.stop_reason == StopReason.STOP for o in outs)
+    assert Counter(o.extra_fields["server_index"] for o in outs) == dict.fromkeys(range(NUM_SERVERS), 2)
+    stats = wait_idle(ray, balancer)
+    assert stats == {"in_flight": [0] * NUM_SERVERS, "routed": [2] * NUM_SERVERS}
+
+
+def test_sticky_across_managers_and_abort_reaches_the_bound_server(ray_session):
+    ray = ray_session
+    servers = server_actors(ray, NUM_SERVERS, delay=0.0)
+    balancer = create_global_balancer(NUM_SERVERS)
+    a, b = AsyncLLMServerManager(servers, balancer), AsyncLLMServerManager(servers, balancer)
+
+    async def main():
+        first = await a.generate("conv", prompt_ids=[1], sampling_params={})
+        second = await b.generate("conv", prompt_ids=[1, 2], sampling_params={})
+        await b.abort("conv")
+        return first.extra_fields["server_index"], second.extra_fields["server_index"]
+
+    first, second = asyncio.run(main())
+    assert first == second
+    calls = ray.get([s.__ray_call__.remote(lambda self: self.counts["abort"]) for s in servers])
+    assert calls[first] == 1 and sum(calls) == 1
+
+
+def test_cancellation_releases_during_acquire_and_during_generate(ray_session):
+    ray = ray_session
+    servers = server_actors(ray, 1, delay=5.0)
+    balancer = create_global_balancer(1)
+    mgr = AsyncLLMServerManager(servers, balancer)
+    ray.get([servers[0].wake_up.remote(), balancer.stats.remote()])  # both actors are up
+
+    async def cancel_after(seconds: float) -> None:
+        task = asyncio.create_task(mgr.generate(f"slow{seconds}", prompt_ids=[1], sampling_params={}))
+        await asyncio.sleep(seconds)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_after(0.0))  # still waiting for the balancer; the event loop then closes
+    assert wait_idle(ray, balancer)["in_flight"] == [0]
+    asyncio.run(cancel_after(0.5))  # waiting on the server
+    assert wait_idle(ray, balancer) == {"in_flight": [0], "routed": [2]}
+
+
+def test_dead_server_is_a_server_error_and_releases(ray_session):
+    ray = ray_session
+    servers = server_actors(ray, 1, delay=0.0)
+    balancer = create_global_balancer(1)
+    mgr = AsyncLLMServerManager(servers, balancer)
+    ray.kill(servers[0])
+    with pytest.raises(ServerError, match=r"server 0 failed on request dead"):
+        asyncio.run(mgr.generate("dead", prompt_ids=[1], sampling_params={}))
+    assert wait_idle(ray, balancer)["in_flight"] == [0]
