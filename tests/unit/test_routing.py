@@ -6,10 +6,12 @@ import asyncio
 from collections import Counter
 
 import pytest
+from ray.exceptions import RayActorError
 
-from agentloop.errors import RoutingError
+from agentloop.errors import RoutingError, ServerError
 from agentloop.routing import AsyncLLMServerManager, LeastInFlight, RouteContext, StickySession, make_balancer
 from agentloop.testing import ScriptedServer
+from agentloop.types import TokenOutput
 
 
 def servers(n: int, delay: float = 0.0) -> list[ScriptedServer]:
@@ -98,6 +100,53 @@ def test_lru_evicts_oldest_request_id():
     for rid in ("a", "b", "c"):
         sticky.choose(RouteContext(rid), [0, 0])
     assert sticky.lookup("a") is None and sticky.lookup("b") is not None and sticky.lookup("c") is not None
+
+
+def test_lru_hit_refreshes_order_and_forget_unbinds():
+    sticky = StickySession(LeastInFlight(seed=0), max_cache_size=2)
+    sticky.choose(RouteContext("a"), [0, 0])
+    sticky.choose(RouteContext("b"), [0, 0])
+    sticky.choose(RouteContext("a"), [0, 0])  # "a" is now the most recent
+    sticky.choose(RouteContext("c"), [0, 0])  # evicts "b", not "a"
+    assert sticky.lookup("a") is not None and sticky.lookup("b") is None
+    sticky.forget("a")
+    assert sticky.lookup("a") is None
+
+
+def test_balancer_counts_and_never_goes_below_zero():
+    bal = make_balancer(2, seed=1)
+    first = bal.acquire("x")
+    assert bal.acquire("x") == first  # sticky even while in flight
+    assert bal.stats() == {"in_flight": [2 if i == first else 0 for i in range(2)],
+                           "routed": [2 if i == first else 0 for i in range(2)]}
+    for _ in range(3):
+        bal.release(first)
+    assert bal.in_flight == [0, 0]
+
+
+def test_dead_server_becomes_server_error_and_releases():
+    mgr = AsyncLLMServerManager([ScriptedServer([RayActorError()])])
+    with pytest.raises(ServerError, match="server 0 failed on request gone"):
+        asyncio.run(mgr.generate("gone", prompt_ids=[1], sampling_params={}))
+    assert mgr.balancer.in_flight == [0]
+
+
+def test_server_index_is_added_on_a_copy():
+    shared = TokenOutput(token_ids=[1], extra_fields={"k": "v"})
+    mgr = AsyncLLMServerManager([ScriptedServer([shared])])
+    out = asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
+    assert out.extra_fields == {"k": "v", "server_index": 0}
+    assert shared.extra_fields == {"k": "v"}
+
+
+def test_manager_rejects_no_servers_and_foreign_indices():
+    with pytest.raises(RoutingError, match="no servers"):
+        AsyncLLMServerManager([])
+    mgr = AsyncLLMServerManager(servers(1), make_balancer(3, seed=0))
+    mgr.balancer.in_flight[0] = 5  # force the balancer to pick a server this manager lacks
+    with pytest.raises(RoutingError, match="num_servers"):
+        asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
+    assert mgr.balancer.in_flight[1:] == [0, 0]
 
 
 def test_balancer_errors_are_clear():
