@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Builds (first time: trains for ~4 min on 2 cores) and caches the tiny tool-calling model.
 model: install
 	$(PY) scripts/make_tiny_model.py
 
@@ -30,7 +31,7 @@ demo: install
 	$(VENV)/bin/agentloop rollout --config examples/quickstart/config.yaml \
 	  actor_rollout_ref.model.path=$$($(PY) scripts/make_tiny_model.py --quiet)
 
-test: install
+test: install model
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 test-unit: install

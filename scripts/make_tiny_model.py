@@ -21,9 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help=f"model directory (default: {tiny_model_path()})")
     parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date model is present")
     parser.add_argument("--quiet", action="store_true", help="print only the path")
+    parser.add_argument("--train-steps", type=int, default=None,
+                        help="training steps on synthetic tool-use conversations (default: TRAIN_STEPS; 0: random)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    path = ensure_tiny_model(args.out, force=args.force)
+    path = ensure_tiny_model(args.out, force=args.force, train_steps=args.train_steps)
     if not args.quiet:
         print(f"tiny model ready in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     print(path)

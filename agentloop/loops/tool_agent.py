@@ -98,7 +98,8 @@ class ToolAgentLoop(AgentLoopBase):
         mt = config.multi_turn
         tool_list = initialize_tools_from_config(mt.tool_config_path) if mt.tool_config_path else []
         cls.tools = {t.name: t for t in tool_list}
-        cls.tool_schemas = [t.tool_schema.model_dump(exclude_none=True) for t in tool_list] or None
+        # Only the keys the schema was given (verl's rule), so the prompt shows the tool as written.
+        cls.tool_schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in tool_list] or None
         cls.tool_parser = get_tool_parser(str(mt.format), tokenizer)
         path = mt.get("interaction_config_path")
         cls.interactions = initialize_interactions_from_config(path) if path else {}

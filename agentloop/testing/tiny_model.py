@@ -35,10 +35,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentloop.tools.calculator import CALCULATOR_TOOL_DICT
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"
+TRAIN_STEPS = 700  # ~5 min on 2 cores; see agentloop.testing.train_tiny
 MARKER = "agentloop_tiny_model.json"
 CACHE_ENV = "AGENTLOOP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/agentloop/models").expanduser()
@@ -61,18 +64,7 @@ MODEL_SHAPE: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-CALCULATOR_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression with integers and the operators +, - and *.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "The expression, e.g. 12 * 7"}},
-            "required": ["expression"],
-        },
-    },
-}
+CALCULATOR_TOOL: dict[str, Any] = CALCULATOR_TOOL_DICT  # the schema the model is trained to call
 TOOLS_HEADER = (
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -338,22 +330,42 @@ def content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _is_current(path: Path) -> bool:
+def _is_current(path: Path, train_steps: int) -> bool:
     try:
         marker = json.loads((path / MARKER).read_text())
-        return marker.get("builder_version") == BUILDER_VERSION and marker.get("content_sha256") == content_hash(path)
+        return (
+            marker.get("builder_version") == BUILDER_VERSION
+            and marker.get("train_steps", 0) == train_steps
+            and marker.get("content_sha256") == content_hash(path)
+        )
     except (OSError, ValueError):
         return False
 
 
-def build_into(out_dir: Path) -> None:
-    """Build the whole model directory into ``out_dir`` (which must exist), marker included."""
+def default_train_steps() -> int:
+    """:data:`TRAIN_STEPS`, or ``$AGENTLOOP_TINY_TRAIN_STEPS`` (0 keeps the random weights)."""
+    return int(os.environ.get("AGENTLOOP_TINY_TRAIN_STEPS", TRAIN_STEPS))
+
+
+def build_into(out_dir: Path, train_steps: int = 0) -> None:
+    """Build the whole model directory into ``out_dir`` (which must exist), marker included.
+
+    With ``train_steps > 0`` the model is trained on synthetic calculator conversations
+    (:mod:`agentloop.testing.train_tiny`) before it is saved; the rates it reaches are in the marker.
+    """
     tokenizer = build_tokenizer(out_dir)
     model = init_model(tokenizer)
+    marker_extra: dict[str, Any] = {"train_steps": train_steps}
+    if train_steps > 0:
+        from agentloop.testing.train_tiny import evaluate_tool_use, train_tool_use
+
+        marker_extra["training"] = train_tool_use(model, tokenizer, steps=train_steps)
+        marker_extra["eval"] = evaluate_tool_use(model, tokenizer)
     save_model(model, out_dir)
     for file in out_dir.iterdir():
         file.chmod(0o644)
-    marker = {"builder_version": BUILDER_VERSION, "content_sha256": content_hash(out_dir), "vocab": len(tokenizer)}
+    marker = {"builder_version": BUILDER_VERSION, "content_sha256": content_hash(out_dir), "vocab": len(tokenizer),
+              **marker_extra}
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
 
@@ -379,23 +391,25 @@ def _swap_in(new: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def ensure_tiny_model(path: str | Path | None = None, *, force: bool = False) -> Path:
+def ensure_tiny_model(path: str | Path | None = None, *, force: bool = False, train_steps: int | None = None) -> Path:
     """Build the tiny model at ``path`` (default :func:`tiny_model_path`) unless it is there and current.
 
     Idempotent: an up-to-date directory is returned untouched.  ``force`` rebuilds anyway.
+    ``train_steps`` defaults to :func:`default_train_steps`; 0 gives the untrained (random) model.
     """
+    steps = default_train_steps() if train_steps is None else int(train_steps)
     target = Path(path).expanduser().absolute() if path is not None else tiny_model_path()
-    if not force and _is_current(target):
+    if not force and _is_current(target, steps):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(target):
-        if not force and _is_current(target):  # another caller built it while we waited
+        if not force and _is_current(target, steps):  # another caller built it while we waited
             return target
         if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
             raise FileExistsError(f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it")
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
         try:
-            build_into(tmp)
+            build_into(tmp, steps)
             tmp.chmod(0o755)
             _swap_in(tmp, target)
         finally:

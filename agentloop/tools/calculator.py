@@ -13,13 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentloop.tools.base import BaseTool
-from agentloop.tools.schemas import (
-    OpenAIFunctionParametersSchema,
-    OpenAIFunctionPropertySchema,
-    OpenAIFunctionSchema,
-    OpenAIFunctionToolSchema,
-    ToolResponse,
-)
+from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -28,16 +22,20 @@ _BINARY: dict[type, Callable[[Any, Any], Any]] = {
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _LIMIT = 10**100
 
-CALCULATOR_SCHEMA = OpenAIFunctionToolSchema(
-    function=OpenAIFunctionSchema(
-        name="calculator",
-        description="Evaluate an arithmetic expression and return the result.",
-        parameters=OpenAIFunctionParametersSchema(
-            properties={"expression": OpenAIFunctionPropertySchema(type="string", description="e.g. 12 * (3 + 4)")},
-            required=["expression"],
-        ),
-    )
-)
+# The exact schema the tiny test model is trained on (agentloop.testing.tiny_model): keep it byte-stable.
+CALCULATOR_TOOL_DICT: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with integers and the operators +, - and *.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "The expression, e.g. 12 * 7"}},
+            "required": ["expression"],
+        },
+    },
+}
+CALCULATOR_SCHEMA = OpenAIFunctionToolSchema.model_validate(CALCULATOR_TOOL_DICT)
 
 
 def evaluate(expression: str) -> int | float:

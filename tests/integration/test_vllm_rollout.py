@@ -22,7 +22,7 @@ from agentloop.types import AgentLoopOutput
 
 pytestmark = pytest.mark.integration
 
-PROMPT_LEN, RESPONSE_LEN = 128, 24
+PROMPT_LEN, RESPONSE_LEN = 256, 96
 
 
 @register("three_turn_probe")
@@ -74,6 +74,8 @@ def manager(model_path):
         "actor_rollout_ref.rollout.agent.num_workers": 2,
         "actor_rollout_ref.rollout.server.num_servers": 2,
         "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/calculator_agent/tools.yaml",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
     }.items():
         OmegaConf.update(cfg, k, v)
     m = AgentLoopManager(cfg)
@@ -167,6 +169,39 @@ def test_output_round_trips_through_disk(manager, tmp_path):
     back = DataProto.load_from_disk(str(tmp_path / "o.dp"))
     assert torch.equal(back.batch["input_ids"], out.batch["input_ids"])
     assert np.array_equal(back.non_tensor_batch["uid"], out.non_tensor_batch["uid"])
+
+
+def test_trained_tiny_model_calls_the_calculator(manager):
+    """The trained tiny model emits hermes tool calls; tool tokens are masked out, sampled ones are not."""
+    import random
+
+    from agentloop.testing.tiny_model import _SYSTEM_PROMPTS, word_problem
+
+    rng = random.Random(7)
+    rows = []
+    for i in range(8):
+        question, _, _ = word_problem(rng)
+        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[0]}, {"role": "user", "content": question}]
+        rows.append({"prompt": messages, "agent_name": "tool_agent", "extra_info": {"index": i}})
+    batch = rows_to_batch(rows)
+    batch.meta_info["validate"] = True  # greedy
+    out = manager.generate_sequences(batch)
+    calls = np.array(out.non_tensor_batch["num_tool_calls"].tolist())
+    assert (calls >= 1).mean() >= 0.75, calls
+    tok = manager_tokenizer(manager)
+    for i in np.nonzero(calls)[0]:
+        resp = out.batch["responses"][i]
+        mask = out.batch["response_mask"][i].bool()
+        real = out.batch["attention_mask"][i, PROMPT_LEN:].bool()
+        assert "<tool_response>" in tok.decode(resp[real & ~mask].tolist())
+        assert "<tool_call>" in tok.decode(resp[mask].tolist())
+        assert "<tool_response>" not in tok.decode(resp[mask].tolist())
+
+
+def manager_tokenizer(manager):
+    from agentloop.worker import load_tokenizer
+
+    return load_tokenizer(manager.config.model)
 
 
 def test_tool_agent_runs_on_the_real_engine(manager):

@@ -21,7 +21,7 @@ TOOL_CALL_TEXT = (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2")
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2", train_steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def file_hashes(path: Path) -> dict[str, str]:
 
 
 def test_build_is_deterministic(model_dir: Path, tmp_path: Path) -> None:
-    again = ensure_tiny_model(tmp_path / "again")
+    again = ensure_tiny_model(tmp_path / "again", train_steps=0)
     first, second = file_hashes(model_dir), file_hashes(again)
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors", MARKER):
         assert first[name] == second[name], name
@@ -46,16 +46,16 @@ def test_build_is_deterministic(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_ensure_is_idempotent_and_rebuilds_when_stale(tmp_path: Path) -> None:
-    path = ensure_tiny_model(tmp_path / "m")
+    path = ensure_tiny_model(tmp_path / "m", train_steps=0)
     stamps = {name: (path / name).stat().st_mtime_ns for name in (MARKER, "model.safetensors", "tokenizer.json")}
     inode = path.stat().st_ino
-    assert ensure_tiny_model(path) == path
+    assert ensure_tiny_model(path, train_steps=0) == path
     assert {name: (path / name).stat().st_mtime_ns for name in stamps} == stamps
     assert path.stat().st_ino == inode
     marker = json.loads((path / MARKER).read_text())
     assert marker["builder_version"] == tiny_model.BUILDER_VERSION
     (path / MARKER).write_text(json.dumps({**marker, "builder_version": "old"}))
-    ensure_tiny_model(path)
+    ensure_tiny_model(path, train_steps=0)
     assert json.loads((path / MARKER).read_text()) == marker
     assert path.stat().st_ino != inode  # rebuilt and swapped in
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m-") and p.is_dir()]  # no leftovers
@@ -64,7 +64,7 @@ def test_ensure_is_idempotent_and_rebuilds_when_stale(tmp_path: Path) -> None:
 def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError):
-        ensure_tiny_model(tmp_path)
+        ensure_tiny_model(tmp_path, train_steps=0)
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
 
