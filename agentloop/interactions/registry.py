@@ -11,36 +11,23 @@ and entry named.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from agentloop.errors import ConfigError
+from agentloop.imports import import_subclass, load_yaml_entries
 from agentloop.interactions.base import BaseInteraction
 
 
 def initialize_interactions_from_config(path: str | Path) -> dict[str, BaseInteraction]:
     """name → interaction instance, for every entry of the YAML file."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"interaction_config_path {str(path)!r} does not exist")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    entries = data.get("interaction") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        raise ConfigError(f"{path}: expected a top-level 'interaction:' list")
+    entries = load_yaml_entries(path, "interaction", "interaction_config_path")
     out: dict[str, BaseInteraction] = {}
     for i, entry in enumerate(entries):
         where = f"{path} interaction[{i}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
             raise ConfigError(f"{where}: needs a 'class_name'")
-        module_name, _, attr = str(entry["class_name"]).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"{where}: cannot import {entry['class_name']!r}: {e}") from e
-        if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
-            raise ConfigError(f"{where}: {entry['class_name']!r} is not a BaseInteraction subclass")
+        cls = import_subclass(str(entry["class_name"]), BaseInteraction, f"{where} class_name")
         name = str(entry.get("name") or cls.__name__)
         if name in out:
             raise ConfigError(f"{where}: duplicate interaction name {name!r}")

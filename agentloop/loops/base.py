@@ -17,15 +17,15 @@ then builds one cheap loop instance per sample, without Hydra in the per-sample 
 from __future__ import annotations
 
 import asyncio
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from agentloop.errors import ConfigError, UnknownAgentError
+from agentloop.imports import import_subclass, load_yaml_entries
 from agentloop.types import AgentLoopOutput
 
 _agent_loop_registry: dict[str, dict[str, Any]] = {}
@@ -103,25 +103,9 @@ class ResolvedAgentLoop:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _import_target(target: str, name: str) -> type[AgentLoopBase]:
-    module_name, _, attr = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"agent loop {name!r}: cannot import _target_ {target!r}: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
-        raise ConfigError(f"agent loop {name!r}: _target_ {target!r} is not an AgentLoopBase subclass")
-    return cls
-
-
 def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
     """Read an ``agent_loop_config_path`` YAML: a list of ``{name, _target_, **kwargs}``."""
-    try:
-        entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except FileNotFoundError as e:
-        raise ConfigError(f"agent_loop_config_path {path!r} does not exist") from e
-    if not isinstance(entries, list):
-        raise ConfigError(f"{path}: expected a YAML list of {{name, _target_}} entries, got {type(entries).__name__}")
+    entries = load_yaml_entries(path, None, "agent_loop_config_path")
     out: dict[str, dict[str, Any]] = {}
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or "name" not in entry or "_target_" not in entry:
@@ -144,7 +128,7 @@ def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, Res
     for name, entry in entries.items():
         entry = dict(entry)
         target = entry.pop("_target_")
-        cls = entry.pop("_class_", None) or _import_target(target, name)
+        cls = entry.pop("_class_", None) or import_subclass(target, AgentLoopBase, f"agent loop {name!r} _target_")
         resolved[name] = ResolvedAgentLoop(name=name, cls=cls, kwargs=entry)
     return resolved
 

@@ -11,34 +11,22 @@ tool name raises :class:`~agentloop.errors.ConfigError` naming the file and the 
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from agentloop.errors import ConfigError
+from agentloop.imports import import_subclass, load_yaml_entries
 from agentloop.tools.base import BaseTool
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
-
-
-def _import_class(path: str, where: str) -> type[BaseTool]:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot import class_name {path!r}: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
-        raise ConfigError(f"{where}: class_name {path!r} is not a BaseTool subclass")
-    return cls
 
 
 def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
     """One tool from one YAML entry."""
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise ConfigError(f"{where}: each tool needs a 'class_name', got {entry!r}")
-    cls = _import_class(str(entry["class_name"]), where)
+    cls = import_subclass(str(entry["class_name"]), BaseTool, f"{where} class_name")
     config = dict(entry.get("config") or {})
     raw_schema = entry.get("tool_schema")
     try:
@@ -54,12 +42,7 @@ def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
 def initialize_tools_from_config(tool_config_path: str | Path) -> list[BaseTool]:
     """All tools of a ``tool_config_path`` YAML, validated."""
     path = Path(tool_config_path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"tool_config_path {str(path)!r} does not exist")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    entries = data.get("tools") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        raise ConfigError(f"{path}: expected a top-level 'tools:' list")
+    entries = load_yaml_entries(path, "tools", "tool_config_path")
     tools: list[BaseTool] = []
     for i, entry in enumerate(entries):
         tool = build_tool(entry, f"{path} tools[{i}]")
