@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from agentloop.errors import DatasetError
-from agentloop.protocol import DataProto
+from agentloop.protocol import DataProto, object_array
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -52,12 +52,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _object_array(values: list[Any]) -> np.ndarray:
-    arr = np.empty(len(values), dtype=object)
-    arr[:] = values
-    return arr
-
-
 def rows_to_batch(rows: list[dict[str, Any]], prompt_key: str = "prompt", n: int = 1) -> DataProto:
     """Turn dataset rows into a DataProto of samples, each repeated ``n`` times (interleaved)."""
     if not rows:
@@ -78,7 +72,7 @@ def rows_to_batch(rows: list[dict[str, Any]], prompt_key: str = "prompt", n: int
         for i, r in enumerate(rows)
     ]
     columns["uid"] = [str(uuid.uuid4()) for _ in rows]
-    batch = DataProto(batch=None, non_tensor_batch={k: _object_array(v) for k, v in columns.items()}, meta_info={})
+    batch = DataProto(batch=None, non_tensor_batch={k: object_array(v) for k, v in columns.items()}, meta_info={})
     return batch.repeat(repeat_times=n, interleave=True) if n > 1 else batch
 
 

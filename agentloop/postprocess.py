@@ -36,7 +36,7 @@ import torch
 from tensordict import TensorDict
 
 from agentloop.errors import DatasetError
-from agentloop.protocol import DataProto
+from agentloop.protocol import DataProto, object_array
 from agentloop.types import AgentLoopOutput
 
 _BUILTIN_COLUMNS = ("__num_turns__", "status", "error", "multi_modal_data")
@@ -93,13 +93,6 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
             )
 
 
-def _object_array(values: Sequence[Any]) -> np.ndarray:
-    """A 1-D object array holding ``values`` as-is (lists and dicts stay single entries)."""
-    arr = np.empty(len(values), dtype=object)
-    arr[:] = list(values)
-    return arr
-
-
 def _tensor_columns(
     outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int,
     calculate_log_probs: bool,
@@ -147,7 +140,7 @@ def _extra_columns(outputs: list[AgentLoopOutput], base: dict[str, np.ndarray]) 
             o.extra_fields[key] if key in o.extra_fields else (None if fallback is None else fallback[i])
             for i, o in enumerate(outputs)
         ]
-        columns[key] = _object_array(values)
+        columns[key] = object_array(values)
     return columns
 
 
@@ -155,7 +148,7 @@ def _sample_columns(sample_fields: dict[str, Any] | None, batch_size: int) -> di
     """Validate ``sample_fields`` (one value per output row) and return them as numpy arrays."""
     columns: dict[str, np.ndarray] = {}
     for key, value in (sample_fields or {}).items():
-        arr = value if isinstance(value, np.ndarray) else _object_array(list(value))
+        arr = value if isinstance(value, np.ndarray) else object_array(list(value))
         if len(arr) != batch_size:
             raise DatasetError(
                 f"sample_fields[{key!r}] has {len(arr)} rows but there are {batch_size} outputs; "
@@ -172,10 +165,10 @@ def _non_tensor_columns(
     columns = _sample_columns(sample_fields, len(outputs))
     columns.update(_extra_columns(outputs, columns))
     columns["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int32)
-    columns["status"] = _object_array([getattr(o.status, "value", o.status) for o in outputs])
-    columns["error"] = _object_array([o.error for o in outputs])
+    columns["status"] = object_array([getattr(o.status, "value", o.status) for o in outputs])
+    columns["error"] = object_array([o.error for o in outputs])
     if any(o.multi_modal_data is not None for o in outputs):
-        columns["multi_modal_data"] = _object_array([o.multi_modal_data for o in outputs])
+        columns["multi_modal_data"] = object_array([o.multi_modal_data for o in outputs])
     return columns
 
 

@@ -8,6 +8,7 @@ ragged data) whose first dimension is the batch size, ``meta_info`` a free dict.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -91,7 +92,7 @@ class DataProto:
     ) -> DataProto:
         """Build from tensors (same leading dims) and per-row arrays."""
         tensors = tensors or {}
-        non = {k: v if isinstance(v, np.ndarray) else _object_array(list(v)) for k, v in (non_tensors or {}).items()}
+        non = {k: v if isinstance(v, np.ndarray) else object_array(list(v)) for k, v in (non_tensors or {}).items()}
         batch = None
         if tensors:
             first_key, first = next(iter(tensors.items()))
@@ -326,9 +327,10 @@ def _check_same_keys(data: list[DataProto]) -> None:
             raise DatasetError(f"concat: part {i} does not have the same keys as part 0; differing keys: {diff}")
 
 
-def _object_array(values: list[Any]) -> np.ndarray:
+def object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D object array holding ``values`` as-is (lists and dicts stay single entries)."""
     arr = np.empty(len(values), dtype=object)
-    arr[:] = values
+    arr[:] = list(values)
     return arr
 
 
