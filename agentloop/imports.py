@@ -13,15 +13,18 @@ from agentloop.errors import ConfigError
 T = TypeVar("T")
 
 
-def import_subclass(path: str, base: type[T], where: str) -> type[T]:
-    """Import ``pkg.module.Class`` and check it subclasses ``base``; errors name ``where``."""
+def import_subclass(path: str, base: type[T], where: str, hint: str = "") -> type[T]:
+    """Import ``pkg.module.Class`` and check it subclasses ``base``; errors name ``where``.
+
+    ``hint`` is appended to the "not a subclass" error (e.g. how to make a plain function fit).
+    """
     module_name, _, attr = str(path).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"{where}: cannot import {path!r}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(f"{where}: {path!r} is not a {base.__name__} subclass")
+        raise ConfigError(f"{where}: {path!r} is not a {base.__name__} subclass{'; ' + hint if hint else ''}")
     return cls
 
 
@@ -36,3 +39,17 @@ def load_yaml_entries(path: str | Path, key: str | None, label: str) -> list[Any
         expected = "a YAML list" if key is None else f"a top-level '{key}:' list"
         raise ConfigError(f"{path}: expected {expected}")
     return entries
+
+
+def import_object(path: str, where: str) -> Any:
+    """Import ``pkg.module:attr`` or ``pkg.module.attr``; errors name ``where``."""
+    module_name, sep, attr = str(path).partition(":")
+    if not sep:
+        module_name, _, attr = str(path).rpartition(".")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot import {path!r}: {e}") from e
+    return obj

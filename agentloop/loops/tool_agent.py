@@ -22,7 +22,12 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
   ``turn_scores``, ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``,
   ``num_tool_timeouts``.
 
-Images returned by tools are carried in the tool message content; engine-side image input is a later step.
+* Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` (if any) starts the trajectory's
+  image list; images returned by a tool are rendered as ``{"type": "image"}`` parts of its tool message
+  and appended to the list when that tool turn is appended.  Every generation passes the list so far as
+  ``image_data`` (None while it is empty), and the output carries it as ``multi_modal_data["image"]``
+  (None when the trajectory has no images).  Prompt / tool turns are still encoded with the tokenizer's
+  chat template, not a multimodal processor: placeholder expansion is left to the engine.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from enum import Enum
 from typing import Any, ClassVar
 from uuid import uuid4
 
+import numpy as np
 from omegaconf import DictConfig
 
 from agentloop.errors import ConfigError
@@ -71,6 +77,7 @@ class AgentData:
     user_turns: int = 0
     status: RolloutStatus = RolloutStatus.STOP
     pending_calls: list[Any] = field(default_factory=list)
+    image_data: list[Any] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=lambda: {
         "tool_rewards": [], "turn_scores": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
         "num_dropped_calls": 0, "num_tool_timeouts": 0,
@@ -122,7 +129,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.request_id = uuid4().hex
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        data = AgentData(messages=as_messages(kwargs["raw_prompt"]))
+        data = AgentData(messages=as_messages(kwargs["raw_prompt"]), image_data=_sample_images(kwargs))
         tools_kwargs = kwargs.get("tools_kwargs") or {}
         self.sampling_params = dict(sampling_params)
         await self._start_interaction(data, kwargs.get("extra_info"))
@@ -169,7 +176,7 @@ class ToolAgentLoop(AgentLoopBase):
         start = time.perf_counter()
         out = await self.server_manager.generate(
             request_id=self.request_id, prompt_ids=data.prompt_ids + data.response_ids,
-            sampling_params={**self.sampling_params, "max_tokens": budget},
+            sampling_params={**self.sampling_params, "max_tokens": budget}, image_data=list(data.image_data) or None,
         )
         data.metrics.generate_sequences += time.perf_counter() - start
         data.response_ids += out.token_ids
@@ -194,7 +201,7 @@ class ToolAgentLoop(AgentLoopBase):
         result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
         data.metrics.tool_calls += time.perf_counter() - start
         _count(data, result, len(data.pending_calls))
-        return self._append_turn(data, result.messages)
+        return self._append_turn(data, result.messages, result.images)
 
     async def _interacting(self, data: AgentData) -> AgentState:
         assert data.interaction is not None and data.interaction_id is not None
@@ -206,13 +213,15 @@ class ToolAgentLoop(AgentLoopBase):
             return self._end(data, RolloutStatus.STOP)
         return self._append_turn(data, [{"role": "user", "content": reply}])
 
-    def _append_turn(self, data: AgentData, messages: list[dict[str, Any]]) -> AgentState:
-        """Append tool / user messages (mask 0) if they fit, then decide whether to generate again."""
+    def _append_turn(self, data: AgentData, messages: list[dict[str, Any]], images: list[Any] | None = None,
+                     ) -> AgentState:
+        """Append tool / user messages (mask 0) and their images if they fit, then decide whether to go on."""
         system = data.messages[0] if data.messages[0]["role"] == "system" else None
         ids = encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas)
         if len(data.response_mask) + len(ids) >= self.response_length:
             return self._end(data, RolloutStatus.LENGTH)
         data.messages += messages
+        data.image_data += images or []
         data.response_ids += ids
         data.response_mask += [0] * len(ids)
         data.response_logprobs += [0.0] * len(ids)
@@ -238,6 +247,7 @@ class ToolAgentLoop(AgentLoopBase):
             metrics=data.metrics,
             extra_fields=dict(data.counters),
             reward_score=data.reward_score,
+            multi_modal_data={"image": list(data.image_data)} if data.image_data else None,
             status=data.status,
         )
 
@@ -249,6 +259,17 @@ def _assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
         ]
     return message
+
+
+def _sample_images(sample: dict[str, Any]) -> list[Any]:
+    """The images of the sample's ``multi_modal_data`` cell (a list / object array, or one image), else []."""
+    mm = sample.get("multi_modal_data")
+    images = mm.get("image") if isinstance(mm, dict) else None
+    if images is None:
+        return []
+    if isinstance(images, (list, tuple)) or (isinstance(images, np.ndarray) and images.dtype == object):
+        return list(images)
+    return [images]
 
 
 def _count(data: AgentData, result: ToolTurnResult, num_calls: int) -> None:

@@ -4,6 +4,8 @@
       - class_name: agentloop.tools.calculator.CalculatorTool
         config: {type: native, timeout: 5}
         tool_schema: {type: function, function: {name: calculator, ...}}   # optional when the class has one
+      - class_name: mypkg.tools.get_weather   # a function decorated with @function_tool
+        config: {timeout: 10}
 
 Everything is checked at start-up: a bad class path, a schema that fails validation, or a duplicate
 tool name raises :class:`~agentloop.errors.ConfigError` naming the file and the entry.
@@ -21,12 +23,14 @@ from agentloop.imports import import_subclass, load_yaml_entries
 from agentloop.tools.base import BaseTool
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
 
+_HINT = "a tool is a BaseTool subclass or a function decorated with @agentloop.tools.function_tool"
+
 
 def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
     """One tool from one YAML entry."""
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise ConfigError(f"{where}: each tool needs a 'class_name', got {entry!r}")
-    cls = import_subclass(str(entry["class_name"]), BaseTool, f"{where} class_name")
+    cls = import_subclass(str(entry["class_name"]), BaseTool, f"{where} class_name", hint=_HINT)
     config = dict(entry.get("config") or {})
     raw_schema = entry.get("tool_schema")
     try:
