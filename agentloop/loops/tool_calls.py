@@ -5,7 +5,7 @@ Every call the policy made gets exactly one tool message back, in order:
 * an unknown tool → an error naming the available tools;
 * a malformed call (parser ``error``) → ``Error: <why>``;
 * a call beyond ``max_parallel_calls`` → an error saying the limit (verl drops these silently);
-* a tool that raises or exceeds ``tool_timeout`` → an error with the exception or the timeout;
+* a tool that raises or exceeds its timeout (the tool's ``config.timeout``, else ``tool_timeout``) → an error with the exception or the timeout;
 * otherwise the tool's text, truncated to ``max_tool_response_length`` characters
   (``left``: keep the start; ``right``: keep the end; anything else: keep both ends).
 
@@ -90,17 +90,18 @@ class ToolRunner:
     ) -> tuple[str, list[Any]]:
         tool = self.tools[call.name]
         instance_id = None
+        timeout = tool.config.get("timeout", self.timeout)  # the tool's own limit (YAML config.timeout) wins
         try:
             instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
             args = json.loads(call.arguments)
             coro = tool.execute(instance_id, args, **kwargs.get("execute_kwargs", {}))
-            response, reward, _ = await (asyncio.wait_for(coro, self.timeout) if self.timeout else coro)
+            response, reward, _ = await (asyncio.wait_for(coro, timeout) if timeout else coro)
             result.rewards.append(float(reward))
             return response.text or "", list(response.image or [])
         except asyncio.TimeoutError:
             result.num_timeouts += 1
             result.num_errors += 1
-            return f"Error: tool {call.name!r} timed out after {self.timeout}s", []
+            return f"Error: tool {call.name!r} timed out after {timeout}s", []
         except Exception as e:  # noqa: BLE001 - a failing tool is reported to the model
             result.num_errors += 1
             return f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", []
