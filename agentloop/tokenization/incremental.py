@@ -8,17 +8,60 @@ history: the new turn's ids are the *difference* between two renders of a stand-
 
 plus the template's separator after an assistant turn's end token (ChatML's ``\\n`` after
 ``<|im_end|>``, the classic trap: the engine stops *at* ``<|im_end|>``, the template writes ``\\n`` after
-it).  :func:`check_incremental` replays a conversation turn by turn and compares the result with a full
-render, token for token.
+it; Llama 3 and harmony write nothing).  The stub is ``[system?, user, previous]`` where ``previous`` is
+the assistant turn the new messages follow (a placeholder when not given).  :func:`check_incremental`
+replays a conversation turn by turn and compares the result with a full render, token for token.
+
+End-of-turn tokens.  The sampled turn ends with the token the engine stopped on: ``eos_token`` by default,
+or one of several (``end_of_turn``), e.g. harmony's ``<|call|>`` after a tool call and ``<|return|>`` after
+a final answer.  The separator is looked up for the token the previous turn actually ended with.
+
+What is exact, and what cannot be (the families of :mod:`agentloop.tokenization.templates`):
+
+* ChatML / hermes (Qwen2.5): every conversation — tool rounds, parallel calls, user follow-ups.
+* Llama 3.x JSON tools: every conversation, provided assistant text has no leading or trailing whitespace
+  (the template trims it, so a sample ending in ``"\\n"`` is re-rendered without it) and tool-call turns
+  carry no text (the template drops it).  The checker reports both.
+* Qwen3: tool rounds within one user query, when every non-final assistant turn has non-empty
+  reasoning.  Not exact: a new *user* turn (reasoning before the last user query is dropped from the
+  history), a non-final turn with empty reasoning (its ``<think>\\n\\n</think>`` block is rendered only on
+  the last message), and therefore any multi-turn rollout with ``enable_thinking=False`` (the empty block
+  the generation prompt inserted disappears from the history).
+* harmony (gpt-oss): tool rounds, user turns after a final answer.  Not exact: the analysis (chain of
+  thought) of a tool-call turn once a later final answer exists, and the analysis of a final answer once
+  anything follows it — the template drops both.  With OpenAI's own template a final answer's sampled
+  ``<|return|>`` also becomes ``<|end|>`` in the history (see :mod:`agentloop.tokenization.templates`).
+  :func:`encode_new_turns` needs ``previous`` (the tool-calling turn) for tool results: the tool name is
+  taken from it.
+
+A template that is not prefix-stable is caught, with the reason, by :func:`check_incremental` (it first
+verifies that every intermediate render is a prefix of the full one) and by :func:`encode_new_turns` (it
+raises when the stub's last turn is re-rendered once the new messages follow it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from agentloop.errors import AgentLoopError
 
 _STUB = "AGENTLOOP_STUB"
+# Reasoning keeps Qwen3-style templates rendering the stub's <think> block whether or not it is last.
+_STUB_REPLY: dict[str, Any] = {"role": "assistant", "content": _STUB, "reasoning_content": _STUB}
+_STUB_CALL: dict[str, Any] = {
+    "role": "assistant", "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": _STUB, "arguments": {}}}],
+}
+_HINTS: tuple[tuple[str, int, str], ...] = (  # (text the dropped part starts with, within so many chars, why)
+    ("<think>", 16, "the reasoning (<think> block) of an earlier assistant turn is dropped from the history: Qwen3 "
+                    "renders reasoning only for turns after the last user query, and an empty <think> block only "
+                    "on the last message (so enable_thinking=False never survives a second turn)"),
+    ("analysis<|message|>", 32, "the analysis channel (chain of thought) of an earlier assistant turn is dropped "
+                                "from the history: harmony keeps it only until a final answer follows"),
+    ("<|return|>", 10, "the final answer's <|return|> is written as <|end|> in the history (OpenAI's harmony "
+                       "template), but the policy sampled <|return|>"),
+)
 
 
 class TemplateMismatchError(AgentLoopError):
@@ -29,19 +72,62 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> st
     return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 
 
-def _stub_history(system: dict[str, Any] | None) -> list[dict[str, Any]]:
-    stub = [{"role": "user", "content": _STUB}, {"role": "assistant", "content": _STUB}]
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _stub_history(system: dict[str, Any] | None, previous: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    stub = [{"role": "user", "content": _STUB}, previous or _STUB_REPLY]
     return ([system] if system else []) + stub
 
 
+def _common_prefix(a: str, b: str) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _explain_rerender(before: str, after: str, where: str) -> str:
+    """Why ``before`` (an earlier render) is not a prefix of ``after`` (a render with more messages)."""
+    at = _common_prefix(before, after)
+    lo = max(0, at - 30)
+    # back off a little: the two renders may share the first characters of a tag ("<t" of "<think>")
+    reasons = [hint for marker, span, hint in _HINTS if marker in before[max(0, at - 8):at + span]]
+    return (
+        f"the chat template re-renders earlier turns when new ones are added, so incremental encoding is not "
+        f"exact for this conversation: {where} renders {before[lo:at + 50]!r}, the longer conversation "
+        f"{after[lo:at + 50]!r} (character {at})" + "".join(f"; {reason}" for reason in reasons)
+    )
+
+
+def _assistant_body(tokenizer: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None,
+                    kwargs: dict[str, Any]) -> str:
+    """The template's text for ``message`` after the generation prompt: what the policy samples."""
+    stub = [{"role": "user", "content": _STUB}]
+    head = _render(tokenizer, stub, tools=tools, add_generation_prompt=True, **kwargs)
+    full = _render(tokenizer, stub + [message], tools=tools, **kwargs)
+    if not full.startswith(head):
+        raise TemplateMismatchError(
+            "the generation prompt is not how the chat template starts an assistant turn: "
+            + _explain_rerender(head, full, "the prompt with its generation prompt")
+        )
+    return full[len(head):]
+
+
 def turn_separator(tokenizer: Any, eos_token: str | None = None) -> str:
-    """Text the template puts after an assistant turn's end-of-turn token (``"\\n"`` for ChatML)."""
+    """Text the template puts after an assistant turn's end-of-turn token (``"\\n"`` for ChatML, ``""`` for Llama).
+
+    ``eos_token`` (default ``tokenizer.eos_token``) is the token the turn ended with; a template that ends
+    tool-call turns with their own token (harmony's ``<|call|>``) is looked up on a tool-call stub.
+    """
     eos = eos_token or tokenizer.eos_token
-    text = _render(tokenizer, _stub_history(None))
-    end = text.rfind(eos)
-    if end < 0:
-        raise TemplateMismatchError(f"the chat template does not close assistant turns with {eos!r}")
-    return text[end + len(eos):]
+    for stub in (_STUB_REPLY, _STUB_CALL):
+        try:
+            body = _assistant_body(tokenizer, stub, None, {})
+        except Exception:  # a template may reject this stub (e.g. a tool call): try the next one
+            continue
+        end = body.rfind(eos)
+        if end >= 0:
+            return body[end + len(eos):]
+    raise TemplateMismatchError(f"the chat template does not close assistant turns with {eos!r}")
 
 
 def encode_new_turns(
@@ -51,6 +137,9 @@ def encode_new_turns(
     system: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    previous: dict[str, Any] | None = None,
+    end_of_turn: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Ids to append after an assistant turn that ended with its end-of-turn token.
 
@@ -59,48 +148,127 @@ def encode_new_turns(
         system: the conversation's system message, for templates whose rendering depends on it.
         add_generation_prompt: append the header of the next assistant turn.
         tools: the tool schemas, for templates that render differently with tools.
+        previous: the assistant message the new ones follow (harmony names tool results after its call;
+            other templates only need it for the re-render check).  A placeholder when ``None``.
+        end_of_turn: the token that turn ended with (default ``tokenizer.eos_token``).
+        chat_template_kwargs: extra template variables (``enable_thinking``, ``reasoning_effort``, ...).
+
+    Raises:
+        TemplateMismatchError: the template renders ``previous`` differently once the new messages follow.
     """
-    stub = _stub_history(system)
-    base = _render(tokenizer, stub, tools=tools)
-    full = _render(tokenizer, stub + list(new_messages), tools=tools, add_generation_prompt=add_generation_prompt)
+    kwargs = dict(chat_template_kwargs or {})
+    stub = _stub_history(system, previous)
+    base = _render(tokenizer, stub, tools=tools, **kwargs)
+    full = _render(tokenizer, stub + list(new_messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                   **kwargs)
     if not full.startswith(base):
+        raise TemplateMismatchError(_explain_rerender(base, full, "the assistant turn before the new messages"))
+    delta = turn_separator(tokenizer, end_of_turn) + full[len(base):]
+    return _encode(tokenizer, delta)
+
+
+def _stop_tokens(tokenizer: Any, end_of_turn: str | Sequence[str] | None) -> tuple[str, ...]:
+    if end_of_turn is None:
+        return (tokenizer.eos_token,)
+    return (end_of_turn,) if isinstance(end_of_turn, str) else tuple(end_of_turn)
+
+
+def _token_id(tokenizer: Any, token: str) -> int:
+    ids = _encode(tokenizer, token)
+    if len(ids) != 1:
+        raise TemplateMismatchError(f"end-of-turn {token!r} is not a single token of this tokenizer: {ids}")
+    return ids[0]
+
+
+def _assistant_text(tokenizer: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None,
+                    stops: tuple[str, ...], kwargs: dict[str, Any]) -> tuple[str, str]:
+    """What the policy would have sampled for ``message`` before its stop token, and that token."""
+    body = _assistant_body(tokenizer, message, tools, kwargs)
+    end, stop = max((body.rfind(s), s) for s in stops)
+    if end < 0:
+        raise TemplateMismatchError(f"the chat template ends no assistant turn with any of {stops}: {body!r}")
+    content = message.get("content")
+    if isinstance(content, str) and content and content not in body[:end]:
         raise TemplateMismatchError(
-            "the chat template re-renders earlier turns when new ones are added; incremental encoding "
-            "is not exact for it (see agentloop.tokenization)"
+            f"the chat template does not render the assistant content {content!r} verbatim (it renders "
+            f"{body[:end]!r}: trimmed, rewritten or dropped), so ids sampled for it cannot equal a re-render"
         )
-    delta = turn_separator(tokenizer) + full[len(base):]
-    return list(tokenizer.encode(delta, add_special_tokens=False))
+    return body[:end], stop
 
 
-def check_incremental(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-) -> list[int]:
-    """Replay ``messages`` turn by turn as a rollout would; raise on any difference from a full render.
+def _check_prefix_stable(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         kwargs: dict[str, Any]) -> None:
+    """Every render a rollout saw (before / after each assistant turn) must start the full render."""
+    full = _render(tokenizer, messages, tools=tools, **kwargs)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        for n, prompt in ((k, True), (k + 1, False)):
+            if n == 0 or n == len(messages):
+                continue
+            part = _render(tokenizer, messages[:n], tools=tools, add_generation_prompt=prompt, **kwargs)
+            if not full.startswith(part):
+                where = f"the conversation up to message {n - 1} ({messages[n - 1]['role']})" + (
+                    " with the generation prompt" if prompt else "")
+                raise TemplateMismatchError(_explain_rerender(part, full, where))
 
-    The first assistant turn starts after the prompt (all messages before it, generation prompt
-    appended); assistant turns are encoded as sampled (content ids + end-of-turn token); every run of
-    non-assistant messages goes through :func:`encode_new_turns`.  Returns the incremental ids.
-    """
+
+def _replay(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            stops: tuple[str, ...], kwargs: dict[str, Any]) -> tuple[list[int], str | None]:
+    """Ids a rollout would hold after ``messages``, and the stop token of the last assistant turn."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    ids = _encode(tokenizer, _render(tokenizer, messages[:first], tools=tools, add_generation_prompt=True))
+    ids = _encode(tokenizer, _render(tokenizer, messages[:first], tools=tools, add_generation_prompt=True, **kwargs))
     system = messages[0] if messages and messages[0]["role"] == "system" else None
+    stop: str | None = None
     i = first
     while i < len(messages):
         if messages[i]["role"] == "assistant":
-            ids += _encode(tokenizer, _assistant_text(tokenizer, messages[i], tools)) + [tokenizer.eos_token_id]
+            text, stop = _assistant_text(tokenizer, messages[i], tools, stops, kwargs)
+            ids += _encode(tokenizer, text) + [_token_id(tokenizer, stop)]
             i += 1
             continue
         j = i
         while j < len(messages) and messages[j]["role"] != "assistant":
             j += 1
         ids += encode_new_turns(tokenizer, messages[i:j], system=system, tools=tools,
-                                add_generation_prompt=j < len(messages))
+                                add_generation_prompt=j < len(messages), previous=messages[i - 1],
+                                end_of_turn=stop, chat_template_kwargs=kwargs)
         i = j
-    expected = _encode(tokenizer, _render(tokenizer, messages, tools=tools))
+    return ids, stop
+
+
+def check_incremental(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    end_of_turn: str | Sequence[str] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Replay ``messages`` turn by turn as a rollout would; raise on any difference from a full render.
+
+    The first assistant turn starts after the prompt (all messages before it, generation prompt
+    appended); assistant turns are encoded as sampled (the template's text for them + the stop token);
+    every run of non-assistant messages goes through :func:`encode_new_turns`.  Returns the incremental ids.
+
+    Args:
+        end_of_turn: the token(s) the engine stops on (default ``tokenizer.eos_token``); each assistant
+            turn must end with one of them, e.g. ``("<|return|>", "<|call|>")`` for harmony.
+        chat_template_kwargs: extra template variables, passed to every render.
+
+    Raises:
+        TemplateMismatchError: the template is not prefix-stable for this conversation (the message says
+            which turn is re-rendered and, for known cases, why), renders assistant text differently from
+            its content, or the incremental ids differ from the full render.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    stops = _stop_tokens(tokenizer, end_of_turn)
+    _check_prefix_stable(tokenizer, messages, tools, kwargs)
+    ids, stop = _replay(tokenizer, messages, tools, stops, kwargs)
+    expected = _encode(tokenizer, _render(tokenizer, messages, tools=tools, **kwargs))
+    ids_cmp = ids
     if messages and messages[-1]["role"] == "assistant":
-        ids_cmp = ids + _encode(tokenizer, turn_separator(tokenizer))
-    else:
-        ids_cmp = ids
+        ids_cmp = ids + _encode(tokenizer, turn_separator(tokenizer, stop))
     if ids_cmp != expected:
         at = next((k for k, (a, b) in enumerate(zip(ids_cmp, expected, strict=False)) if a != b),
                   min(len(ids_cmp), len(expected)))
@@ -109,17 +277,3 @@ def check_incremental(
             f"{tokenizer.decode(ids_cmp[at:at + 12])!r} vs {tokenizer.decode(expected[at:at + 12])!r}"
         )
     return ids
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _assistant_text(tokenizer: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None) -> str:
-    """What the policy would have sampled for ``message`` (the template's rendering of its body)."""
-    stub = [{"role": "user", "content": _STUB}]
-    head = _render(tokenizer, stub, tools=tools, add_generation_prompt=True)
-    full = _render(tokenizer, stub + [message], tools=tools)
-    body = full[len(head):]
-    end = body.rfind(tokenizer.eos_token)
-    return body[:end]
