@@ -217,7 +217,8 @@ class ToolAgentLoop(AgentLoopBase):
                      ) -> AgentState:
         """Append tool / user messages (mask 0) and their images if they fit, then decide whether to go on."""
         system = data.messages[0] if data.messages[0]["role"] == "system" else None
-        ids = encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas)
+        previous = data.messages[-1] if data.messages[-1]["role"] == "assistant" else None
+        ids = encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas, previous=previous)
         if len(data.response_mask) + len(ids) >= self.response_length:
             return self._end(data, RolloutStatus.LENGTH)
         data.messages += messages
