@@ -1,7 +1,8 @@
 """Tool-call parsers: turn the policy's sampled ids into (content, tool calls).
 
 Registry as in verl: ``@ToolParser.register("hermes")`` and ``ToolParser.get_tool_parser(name, tokenizer)``
-(also exported as :func:`get_tool_parser`).  ``extract_tool_calls`` never raises on model output: a
+(also exported as :func:`get_tool_parser`).  Built in: ``hermes``, ``qwen3_coder``, ``llama3_json`` and
+``gpt-oss`` (alias ``gpt_oss``), one module each.  ``extract_tool_calls`` never raises on model output: a
 malformed call comes back as a :class:`FunctionCall` with ``error`` set (the loop reports it to the
 model and records a ``parse_error`` status); arguments are never ``eval``-ed.
 """
@@ -35,6 +36,8 @@ class ToolParser(ABC):
     """Base class; subclasses implement :meth:`extract_tool_calls`."""
 
     _registry: ClassVar[dict[str, type[ToolParser]]] = {}
+    tool_call_start: ClassVar[str | None] = None
+    """Decoded text that opens a tool call; streaming holds content back from it on (None: hold all)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -58,7 +61,7 @@ class ToolParser(ABC):
     @classmethod
     def get_tool_parser(cls, name: str, tokenizer: Any) -> ToolParser:
         """An instance of the parser registered as ``name``."""
-        import agentloop.parsers.hermes  # noqa: F401 - registers the built-in parsers
+        from agentloop.parsers import gpt_oss, hermes, llama3_json, qwen3_coder  # noqa: F401 - register them
 
         if name not in cls._registry:
             raise ConfigError(

@@ -42,6 +42,8 @@ def _parse_block(body: str, allowed: set[str] | None) -> FunctionCall:
 class HermesToolParser(ToolParser):
     """Parser for the hermes ``<tool_call>`` JSON format (Qwen2.5, our tiny model)."""
 
+    tool_call_start = "<tool_call>"
+
     async def extract_tool_calls(
         self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[FunctionCall]]:

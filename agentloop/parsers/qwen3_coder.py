@@ -1,0 +1,215 @@
+"""Qwen3-Coder tool calls: one XML-like element per parameter, values as plain text.
+
+Format (what Qwen3-Coder's chat template renders and the model samples)::
+
+    <tool_call>
+    <function=NAME>
+    <parameter=P>
+    VALUE
+    </parameter>
+    ...
+    </function>
+    </tool_call>
+
+A response may hold several ``<tool_call>`` blocks (a block with several ``<function=`` elements gives one
+call per element).  Content is the text outside the blocks (stripped); a bare ``<function=`` outside a
+block is content.  Text between the elements of a block is ignored.
+
+Values are text and are coerced to the JSON type the tool's schema declares for the parameter
+(``tools[i].function.parameters.properties[P].type``; a list of types is tried in order, ``"null"`` then
+``"string"`` last):
+
+* ``string``: the text with exactly one leading and one trailing newline removed (the template's own),
+  everything else kept verbatim;
+* ``integer`` / ``number`` / ``boolean`` / ``null``: the stripped text as that type (``5.0`` is accepted
+  as an integer, ``True`` as a boolean, ``None`` as null);
+* ``object`` / ``array``: the stripped text parsed as JSON of that type;
+* an unknown parameter, an untyped one, or no ``tools``: JSON if the text parses, else the string.
+
+A value that does not fit its type is kept as a string and the call gets ``error``.  A block without
+``<function=NAME>``, an element not closed by ``</function>`` / ``</parameter>``, a block not closed by
+``</tool_call>``, a repeated parameter, or a tool not in ``tools`` (when given) also give a call with
+``error``; nothing raises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from agentloop.parsers.base import FunctionCall, ToolParser
+
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_TYPE_ALIASES = {"int": "integer", "float": "number", "bool": "boolean", "dict": "object", "list": "array"}
+_Schemas = dict[str, dict[str, Any]]  # tool name -> {parameter name -> its JSON schema}
+
+
+def _tool_schemas(tools: list[dict[str, Any]] | None) -> _Schemas | None:
+    if tools is None:
+        return None
+    out: _Schemas = {}
+    for tool in tools:
+        fn = tool.get("function") or tool
+        params = fn.get("parameters") or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        out[str(fn.get("name"))] = props if isinstance(props, dict) else {}
+    return out
+
+
+def _strip_one_newline(text: str) -> str:
+    text = text[1:] if text.startswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _as_integer(text: str) -> tuple[bool, Any]:
+    try:
+        return True, int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        return False, None
+    return (True, int(value)) if value.is_integer() else (False, None)
+
+
+def _as_number(text: str) -> tuple[bool, Any]:
+    ok, value = _as_integer(text)
+    if ok and "." not in text and "e" not in text.lower():
+        return True, value
+    try:
+        number = float(text)
+    except ValueError:
+        return False, None
+    return (True, number) if math.isfinite(number) else (False, None)
+
+
+def _as_boolean(text: str) -> tuple[bool, Any]:
+    lowered = text.lower()
+    return (True, lowered == "true") if lowered in ("true", "false") else (False, None)
+
+
+def _as_null(text: str) -> tuple[bool, Any]:
+    return (True, None) if text.lower() in ("null", "none") else (False, None)
+
+
+def _as_json(kind: type) -> Callable[[str], tuple[bool, Any]]:
+    def convert(text: str) -> tuple[bool, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False, None
+        return (True, value) if isinstance(value, kind) else (False, None)
+
+    return convert
+
+
+_CONVERTERS: dict[str, Callable[[str], tuple[bool, Any]]] = {
+    "integer": _as_integer, "number": _as_number, "boolean": _as_boolean,
+    "object": _as_json(dict), "array": _as_json(list), "null": _as_null,
+}
+
+
+def _declared_types(schema: Any) -> list[str]:
+    """The schema's known types, ``null`` then ``string`` last ([] when untyped)."""
+    declared = schema.get("type") if isinstance(schema, dict) else None
+    names = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
+    types = [_TYPE_ALIASES.get(str(t), str(t)) for t in names]
+    types = [t for t in types if t in _CONVERTERS or t == "string"]
+    return sorted(types, key=lambda t: (t == "string", t == "null"))
+
+
+def _coerce(raw: str, schema: Any) -> tuple[Any, str | None]:
+    """The value of a parameter's text under ``schema``, and an error when it does not fit."""
+    types = _declared_types(schema)
+    if not types:
+        text = _strip_one_newline(raw)
+        try:
+            return json.loads(text), None
+        except json.JSONDecodeError:
+            return text, None
+    stripped = raw.strip()
+    for kind in types:
+        if kind == "string":
+            return _strip_one_newline(raw), None
+        ok, value = _CONVERTERS[kind](stripped)
+        if ok:
+            return value, None
+    return stripped, f"expected {' or '.join(types)}, got {stripped!r}"
+
+
+def _parse_parameters(inner: str, schema: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The arguments in a function element's body, and what was wrong with them."""
+    args: dict[str, Any] = {}
+    errors: list[str] = []
+    for piece in inner.split("<parameter=")[1:]:
+        name, sep, rest = piece.partition(">")
+        value, closed, _ = rest.partition("</parameter>")
+        if not sep or "\n" in name or not name.strip():
+            errors.append("malformed <parameter=NAME> tag")
+            continue
+        name = name.strip()
+        if not closed:
+            errors.append(f"<parameter={name}> is not closed with </parameter>")
+            continue
+        if name in args:
+            errors.append(f"parameter {name!r} is given twice")
+            continue
+        args[name], error = _coerce(value, schema.get(name))
+        if error:
+            errors.append(f"parameter {name!r}: {error}")
+    return args, errors
+
+
+def _parse_function(piece: str, schemas: _Schemas | None) -> FunctionCall:
+    """One call from the text after a ``<function=``."""
+    name, sep, rest = piece.partition(">")
+    if not sep or "\n" in name or not name.strip():
+        return FunctionCall(name="", arguments=piece.strip(), error="malformed <function=NAME> tag")
+    name = name.strip()
+    inner, closed, _ = rest.partition("</function>")
+    if not closed:
+        error = f"<function={name}> is not closed with </function>"
+        return FunctionCall(name=name, arguments=rest.strip(), error=error)
+    schema = {} if schemas is None else schemas.get(name, {})
+    args, errors = _parse_parameters(inner, schema)
+    call = FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
+    if schemas is not None and name not in schemas:
+        errors.insert(0, f"unknown tool {name!r}; available tools: {sorted(schemas)}")
+    if errors:
+        call.error = "; ".join(errors)
+    return call
+
+
+def _parse_block(body: str, schemas: _Schemas | None) -> list[FunctionCall]:
+    pieces = body.split("<function=")
+    if len(pieces) == 1:
+        return [FunctionCall(name="", arguments=body.strip(), error="<tool_call> block has no <function=NAME>")]
+    return [_parse_function(piece, schemas) for piece in pieces[1:]]
+
+
+@ToolParser.register("qwen3_coder")
+class Qwen3CoderToolParser(ToolParser):
+    """Parser for Qwen3-Coder's ``<tool_call><function=…><parameter=…>`` format."""
+
+    tool_call_start = "<tool_call>"
+
+    async def extract_tool_calls(
+        self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        return self.parse_text(text, tools)
+
+    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+        """The parsing itself, on decoded text."""
+        schemas = _tool_schemas(tools)
+        calls = [call for m in _BLOCK.finditer(text) for call in _parse_block(m.group(1), schemas)]
+        content = _BLOCK.sub("", text)
+        if "<tool_call>" in content:  # an opened block that never closed
+            head, _, tail = content.partition("<tool_call>")
+            calls.append(FunctionCall(name="", arguments=tail.strip(), error="<tool_call> block is not closed"))
+            content = head
+        return content.strip(), calls
