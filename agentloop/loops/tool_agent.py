@@ -20,7 +20,7 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
   ``calculate_score`` in ``reward_score``.  ``finalize_interaction`` is always called.
 * ``num_turns`` = user turns + assistant turns + 1 (verl).  ``extra_fields``: ``tool_rewards``,
   ``turn_scores``, ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``,
-  ``num_tool_timeouts``.
+  ``num_tool_timeouts``; with ``multi_turn.return_messages`` also ``messages`` (the conversation).
 
 * Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` (if any) starts the trajectory's
   image list; images returned by a tool are rendered as ``{"type": "image"}`` parts of its tool message
@@ -126,6 +126,7 @@ class ToolAgentLoop(AgentLoopBase):
         mt = config.multi_turn
         self.max_assistant_turns: int | None = mt.max_assistant_turns
         self.max_user_turns: int | None = mt.max_user_turns
+        self.return_messages = bool(mt.get("return_messages", False))
         self.request_id = uuid4().hex
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
@@ -246,7 +247,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_logprobs=data.response_logprobs[:n] if want_logprobs else None,
             num_turns=data.user_turns + data.assistant_turns + 1,
             metrics=data.metrics,
-            extra_fields=dict(data.counters),
+            extra_fields={**data.counters, **({"messages": list(data.messages)} if self.return_messages else {})},
             reward_score=data.reward_score,
             multi_modal_data={"image": list(data.image_data)} if data.image_data else None,
             status=data.status,

@@ -76,6 +76,7 @@ def manager(model_path):
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/calculator_agent/tools.yaml",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
+        "actor_rollout_ref.rollout.multi_turn.return_messages": True,
     }.items():
         OmegaConf.update(cfg, k, v)
     m = AgentLoopManager(cfg)
@@ -196,6 +197,43 @@ def test_trained_tiny_model_calls_the_calculator(manager):
         assert "<tool_response>" in tok.decode(resp[real & ~mask].tolist())
         assert "<tool_call>" in tok.decode(resp[mask].tolist())
         assert "<tool_response>" not in tok.decode(resp[mask].tolist())
+    for i in range(len(out)):
+        assert_matches_full_render(tok, out, i)
+
+
+def assert_matches_full_render(tok: Any, out: Any, i: int) -> None:
+    """The trajectory equals a full chat-template render of its conversation, with the assistant turns as
+    sampled; every context (mask 0) run is the canonical encoding of its text."""
+    from agentloop.tools.registry import initialize_tools_from_config
+
+    tools = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+             for t in initialize_tools_from_config("examples/calculator_agent/tools.yaml")]
+    attn = out.batch["attention_mask"][i].bool()
+    prompt = out.batch["prompts"][i][attn[:PROMPT_LEN]].tolist()
+    resp = out.batch["responses"][i][attn[PROMPT_LEN:]].tolist()
+    mask = out.batch["response_mask"][i][attn[PROMPT_LEN:]].tolist()
+    runs: list[tuple[int, list[int]]] = []
+    for token, m in zip(resp, mask, strict=True):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    for m, ids in runs:
+        if m == 0:
+            assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    sampled = [tok.decode(ids) for m, ids in runs if m == 1]
+    messages, k = [], 0
+    n_prompt = len(out.non_tensor_batch["raw_prompt"][i])
+    for j, msg in enumerate(out.non_tensor_batch["messages"][i]):
+        if j >= n_prompt and msg["role"] == "assistant":
+            messages.append({"role": "assistant", "content": sampled[k].removesuffix(tok.eos_token)})
+            k += 1
+        else:
+            messages.append(msg)
+    assert k == len(sampled)
+    full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    got = tok.decode(prompt + resp)
+    assert full.startswith(got) and (full == got + "\n" or not got.endswith(tok.eos_token)), (got, full)
 
 
 def manager_tokenizer(manager):
