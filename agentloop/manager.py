@@ -62,6 +62,7 @@ class AgentLoopManager:
             create_global_balancer(len(self.server_handles), max_cache_size=int(self.rollout.server.max_cache_size))
             if len(self.server_handles) > 1 else None
         )
+        self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
         self.agent_loop_workers = self._init_workers()
         self._sleeping = False
         if self.rollout.free_cache_engine:
@@ -84,7 +85,9 @@ class AgentLoopManager:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Roll out ``prompts`` (one row per sample; ``raw_prompt`` required) and return padded trajectories."""
         t0 = time.perf_counter()
-        check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
+        names = check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
+        if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
+            self.start_gateways()
         if self.rollout.free_cache_engine:
             self.wake_up()
         n = min(len(self.agent_loop_workers), len(prompts))
@@ -98,6 +101,18 @@ class AgentLoopManager:
         timing = performance_metrics(output, time.perf_counter() - t0)
         output.meta_info = {**output.meta_info, "timing": timing}
         return output
+
+    def start_gateways(self) -> list[Any]:
+        """Start the OpenAI gateway actors (``rollout.gateway``) and hand them to the workers.
+
+        Called automatically before the first batch with a gateway agent; returns the actor handles.
+        """
+        if not self.gateways:
+            from agentloop.gateway.actor import start_gateways
+
+            self.gateways = start_gateways(self.rollout, self.config.model, self.server_handles, self.balancer)
+            ray.get([w.attach_gateways.remote(self.gateways) for w in self.agent_loop_workers])
+        return self.gateways
 
     def wake_up(self) -> None:
         """Wake every server (no-op on engines that cannot sleep)."""
@@ -120,6 +135,11 @@ class AgentLoopManager:
         """Stop workers, balancer and engines, and release their resources."""
         for w in self.agent_loop_workers:
             ray.kill(w)
+        if self.gateways:
+            ray.get([g.shutdown.remote() for g in self.gateways])
+            for g in self.gateways:
+                ray.kill(g)
+            self.gateways = []
         if self.balancer is not None:
             ray.kill(self.balancer)
         stop_servers(self.servers)

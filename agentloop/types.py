@@ -57,6 +57,23 @@ class TokenOutput(BaseModel):
     """Backend-specific extras (e.g. ``server_index``, ``prompt_tokens``)."""
 
 
+class TokenDelta(BaseModel):
+    """One chunk of a streamed generation: the ids sampled since the previous chunk."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int]
+    """Ids sampled since the previous chunk (may be empty on the final chunk)."""
+    log_probs: list[float] | None = None
+    """Their log-probabilities, when requested."""
+    finished: bool = False
+    """True on the last chunk."""
+    stop_reason: StopReason | None = None
+    """Set on the last chunk: ``stop``, ``length`` or ``aborted``."""
+    extra_fields: dict[str, Any] = Field(default_factory=dict)
+    """Backend extras on the last chunk (e.g. ``server_index``)."""
+
+
 class AgentLoopMetrics(BaseModel):
     """Per-sample timings; aggregated by the manager into ``meta_info['timing']``."""
 

@@ -83,6 +83,7 @@ class AgentLoopWorker:
         registry: resolved agent loops (the manager passes the driver's, so loops registered in the
             driver's ``__main__`` work too); None resolves it here.
         tokenizer: pass one to skip loading it from ``model.path``.
+        gateways: gateway actor handles, for loops that declare ``requires_gateway``.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class AgentLoopWorker:
         balancer: Any = None,
         registry: dict[str, ResolvedAgentLoop] | None = None,
         tokenizer: Any = None,
+        gateways: list[Any] | None = None,
     ) -> None:
         self.rollout = rollout
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
@@ -102,10 +104,21 @@ class AgentLoopWorker:
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         for entry in self.registry.values():
             entry.cls.init_class(rollout, self.tokenizer, **entry.kwargs)
+        if gateways:
+            self.attach_gateways(gateways)
         timeout = rollout.agent.get("sample_timeout")
         self.sample_timeout: float | None = float(timeout) if timeout else None
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def attach_gateways(self, gateways: list[Any]) -> None:
+        """Give loops that declare ``requires_gateway`` a GatewayManager over these gateway actors."""
+        from agentloop.gateway.actor import GatewayManager
+
+        manager = GatewayManager(gateways)
+        for entry in self.registry.values():
+            if entry.cls.requires_gateway:
+                entry.cls.init_class(self.rollout, self.tokenizer, gateway_manager=manager, **entry.kwargs)
 
     async def generate_sequences(self, batch: DataProto) -> DataProto:
         """Roll out every sample of ``batch``; returns the padded DataProto (one row per trajectory)."""

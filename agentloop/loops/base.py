@@ -20,7 +20,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -58,6 +58,10 @@ class AgentLoopBase(ABC):
         processor: a HF processor for multimodal models, else None.
         **kwargs: extra keys from the YAML registry entry.
     """
+
+    requires_gateway: ClassVar[bool] = False
+    """Declared by loops that talk to the OpenAI gateway (the manager then starts gateway actors and
+    passes ``gateway_manager=`` to :meth:`init_class`)."""
 
     def __init__(
         self,
@@ -118,6 +122,7 @@ def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
 def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, ResolvedAgentLoop]:
     """Import every registered loop class once; YAML entries override code registrations."""
     # Importing the built-in loops registers them.
+    import agentloop.gateway.framework  # noqa: F401
     import agentloop.loops.single_turn  # noqa: F401
     import agentloop.loops.tool_agent  # noqa: F401
 

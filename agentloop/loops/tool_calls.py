@@ -5,7 +5,8 @@ Every call the policy made gets exactly one tool message back, in order:
 * an unknown tool → an error naming the available tools;
 * a malformed call (parser ``error``) → ``Error: <why>``;
 * a call beyond ``max_parallel_calls`` → an error saying the limit (verl drops these silently);
-* a tool that raises or exceeds its timeout (the tool's ``config.timeout``, else ``tool_timeout``) → an error with the exception or the timeout;
+* a tool that raises or exceeds its timeout (its ``config.timeout``, else ``tool_timeout``) → an error
+  with the exception or the timeout;
 * otherwise the tool's text, truncated to ``max_tool_response_length`` characters
   (``left``: keep the start; ``right``: keep the end; anything else: keep both ends).
 

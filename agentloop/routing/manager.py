@@ -11,7 +11,7 @@ balancer may be a local :class:`Balancer` or the GlobalBalancer actor.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 from agentloop.errors import RoutingError, ServerError
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.strategies import Balancer, make_balancer
-from agentloop.types import TokenOutput
+from agentloop.types import TokenDelta, TokenOutput
 
 
 class AsyncLLMServerManager:
@@ -76,9 +76,14 @@ class AsyncLLMServerManager:
         prompt_ids: list[int],
         sampling_params: dict[str, Any],
         image_data: list[Any] | None = None,
+        sticky_key: str | None = None,
     ) -> TokenOutput:
-        """Generate on the server chosen for ``request_id``; see the module docstring."""
-        server = await self._acquire(request_id, len(prompt_ids))
+        """Generate on the server chosen for ``request_id``; see the module docstring.
+
+        ``sticky_key`` (default: ``request_id``) is what routing sticks by, for callers whose
+        concurrent requests need distinct engine request ids but one server (the gateway's sessions).
+        """
+        server = await self._acquire(sticky_key or request_id, len(prompt_ids))
         cancelled = False
         try:
             output = await self._call(
@@ -95,12 +100,56 @@ class AsyncLLMServerManager:
         output = output.model_copy(update={"extra_fields": {**output.extra_fields, "server_index": server}})
         return output
 
-    async def abort(self, request_id: str) -> None:
-        """Abort ``request_id`` on the server it is bound to (no-op if unknown)."""
+    async def generate_stream(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: list[Any] | None = None,
+        sticky_key: str | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Stream a generation from the server chosen for ``request_id`` (same routing as :meth:`generate`).
+
+        The in-flight slot is held until the stream ends, fails, or the consumer stops iterating;
+        a consumer that stops early should :meth:`abort` the request so the engine stops too.
+        """
+        server = await self._acquire(sticky_key or request_id, len(prompt_ids))
+        cancelled = False
+        kwargs = {"prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
+                  "image_data": image_data}
+        try:
+            handle = self.server_handles[server]
+            if isinstance(handle, ActorHandle):
+                refs: Any = handle.generate_stream.options(num_returns="streaming").remote(**kwargs)
+                async for ref in refs:
+                    delta = await ref
+                    yield self._tag(delta, server)
+            else:
+                async for delta in handle.generate_stream(**kwargs):
+                    yield self._tag(delta, server)
+        except (asyncio.CancelledError, GeneratorExit):
+            cancelled = True
+            raise
+        except RayActorError as e:
+            raise ServerError(f"server {server} failed on request {request_id}: {e}") from e
+        finally:
+            self._release_nowait(server, cancelled=cancelled)
+
+    @staticmethod
+    def _tag(delta: TokenDelta, server: int) -> TokenDelta:
+        if not delta.finished:
+            return delta
+        return delta.model_copy(update={"extra_fields": {**delta.extra_fields, "server_index": server}})
+
+    async def abort(self, request_id: str, sticky_key: str | None = None) -> None:
+        """Abort ``request_id`` on the server it is bound to (no-op if unknown); pass the ``sticky_key``
+        it was generated with, if any."""
+        key = sticky_key or request_id
         if self._remote_balancer:
-            server = await self.balancer.lookup.remote(request_id)
+            server = await self.balancer.lookup.remote(key)
         else:
-            server = self.balancer.lookup(request_id)
+            server = self.balancer.lookup(key)
         if server is not None:
             await self._call(server, "abort", request_id=request_id)
 

@@ -7,9 +7,10 @@ router talks to it only through this Protocol, so vLLM, SGLang and the test fake
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from agentloop.types import TokenOutput
+from agentloop.types import TokenDelta, TokenOutput
 
 
 @runtime_checkable
@@ -31,6 +32,16 @@ class LLMServer(Protocol):
         ``sampling_params`` uses verl's keys: temperature, top_p, top_k, repetition_penalty,
         logprobs (bool), max_tokens, stop_token_ids, ignore_eos, seed.
         """
+        ...
+
+    def generate_stream(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Like :meth:`generate`, yielding ids as they are sampled; the last chunk has ``finished=True``."""
         ...
 
     async def abort(self, request_id: str) -> None:

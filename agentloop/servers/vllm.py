@@ -15,13 +15,14 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
-from agentloop.types import StopReason, TokenOutput
+from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class VLLMServer:
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid()}
 
-    def _sampling_params(self, prompt_len: int, params: dict[str, Any]) -> Any:
+    def _sampling_params(self, prompt_len: int, params: dict[str, Any], stream: bool = False) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -108,12 +109,23 @@ class VLLMServer:
         kwargs = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
         if params.get("logprobs"):
             kwargs["logprobs"] = 0
+        if params.get("stop"):  # stop strings need the engine to detokenize
+            kwargs["stop"] = params["stop"]
         return SamplingParams(
             max_tokens=int(min(max_tokens, budget)),
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=bool(params.get("stop")),
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             **kwargs,
         )
+
+    @staticmethod
+    def _prompt(prompt_ids: list[int], image_data: list[Any] | None) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
+        if image_data:
+            prompt["multi_modal_data"] = {"image": image_data}
+        return TokensPrompt(**prompt)  # type: ignore[typeddict-item]
 
     async def generate(
         self,
@@ -123,23 +135,50 @@ class VLLMServer:
         image_data: list[Any] | None = None,
     ) -> TokenOutput:
         """Generate from token ids; see the module docstring for the keys."""
-        from vllm.inputs import TokensPrompt
-
         if self.engine is None:
             raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
         params = self._sampling_params(len(prompt_ids), sampling_params)
         if params.max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                stop_reason=StopReason.LENGTH)
-        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
-        if image_data:
-            prompt["multi_modal_data"] = {"image": image_data}
         final = None
-        async for out in self.engine.generate(TokensPrompt(**prompt), params, request_id):  # type: ignore[typeddict-item]
+        async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
             final = out
         if final is None:
             return TokenOutput(token_ids=[], stop_reason=StopReason.ABORTED)
         return self._to_token_output(final, bool(sampling_params.get("logprobs")))
+
+    async def generate_stream(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Like :meth:`generate`, but yields the ids as the engine samples them (the last chunk has
+        ``finished=True`` and the stop reason); the ids joined equal what :meth:`generate` returns."""
+        if self.engine is None:
+            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        want_logprobs = bool(sampling_params.get("logprobs"))
+        params = self._sampling_params(len(prompt_ids), sampling_params, stream=True)
+        if params.max_tokens <= 0:
+            yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
+                             stop_reason=StopReason.LENGTH)
+            return
+        finished = False
+        async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            log_probs = None
+            if want_logprobs:
+                log_probs = [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], ids, strict=False)]
+            finished = bool(out.finished)
+            stop = _FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP) if finished else None
+            yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
+                             extra_fields={"server_index": self.server_index} if finished else {})
+        if not finished:
+            yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
+                             stop_reason=StopReason.ABORTED)
 
     def _to_token_output(self, final: Any, want_logprobs: bool) -> TokenOutput:
         completion = final.outputs[0]

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentloop.errors import ServerError
-from agentloop.types import StopReason, TokenOutput
+from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 Script = list[int] | TokenOutput | Exception
 """One scripted reply: token ids, a ready TokenOutput, or an exception to raise."""
@@ -139,6 +139,21 @@ class ScriptedServer:
         if isinstance(reply, TokenOutput):
             return reply
         return self._shape(list(reply), sampling_params)
+
+    async def generate_stream(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """The reply of :meth:`generate`, one token per chunk, then a final chunk with the stop reason."""
+        out = await self.generate(prompt_ids, sampling_params, request_id, image_data)
+        for i, token in enumerate(out.token_ids):
+            await asyncio.sleep(0)
+            yield TokenDelta(token_ids=[token], log_probs=None if out.log_probs is None else [out.log_probs[i]])
+        yield TokenDelta(token_ids=[], log_probs=None if out.log_probs is None else [], finished=True,
+                         stop_reason=out.stop_reason, extra_fields=dict(out.extra_fields))
 
     def _shape(self, ids: list[int], params: dict[str, Any]) -> TokenOutput:
         """Apply ``max_tokens``, pick the stop reason and add log-probs (rule 4)."""

@@ -1,0 +1,197 @@
+"""GatewayActor (one HTTP server in a Ray actor) and GatewayManager (spreads sessions over them).
+
+A :class:`GatewayActor` runs uvicorn inside the actor's event loop, bound to ``host`` (default
+127.0.0.1) on a port the OS picks, and reaches the engines through the same router as agent loops
+(an :class:`~agentloop.routing.AsyncLLMServerManager` over the shared server handles and balancer).
+:class:`GatewayManager` is a plain object: it opens each session on the gateway with the fewest
+active sessions, reserving the slot before any await so concurrent opens spread out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from omegaconf import DictConfig
+
+from agentloop.errors import ConfigError
+from agentloop.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
+from agentloop.gateway.service import GatewayService, SessionHandle
+from agentloop.parsers.base import get_tool_parser
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayActor:
+    """One OpenAI-compatible gateway.  Call :meth:`start` (async) before opening sessions.
+
+    Args:
+        rollout: rollout config slice (``prompt_length``, ``response_length``, ``multi_turn.format``,
+            ``calculate_log_probs``, ``gateway.{host, max_body_bytes}``).
+        model: model config slice (``path``).
+        server_handles: the engines (Ray actor handles or in-process servers).
+        balancer: the GlobalBalancer actor, a local Balancer, or None.
+        tokenizer: pass one to skip loading it from ``model.path``.
+    """
+
+    def __init__(self, rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
+                 tokenizer: Any = None) -> None:
+        from agentloop.routing import AsyncLLMServerManager
+        from agentloop.worker import load_tokenizer
+
+        gateway_cfg = rollout.get("gateway") or {}
+        self.host = str(gateway_cfg.get("host", "127.0.0.1"))
+        self.max_body_bytes = int(gateway_cfg.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES)
+        tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+        fmt = (rollout.get("multi_turn") or {}).get("format")
+        router = AsyncLLMServerManager(server_handles, balancer,
+                                       max_cache_size=int((rollout.get("server") or {}).get("max_cache_size", 10000)))
+        self.service = GatewayService(
+            tok, router, get_tool_parser(str(fmt), tok) if fmt else None,
+            max_length=int(rollout.prompt_length) + int(rollout.response_length),
+            calculate_log_probs=bool(rollout.get("calculate_log_probs", True)),
+            model_name=str(model.get("path", "agentloop")),
+        )
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        """Start the HTTP server; returns its base URL (``http://host:port``)."""
+        import uvicorn
+
+        if self._server is not None:
+            return self.url
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, 0))
+        except OSError as e:
+            raise ConfigError(f"gateway cannot bind to host {self.host!r} (rollout.gateway.host): {e}") from e
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self.service, max_body_bytes=self.max_body_bytes),
+                                log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raise the start-up error
+            await asyncio.sleep(0.01)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{port}"
+        self.service.base_url = self.url
+        return self.url
+
+    async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
+                             sampling_params: dict[str, Any] | None = None) -> SessionHandle:
+        """Open a session (see :meth:`GatewayService.create_session`)."""
+        return self.service.create_session(session_id, metadata, sampling_params)
+
+    async def complete(self, session_id: str, reward_info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Mark a session complete."""
+        return self.service.complete(session_id, reward_info)
+
+    async def finalize(self, session_id: str, longest_only: bool = False) -> dict[str, Any]:
+        """Close a session; returns its trajectories."""
+        return await self.service.finalize(session_id, longest_only)
+
+    async def abort(self, session_id: str) -> dict[str, Any]:
+        """Abort a session's in-flight requests."""
+        return await self.service.abort(session_id)
+
+    async def get_state(self, session_id: str) -> dict[str, Any]:
+        """A session's state and counters."""
+        return self.service.get_state(session_id)
+
+    async def num_sessions(self) -> int:
+        """Open sessions."""
+        return len(self.service.sessions)
+
+    async def shutdown(self) -> None:
+        """Stop the HTTP server."""
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._task is not None:
+                await asyncio.wait([self._task], timeout=5)
+            self._server = None
+
+
+async def _maybe_remote(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    from ray.actor import ActorHandle
+
+    if isinstance(handle, ActorHandle):
+        return await getattr(handle, method).remote(*args, **kwargs)
+    return await getattr(handle, method)(*args, **kwargs)
+
+
+class GatewayManager:
+    """Opens sessions on the least-busy gateway and routes later calls to the same one.
+
+    Args:
+        gateways: GatewayActor handles (or in-process, started GatewayActor objects).
+    """
+
+    def __init__(self, gateways: list[Any]) -> None:
+        if not gateways:
+            raise ConfigError("GatewayManager needs at least one gateway (rollout.gateway.num_gateways >= 1)")
+        self.gateways = list(gateways)
+        self.active = [0] * len(self.gateways)
+        self._where: dict[str, int] = {}
+
+    async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
+                             sampling_params: dict[str, Any] | None = None) -> SessionHandle:
+        """Open a session on the gateway with the fewest active sessions."""
+        i = min(range(len(self.gateways)), key=lambda k: self.active[k])
+        self.active[i] += 1  # reserved before the await, so concurrent opens spread out
+        try:
+            handle: SessionHandle = await _maybe_remote(self.gateways[i], "create_session", session_id, metadata,
+                                                        sampling_params)
+        except BaseException:
+            self.active[i] -= 1
+            raise
+        self._where[handle.session_id] = i
+        return handle
+
+    async def finalize(self, session_id: str, longest_only: bool = False) -> dict[str, Any]:
+        """Close a session and free its slot; returns trajectories and reward info."""
+        i = self._gateway_of(session_id)
+        try:
+            return await _maybe_remote(self.gateways[i], "finalize", session_id, longest_only)
+        finally:
+            self._where.pop(session_id, None)
+            self.active[i] -= 1
+
+    async def abort(self, session_id: str) -> dict[str, Any]:
+        """Abort a session's in-flight requests (finalize it afterwards)."""
+        return await _maybe_remote(self.gateways[self._gateway_of(session_id)], "abort", session_id)
+
+    async def complete(self, session_id: str, reward_info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Mark a session complete."""
+        return await _maybe_remote(self.gateways[self._gateway_of(session_id)], "complete", session_id, reward_info)
+
+    async def get_state(self, session_id: str) -> dict[str, Any]:
+        """A session's state and counters."""
+        return await _maybe_remote(self.gateways[self._gateway_of(session_id)], "get_state", session_id)
+
+    def _gateway_of(self, session_id: str) -> int:
+        if session_id not in self._where:
+            raise KeyError(f"session {session_id!r} was not opened through this GatewayManager")
+        return self._where[session_id]
+
+
+def start_gateways(rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None
+                   ) -> list[Any]:
+    """Start ``rollout.gateway.num_gateways`` GatewayActor actors and their HTTP servers."""
+    import ray
+
+    n = int((rollout.get("gateway") or {}).get("num_gateways", 1))
+    if n < 1:
+        raise ConfigError(f"rollout.gateway.num_gateways must be >= 1 when a loop needs the gateway, got {n}")
+    cls = ray.remote(GatewayActor)
+    actors = [cls.options(num_cpus=0, max_concurrency=10000).remote(rollout, model, server_handles, balancer)
+              for _ in range(n)]
+    urls = ray.get([a.start.remote() for a in actors])  # type: ignore[attr-defined]
+    logger.info("gateways listening at %s", urls)
+    return actors

@@ -1,0 +1,243 @@
+"""Rolling out unmodified OpenAI-client agents: the ``openai_agent`` loop and agent runners.
+
+An *agent runner* is what runs the user's agent for one sample; it gets a session URL and key:
+
+* in-process: an async callable ``runner(*, base_url, api_key, raw_prompt, **sample_fields)``; it may
+  return a reward (a float, or a dict like ``{"score": 1.0}``) when the agent does not post one;
+* a subprocess: ``command`` (a list or a shell-style string) run with ``OPENAI_BASE_URL``,
+  ``OPENAI_API_KEY`` and ``AGENTLOOP_RAW_PROMPT`` (the prompt messages as JSON) in its environment
+  (a leading ``python`` means the worker's own interpreter); a non-zero exit fails the sample with
+  the end of its stderr.
+
+Selecting a runner per sample (``agent_name``), two ways:
+
+* ``@register_agent_runner("calc_sdk")`` on the callable registers it *and* an agent loop of that
+  name, so samples with ``agent_name="calc_sdk"`` go through the gateway with it;
+* YAML ``agent_loop_config_path``: ``{name: calc_sdk, _target_: agentloop.gateway.framework.OpenAIAgentLoop,
+  runner: pkg.module:fn}`` (or ``command: [python, agent.py]``).
+
+Per sample (:meth:`OpenAIAgentLoop.run`), in numbered steps:
+
+1. Wait for a session slot (``rollout.gateway.max_concurrent_sessions`` per worker; 0 = unlimited)
+   and open a session on the least-busy gateway with the batch's sampling params as defaults.
+2. Run the agent under ``session_timeout``; a timeout or an exception marks this sample
+   ``timeout`` / ``error`` (with the message) and never touches other samples.
+3. Finalize the session: one trajectory per branch (``rollout.gateway.trajectories: all``) or the
+   longest; each becomes a row (list output → flattened rows sharing the sample's uid).
+4. Reward: ``reward_info`` the agent posted to ``/complete``, else what the runner returned, else
+   the configured ``reward_fn(messages, **sample_fields) -> float``; ``reward_to`` (all | last |
+   longest) picks which trajectories get it, the others get 0.0.  A sample whose agent failed or timed
+   out gets 0.0 unless a reward was posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from omegaconf import DictConfig
+
+from agentloop.errors import ConfigError
+from agentloop.imports import import_object
+from agentloop.loops.base import AgentLoopBase, _agent_loop_registry, register
+from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
+
+AgentRunner = Callable[..., Awaitable[Any]]
+
+
+def register_agent_runner(name: str) -> Callable[[AgentRunner], AgentRunner]:
+    """Decorator: samples with ``agent_name == name`` run this async callable through the gateway."""
+
+    def decorator(fn: AgentRunner) -> AgentRunner:
+        if not callable(fn):
+            raise ConfigError(f"@register_agent_runner({name!r}) must decorate an async callable, got {fn!r}")
+        _agent_loop_registry[name] = {"_target_": f"{OpenAIAgentLoop.__module__}.OpenAIAgentLoop",
+                                      "_class_": OpenAIAgentLoop, "runner": fn}
+        return fn
+
+    return decorator
+
+
+def _resolve(value: Any, what: str) -> Any:
+    if value is None or callable(value):
+        return value
+    return import_object(str(value), what)
+
+
+@register("openai_agent")
+class OpenAIAgentLoop(AgentLoopBase):
+    """Runs an OpenAI-client agent against a gateway session; see the module docstring.
+
+    Kwargs (from the registry entry): ``runner`` (callable or ``"pkg.mod:fn"``), ``command``,
+    ``reward_fn`` (callable or path), and overrides of ``rollout.gateway`` keys (``session_timeout``,
+    ``trajectories``, ``reward_to``).  A sample may also name its runner in ``extra_info.agent_runner``.
+    """
+
+    requires_gateway: ClassVar[bool] = True
+    gateway_manager: ClassVar[Any] = None
+    _slots: ClassVar[asyncio.Semaphore | None] = None
+
+    def __init__(self, config: DictConfig, server_manager: Any, tokenizer: Any, processor: Any | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(config, server_manager, tokenizer, processor)
+        gateway = {**dict(config.get("gateway") or {}), **kwargs}
+        self.runner: AgentRunner | None = _resolve(kwargs.get("runner"), "openai_agent runner")
+        self.command = kwargs.get("command")
+        self.reward_fn = _resolve(kwargs.get("reward_fn"), "openai_agent reward_fn")
+        timeout = gateway.get("session_timeout")
+        self.session_timeout: float | None = float(timeout) if timeout else None
+        self.longest_only = str(gateway.get("trajectories", "all")) == "longest"
+        self.reward_to = str(gateway.get("reward_to", "all"))
+        if self.reward_to not in ("all", "last", "longest"):
+            raise ConfigError(f"rollout.gateway.reward_to must be all | last | longest, got {self.reward_to!r}")
+
+    @classmethod
+    def init_class(cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
+        """Keep the worker's GatewayManager and the session semaphore (once per worker)."""
+        if kwargs.get("gateway_manager") is not None:
+            OpenAIAgentLoop.gateway_manager = kwargs["gateway_manager"]
+        limit = int((config.get("gateway") or {}).get("max_concurrent_sessions") or 0)
+        if OpenAIAgentLoop._slots is None and limit > 0:
+            OpenAIAgentLoop._slots = asyncio.Semaphore(limit)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
+        """Steps 1-4 of the module docstring."""
+        if self.gateway_manager is None:
+            raise ConfigError("openai_agent needs the gateway: build the worker through AgentLoopManager, which "
+                              "starts gateway actors when a registered loop has requires_gateway=True")
+        runner = self._runner_for(kwargs)
+        slots = OpenAIAgentLoop._slots
+        if slots is not None:
+            await slots.acquire()
+        try:
+            return await self._run_session(runner, sampling_params, kwargs)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    def _runner_for(self, fields: dict[str, Any]) -> AgentRunner:
+        extra = fields.get("extra_info") or {}
+        named = extra.get("agent_runner") if isinstance(extra, dict) else None
+        if named:
+            return _resolve(named, "extra_info.agent_runner")
+        if self.runner is not None:
+            return self.runner
+        if self.command:
+            return _subprocess_runner(self.command)
+        raise ConfigError(f"agent {fields.get('agent_name')!r} has no runner: register one with "
+                          "@register_agent_runner(name), or give 'runner' / 'command' in its registry entry")
+
+    async def _run_session(self, runner: AgentRunner, sampling_params: dict[str, Any],
+                           fields: dict[str, Any]) -> list[AgentLoopOutput]:
+        gm = self.gateway_manager
+        params = {k: v for k, v in sampling_params.items() if k != "logprobs"}
+        handle = await gm.create_session(metadata={"index": _jsonable(fields.get("index"))}, sampling_params=params)
+        status, error, returned = RolloutStatus.STOP, None, None
+        loop_time = asyncio.get_running_loop().time
+        t0 = loop_time()
+        try:
+            call = runner(base_url=handle.base_url, api_key=handle.api_key, raw_prompt=list(fields["raw_prompt"]),
+                          **{k: v for k, v in fields.items() if k != "raw_prompt"})
+            returned = await (asyncio.wait_for(call, self.session_timeout) if self.session_timeout else call)
+        except asyncio.TimeoutError:
+            status, error = RolloutStatus.TIMEOUT, f"agent exceeded session_timeout={self.session_timeout}s"
+            await gm.abort(handle.session_id)
+        except Exception as e:  # noqa: BLE001 - the agent failed: this sample only
+            status, error = RolloutStatus.ERROR, f"agent runner failed: {type(e).__name__}: {e}"
+            await gm.abort(handle.session_id)
+        result = await gm.finalize(handle.session_id, self.longest_only)
+        elapsed = loop_time() - t0
+        return self._outputs(result, returned, fields, status, error, elapsed)
+
+    def _outputs(self, result: dict[str, Any], returned: Any, fields: dict[str, Any], status: RolloutStatus,
+                 error: str | None, elapsed: float) -> list[AgentLoopOutput]:
+        trajectories = result["trajectories"]
+        if not trajectories:
+            return [AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[],
+                                    status=status if status != RolloutStatus.STOP else RolloutStatus.ERROR,
+                                    error=error or "the agent made no chat request that produced tokens")]
+        scores = self._scores(trajectories, result.get("reward_info"), returned, fields)
+        if status != RolloutStatus.STOP:  # a failed or timed-out agent run earns nothing unless it posted a reward
+            scores = [0.0 if s is None else s for s in scores]
+        outputs = []
+        for i, (traj, score) in enumerate(zip(trajectories, scores, strict=True)):
+            finish = traj.finish_reason
+            st = status if status != RolloutStatus.STOP else (
+                RolloutStatus.LENGTH if finish == "length" else RolloutStatus.STOP)
+            outputs.append(AgentLoopOutput(
+                prompt_ids=list(traj.prompt_ids), response_ids=list(traj.response_ids),
+                response_mask=list(traj.response_mask), response_logprobs=traj.response_logprobs,
+                num_turns=int(traj.num_turns), reward_score=score, status=st, error=error,
+                metrics=AgentLoopMetrics(generate_sequences=elapsed),
+                extra_fields={"gateway_session_id": result["session_id"], "trajectory_index": i,
+                              "num_trajectories": len(trajectories), "finish_reason": finish},
+            ))
+        return outputs
+
+    def _scores(self, trajectories: list[Any], reward_info: Any, returned: Any,
+                fields: dict[str, Any]) -> list[float | None]:
+        score = _score_of(reward_info)
+        if score is None:
+            score = _score_of(returned)
+        pick = {"all": None, "last": len(trajectories) - 1,
+                "longest": max(range(len(trajectories)), key=lambda k: len(trajectories[k].response_ids))}
+        chosen = pick[self.reward_to]
+        if score is None and self.reward_fn is None:
+            return [None] * len(trajectories)
+        out: list[float | None] = []
+        for i, traj in enumerate(trajectories):
+            if chosen is not None and i != chosen:
+                out.append(0.0)
+            elif score is not None:
+                out.append(score)
+            else:
+                out.append(float(self.reward_fn(traj.messages, **fields)))
+        return out
+
+
+def _score_of(info: Any) -> float | None:
+    if isinstance(info, bool) or info is None:
+        return None
+    if isinstance(info, (int, float)):
+        return float(info)
+    if isinstance(info, dict):
+        for key in ("score", "reward"):
+            if isinstance(info.get(key), (int, float)) and not isinstance(info.get(key), bool):
+                return float(info[key])
+    return None
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)
+
+
+def _subprocess_runner(command: str | list[str]) -> AgentRunner:
+    """A runner that executes ``command`` with the session in its environment (see the module docstring)."""
+    argv = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable  # the worker's interpreter (the venv), whatever PATH says
+
+    async def run(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]], **fields: Any) -> None:
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+               "AGENTLOOP_RAW_PROMPT": json.dumps(_jsonable(raw_prompt))}
+        proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        try:
+            _, stderr = await proc.communicate()
+        except asyncio.CancelledError:
+            proc.kill()
+            raise
+        if proc.returncode != 0:
+            tail = stderr.decode(errors="replace")[-800:]
+            raise RuntimeError(f"agent command {argv!r} exited with {proc.returncode}: {tail}")
+
+    return run

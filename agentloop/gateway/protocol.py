@@ -1,0 +1,241 @@
+"""The OpenAI chat-completions dialect: request checking and response shapes.
+
+:func:`parse_chat_request` turns a JSON body into a :class:`ChatRequest` or raises
+:class:`GatewayHTTPError` (rendered as an OpenAI-shaped error body by the app):
+
+* ``messages``: a non-empty list; each message has a known ``role`` and string / null / list-of-parts
+  ``content``; text parts are joined into one string (so the chat template sees what a string would
+  give); ``name``, ``tool_calls`` (``function.arguments`` parsed from its JSON string for the chat
+  template) and ``tool_call_id`` are kept.  Image parts are refused (400) until the engine path
+  supports images.
+* Sampling keys are whitelisted: ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` /
+  ``max_completion_tokens``, ``stop`` (string or list), ``seed``; they override the session's
+  defaults.  Other OpenAI keys that do not change sampling (``user``, ``metadata``,
+  ``parallel_tool_calls``, ``logit_bias``, ...) are accepted and ignored.
+* Refused with 400: ``n != 1``, ``response_format`` other than ``{"type": "text"}``, ``tool_choice``
+  other than ``auto`` / ``none``, wrong types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class GatewayHTTPError(Exception):
+    """An error with its HTTP status and an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API returns."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ChatCompletionBody(BaseModel):
+    """The request body (types only; the rules are checked in :func:`parse_chat_request`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = "agentloop"
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+
+@dataclass
+class ChatRequest:
+    """A checked chat-completions request."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    want_logprobs: bool = False
+    parse_tools: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _bad(message: str, param: str | None = None) -> GatewayHTTPError:
+    return GatewayHTTPError(400, message, param=param)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Check a decoded JSON body; raises :class:`GatewayHTTPError` (400) on anything we refuse."""
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = ChatCompletionBody.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise _bad(f"invalid request: {where}: {first['msg']}", param=where) from None
+    if req.n not in (None, 1):
+        raise _bad(f"n={req.n} is not supported: the gateway returns one choice per request; send n requests",
+                   param="n")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise _bad("response_format is not supported (the policy's raw output is what gets trained)",
+                   param="response_format")
+    tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if tool_choice not in ("auto", "none"):
+        raise _bad(f"tool_choice={tool_choice!r} is not supported; use 'auto' or 'none'", param="tool_choice")
+    messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
+    tools = [_check_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None
+    return ChatRequest(
+        model=req.model,
+        messages=messages,
+        tools=tools,
+        sampling=_sampling(req),
+        stream=req.stream,
+        include_usage=bool((req.stream_options or {}).get("include_usage")),
+        want_logprobs=bool(req.logprobs),
+        parse_tools=tool_choice == "auto",
+    )
+
+
+def _sampling(req: ChatCompletionBody) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(req, key)
+        if value is not None:
+            out[key] = value
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is not None:
+        out["max_tokens"] = int(max_tokens)
+    if req.stop:
+        out["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return out
+
+
+def _check_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    fn = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                   param=f"tools.{i}")
+    return {"type": "function", "function": fn}
+
+
+def normalize_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
+    """One message in the form chat templates expect (see the module docstring)."""
+    role = msg.get("role")
+    if role not in _ROLES:
+        raise _bad(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}", param=f"messages.{i}.role")
+    out: dict[str, Any] = {"role": role, "content": _content(msg.get("content"), i)}
+    if msg.get("name") is not None:
+        if not isinstance(msg["name"], str):
+            raise _bad(f"messages[{i}].name must be a string", param=f"messages.{i}.name")
+        out["name"] = msg["name"]
+    if msg.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(msg["tool_call_id"])
+    calls = msg.get("tool_calls")
+    if calls:
+        if role != "assistant" or not isinstance(calls, list):
+            raise _bad(f"messages[{i}].tool_calls must be a list on an assistant message",
+                       param=f"messages.{i}.tool_calls")
+        out["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(calls)]
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content must be a string, null or a list of parts", param=f"messages.{i}.content")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("image_url", "input_image", "image"):
+            raise _bad(f"messages[{i}]: image content is not supported by this gateway yet",
+                       param=f"messages.{i}.content")
+        else:
+            raise _bad(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}, got {part!r}",
+                       param=f"messages.{i}.content")
+    return "".join(texts)
+
+
+def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(f"messages[{i}].tool_calls[{j}] needs function.name", param=f"messages.{i}.tool_calls.{j}")
+    args: Any = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else kept as the string the model wrote
+            args = json.loads(args) if args.strip() else {}
+    return {"id": str(call.get("id") or ""), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def new_completion_id() -> str:
+    """``chatcmpl-…`` id."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def openai_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """Parsed :class:`~agentloop.parsers.base.FunctionCall` objects as OpenAI ``tool_calls``."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def completion_body(
+    *, completion_id: str, model: str, message: dict[str, Any], finish_reason: str,
+    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chunk_body(
+    *, completion_id: str, model: str, created: int, delta: dict[str, Any] | None,
+    finish_reason: str | None = None, usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only chunk (no choices)."""
+    body: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": []}
+    if delta is not None:
+        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,446 @@
+"""Branch-aware trajectory store of one gateway session: a prefix trie over canonicalised messages.
+
+An external agent sends the whole message list on every chat request; the store finds the longest
+branch the request continues, encodes only the new suffix, and records the engine's sampled ids
+exactly, so every root-to-leaf path is a token-exact RL trajectory.
+
+Canonical messages (:func:`canonical_message`): ``role``; ``content`` (``None`` == ``""``; a list of
+text parts == the joined string; image parts kept as markers that name the image); ``name``;
+``tool_calls`` as ``(function name, arguments)`` with the arguments parsed as JSON (``{"a": 1}`` ==
+``{"a":1}``; unparsable ones compared as stripped strings), call ids ignored.  ``tool_call_id`` is
+ignored.  The tools list is canonicalised with ``json.dumps(sort_keys=True)`` (:func:`canonical_tools`).
+
+The trie alternates two kinds of nodes (segments, not single messages: hermes-like templates group
+consecutive tool messages, so one message's rendering is not prefix-stable):
+
+* :class:`ContextNode`: a maximal run of messages the policy did not sample (system / user / tool, and
+  assistant messages from the client that match no sampled node); its ids end with the generation
+  prompt.  The root's children and a sampled node's children are context nodes, keyed by
+  ``(canonical tools, canonical messages)``.
+* :class:`SampledNode`: one assistant turn the engine generated: ids as sampled, logprobs, the message
+  returned to the client, ``finish_reason``.  A context node's children are sampled nodes: siblings
+  are several samples of one context (best-of-n, concurrent requests).
+
+:meth:`SessionStore.prepare` walks from the root and takes the deepest path whose context runs and
+sampled assistant turns equal the request's messages (the request must end with a non-assistant
+message; :class:`StoreError` otherwise).  The remaining messages form a context node under the deepest
+matched sampled node (or the root): an existing equal one is reused without encoding, else only those
+messages are encoded: a full render at the root; after a sampled node, the end-of-turn token first when
+the sample did not end with one (``finish_reason`` length; mask 0), then
+:func:`~agentloop.tokenization.incremental.encode_new_turns` per run of non-assistant messages, and a
+client-sent assistant turn as the template's text for it plus its end-of-turn token (as
+:func:`~agentloop.tokenization.incremental.check_incremental` replays it).  When the template cannot be
+encoded incrementally (:class:`TemplateMismatchError`) the request falls back to a full render at the
+root (a new tree).  Reserving is synchronous, so concurrent asyncio requests cannot interleave in it;
+:meth:`~SessionStore.commit` always adds a new sibling, :meth:`~SessionStore.release` drops a context node
+that nothing sampled from and nothing waits on.
+
+:meth:`SessionStore.trajectories` returns one :class:`Trajectory` per sampled node without sampled
+descendants, in creation order of these leaves: prompt = the first context node's ids, response =
+everything after it, mask 1 on sampled ids and 0 on context ids, logprobs aligned (0.0 on context
+tokens; ``None`` when any sampled turn on the path has none).  The store is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentloop.errors import AgentLoopError
+from agentloop.tokenization.incremental import TemplateMismatchError, _assistant_text, encode_new_turns
+
+logger = logging.getLogger(__name__)
+
+Canon = tuple[Any, ...]
+Key = tuple[str, tuple[Canon, ...]]
+_TEXT_PARTS = ("text", "input_text", "output_text")
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+class StoreError(AgentLoopError, ValueError):
+    """A request the store cannot place or a misuse of a reservation (the gateway answers 400)."""
+
+
+# ---- canonical form -------------------------------------------------------------------------------
+def _image_ref(part: dict[str, Any]) -> str:
+    value = part.get(part.get("type") or "image_url", part.get("url"))
+    if isinstance(value, dict):
+        value = value.get("url", value)
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def _canonical_content(content: Any) -> Any:
+    """A string for text (``None``, ``""`` and text parts included); a tuple with image markers otherwise."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        return ("value", json.dumps(content, sort_keys=True, default=str))
+    pieces: list[Any] = [""]
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part, dict) and kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            if isinstance(pieces[-1], str):
+                pieces[-1] += part["text"]
+            else:
+                pieces.append(part["text"])
+        elif isinstance(part, dict) and kind in _IMAGE_PARTS:
+            pieces.append(("image", _image_ref(part)))
+        else:
+            pieces.append(("part", json.dumps(part, sort_keys=True, default=str)))
+    if len(pieces) == 1:
+        return pieces[0]
+    return tuple(p for p in pieces if p != "")
+
+
+def _canonical_arguments(arguments: Any) -> tuple[str, str]:
+    """Parsed JSON (dumped with sorted keys), or the stripped string when it is not JSON."""
+    if arguments is None:
+        arguments = {}
+    if isinstance(arguments, str):
+        text = arguments.strip()
+        if not text:
+            arguments = {}
+        else:
+            try:
+                arguments = json.loads(text)
+            except ValueError:
+                return ("text", text)
+    return ("json", json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str))
+
+
+def _canonical_tool_calls(calls: Any) -> tuple[tuple[Any, tuple[str, str]], ...]:
+    out = []
+    for call in calls or ():
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        fn = fn if isinstance(fn, dict) else {}
+        out.append((fn.get("name"), _canonical_arguments(fn.get("arguments"))))
+    return tuple(out)
+
+
+def canonical_message(msg: dict[str, Any]) -> Canon:
+    """Hashable form of an OpenAI message: ``(role, content, name, tool_calls)`` (see the module docstring)."""
+    return (msg.get("role"), _canonical_content(msg.get("content")), msg.get("name") or None,
+            _canonical_tool_calls(msg.get("tool_calls")))
+
+
+def canonical_tools(tools: Sequence[dict[str, Any]] | None) -> str:
+    """The tools list as sorted-keys JSON (``None`` == ``[]``)."""
+    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False, default=str)
+
+
+# ---- nodes -------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class ContextNode:
+    """A run of messages the policy did not sample; ``ids`` end with the generation prompt."""
+
+    parent: SampledNode | None  # None: a child of the root
+    key: Key
+    messages: list[dict[str, Any]]
+    ids: list[int]
+    seq: int
+    samples: list[SampledNode] = field(default_factory=list)
+    pending: int = 0
+
+
+@dataclass(eq=False)
+class SampledNode:
+    """One assistant turn the engine generated, exactly as sampled."""
+
+    parent: ContextNode
+    ids: list[int]
+    log_probs: list[float] | None
+    message: dict[str, Any]
+    finish_reason: str
+    canon: Canon
+    seq: int
+    children: dict[Key, ContextNode] = field(default_factory=dict)
+
+
+@dataclass
+class Reservation:
+    """A request placed in the trie, waiting for its generation.
+
+    Attributes:
+        node: the context node the generation continues.
+        prompt_ids: every id on the path from the root to ``node``: what the engine must continue.
+        num_encoded_tokens: ids encoded for this request (0 when the context node was reused).
+        remaining: ``max_length - len(prompt_ids)``; may be zero or negative.
+    """
+
+    node: ContextNode
+    prompt_ids: list[int]
+    num_encoded_tokens: int
+    remaining: int
+    done: bool = False
+
+
+@dataclass
+class Trajectory:
+    """One root-to-leaf path: the prompt, then sampled turns and the context between them."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float] | None
+    messages: list[dict[str, Any]]
+    num_turns: int
+    finish_reason: str
+
+
+# ---- the store ---------------------------------------------------------------------------------------
+class SessionStore:
+    """The prefix trie of one session (see the module docstring).
+
+    Args:
+        tokenizer: the served model's tokenizer (``apply_chat_template``, ``encode``).
+        max_length: per-trajectory token budget, ``prompt_length + response_length``.
+        end_of_turn: the token(s) the engine ends a turn with (default ``tokenizer.eos_token``); the first
+            one is inserted after a sample that ended without any of them.
+        chat_template_kwargs: extra template variables passed to every render.
+    """
+
+    def __init__(self, tokenizer: Any, *, max_length: int, end_of_turn: str | Sequence[str] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length)
+        stops = end_of_turn if end_of_turn is not None else tokenizer.eos_token
+        self._stops: tuple[str, ...] = (stops,) if isinstance(stops, str) else tuple(stops)
+        self._stop_ids = {token: self._token_id(token) for token in self._stops}
+        self._stop_by_id = {i: token for token, i in self._stop_ids.items()}
+        self._kwargs = dict(chat_template_kwargs or {})
+        self._roots: dict[Key, ContextNode] = {}
+        self._seq = itertools.count()
+        self._num_encoded = 0
+        self._num_reused = 0
+        self._num_fallbacks = 0
+
+    def _token_id(self, token: str) -> int:
+        ids = list(self.tokenizer.encode(token, add_special_tokens=False))
+        if len(ids) != 1:
+            raise StoreError(f"end-of-turn {token!r} is not a single token of this tokenizer: {ids}")
+        return int(ids[0])
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def prepare(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+                ) -> Reservation:
+        """Place a request: match the deepest branch, encode only the new suffix, reserve its context node.
+
+        Raises:
+            StoreError: no messages, or the last message is an assistant message.
+        """
+        messages = list(messages)
+        if not messages:
+            raise StoreError("messages is empty: send at least one message")
+        if messages[-1].get("role") == "assistant":
+            raise StoreError("the last message is an assistant message; continuing a partial assistant turn is not "
+                             "supported: end the request with a user, system or tool message")
+        canon = [canonical_message(m) for m in messages]
+        tools_key = canonical_tools(tools)
+        parent, start = self._match(canon, tools_key)
+        node, encoded = self._context(parent, messages, canon, start, tools, tools_key)
+        node.pending += 1
+        prompt = self._path_ids(node)
+        return Reservation(node=node, prompt_ids=prompt, num_encoded_tokens=encoded,
+                           remaining=self.max_length - len(prompt))
+
+    def commit(self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
+               message: dict[str, Any], finish_reason: str) -> SampledNode:
+        """Record a generation as a new sampled child (always a new sibling) of the reservation's node.
+
+        Raises:
+            StoreError: the reservation was already committed or released, or ``log_probs`` is not
+                aligned with ``token_ids`` (the reservation is then released).
+        """
+        if log_probs is not None and len(log_probs) != len(token_ids) and not reservation.done:
+            self.release(reservation)
+            raise StoreError(f"{len(log_probs)} logprobs for {len(token_ids)} token ids; nothing was recorded")
+        self._finish(reservation)
+        message = copy.deepcopy({"role": "assistant", **message})
+        node = SampledNode(parent=reservation.node, ids=[int(t) for t in token_ids],
+                           log_probs=None if log_probs is None else [float(x) for x in log_probs],
+                           message=message, finish_reason=finish_reason, canon=canonical_message(message),
+                           seq=next(self._seq))
+        reservation.node.samples.append(node)
+        return node
+
+    def release(self, reservation: Reservation) -> None:
+        """Give up a reservation (failed request): nothing is recorded; a context node nothing sampled
+        from and nothing waits on is removed.  Releasing twice, or after a commit, does nothing."""
+        if reservation.done:
+            return
+        self._finish(reservation)
+        node = reservation.node
+        if node.samples or node.pending:
+            return
+        siblings = self._children(node.parent)
+        if siblings.get(node.key) is node:
+            del siblings[node.key]
+
+    def _finish(self, reservation: Reservation) -> None:
+        if reservation.done:
+            raise StoreError("this reservation was already committed or released")
+        reservation.done = True
+        reservation.node.pending -= 1
+
+    # ---- matching ----------------------------------------------------------------------------------
+    def _children(self, node: SampledNode | None) -> dict[Key, ContextNode]:
+        return self._roots if node is None else node.children
+
+    def _match(self, canon: list[Canon], tools_key: str) -> tuple[SampledNode | None, int]:
+        """The deepest sampled node whose path equals a prefix of ``canon``, and where that prefix ends.
+
+        Depth-first over every context child whose run equals the next messages and is followed by an
+        assistant message equal to one of its samples; on a tie the earliest branch wins.
+        """
+        best: SampledNode | None = None
+        best_end = 0
+        stack: list[tuple[SampledNode | None, int]] = [(None, 0)]
+        while stack:
+            node, start = stack.pop()
+            if start > best_end:
+                best, best_end = node, start
+            found: list[tuple[SampledNode | None, int]] = []
+            for ctx in self._children(node).values():
+                key_tools, run = ctx.key
+                end = start + len(run)
+                if key_tools != tools_key or end >= len(canon) or tuple(canon[start:end]) != run:
+                    continue
+                found += [(s, end + 1) for s in ctx.samples if s.canon == canon[end]]
+            stack.extend(reversed(found))
+        return best, best_end
+
+    def _context(self, parent: SampledNode | None, messages: list[dict[str, Any]], canon: list[Canon],
+                 start: int, tools: Sequence[dict[str, Any]] | None, tools_key: str) -> tuple[ContextNode, int]:
+        """The context node for ``messages[start:]`` under ``parent``: an existing equal one, or a new one."""
+        key: Key = (tools_key, tuple(canon[start:]))
+        existing = self._children(parent).get(key)
+        if existing is not None:
+            self._num_reused += 1
+            return existing, 0
+        tool_list = list(tools) if tools else None
+        if parent is None:
+            ids = self._encode_full(messages, tool_list)
+        else:
+            try:
+                ids = self._encode_after(parent, messages, start, tool_list)
+            except TemplateMismatchError as e:
+                logger.warning("incremental encoding is not exact for this request, starting a new tree with a "
+                               "full render: %s", e)
+                self._num_fallbacks += 1
+                return self._context(None, messages, canon, 0, tools, tools_key)
+        node = ContextNode(parent=parent, key=key, messages=copy.deepcopy(messages[start:]), ids=ids,
+                           seq=next(self._seq))
+        self._children(parent)[key] = node
+        self._num_encoded += len(ids)
+        return node, len(ids)
+
+    # ---- encoding ----------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def _encode_full(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                  **self._kwargs)
+        return self._encode(text)
+
+    def _encode_after(self, parent: SampledNode, messages: list[dict[str, Any]], start: int,
+                      tools: list[dict[str, Any]] | None) -> list[int]:
+        """Ids of ``messages[start:]`` after the sampled turn ``parent`` (see the module docstring)."""
+        system = messages[0] if messages[0].get("role") == "system" else None
+        ids: list[int] = []
+        stop = self._stop_by_id.get(parent.ids[-1]) if parent.ids else None
+        if stop is None:  # cut by the length limit: close the turn as the template would
+            stop = self._stops[0]
+            ids.append(self._stop_ids[stop])
+        previous = parent.message
+        run: list[dict[str, Any]] = []
+        for msg in messages[start:]:
+            if msg.get("role") != "assistant":
+                run.append(msg)
+                continue
+            ids += encode_new_turns(self.tokenizer, run, system=system, tools=tools, previous=previous,
+                                    end_of_turn=stop, chat_template_kwargs=self._kwargs)
+            text, stop = _assistant_text(self.tokenizer, msg, tools, self._stops, self._kwargs)
+            ids += self._encode(text) + [self._stop_ids[stop]]
+            previous, run = msg, []
+        ids += encode_new_turns(self.tokenizer, run, system=system, tools=tools, previous=previous,
+                                end_of_turn=stop, chat_template_kwargs=self._kwargs)
+        return ids
+
+    @staticmethod
+    def _path(node: ContextNode | SampledNode) -> list[ContextNode | SampledNode]:
+        chain: list[ContextNode | SampledNode] = []
+        current: ContextNode | SampledNode | None = node
+        while current is not None:
+            chain.append(current)
+            current = current.parent
+        return chain[::-1]
+
+    def _path_ids(self, node: ContextNode) -> list[int]:
+        return [t for part in self._path(node) for t in part.ids]
+
+    # ---- results -----------------------------------------------------------------------------------
+    def _contexts(self) -> Iterator[ContextNode]:
+        stack = list(self._roots.values())
+        while stack:
+            ctx = stack.pop()
+            yield ctx
+            stack += [c for s in ctx.samples for c in s.children.values()]
+
+    def _leaves(self) -> list[SampledNode]:
+        leaves = [s for ctx in self._contexts() for s in ctx.samples
+                  if not any(c.samples for c in s.children.values())]
+        return sorted(leaves, key=lambda s: s.seq)
+
+    def trajectories(self, longest_only: bool = False) -> list[Trajectory]:
+        """One trajectory per sampled node without sampled descendants, in the leaves' creation order.
+
+        ``longest_only`` keeps only the one with the most response tokens (the first of equals).
+        """
+        result = [self._trajectory(leaf) for leaf in self._leaves()]
+        if longest_only and result:
+            return [max(result, key=lambda t: len(t.response_ids))]
+        return result
+
+    def _trajectory(self, leaf: SampledNode) -> Trajectory:
+        first, *rest = self._path(leaf)
+        response: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        has_logprobs = True
+        messages: list[dict[str, Any]] = []
+        messages += first.messages if isinstance(first, ContextNode) else []
+        for part in rest:
+            response += part.ids
+            if isinstance(part, SampledNode):
+                mask += [1] * len(part.ids)
+                has_logprobs = has_logprobs and part.log_probs is not None
+                logprobs += part.log_probs or []
+                messages.append(part.message)
+            else:
+                mask += [0] * len(part.ids)
+                logprobs += [0.0] * len(part.ids)
+                messages += part.messages
+        return Trajectory(prompt_ids=list(first.ids), response_ids=response, response_mask=mask,
+                          response_logprobs=logprobs if has_logprobs else None, messages=copy.deepcopy(messages),
+                          num_turns=len(messages), finish_reason=leaf.finish_reason)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: nodes, sampled nodes, trajectories, tokens encoded, reuses, fallbacks."""
+        contexts = list(self._contexts())
+        sampled = sum(len(c.samples) for c in contexts)
+        return {
+            "num_nodes": len(contexts) + sampled,
+            "num_context_nodes": len(contexts),
+            "num_sampled_nodes": sampled,
+            "num_trajectories": len(self._leaves()),
+            "num_pending": sum(c.pending for c in contexts),
+            "num_encoded_tokens": self._num_encoded,
+            "num_reused_contexts": self._num_reused,
+            "num_fallbacks": self._num_fallbacks,
+        }
