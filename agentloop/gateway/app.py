@@ -63,8 +63,22 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+_MESSAGE_SCHEMA = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {"type": "object"}}]},
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
 def _chat_openapi() -> dict[str, Any]:
     schema = ChatCompletionBody.model_json_schema()
+    schema["properties"]["messages"]["items"] = _MESSAGE_SCHEMA
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
