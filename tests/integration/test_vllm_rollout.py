@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from agentloop.config import default_config
 from agentloop.data import rows_to_batch
+from agentloop.gateway.framework import register_agent_runner
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.types import AgentLoopOutput
 
@@ -251,3 +252,81 @@ def test_tool_agent_runs_on_the_real_engine(manager):
     mask = out.batch["response_mask"]
     assert torch.all(mask <= resp_attn)
     assert torch.all((mask.sum(-1) > 0) | (out.non_tensor_batch["__num_turns__"] == 0))
+
+
+@register_agent_runner("it_sdk_calculator")
+async def it_sdk_calculator(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
+    """A plain OpenAI-SDK calculator agent; odd sample indices stream."""
+    import json
+
+    import openai
+
+    from agentloop.tools.calculator import CALCULATOR_TOOL_DICT, evaluate
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [dict(m) for m in raw_prompt]
+    stream = fields["extra_info"]["index"] % 2 == 1
+    for _ in range(3):
+        kwargs = {"model": "policy", "messages": messages, "tools": [CALCULATOR_TOOL_DICT], "temperature": 0}
+        if stream:
+            content, calls, finish = "", {}, None
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                if chunk.choices:
+                    content += chunk.choices[0].delta.content or ""
+                    for tc in chunk.choices[0].delta.tool_calls or []:
+                        calls[tc.index] = {"id": tc.id, "type": "function", "function": {
+                            "name": tc.function.name, "arguments": tc.function.arguments}}
+                    finish = chunk.choices[0].finish_reason or finish
+            msg: dict = {"role": "assistant", "content": content or None}
+            if calls:
+                msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+        else:
+            resp = await client.chat.completions.create(**kwargs)
+            finish, msg = resp.choices[0].finish_reason, resp.choices[0].message.model_dump(exclude_none=True)
+        messages.append(msg)
+        if finish != "tool_calls":
+            return
+        for call in msg["tool_calls"]:
+            try:
+                result = str(evaluate(json.loads(call["function"]["arguments"])["expression"]))
+            except Exception as e:  # noqa: BLE001 - the model's expression may be malformed
+                result = f"error: {e}"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+
+
+def test_gateway_agents_and_tool_agent_in_one_batch(manager):
+    """OpenAI-SDK agents (through the gateway, streaming and not) and tool_agent samples in one batch."""
+    import random
+
+    from agentloop.testing.tiny_model import _SYSTEM_PROMPTS, word_problem
+
+    rng = random.Random(11)
+    rows = []
+    problems = [word_problem(rng)[0] for _ in range(3)]
+    for i in range(6):  # each problem once without and once with streaming
+        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[1]}, {"role": "user", "content": problems[i // 2]}]
+        rows.append({"prompt": messages, "agent_name": "it_sdk_calculator", "extra_info": {"index": i}})
+    for i in range(6, 8):
+        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[1]}, {"role": "user", "content": problems[0]}]
+        rows.append({"prompt": messages, "agent_name": "tool_agent", "extra_info": {"index": i}})
+    batch = rows_to_batch(rows)
+    batch.meta_info["validate"] = True  # greedy
+    out = manager.generate_sequences(batch)
+    nt = out.non_tensor_batch
+    names = nt["agent_name"].tolist()
+    assert names.count("tool_agent") == 2 and names.count("it_sdk_calculator") >= 6
+    assert set(nt["status"].tolist()) <= {"stop", "length", "max_turns"}, nt["error"]
+    tok = manager_tokenizer(manager)
+    gateway_rows = [i for i, n in enumerate(names) if n == "it_sdk_calculator"]
+    by_index: dict[int, list[int]] = {}
+    for i in gateway_rows:
+        attn = out.batch["attention_mask"][i].bool()
+        resp = out.batch["responses"][i][attn[PROMPT_LEN:]]
+        mask = out.batch["response_mask"][i][attn[PROMPT_LEN:]].bool()
+        assert int(mask.sum()) > 0
+        assert "<tool_response>" not in tok.decode(resp[mask].tolist())
+        by_index[int(nt["index"][i])] = resp.tolist()
+    called = [i for i in gateway_rows if "<tool_response>" in tok.decode(out.batch["responses"][i].tolist())]
+    assert len(called) >= 4  # the trained model calls the calculator through the SDK
+    for k in range(3):  # streaming and non-streaming recorded the same greedy trajectory
+        assert by_index[2 * k] == by_index[2 * k + 1]
