@@ -10,8 +10,9 @@ One service per gateway actor.  A session owns a branch-aware trajectory store
    is no per-session generation lock).
 3. Clamp ``max_tokens`` to what remains of ``prompt_length + response_length``; when nothing remains,
    answer ``finish_reason: length`` without calling the engine.
-4. Generate through the router (sticky per session, so continuations hit the prefix cache), streaming
-   or not.  An engine failure answers 502 and commits nothing.
+4. Generate through the router, sticky per conversation root (continuations of a branch reach the
+   server holding its prefix cache; independent sub-conversations may spread), streaming or not.  An
+   engine failure answers 502 and commits nothing.
 5. Decode (tool parser → ``tool_calls``; ``finish_reason`` ``tool_calls`` / ``stop`` / ``length``) and
    commit the sampled ids, logprobs and the returned message as a new sibling in the store.
 """
@@ -68,7 +69,7 @@ class Session:
     sampling_params: dict[str, Any] = field(default_factory=dict)
     state: str = "active"  # active | completed | aborted
     reward_info: dict[str, Any] | None = None
-    in_flight: set[str] = field(default_factory=set)
+    in_flight: dict[str, str] = field(default_factory=dict)  # request id -> its sticky routing key
     num_requests: int = 0
     num_parse_errors: int = 0
     created: float = field(default_factory=time.time)
@@ -83,6 +84,7 @@ class _Turn:
     reservation: Any
     request_id: str
     params: dict[str, Any]
+    sticky_key: str
 
 
 class GatewayService:
@@ -149,7 +151,7 @@ class GatewayService:
         """Abort the session: in-flight generations are aborted and nothing more is committed."""
         session = self.session(session_id)
         session.state = "aborted"
-        await asyncio.gather(*(self.router.abort(rid, sticky_key=session_id) for rid in list(session.in_flight)),
+        await asyncio.gather(*(self.router.abort(rid, sticky_key=key) for rid, key in list(session.in_flight.items())),
                              return_exceptions=True)
         return self.get_state(session_id)
 
@@ -205,7 +207,7 @@ class GatewayService:
         remaining = int(reservation.remaining)
         params["max_tokens"] = min(int(params.get("max_tokens") or remaining), remaining)
         request_id = f"{session.session_id}-{uuid.uuid4().hex[:12]}"
-        return _Turn(session, request, reservation, request_id, params)
+        return _Turn(session, request, reservation, request_id, params, _branch_key(session, reservation))
 
     async def _respond_empty(self, turn: _Turn, out: TokenOutput) -> dict[str, Any] | AsyncIterator[str]:
         message = {"role": "assistant", "content": ""}
@@ -228,17 +230,17 @@ class GatewayService:
         return events()
 
     async def _generate(self, turn: _Turn) -> dict[str, Any]:
-        turn.session.in_flight.add(turn.request_id)
+        turn.session.in_flight[turn.request_id] = turn.sticky_key
         try:
             out = await self.router.generate(
                 turn.request_id, prompt_ids=list(turn.reservation.prompt_ids), sampling_params=turn.params,
-                sticky_key=turn.session.session_id,
+                sticky_key=turn.sticky_key,
             )
         except Exception as e:
             turn.session.store.release(turn.reservation)
             raise _engine_error(e) from None
         finally:
-            turn.session.in_flight.discard(turn.request_id)
+            turn.session.in_flight.pop(turn.request_id, None)
         message, finish = await self._commit(turn, out.token_ids, out.log_probs, out.stop_reason)
         logprobs = self._openai_logprobs(out.token_ids, out.log_probs) if turn.request.want_logprobs else None
         return completion_body(
@@ -284,14 +286,14 @@ class GatewayService:
         lps: list[float] | None = [] if turn.params["logprobs"] else None
         stop: StopReason | None = None
         committed = False
-        turn.session.in_flight.add(turn.request_id)
+        turn.session.in_flight[turn.request_id] = turn.sticky_key
         try:
             yield _sse(chunk_body(completion_id=cid, model=model, created=created,
                                   delta={"role": "assistant", "content": ""}))
             try:
                 async for delta in self.router.generate_stream(
                     turn.request_id, prompt_ids=list(turn.reservation.prompt_ids), sampling_params=turn.params,
-                    sticky_key=turn.session.session_id,
+                    sticky_key=turn.sticky_key,
                 ):
                     ids.extend(delta.token_ids)
                     if lps is not None:
@@ -325,13 +327,22 @@ class GatewayService:
                                       usage_=usage(len(turn.reservation.prompt_ids), len(ids))))
             yield "data: [DONE]\n\n"
         finally:
-            turn.session.in_flight.discard(turn.request_id)
+            turn.session.in_flight.pop(turn.request_id, None)
             if not committed:
                 with contextlib.suppress(Exception):
                     turn.session.store.release(turn.reservation)
                 if stop is None:  # the client went away mid-stream: stop the engine too
                     asyncio.get_running_loop().create_task(
-                        _quiet(self.router.abort(turn.request_id, sticky_key=turn.session.session_id)))
+                        _quiet(self.router.abort(turn.request_id, sticky_key=turn.sticky_key)))
+
+
+def _branch_key(session: Session, reservation: Any) -> str:
+    """Routing key of a request: its session and the root of its branch, so every continuation of a
+    conversation reaches the server holding its prefix cache while independent conversations spread."""
+    node = reservation.node
+    while node.parent is not None:  # context → sampled → context … up to the root's child
+        node = node.parent.parent
+    return f"{session.session_id}/{node.seq}"
 
 
 def _final_chunks(
