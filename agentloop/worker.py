@@ -99,7 +99,8 @@ class AgentLoopWorker:
         self.rollout = rollout
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.server_manager = AsyncLLMServerManager(
-            server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size)
+            server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),
+            batch_calls=bool(rollout.server.get("batch_calls", True)),
         )
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         for entry in self.registry.values():

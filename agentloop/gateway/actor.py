@@ -46,8 +46,10 @@ class GatewayActor:
         self.max_body_bytes = int(gateway_cfg.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES)
         tok = tokenizer if tokenizer is not None else load_tokenizer(model)
         fmt = (rollout.get("multi_turn") or {}).get("format")
+        server_cfg = rollout.get("server") or {}
         router = AsyncLLMServerManager(server_handles, balancer,
-                                       max_cache_size=int((rollout.get("server") or {}).get("max_cache_size", 10000)))
+                                       max_cache_size=int(server_cfg.get("max_cache_size", 10000)),
+                                       batch_calls=bool(server_cfg.get("batch_calls", True)))
         self.service = GatewayService(
             tok, router, get_tool_parser(str(fmt), tok) if fmt else None,
             max_length=int(rollout.prompt_length) + int(rollout.response_length),

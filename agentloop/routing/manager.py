@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 
 from agentloop.errors import RoutingError, ServerError
 from agentloop.routing.balancer_actor import RemoteBalancer
+from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.strategies import Balancer, make_balancer
 from agentloop.types import TokenDelta, TokenOutput
 
@@ -30,11 +31,14 @@ class AsyncLLMServerManager:
         server_handles: Ray actor handles or in-process LLMServer objects.
         balancer: a GlobalBalancer actor handle or a local Balancer (default: a new local one).
         max_cache_size: sticky LRU size for the default local balancer.
+        batch_calls: coalesce the generate calls made in one event-loop iteration for the same server
+            actor into one Ray call (:mod:`agentloop.routing.batcher`); in-process servers are called
+            directly either way.
     """
 
     def __init__(
         self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
-        max_cache_size: int = 10000,
+        max_cache_size: int = 10000, batch_calls: bool = True,
     ) -> None:
         self.server_handles = list(server_handles)
         if not self.server_handles:
@@ -44,6 +48,10 @@ class AsyncLLMServerManager:
         )
         self._remote_balancer = isinstance(self.balancer, ActorHandle)
         self._client = RemoteBalancer(self.balancer) if self._remote_balancer else None
+        self._batchers = {
+            i: ServerCallBatcher(h, i) for i, h in enumerate(self.server_handles)
+            if batch_calls and isinstance(h, ActorHandle)
+        }
 
     async def _acquire(self, request_id: str, prompt_len: int) -> int:
         if self._client is not None:
@@ -65,6 +73,13 @@ class AsyncLLMServerManager:
                 "create the GlobalBalancer with num_servers equal to the number of server handles"
             )
         handle = self.server_handles[server]
+        if method == "generate" and server in self._batchers:
+            future = self._batchers[server].submit(kwargs)
+            try:
+                return await future
+            except asyncio.CancelledError:  # the caller gave up (timeout, abort): stop the engine too
+                handle.abort.remote(request_id=kwargs["request_id"])
+                raise
         if isinstance(handle, ActorHandle):
             return await getattr(handle, method).remote(**kwargs)
         return await getattr(handle, method)(**kwargs)

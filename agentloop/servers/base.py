@@ -59,3 +59,41 @@ class LLMServer(Protocol):
     async def update_weights(self, named_tensors: dict[str, Any]) -> None:
         """Replace the served model's weights with ``named_tensors`` (HF checkpoint names)."""
         ...
+
+
+class BatchGenerateMixin:
+    """``generate_batch``: many requests in one call, results streamed back as they finish.
+
+    The router sends all requests a worker has ready for one server in a single Ray call (a streaming
+    generator) instead of one actor call each; each yielded item is a list of ``(index, result)`` for
+    the requests that finished since the previous item, where ``result`` is a TokenOutput or the
+    ServerError the request raised.  Requires a ``generate`` coroutine with the LLMServer signature.
+    """
+
+    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """Run ``generate(**request)`` for every request concurrently; yield completions in groups."""
+        import asyncio
+
+        from agentloop.errors import ServerError
+
+        done: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def one(i: int, request: dict[str, Any]) -> None:
+            try:
+                result: Any = await self.generate(**request)  # type: ignore[attr-defined]
+            except Exception as e:  # noqa: BLE001 - sent back to the caller of this request only
+                result = e if isinstance(e, ServerError) else ServerError(f"{type(e).__name__}: {e}")
+            done.put_nowait((i, result))
+
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
+        try:
+            remaining = len(requests)
+            while remaining:
+                group = [await done.get()]
+                while not done.empty():
+                    group.append(done.get_nowait())
+                remaining -= len(group)
+                yield group
+        finally:
+            for task in tasks:
+                task.cancel()

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
+from agentloop.servers.base import BatchGenerateMixin
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool) -> dict[s
     return args
 
 
-class VLLMServer:
+class VLLMServer(BatchGenerateMixin):
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
 
     Args:

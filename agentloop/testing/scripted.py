@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentloop.errors import ServerError
+from agentloop.servers.base import BatchGenerateMixin
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 Script = list[int] | TokenOutput | Exception
@@ -42,7 +43,7 @@ def fake_log_probs(n: int) -> list[float]:
     return [-0.1 * ((i % 10) + 1) for i in range(n)]
 
 
-class ScriptedServer:
+class ScriptedServer(BatchGenerateMixin):
     """Replies from a script (see the module docstring for the exact rules).
 
     Args:

@@ -110,3 +110,55 @@ def test_dead_server_is_a_server_error_and_releases(ray_session):
     with pytest.raises(ServerError, match=r"server 0 failed on request dead"):
         asyncio.run(mgr.generate("dead", prompt_ids=[1], sampling_params={}))
     assert wait_idle(ray, balancer)["in_flight"] == [0]
+
+
+def test_calls_issued_together_share_one_ray_call_and_keep_their_own_results(ray_session):
+    """The batcher: 64 requests → a couple of Ray calls; each caller gets its own reply or its own error."""
+    actor_cls = ray_session.remote(num_cpus=0)(ScriptedServer)
+
+    def reply(prompt_ids: list[int], params: dict, request_id: str) -> list[int]:
+        if request_id == "r13":
+            raise ServerError("boom on r13")
+        return [int(request_id[1:]), 2]
+
+    server = actor_cls.remote(reply, eos_token_id=2)
+    manager = AsyncLLMServerManager([server])
+
+    async def go() -> list[Any]:
+        calls = [manager.generate(f"r{i}", prompt_ids=[1, 2, 3], sampling_params={}) for i in range(64)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert isinstance(results[13], ServerError) and "boom on r13" in str(results[13])
+    for i, out in enumerate(results):
+        if i != 13:
+            assert out.token_ids == [i, 2] and out.stop_reason == StopReason.STOP
+    batcher = manager._batchers[0]
+    assert batcher.num_requests == 64 and batcher.num_calls <= 2
+
+
+def test_a_cancelled_batched_call_aborts_the_request_on_the_server(ray_session):
+    actor_cls = ray_session.remote(num_cpus=0)(ScriptedServer)
+    server = actor_cls.remote(delay=30.0)
+    manager = AsyncLLMServerManager([server])
+
+    async def go() -> None:
+        tasks = [asyncio.ensure_future(manager.generate(f"q{i}", prompt_ids=[1, 2], sampling_params={}))
+                 for i in range(3)]
+        await asyncio.sleep(1.0)
+        tasks[1].cancel()
+        await asyncio.sleep(1.0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    t0 = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - t0 < 20
+    deadline = time.monotonic() + 10
+    while True:  # aborts are fire-and-forget actor calls
+        counts = ray_session.get(server.__ray_call__.remote(lambda self: dict(self.counts)))
+        if counts["abort"] >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert counts["abort"] >= 3

@@ -1,0 +1,98 @@
+"""Coalescing generate calls to one server actor into one Ray call.
+
+A worker running hundreds of agent loops issues their first turns in the same event-loop iteration.
+One Ray actor call per request costs a task submission, a scheduling round and a result object each;
+on small CPU boxes that is a visible share of the engine's time.  :class:`ServerCallBatcher` collects
+the requests submitted during one loop iteration and sends them as one
+``generate_batch`` call (a Ray streaming generator, see
+:class:`agentloop.servers.base.BatchGenerateMixin`); results come back in groups as they finish, so a
+short request never waits for a long one.  A lone request takes the plain ``generate`` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from agentloop.errors import ServerError
+
+
+class ServerCallBatcher:
+    """Batches ``generate`` calls to one server actor (see the module docstring).
+
+    Args:
+        handle: the server's Ray actor handle.
+        server_index: for error messages.
+    """
+
+    def __init__(self, handle: Any, server_index: int) -> None:
+        self.handle = handle
+        self.server_index = server_index
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self.num_calls = 0
+        self.num_requests = 0
+
+    def submit(self, kwargs: dict[str, Any]) -> asyncio.Future:
+        """Queue one request; the future resolves to its TokenOutput (or raises its error)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((kwargs, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        batch = [(kw, fut) for kw, fut in batch if not fut.done()]
+        if not batch:
+            return
+        self.num_calls += 1
+        self.num_requests += len(batch)
+        task = asyncio.ensure_future(self._run_one(*batch[0]) if len(batch) == 1 else self._run_many(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_one(self, kwargs: dict[str, Any], future: asyncio.Future) -> None:
+        try:
+            result = await self.handle.generate.remote(**kwargs)
+        except Exception as e:  # noqa: BLE001 - handed to the waiting caller
+            _settle(future, exc=self._wrap(e, kwargs))
+        else:
+            _settle(future, result=result)
+
+    async def _run_many(self, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
+        try:
+            stream: Any = self.handle.generate_batch.options(num_returns="streaming").remote([kw for kw, _ in batch])
+            async for ref in stream:
+                for index, result in await ref:
+                    kwargs, future = batch[index]
+                    if isinstance(result, Exception):
+                        _settle(future, exc=result)
+                    else:
+                        _settle(future, result=result)
+        except Exception as e:  # noqa: BLE001 - the whole call failed: every waiting request gets the error
+            for kwargs, future in batch:
+                _settle(future, exc=self._wrap(e, kwargs))
+        finally:
+            for kwargs, future in batch:
+                _settle(future, exc=ServerError(
+                    f"server {self.server_index} ended the batch without answering request {kwargs['request_id']}"))
+
+    def _wrap(self, e: Exception, kwargs: dict[str, Any]) -> Exception:
+        if isinstance(e, RayActorError):
+            return ServerError(f"server {self.server_index} failed on request {kwargs['request_id']}: {e}")
+        return e
+
+
+def _settle(future: asyncio.Future, *, result: Any = None, exc: BaseException | None = None) -> None:
+    if future.done():
+        return
+    with contextlib.suppress(asyncio.InvalidStateError):
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
