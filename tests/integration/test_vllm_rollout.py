@@ -330,3 +330,21 @@ def test_gateway_agents_and_tool_agent_in_one_batch(manager):
     assert len(called) >= 4  # the trained model calls the calculator through the SDK
     for k in range(3):  # streaming and non-streaming recorded the same greedy trajectory
         assert by_index[2 * k] == by_index[2 * k + 1]
+
+
+def test_abort_on_the_real_engine_returns_aborted(manager):
+    """A running request (its first tokens have streamed back) is aborted: it ends early with 'aborted'."""
+    import ray
+
+    server = manager.server_handles[0]
+    params = {"max_tokens": RESPONSE_LEN, "ignore_eos": True, "temperature": 1.0}
+    load = [server.generate.remote(prompt_ids=[5, 6, 7, 8] * 8 + [10 + i], sampling_params=params,
+                                   request_id=f"load-{i}") for i in range(31)]  # slows every sequence down
+    stream = server.generate_stream.options(num_returns="streaming").remote(
+        prompt_ids=[9, 10, 11, 12] * 8, sampling_params=params, request_id="to-abort")
+    deltas = [ray.get(next(stream))]  # the request is running now
+    ray.get(server.abort.remote("to-abort"))
+    deltas += [ray.get(ref) for ref in stream]
+    assert deltas[-1].finished and deltas[-1].stop_reason == "aborted"
+    assert sum(len(d.token_ids) for d in deltas) < RESPONSE_LEN
+    assert all(o.stop_reason == "length" and len(o.token_ids) == RESPONSE_LEN for o in ray.get(load))
