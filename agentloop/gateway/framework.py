@@ -150,6 +150,9 @@ class OpenAIAgentLoop(AgentLoopBase):
         except Exception as e:  # noqa: BLE001 - the agent failed: this sample only
             status, error = RolloutStatus.ERROR, f"agent runner failed: {type(e).__name__}: {e}"
             await gm.abort(handle.session_id)
+        except asyncio.CancelledError:  # e.g. the worker's sample_timeout: close the session, then give up
+            await asyncio.shield(_discard(gm, handle.session_id))
+            raise
         result = await gm.finalize(handle.session_id, self.longest_only)
         elapsed = loop_time() - t0
         return self._outputs(result, returned, fields, status, error, elapsed)
@@ -198,6 +201,14 @@ class OpenAIAgentLoop(AgentLoopBase):
             else:
                 out.append(float(self.reward_fn(traj.messages, **fields)))
         return out
+
+
+async def _discard(gm: Any, session_id: str) -> None:
+    """Abort and finalize a session whose sample was cancelled, so the gateway and its slot are freed."""
+    try:
+        await gm.abort(session_id)
+    finally:
+        await gm.finalize(session_id)
 
 
 def _score_of(info: Any) -> float | None:

@@ -155,3 +155,24 @@ def test_subprocess_runner_gets_the_session_in_its_environment(tokenizer, tmp_pa
     assert out.non_tensor_batch["status"].tolist() == ["stop"]
     assert int(out.batch["response_mask"].sum()) > 0
 
+
+
+def test_worker_sample_timeout_closes_the_session(tokenizer):
+    async def go() -> tuple[DataProto, int]:
+        r = rollout()
+        r.agent.sample_timeout = 0.5
+        server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
+        gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        await gw.start()
+        try:
+            worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
+                                     tokenizer=tokenizer, gateways=[gw])
+            out = await worker.generate_sequences(batch([("sdk_slow", "x", 0)]))
+            await asyncio.sleep(0.1)
+            return out, len(gw.service.sessions)
+        finally:
+            await gw.shutdown()
+
+    out, open_sessions = asyncio.run(go())
+    assert out.non_tensor_batch["status"].tolist() == ["timeout"]
+    assert open_sessions == 0
