@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentloop.testing import tiny_model
+from agentloop.testing import tiny_model, train_tiny
 from agentloop.testing.tiny_model import MARKER, ensure_tiny_model, tiny_model_path
 
 TOOL_CALL_TEXT = (
@@ -166,3 +167,41 @@ def test_model_loads_and_runs(model_dir: Path, tok) -> None:  # type: ignore[no-
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, ids.shape[1], config.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("which", ["built", "auto"])
+def test_fast_examples_match_make_example(tok, which: str) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = tiny_model.build_tokenizer() if which == "built" else tok
+    maker = train_tiny._ExampleMaker(tokenizer)
+    for system_prompt in tiny_model._SYSTEM_PROMPTS:
+        fast_rng, ref_rng = random.Random(5), random.Random(5)
+        fast = maker.examples(fast_rng, 40, system_prompt)
+        ref = [train_tiny.make_example(tokenizer, ref_rng, system_prompt=system_prompt) for _ in range(40)]
+        assert fast == ref
+        assert fast_rng.random() == ref_rng.random()  # the same draws, so training data are unchanged
+
+
+def test_prefix_cached_loss_matches_full_forward(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prefix, suffix, mask = train_tiny._batch(train_tiny._ExampleMaker(tok), random.Random(3), 4)
+    assert prefix.shape[0] > 150 and not mask[:, 0].any()
+    loss = train_tiny.batch_loss(model, prefix, suffix, mask)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ids = torch.cat([prefix.expand(4, -1), suffix], dim=1)
+    labels = torch.cat([torch.full((4, prefix.shape[0]), -100), torch.where(mask, suffix, -100)], dim=1)
+    reference = model(input_ids=ids, labels=labels).loss
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for grad, param in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(grad, param.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_train_and_evaluate_run(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    info = train_tiny.train_tool_use(model, tok, steps=2, batch_size=4)
+    assert info["steps"] == 2 and info["final_loss"] == info["final_loss"]  # not NaN
+    rates = train_tiny.evaluate_tool_use(model, tok, n=1)
+    assert set(rates) == {"well_formed_call", "exact_expression", "right_answer_given_result", "end_to_end"}
+    assert all(0.0 <= v <= 1.0 for v in rates.values())
