@@ -16,27 +16,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic, then answer 'The answer is N.'"
-NAMES = ["Ann", "Bob", "Cleo", "Dev", "Eve", "Finn"]
-THINGS = ["apples", "books", "coins", "marbles", "stamps", "shells"]
+SYSTEM = "You are a careful math assistant. Use the calculator tool for arithmetic, then give the answer."
 
 
 def make_problems(n: int, seed: int = 0) -> list[dict]:
-    """Arithmetic word problems in verl's dataset format, with the answer as ground truth."""
+    """Arithmetic word problems (the tiny model's task family) in verl's dataset format, answer as ground truth."""
+    from agentloop.testing.tiny_model import word_problem
+
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        a, b, op = rng.randint(0, 999), rng.randint(0, 999), rng.choice(["+", "-", "*"])
-        who, what = rng.choice(NAMES), rng.choice(THINGS)
-        verb = {"+": "gets {b} more", "-": "gives away {b}", "*": "multiplies them by {b}"}[op].format(b=b)
-        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        question, expression, answer = word_problem(rng)
         rows.append({
             "data_source": "calculator_agent",
-            "prompt": [{"role": "system", "content": SYSTEM},
-                       {"role": "user", "content": f"{who} has {a} {what} and {verb}. How many {what} now?"}],
+            "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
             "agent_name": "tool_agent",
             "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"index": i, "expression": f"{a} {op} {b}"},
+            "extra_info": {"index": i, "expression": expression},
         })
     return rows
 
