@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--compare-unbatched", action="store_true",
+                        help="also run with rollout.server.batch_calls=false (one Ray call per request)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -142,6 +144,10 @@ def main() -> None:
     raw = run_raw(cfg, prompts, args.repeats)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     ours = run_agentloop(cfg, batch, args.repeats)
+    unbatched = None
+    if args.compare_unbatched:
+        OmegaConf.update(cfg, "actor_rollout_ref.rollout.server.batch_calls", False)
+        unbatched = run_agentloop(cfg, batch, args.repeats)
     ray.shutdown()
 
     raw_m, ours_m = statistics.median(raw), statistics.median(ours)
@@ -149,6 +155,10 @@ def main() -> None:
     print(f"{'path':<28}{'tok/s (median)':>16}{'passes':>40}")
     print(f"{'raw AsyncLLM':<28}{raw_m:>16.0f}{str(np.round(raw).astype(int).tolist()):>40}")
     print(f"{'AgentLoopManager (1 srv)':<28}{ours_m:>16.0f}{str(np.round(ours).astype(int).tolist()):>40}")
+    if unbatched is not None:
+        un_m = statistics.median(unbatched)
+        print(f"{'  … batch_calls=false':<28}{un_m:>16.0f}{str(np.round(unbatched).astype(int).tolist()):>40}")
+        print(f"ratio unbatched/raw: {un_m / raw_m:.3f}")
     print(f"ratio agentloop/raw: {ours_m / raw_m:.3f}")
 
 
