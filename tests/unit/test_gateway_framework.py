@@ -59,6 +59,17 @@ async def sdk_slow(*, base_url: str, api_key: str, raw_prompt: list, **fields: A
     await asyncio.sleep(30)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _unregister_runners():
+    """The runners above live in this test module, which Ray workers cannot import: remove them from the
+    global registry afterwards so later tests that ship the registry to workers are not affected."""
+    yield
+    from agentloop.loops.base import _agent_loop_registry
+
+    for name in ("sdk_calc", "sdk_two_branches", "sdk_broken", "sdk_slow"):
+        _agent_loop_registry.pop(name, None)
+
+
 def rollout(**gateway: Any) -> Any:
     cfg = default_config()
     cfg.data.max_prompt_length = 400
