@@ -30,7 +30,6 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
 
 
-@register_agent_runner("sdk_calc")
 async def sdk_calc(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     question = raw_prompt[-1]["content"]
@@ -39,7 +38,6 @@ async def sdk_calc(*, base_url: str, api_key: str, raw_prompt: list, **fields: A
     return {"score": float(messages[-1]["content"] == f"The answer is {truth}.")}
 
 
-@register_agent_runner("sdk_two_branches")
 async def sdk_two_branches(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> float:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     msgs = [{"role": "user", "content": "pick a word"}]
@@ -47,26 +45,28 @@ async def sdk_two_branches(*, base_url: str, api_key: str, raw_prompt: list, **f
     return 0.5
 
 
-@register_agent_runner("sdk_broken")
 async def sdk_broken(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a word"}])
     raise RuntimeError("agent crashed after one call")
 
 
-@register_agent_runner("sdk_slow")
 async def sdk_slow(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
     await asyncio.sleep(30)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _unregister_runners():
-    """The runners above live in this test module, which Ray workers cannot import: remove them from the
-    global registry afterwards so later tests that ship the registry to workers are not affected."""
-    yield
+def _registered_runners():
+    """Register the runners above only while this module's tests run: they live in a test module that Ray
+    workers cannot import, so they must not be in the global registry when other tests start workers."""
     from agentloop.loops.base import _agent_loop_registry
 
-    for name in ("sdk_calc", "sdk_two_branches", "sdk_broken", "sdk_slow"):
+    runners = {"sdk_calc": sdk_calc, "sdk_two_branches": sdk_two_branches, "sdk_broken": sdk_broken,
+               "sdk_slow": sdk_slow}
+    for name, fn in runners.items():
+        register_agent_runner(name)(fn)
+    yield
+    for name in runners:
         _agent_loop_registry.pop(name, None)
 
 
