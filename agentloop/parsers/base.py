@@ -32,21 +32,38 @@ class FunctionCall(BaseModel):
     """Why the call is malformed; None for a well-formed call."""
 
 
+def tool_names(tools: list[dict[str, Any]] | None) -> set[str] | None:
+    """The names of ``tools`` (OpenAI tool dicts or bare function dicts); None when no tools were given."""
+    return None if tools is None else {str((t.get("function") or t).get("name")) for t in tools}
+
+
+def unknown_tool_error(name: str, allowed: set[str] | dict[str, Any]) -> str:
+    """The error a call to a tool that is not offered gets (it names the available tools)."""
+    return f"unknown tool {name!r}; available tools: {sorted(allowed)}"
+
+
 class ToolParser(ABC):
-    """Base class; subclasses implement :meth:`extract_tool_calls`."""
+    """Base class; subclasses implement :meth:`parse_text` (on the decoded response)."""
 
     _registry: ClassVar[dict[str, type[ToolParser]]] = {}
     tool_call_start: ClassVar[str | None] = None
     """Decoded text that opens a tool call; streaming holds content back from it on (None: hold all)."""
+    skip_special_tokens: ClassVar[bool] = True
+    """How :meth:`extract_tool_calls` decodes (False for formats marked by special tokens, e.g. harmony)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    @abstractmethod
     async def extract_tool_calls(
         self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[FunctionCall]]:
         """Split a response into its text content and its tool calls."""
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.parse_text(text, tools)
+
+    @abstractmethod
+    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+        """The parsing itself, on decoded text."""
 
     @classmethod
     def register(cls, name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from agentloop.parsers.base import FunctionCall, ToolParser
+from agentloop.parsers.base import FunctionCall, ToolParser, tool_names, unknown_tool_error
 
 _CLOSE = re.compile(r"<\|(?:end|call|return|endoftext)\|>")
 _MARKER = re.compile(r"<\|[a-z_]+\|>")
@@ -83,7 +83,7 @@ def _to_call(message: HarmonyMessage, allowed: set[str] | None) -> FunctionCall:
         return FunctionCall(name=name, arguments=body, error="tool call arguments must be a JSON object")
     call = FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
     if allowed is not None and name not in allowed:
-        call.error = f"unknown tool {name!r}; available tools: {sorted(allowed)}"
+        call.error = unknown_tool_error(name, allowed)
     return call
 
 
@@ -96,15 +96,11 @@ class GptOssToolParser(ToolParser):
     last_reasoning: str = ""
     """The ``analysis`` text of the latest :meth:`parse_text` (messages joined by a newline)."""
 
-    async def extract_tool_calls(
-        self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[FunctionCall]]:
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=False)
-        return self.parse_text(text, tools)
+    skip_special_tokens = False
 
     def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on text decoded with the special tokens."""
-        allowed = None if tools is None else {str((t.get("function") or t).get("name")) for t in tools}
+        allowed = tool_names(tools)
         messages = split_messages(text)
         calls = [_to_call(m, allowed) for m in messages if m.recipient]
         final = [m.body for m in messages if not m.recipient and m.channel == "final"]

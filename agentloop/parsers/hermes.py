@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from agentloop.parsers.base import FunctionCall, ToolParser
+from agentloop.parsers.base import FunctionCall, ToolParser, tool_names, unknown_tool_error
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -34,7 +34,7 @@ def _parse_block(body: str, allowed: set[str] | None) -> FunctionCall:
         return FunctionCall(name=obj["name"], arguments=json.dumps(args), error="'arguments' must be an object")
     call = FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
     if allowed is not None and call.name not in allowed:
-        call.error = f"unknown tool {call.name!r}; available tools: {sorted(allowed)}"
+        call.error = unknown_tool_error(call.name, allowed)
     return call
 
 
@@ -44,15 +44,9 @@ class HermesToolParser(ToolParser):
 
     tool_call_start = "<tool_call>"
 
-    async def extract_tool_calls(
-        self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[FunctionCall]]:
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        return self.parse_text(text, tools)
-
     def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on decoded text."""
-        allowed = None if tools is None else {str((t.get("function") or t).get("name")) for t in tools}
+        allowed = tool_names(tools)
         calls = [_parse_block(m.group(1), allowed) for m in _BLOCK.finditer(text)]
         content = _BLOCK.sub("", text)
         if "<tool_call>" in content:  # an opened block that never closed

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentloop.parsers.base import FunctionCall, ToolParser
+from agentloop.parsers.base import FunctionCall, ToolParser, tool_names, unknown_tool_error
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -41,7 +41,7 @@ def _to_call(obj: Any, raw: str, allowed: set[str] | None) -> FunctionCall:
         return FunctionCall(name=name, arguments=json.dumps(args), error="'parameters' must be an object")
     call = FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
     if allowed is not None and name not in allowed:
-        call.error = f"unknown tool {name!r}; available tools: {sorted(allowed)}"
+        call.error = unknown_tool_error(name, allowed)
     return call
 
 
@@ -82,12 +82,6 @@ class Llama3JsonToolParser(ToolParser):
 
     tool_call_start = "{"
 
-    async def extract_tool_calls(
-        self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[FunctionCall]]:
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        return self.parse_text(text, tools)
-
     def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on decoded text."""
         body = text.strip()
@@ -95,5 +89,5 @@ class Llama3JsonToolParser(ToolParser):
             body = body[len(PYTHON_TAG):].lstrip()
         if not body.startswith("{"):
             return body, []
-        allowed = None if tools is None else {str((t.get("function") or t).get("name")) for t in tools}
+        allowed = tool_names(tools)
         return "", _parse_calls(body, allowed)

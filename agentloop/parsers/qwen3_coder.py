@@ -40,7 +40,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from agentloop.parsers.base import FunctionCall, ToolParser
+from agentloop.parsers.base import FunctionCall, ToolParser, unknown_tool_error
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TYPE_ALIASES = {"int": "integer", "float": "number", "bool": "boolean", "dict": "object", "list": "array"}
@@ -178,7 +178,7 @@ def _parse_function(piece: str, schemas: _Schemas | None) -> FunctionCall:
     args, errors = _parse_parameters(inner, schema)
     call = FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
     if schemas is not None and name not in schemas:
-        errors.insert(0, f"unknown tool {name!r}; available tools: {sorted(schemas)}")
+        errors.insert(0, unknown_tool_error(name, schemas))
     if errors:
         call.error = "; ".join(errors)
     return call
@@ -196,12 +196,6 @@ class Qwen3CoderToolParser(ToolParser):
     """Parser for Qwen3-Coder's ``<tool_call><function=…><parameter=…>`` format."""
 
     tool_call_start = "<tool_call>"
-
-    async def extract_tool_calls(
-        self, response_ids: list[int], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[FunctionCall]]:
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        return self.parse_text(text, tools)
 
     def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on decoded text."""

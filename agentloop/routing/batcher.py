@@ -15,8 +15,6 @@ import asyncio
 import contextlib
 from typing import Any
 
-from ray.exceptions import RayActorError
-
 from agentloop.errors import ServerError
 
 
@@ -59,8 +57,8 @@ class ServerCallBatcher:
     async def _run_one(self, kwargs: dict[str, Any], future: asyncio.Future) -> None:
         try:
             result = await self.handle.generate.remote(**kwargs)
-        except Exception as e:  # noqa: BLE001 - handed to the waiting caller
-            _settle(future, exc=self._wrap(e, kwargs))
+        except Exception as e:  # noqa: BLE001 - handed to the waiting caller (the router maps a dead server)
+            _settle(future, exc=e)
         else:
             _settle(future, result=result)
 
@@ -75,17 +73,12 @@ class ServerCallBatcher:
                     else:
                         _settle(future, result=result)
         except Exception as e:  # noqa: BLE001 - the whole call failed: every waiting request gets the error
-            for kwargs, future in batch:
-                _settle(future, exc=self._wrap(e, kwargs))
+            for _, future in batch:
+                _settle(future, exc=e)
         finally:
             for kwargs, future in batch:
                 _settle(future, exc=ServerError(
                     f"server {self.server_index} ended the batch without answering request {kwargs['request_id']}"))
-
-    def _wrap(self, e: Exception, kwargs: dict[str, Any]) -> Exception:
-        if isinstance(e, RayActorError):
-            return ServerError(f"server {self.server_index} failed on request {kwargs['request_id']}: {e}")
-        return e
 
 
 def _settle(future: asyncio.Future, *, result: Any = None, exc: BaseException | None = None) -> None:

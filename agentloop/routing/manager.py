@@ -11,6 +11,7 @@ balancer may be a local :class:`Balancer` or the GlobalBalancer actor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -98,20 +99,11 @@ class AsyncLLMServerManager:
         ``sticky_key`` (default: ``request_id``) is what routing sticks by, for callers whose
         concurrent requests need distinct engine request ids but one server (the gateway's sessions).
         """
-        server = await self._acquire(sticky_key or request_id, len(prompt_ids))
-        cancelled = False
-        try:
+        async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
             output = await self._call(
                 server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
                 request_id=request_id, image_data=image_data,
             )
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
-        except RayActorError as e:  # the server process died; errors raised inside it propagate as they are
-            raise ServerError(f"server {server} failed on request {request_id}: {e}") from e
-        finally:
-            self._release_nowait(server, cancelled=cancelled)
         output = output.model_copy(update={"extra_fields": {**output.extra_fields, "server_index": server}})
         return output
 
@@ -129,20 +121,27 @@ class AsyncLLMServerManager:
         The in-flight slot is held until the stream ends, fails, or the consumer stops iterating;
         a consumer that stops early should :meth:`abort` the request so the engine stops too.
         """
-        server = await self._acquire(sticky_key or request_id, len(prompt_ids))
-        cancelled = False
         kwargs = {"prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
                   "image_data": image_data}
-        try:
+        async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
             handle = self.server_handles[server]
             if isinstance(handle, ActorHandle):
                 refs: Any = handle.generate_stream.options(num_returns="streaming").remote(**kwargs)
                 async for ref in refs:
-                    delta = await ref
-                    yield self._tag(delta, server)
+                    yield self._tag(await ref, server)
             else:
                 async for delta in handle.generate_stream(**kwargs):
                     yield self._tag(delta, server)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, key: str, prompt_len: int, request_id: str) -> AsyncIterator[int]:
+        """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
+        cancellation alike.  A dead server process becomes a ServerError (errors raised inside it propagate
+        as they are)."""
+        server = await self._acquire(key, prompt_len)
+        cancelled = False
+        try:
+            yield server
         except (asyncio.CancelledError, GeneratorExit):
             cancelled = True
             raise

@@ -61,6 +61,11 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool) -> dict[s
     return args
 
 
+def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
+    """The logprob of each sampled token (vLLM returns a {token: Logprob} dict per position)."""
+    return [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
+
+
 class VLLMServer(BatchGenerateMixin):
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
 
@@ -170,9 +175,7 @@ class VLLMServer(BatchGenerateMixin):
         async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            log_probs = None
-            if want_logprobs:
-                log_probs = [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], ids, strict=False)]
+            log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
             finished = bool(out.finished)
             stop = _FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP) if finished else None
             yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
@@ -184,9 +187,7 @@ class VLLMServer(BatchGenerateMixin):
     def _to_token_output(self, final: Any, want_logprobs: bool) -> TokenOutput:
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
-        log_probs = None
-        if want_logprobs:
-            log_probs = [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
+        log_probs = _sampled_logprobs(completion, token_ids) if want_logprobs else None
         preempted = getattr(final, "num_preemptions", None)
         return TokenOutput(
             token_ids=token_ids,

@@ -198,6 +198,23 @@ def word_problem(rng: random.Random) -> tuple[str, str, int]:
     return text.format(a=a, b=b, **fields), f"{a} {op} {b}", calculate(a, op, b)
 
 
+def word_problem_rows(n: int, *, agent_name: str, data_source: str, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` word problems as dataset rows in verl's format (system + user prompt, ``agent_name``,
+    ``reward_model.ground_truth``, ``extra_info.{index, expression}``), for examples and benchmarks."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        question, expression, answer = word_problem(rng)
+        rows.append({
+            "data_source": data_source,
+            "prompt": [{"role": "system", "content": _SYSTEM_PROMPTS[1]}, {"role": "user", "content": question}],
+            "agent_name": agent_name,
+            "reward_model": {"style": "rule", "ground_truth": str(answer)},
+            "extra_info": {"index": i, "expression": expression},
+        })
+    return rows
+
+
 def _tool_system_text(system: str) -> str:
     return system + TOOLS_HEADER + "\n" + json.dumps(CALCULATOR_TOOL, ensure_ascii=False) + TOOLS_FOOTER
 

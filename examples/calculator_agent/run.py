@@ -10,31 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-SYSTEM = "You are a careful math assistant. Use the calculator tool for arithmetic, then give the answer."
-
 
 def make_problems(n: int, seed: int = 0) -> list[dict]:
-    """Arithmetic word problems (the tiny model's task family) in verl's dataset format, answer as ground truth."""
-    from agentloop.testing.tiny_model import word_problem
+    """Arithmetic word problems (the tiny model's task family) in verl's dataset format, routed to `tool_agent`."""
+    from agentloop.testing.tiny_model import word_problem_rows
 
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        question, expression, answer = word_problem(rng)
-        rows.append({
-            "data_source": "calculator_agent",
-            "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            "agent_name": "tool_agent",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"index": i, "expression": expression},
-        })
-    return rows
+    return word_problem_rows(n, agent_name="tool_agent", data_source="calculator_agent", seed=seed)
 
 
 def score(trajectories: Path, problems: list[dict]) -> dict:

@@ -11,31 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-SYSTEM = "You are a careful math assistant. Use the calculator tool for arithmetic, then give the answer."
-
 
 def make_problems(n: int, seed: int = 1) -> list[dict]:
-    """Arithmetic word problems in verl's dataset format, routed to the `calculator_sdk` agent."""
-    from agentloop.testing.tiny_model import word_problem
+    """Word problems (the tiny model's task family) in verl's format, for the `calculator_sdk` agent."""
+    from agentloop.testing.tiny_model import word_problem_rows
 
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        question, expression, answer = word_problem(rng)
-        rows.append({
-            "data_source": "openai_sdk_agent",
-            "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            "agent_name": "calculator_sdk",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"index": i, "expression": expression},
-        })
-    return rows
+    return word_problem_rows(n, agent_name="calculator_sdk", data_source="openai_sdk_agent", seed=seed)
 
 
 def report(out: Path) -> dict:
