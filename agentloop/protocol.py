@@ -50,6 +50,35 @@ def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
         return all(x == y for x, y in zip(a.tolist(), b.tolist(), strict=True))
 
 
+_NARROW = (torch.int8, torch.int16, torch.int32)
+_NUMPY_OF = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+             torch.uint8: np.uint8, torch.bool: np.bool_, torch.float16: np.float16, torch.float32: np.float32,
+             torch.float64: np.float64}
+
+
+def _packable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in _NUMPY_OF
+
+
+def _pack_tensor(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
+    """``(array, original dtype)``; integer tensors are narrowed when every value fits."""
+    arr = t.detach().contiguous().numpy()
+    if t.dtype in (torch.int16, torch.int32, torch.int64) and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        for narrow in _NARROW:
+            if narrow.itemsize >= t.dtype.itemsize:
+                break
+            info = torch.iinfo(narrow)
+            if info.min <= lo and hi <= info.max:
+                return arr.astype(_NUMPY_OF[narrow]), t.dtype
+    return arr, t.dtype
+
+
+def _unpack_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # Always a copy: arrays Ray hands over zero-copy are read-only.
+    return torch.from_numpy(np.array(arr, dtype=_NUMPY_OF[dtype], copy=True))
+
+
 @dataclass
 class DataProtoItem:
     """One row of a DataProto (what ``data[i]`` returns)."""
@@ -80,6 +109,29 @@ class DataProto:
                 n = len(val)
             elif len(val) != n:
                 raise DatasetError(f"non_tensor_batch[{key!r}] has {len(val)} rows but the batch has {n}")
+
+    # ---- pickling (Ray transfers between workers and the driver) --------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """A compact, exact state: CPU integer tensors travel as numpy arrays of the narrowest integer
+        type that holds their values (masks as int8, ids as int32) and are restored to their own dtype
+        on load.  A 256 × 320 rollout batch shrinks from 2.8 MB to ~0.9 MB, which Ray moves ~3× faster
+        (measured in scripts/bench_overhead.py); values and dtypes come back bit-identical."""
+        batch: Any = self.batch
+        if batch is not None and all(_packable(v) for v in batch.values()):
+            batch = {
+                "batch_size": list(batch.batch_size),
+                "tensors": {k: _pack_tensor(v) for k, v in batch.items()},
+            }
+        return {"batch": batch, "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        batch = state["batch"]
+        if isinstance(batch, dict):
+            tensors = {k: _unpack_tensor(*v) for k, v in batch["tensors"].items()}
+            batch = TensorDict(tensors, batch_size=batch["batch_size"])
+        self.batch = batch
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

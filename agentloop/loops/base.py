@@ -43,6 +43,34 @@ def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopB
     return decorator
 
 
+_settings_memo: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def config_values(config: DictConfig, key: str, read: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
+    """``read(config)``, computed once per config object and ``key``.
+
+    Loop instances are built once per sample; reading a DictConfig costs ~25 µs an attribute, which at
+    hundreds of samples per batch showed up in ``scripts/bench_overhead.py``.  The memo holds the config
+    object itself, so an id is never confused with a later object's.
+    """
+    memo_key = hash((id(config), key))
+    hit = _settings_memo.get(memo_key)
+    if hit is None or hit[0] is not config:
+        if len(_settings_memo) > 256:  # configs are few per process; bound it anyway
+            _settings_memo.clear()
+        hit = (config, read(config))
+        _settings_memo[memo_key] = hit
+    return hit[1]
+
+
+def _base_values(config: DictConfig) -> dict[str, Any]:
+    return {
+        "prompt_length": int(config.prompt_length),
+        "response_length": int(config.response_length),
+        "prompt_truncation": str((config.get("agent") or {}).get("prompt_truncation", "left")),
+    }
+
+
 def registered_agent_names() -> list[str]:
     """Names registered in code so far (YAML entries are added per worker)."""
     return sorted(_agent_loop_registry)
@@ -75,9 +103,10 @@ class AgentLoopBase(ABC):
         self.server_manager = server_manager
         self.tokenizer = tokenizer
         self.processor = processor
-        self.prompt_length: int = int(config.prompt_length)
-        self.response_length: int = int(config.response_length)
-        self.prompt_truncation: str = str((config.get("agent") or {}).get("prompt_truncation", "left"))
+        values = config_values(config, "base", _base_values)
+        self.prompt_length: int = values["prompt_length"]
+        self.response_length: int = values["response_length"]
+        self.prompt_truncation: str = values["prompt_truncation"]
         self.loop = asyncio.get_running_loop()
 
     @classmethod

@@ -28,8 +28,30 @@ def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
     return [dict(m) for m in raw_prompt]
 
 
+def _fast_backend(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind a fast HF tokenizer, when encoding with it directly gives
+    exactly what ``tokenizer(text, add_special_tokens=False)`` gives: no truncation or padding set on it
+    (HF resets both per call; a direct call would apply leftovers) and no special-token splitting."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode") or getattr(tokenizer, "split_special_tokens", False):
+        return None
+    if getattr(backend, "truncation", None) is not None or getattr(backend, "padding", None) is not None:
+        return None
+    return backend
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-    """``tokenizer.apply_chat_template(..., tokenize=True)`` returning plain ids on transformers 4 and 5."""
+    """``tokenizer.apply_chat_template(..., tokenize=True)`` returning plain ids on transformers 4 and 5.
+
+    With a fast tokenizer the rendered text is encoded by its Rust backend directly (the same call HF
+    makes, without ~20 µs of Python around it per prompt); ``tests/unit/test_worker.py`` checks the ids
+    are identical.
+    """
+    backend = _fast_backend(tokenizer)
+    if backend is not None:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        if isinstance(text, str):
+            return list(backend.encode(text, add_special_tokens=False).ids)
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

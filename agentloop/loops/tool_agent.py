@@ -44,7 +44,7 @@ from omegaconf import DictConfig
 from agentloop.errors import ConfigError
 from agentloop.interactions.base import BaseInteraction
 from agentloop.interactions.registry import initialize_interactions_from_config
-from agentloop.loops.base import AgentLoopBase, register
+from agentloop.loops.base import AgentLoopBase, config_values, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
 from agentloop.parsers.base import ToolParser, get_tool_parser
@@ -123,10 +123,10 @@ class ToolAgentLoop(AgentLoopBase):
         super().__init__(config, server_manager, tokenizer, processor, **kwargs)
         if type(self).tool_parser is None:  # used without a worker (e.g. directly in a test)
             type(self).init_class(config, tokenizer, processor)
-        mt = config.multi_turn
-        self.max_assistant_turns: int | None = mt.max_assistant_turns
-        self.max_user_turns: int | None = mt.max_user_turns
-        self.return_messages = bool(mt.get("return_messages", False))
+        values = config_values(config, "tool_agent", _tool_agent_values)
+        self.max_assistant_turns: int | None = values["max_assistant_turns"]
+        self.max_user_turns: int | None = values["max_user_turns"]
+        self.return_messages: bool = values["return_messages"]
         self.request_id = uuid4().hex
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
@@ -252,6 +252,15 @@ class ToolAgentLoop(AgentLoopBase):
             multi_modal_data={"image": list(data.image_data)} if data.image_data else None,
             status=data.status,
         )
+
+
+def _tool_agent_values(config: DictConfig) -> dict[str, Any]:
+    mt = config.multi_turn
+    return {
+        "max_assistant_turns": mt.max_assistant_turns,
+        "max_user_turns": mt.max_user_turns,
+        "return_messages": bool(mt.get("return_messages", False)),
+    }
 
 
 def _assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:

@@ -24,11 +24,14 @@ class ServerCallBatcher:
     Args:
         handle: the server's Ray actor handle.
         server_index: for error messages.
+        max_batch: a call leaves as soon as this many requests are waiting, so the engine starts on
+            the first ones while the caller is still preparing the rest of its batch.
     """
 
-    def __init__(self, handle: Any, server_index: int) -> None:
+    def __init__(self, handle: Any, server_index: int, max_batch: int = 64) -> None:
         self.handle = handle
         self.server_index = server_index
+        self.max_batch = max_batch
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._tasks: set[asyncio.Task] = set()
         self.num_calls = 0
@@ -41,6 +44,8 @@ class ServerCallBatcher:
         if not self._pending:
             loop.call_soon(self._flush)
         self._pending.append((kwargs, future))
+        if len(self._pending) >= self.max_batch:
+            self._flush()  # the server starts on these while the caller prepares the rest
         return future
 
     def _flush(self) -> None:
@@ -50,21 +55,27 @@ class ServerCallBatcher:
             return
         self.num_calls += 1
         self.num_requests += len(batch)
-        task = asyncio.ensure_future(self._run_one(*batch[0]) if len(batch) == 1 else self._run_many(batch))
+        # The Ray call is submitted here, synchronously, not in the task's first step: that step would
+        # only run after every task already queued in this loop iteration (e.g. the rest of a batch's
+        # agent loops rendering their prompts).
+        if len(batch) == 1:
+            task = asyncio.ensure_future(self._run_one(self.handle.generate.remote(**batch[0][0]), batch[0][1]))
+        else:
+            stream = self.handle.generate_batch.options(num_returns="streaming").remote([kw for kw, _ in batch])
+            task = asyncio.ensure_future(self._run_many(stream, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_one(self, kwargs: dict[str, Any], future: asyncio.Future) -> None:
+    async def _run_one(self, ref: Any, future: asyncio.Future) -> None:
         try:
-            result = await self.handle.generate.remote(**kwargs)
+            result = await ref
         except Exception as e:  # noqa: BLE001 - handed to the waiting caller (the router maps a dead server)
             _settle(future, exc=e)
         else:
             _settle(future, result=result)
 
-    async def _run_many(self, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
+    async def _run_many(self, stream: Any, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
         try:
-            stream: Any = self.handle.generate_batch.options(num_returns="streaming").remote([kw for kw, _ in batch])
             async for ref in stream:
                 for index, result in await ref:
                     kwargs, future = batch[index]

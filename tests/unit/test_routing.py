@@ -228,3 +228,53 @@ def test_remote_balancer_releases_a_slot_whose_waiter_was_cancelled():
 
     asyncio.run(main())
     assert handle.actor.balancer.in_flight == [0]
+
+
+class _FakeServerHandle:
+    """Stands in for a server actor handle: records each Ray call as it is submitted."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.generate = self._Method(self, "generate")
+        self.generate_batch = self._Method(self, "generate_batch")
+
+    class _Method:
+        def __init__(self, owner: _FakeServerHandle, name: str) -> None:
+            self.owner, self.name = owner, name
+
+        def options(self, **_: object) -> _FakeServerHandle._Method:
+            return self
+
+        def remote(self, *args: object, **kwargs: object) -> object:
+            if self.name == "generate":
+                self.owner.calls.append([str(kwargs["request_id"])])
+                reply = TokenOutput(token_ids=[len(self.owner.calls)], stop_reason="stop")
+                return asyncio.sleep(0, result=reply)
+            requests = args[0]
+            self.owner.calls.append([str(r["request_id"]) for r in requests])  # type: ignore[index]
+
+            async def stream():  # one streamed group with every result
+                group = [(i, TokenOutput(token_ids=[i], stop_reason="stop")) for i in range(len(requests))]  # type: ignore[arg-type]
+                yield asyncio.sleep(0, result=group)
+
+            return stream()
+
+
+def test_batcher_sends_a_full_batch_at_once_and_the_rest_at_the_end_of_the_iteration():
+    """Requests leave in calls of at most max_batch, the full ones before the caller yields to the loop
+    (so the engine starts on them while the caller prepares the rest); each caller gets its own result."""
+    from agentloop.routing.batcher import ServerCallBatcher
+
+    async def go() -> None:
+        handle = _FakeServerHandle()
+        batcher = ServerCallBatcher(handle, 0, max_batch=4)
+        futures = [batcher.submit({"request_id": f"r{i}", "prompt_ids": [1]}) for i in range(10)]
+        assert handle.calls == [["r0", "r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]  # not yet yielded
+        results = await asyncio.gather(*futures)
+        assert handle.calls[2:] == [["r8", "r9"]]
+        assert [r.token_ids for r in results] == [[0], [1], [2], [3]] * 2 + [[0], [1]]
+        assert (batcher.num_calls, batcher.num_requests) == (3, 10)
+        lone = await batcher.submit({"request_id": "solo", "prompt_ids": [1]})  # a lone request: plain generate
+        assert handle.calls[-1] == ["solo"] and lone.token_ids == [4]
+
+    asyncio.run(go())

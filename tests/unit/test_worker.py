@@ -176,3 +176,22 @@ def test_chunks_with_different_columns_concatenate():
     out = DataProto.concat(align_keys([a, b]))
     assert len(out) == 4 and out.batch["rm_scores"][2:].sum() == 0
     assert list(out.non_tensor_batch["status"]) == ["stop", "stop", "error", "error"]
+
+
+def test_loop_settings_are_read_once_per_config_object_and_never_mixed_up():
+    from agentloop.loops.base import config_values
+    from agentloop.loops.single_turn import SingleTurnAgentLoop
+
+    async def build(cfg):
+        return SingleTurnAgentLoop(cfg, None, FakeTokenizer())
+
+    short, long = rollout_cfg(), rollout_cfg()
+    OmegaConf.update(long, "response_length", 99)
+    OmegaConf.update(long, "agent.prompt_truncation", "error")
+    a, b = run(build(short)), run(build(long))
+    assert (a.response_length, a.prompt_truncation) == (16, "left")
+    assert (b.response_length, b.prompt_truncation) == (99, "error")
+    calls = []
+    read = lambda c: calls.append(c) or {"n": len(calls)}  # noqa: E731
+    assert config_values(short, "probe", read) == config_values(short, "probe", read) == {"n": 1}
+    assert config_values(long, "probe", read) == {"n": 2}
