@@ -177,8 +177,10 @@ def main() -> None:
         print(f"{name:<28}{statistics.median(values):>16.0f}{pair:>26.3f}   {np.round(arr).astype(int).tolist()}")
     ours = np.array(rates["AgentLoopManager (1 srv)"])
     ratio = statistics.median(ours) / statistics.median(raw_rates)
-    print(f"ratio agentloop/raw: {ratio:.3f} (medians); paired passes: median {np.median(ours / raw_rates):.3f}, "
-          f"min {np.min(ours / raw_rates):.3f}, max {np.max(ours / raw_rates):.3f}")
+    pairs = ours / raw_rates
+    q25, q50, q75 = np.percentile(pairs, [25, 50, 75])
+    print(f"ratio agentloop/raw: {ratio:.3f} (medians); paired passes: median {q50:.3f}, "
+          f"interquartile {q25:.3f}-{q75:.3f}, min {pairs.min():.3f}, max {pairs.max():.3f}")
 
 
 if __name__ == "__main__":
