@@ -28,6 +28,7 @@ from agentloop.loops.base import ResolvedAgentLoop, lookup, resolve_registry
 from agentloop.postprocess import postprocess
 from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager
+from agentloop.servers.placement import restore_normal_priority
 from agentloop.types import AgentLoopOutput, RolloutStatus
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class AgentLoopWorker:
         gateways: list[Any] | None = None,
     ) -> None:
         self.rollout = rollout
+        if rollout.get("normal_priority", True):
+            restore_normal_priority()  # Ray starts actors at nice 15; see agentloop.servers.placement
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.server_manager = AsyncLLMServerManager(
             server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),

@@ -107,10 +107,17 @@ class RawEngine:
         self.loop.close()
 
 
+SERIAL_MS: dict[int, list[float]] = {}
+
+
 def agentloop_rate(manager, batch) -> float:
     t0 = time.perf_counter()
     out = manager.generate_sequences(batch)
     wall = time.perf_counter() - t0
+    # The stack's serial time: the whole call minus the longest engine wait any sample saw (prompt
+    # rendering before the first request, postprocessing and transfers after the last result).
+    timing = out.meta_info["timing"]
+    SERIAL_MS.setdefault(id(manager), []).append(1000 * (wall - timing["agent_loop/generate_sequences/max"]))
     return float(out.batch["response_mask"].sum()) / wall
 
 
@@ -177,6 +184,9 @@ def main() -> None:
         print(f"{name:<28}{statistics.median(values):>16.0f}{pair:>26.3f}   {np.round(arr).astype(int).tolist()}")
     ours = np.array(rates["AgentLoopManager (1 srv)"])
     ratio = statistics.median(ours) / statistics.median(raw_rates)
+    serial = np.array(SERIAL_MS[id(managers[0])][-args.repeats:])
+    print(f"agentloop serial time per batch (wall - slowest sample's engine wait): median {np.median(serial):.0f} ms "
+          f"(interquartile {np.percentile(serial, 25):.0f}-{np.percentile(serial, 75):.0f} ms)")
     pairs = ours / raw_rates
     q25, q50, q75 = np.percentile(pairs, [25, 50, 75])
     print(f"ratio agentloop/raw: {ratio:.3f} (medians); paired passes: median {q50:.3f}, "

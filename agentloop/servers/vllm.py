@@ -97,6 +97,11 @@ class VLLMServer(BatchGenerateMixin):
 
         on_cpu = current_platform.is_cpu()
         args = _engine_args(self.rollout, self.model, on_cpu)
+        priority = "unchanged"
+        if self.rollout.get("normal_priority", True):
+            from agentloop.servers.placement import restore_normal_priority
+
+            priority = restore_normal_priority()  # before the engine's processes are spawned: they inherit it
         try:
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         except Exception as e:
@@ -104,7 +109,8 @@ class VLLMServer(BatchGenerateMixin):
         self.supports_sleep = bool(args.get("enable_sleep_mode", False))
         hf_config = self.engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid()}
+        return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid(),
+                "priority": priority}
 
     def _sampling_params(self, prompt_len: int, params: dict[str, Any], stream: bool = False) -> Any:
         from vllm import SamplingParams

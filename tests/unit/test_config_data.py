@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -101,3 +102,27 @@ def test_parquet_dataset_lists_come_back_as_lists(tmp_path):
 def test_missing_prompt_column_is_named():
     with pytest.raises(DatasetError, match="'prompt'"):
         rows_to_batch([{"question": "hi"}])
+
+
+def test_server_priority_is_reset_from_rays_nice_15_in_all_threads():
+    """Ray starts actors at nice 15; a server resets its threads to 0 before spawning the engine (or,
+    without the privilege, says so and how to fix it)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, threading
+        os.nice(15)
+        threading.Thread(target=lambda: __import__("time").sleep(2), daemon=True).start()
+        from agentloop.servers.placement import restore_normal_priority
+        print(restore_normal_priority())
+        print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    summary, nices = out.stdout.strip().splitlines()[-2:]
+    if os.geteuid() == 0:
+        assert summary == "nice 15 -> 0" and nices == "[0]"
+    else:
+        assert "could not reset" in summary and "RAY_worker_niceness=0" in out.stderr
