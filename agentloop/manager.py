@@ -24,11 +24,13 @@ from typing import Any
 
 import numpy as np
 import ray
+import ray.exceptions
 import torch
 from omegaconf import DictConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agentloop.config import AgentLoopConfig, resolve_config
+from agentloop.errors import ConfigError
 from agentloop.loops.base import resolve_registry
 from agentloop.protocol import DataProto
 from agentloop.routing.balancer_actor import create_global_balancer
@@ -63,15 +65,20 @@ class AgentLoopManager:
             if len(self.server_handles) > 1 else None
         )
         self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
-        self.agent_loop_workers = self._init_workers()
+        self.agent_loop_workers: list[Any] = []
+        try:
+            self.agent_loop_workers = self._init_workers()
+        except BaseException:
+            self.shutdown()
+            raise
         self._sleeping = False
         if self.rollout.free_cache_engine:
             self.sleep()
 
     def _init_workers(self) -> list[Any]:
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        cls = ray.remote(AgentLoopWorker)
-        workers = []
+        cls: Any = ray.remote(AgentLoopWorker)
+        workers: list[Any] = []
         for i in range(int(self.rollout.agent.num_workers)):
             workers.append(
                 cls.options(
@@ -80,6 +87,17 @@ class AgentLoopManager:
                     max_concurrency=10000,
                 ).remote(self.rollout, self.config.model, self.server_handles, self.balancer, self.registry)
             )
+        # Wait here, so that worker set-up (imports, tokenizer, tools) neither lands in the first batch's
+        # timing (it was ~7 s of the demo's first batch) nor fails only when the first batch is sent.
+        self.agent_loop_workers = workers
+        try:
+            ray.get([w.ready.remote() for w in workers])
+        except ray.exceptions.ActorDiedError as e:  # its __init__ raised (bad tool config, parser, tokenizer...)
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise ConfigError(
+                f"an agent-loop worker failed to start: {lines[-1] if lines else e!r} "
+                "(the worker's full traceback is in the log above)"
+            ) from e
         return workers
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:

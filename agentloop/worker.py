@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -98,8 +99,9 @@ class AgentLoopWorker:
         gateways: list[Any] | None = None,
     ) -> None:
         self.rollout = rollout
+        self.priority = "unchanged"
         if rollout.get("normal_priority", True):
-            restore_normal_priority()  # Ray starts actors at nice 15; see agentloop.servers.placement
+            self.priority = restore_normal_priority()  # Ray starts actors at nice 15; see agentloop.servers.placement
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.server_manager = AsyncLLMServerManager(
             server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),
@@ -114,6 +116,10 @@ class AgentLoopWorker:
         self.sample_timeout: float | None = float(timeout) if timeout else None
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def ready(self) -> dict[str, Any]:
+        """Returns once the worker is constructed (tokenizer loaded, loop classes initialised)."""
+        return {"pid": os.getpid(), "priority": self.priority, "agent_loops": sorted(self.registry)}
 
     def attach_gateways(self, gateways: list[Any]) -> None:
         """Give loops that declare ``requires_gateway`` a GatewayManager over these gateway actors."""

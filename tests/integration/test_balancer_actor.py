@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from omegaconf import OmegaConf
 
 from agentloop.errors import ServerError
 from agentloop.routing import AsyncLLMServerManager, create_global_balancer
@@ -162,3 +163,44 @@ def test_a_cancelled_batched_call_aborts_the_request_on_the_server(ray_session):
             break
         time.sleep(0.2)
     assert counts["abort"] >= 3
+
+
+def _manager_on_scripted_servers(ray: Any, monkeypatch: pytest.MonkeyPatch, **overrides: Any) -> Any:
+    """An AgentLoopManager whose servers are ScriptedServer actors (the workers are real actors)."""
+    import agentloop.manager as manager_module
+    from agentloop.config import default_config
+    from agentloop.servers.placement import ServerGroup
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    handles = server_actors(ray, 1, delay=0.0)
+    monkeypatch.setattr(manager_module, "start_standalone_servers",
+                        lambda cfg: ServerGroup(handles=handles, placement_group=None, device="cpu", info=[]))
+    cfg = default_config()
+    cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
+    cfg.data.max_response_length = 8
+    for key, value in {"agent.num_workers": 2, "free_cache_engine": False, **overrides}.items():
+        OmegaConf.update(cfg.actor_rollout_ref.rollout, key, value)
+    return manager_module.AgentLoopManager(cfg)
+
+
+def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session, monkeypatch, tmp_path):
+    """Worker set-up (tokenizer, tools) happens in the constructor: a broken tool config fails there, with
+    its own message, not on the first batch; a good one leaves the first batch nothing to wait for."""
+    from agentloop.errors import ConfigError
+
+    bad = tmp_path / "tools.yaml"
+    bad.write_text("tools:\n  - class_name: no.such.module.Tool\n    config: {}\n")
+    with pytest.raises(ConfigError, match="no.such.module"):
+        _manager_on_scripted_servers(ray_session, monkeypatch, **{"multi_turn.tool_config_path": str(bad)})
+
+    manager = _manager_on_scripted_servers(ray_session, monkeypatch)
+    try:
+        infos = ray_session.get([w.ready.remote() for w in manager.agent_loop_workers])
+        assert len(infos) == 2 and all("tool_agent" in i["agent_loops"] for i in infos)
+        assert all(i["priority"].startswith("nice") for i in infos)
+        from agentloop.data import rows_to_batch
+
+        out = manager.generate_sequences(rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 4))
+        assert len(out) == 4 and set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
+    finally:
+        manager.shutdown()
