@@ -26,7 +26,6 @@ pytestmark = pytest.mark.integration
 PROMPT_LEN, RESPONSE_LEN = 256, 96
 
 
-@register("three_turn_probe")
 class ThreeTurnProbe(AgentLoopBase):
     """Generates three turns under one request id and records which server served each."""
 
@@ -58,8 +57,13 @@ def manager(model_path):
     import ray
     import ray.cloudpickle
 
+    from agentloop.loops.base import _agent_loop_registry
     from agentloop.manager import AgentLoopManager
 
+    # Registered only while this module's manager lives: at import time (pytest collects every module
+    # first) they would reach the workers of other modules' managers, which cannot import this module.
+    register("three_turn_probe")(ThreeTurnProbe)
+    register_agent_runner("it_sdk_calculator")(it_sdk_calculator)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
@@ -84,6 +88,8 @@ def manager(model_path):
     yield m
     m.shutdown()
     ray.shutdown()
+    for name in ("three_turn_probe", "it_sdk_calculator"):
+        _agent_loop_registry.pop(name, None)
 
 
 def make_batch(n_prompts: int, n: int, agent_name: str | None = None):
@@ -254,7 +260,6 @@ def test_tool_agent_runs_on_the_real_engine(manager):
     assert torch.all((mask.sum(-1) > 0) | (out.non_tensor_batch["__num_turns__"] == 0))
 
 
-@register_agent_runner("it_sdk_calculator")
 async def it_sdk_calculator(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
     """A plain OpenAI-SDK calculator agent; odd sample indices stream."""
     import json
