@@ -65,9 +65,9 @@ class AgentLoopManager:
             if len(self.server_handles) > 1 else None
         )
         self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
-        self.agent_loop_workers: list[Any] = []
+        self.agent_loop_workers: list[Any] = self._init_workers()
         try:
-            self.agent_loop_workers = self._init_workers()
+            self._wait_for_workers()
         except BaseException:
             self.shutdown()
             raise
@@ -87,18 +87,19 @@ class AgentLoopManager:
                     max_concurrency=10000,
                 ).remote(self.rollout, self.config.model, self.server_handles, self.balancer, self.registry)
             )
-        # Wait here, so that worker set-up (imports, tokenizer, tools) neither lands in the first batch's
-        # timing (it was ~7 s of the demo's first batch) nor fails only when the first batch is sent.
-        self.agent_loop_workers = workers
+        return workers
+
+    def _wait_for_workers(self) -> None:
+        """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing (it was
+        ~7 s of the demo's first batch) nor fail only when the first batch is sent."""
         try:
-            ray.get([w.ready.remote() for w in workers])
+            ray.get([w.ready.remote() for w in self.agent_loop_workers])
         except ray.exceptions.ActorDiedError as e:  # its __init__ raised (bad tool config, parser, tokenizer...)
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             raise ConfigError(
                 f"an agent-loop worker failed to start: {lines[-1] if lines else e!r} "
                 "(the worker's full traceback is in the log above)"
             ) from e
-        return workers
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Roll out ``prompts`` (one row per sample; ``raw_prompt`` required) and return padded trajectories."""

@@ -99,9 +99,7 @@ class AgentLoopWorker:
         gateways: list[Any] | None = None,
     ) -> None:
         self.rollout = rollout
-        self.priority = "unchanged"
-        if rollout.get("normal_priority", True):
-            self.priority = restore_normal_priority()  # Ray starts actors at nice 15; see agentloop.servers.placement
+        self.priority = restore_normal_priority(rollout)  # Ray starts actors at nice 15
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.server_manager = AsyncLLMServerManager(
             server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),

@@ -19,7 +19,6 @@ import os
 import statistics
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -107,18 +106,21 @@ class RawEngine:
         self.loop.close()
 
 
-SERIAL_MS: dict[int, list[float]] = {}
+class AgentLoopPath:
+    """Passes through AgentLoopManager; also records the stack's serial time per pass: the whole call minus
+    the longest engine wait any sample saw (rendering before the first request, postprocessing and
+    transfers after the last result)."""
 
+    def __init__(self, manager, batch) -> None:
+        self.manager, self.batch = manager, batch
+        self.serial_ms: list[float] = []
 
-def agentloop_rate(manager, batch) -> float:
-    t0 = time.perf_counter()
-    out = manager.generate_sequences(batch)
-    wall = time.perf_counter() - t0
-    # The stack's serial time: the whole call minus the longest engine wait any sample saw (prompt
-    # rendering before the first request, postprocessing and transfers after the last result).
-    timing = out.meta_info["timing"]
-    SERIAL_MS.setdefault(id(manager), []).append(1000 * (wall - timing["agent_loop/generate_sequences/max"]))
-    return float(out.batch["response_mask"].sum()) / wall
+    def rate(self) -> float:
+        t0 = time.perf_counter()
+        out = self.manager.generate_sequences(self.batch)
+        wall = time.perf_counter() - t0
+        self.serial_ms.append(1000 * (wall - out.meta_info["timing"]["agent_loop/generate_sequences/max"]))
+        return float(out.batch["response_mask"].sum()) / wall
 
 
 def main() -> None:
@@ -147,14 +149,13 @@ def main() -> None:
 
     raw = RawEngine(cfg, prompts)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    paths: dict[str, Any] = {"raw AsyncLLM": raw.rate, "AgentLoopManager (1 srv)": None}
-    managers = [AgentLoopManager(cfg)]
-    paths["AgentLoopManager (1 srv)"] = lambda m=managers[0]: agentloop_rate(m, batch)
+    ours_path = AgentLoopPath(AgentLoopManager(cfg), batch)
+    agentloop_paths = {"AgentLoopManager (1 srv)": ours_path}
     if args.compare_unbatched:
         unbatched_cfg = copy.deepcopy(cfg)
         OmegaConf.update(unbatched_cfg, "actor_rollout_ref.rollout.server.batch_calls", False)
-        managers.append(AgentLoopManager(unbatched_cfg))
-        paths["  … batch_calls=false"] = lambda m=managers[1]: agentloop_rate(m, batch)
+        agentloop_paths["  … batch_calls=false"] = AgentLoopPath(AgentLoopManager(unbatched_cfg), batch)
+    paths = {"raw AsyncLLM": raw.rate, **{name: p.rate for name, p in agentloop_paths.items()}}
     rates: dict[str, list[float]] = {name: [] for name in paths}
     try:
         # Every engine is alive for the whole run and the passes alternate (raw, agentloop, raw, ...), so
@@ -170,8 +171,8 @@ def main() -> None:
                 time.sleep(IDLE_SETTLE_S)
                 rates[name].append(fn())
     finally:
-        for m in managers:
-            m.shutdown()
+        for p in agentloop_paths.values():
+            p.manager.shutdown()
         raw.close()
         ray.shutdown()
 
@@ -184,7 +185,7 @@ def main() -> None:
         print(f"{name:<28}{statistics.median(values):>16.0f}{pair:>26.3f}   {np.round(arr).astype(int).tolist()}")
     ours = np.array(rates["AgentLoopManager (1 srv)"])
     ratio = statistics.median(ours) / statistics.median(raw_rates)
-    serial = np.array(SERIAL_MS[id(managers[0])][-args.repeats:])
+    serial = np.array(ours_path.serial_ms[-args.repeats:])
     print(f"agentloop serial time per batch (wall - slowest sample's engine wait): median {np.median(serial):.0f} ms "
           f"(interquartile {np.percentile(serial, 25):.0f}-{np.percentile(serial, 75):.0f} ms)")
     pairs = ours / raw_rates

@@ -42,8 +42,7 @@ class GatewayActor:
         from agentloop.servers.placement import restore_normal_priority
         from agentloop.worker import load_tokenizer
 
-        if rollout.get("normal_priority", True):
-            restore_normal_priority()  # Ray starts actors at nice 15
+        restore_normal_priority(rollout)  # Ray starts actors at nice 15
         gateway_cfg = rollout.get("gateway") or {}
         self.host = str(gateway_cfg.get("host", "127.0.0.1"))
         self.max_body_bytes = int(gateway_cfg.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES)

@@ -43,7 +43,7 @@ def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopB
     return decorator
 
 
-_settings_memo: dict[int, tuple[Any, dict[str, Any]]] = {}
+_settings_memo: dict[tuple[int, str], tuple[Any, dict[str, Any]]] = {}
 
 
 def config_values(config: DictConfig, key: str, read: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
@@ -51,9 +51,10 @@ def config_values(config: DictConfig, key: str, read: Callable[[DictConfig], dic
 
     Loop instances are built once per sample; reading a DictConfig costs ~25 µs an attribute, which at
     hundreds of samples per batch showed up in ``scripts/bench_overhead.py``.  The memo holds the config
-    object itself, so an id is never confused with a later object's.
+    object itself, so an id is never confused with a later object's.  A config mutated after its first
+    loop was built is not re-read.
     """
-    memo_key = hash((id(config), key))
+    memo_key = (id(config), key)
     hit = _settings_memo.get(memo_key)
     if hit is None or hit[0] is not config:
         if len(_settings_memo) > 256:  # configs are few per process; bound it anyway

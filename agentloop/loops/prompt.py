@@ -44,8 +44,8 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
     """``tokenizer.apply_chat_template(..., tokenize=True)`` returning plain ids on transformers 4 and 5.
 
     With a fast tokenizer the rendered text is encoded by its Rust backend directly (the same call HF
-    makes, without ~20 µs of Python around it per prompt); ``tests/unit/test_worker.py`` checks the ids
-    are identical.
+    makes, without ~20 µs of Python around it per prompt); ``tests/unit/test_tokenization_families.py``
+    checks the ids are identical.
     """
     backend = _fast_backend(tokenizer)
     if backend is not None:

@@ -57,8 +57,9 @@ def count_servers(cfg: AgentLoopConfig, device: str, trainer_gpus: int | None = 
     return gpus // tp
 
 
-def restore_normal_priority() -> str:
-    """Give this process's threads nice 0 again; returns what happened (servers report it at start-up).
+def restore_normal_priority(rollout: Any) -> str:
+    """Give this actor's threads nice 0 again unless ``rollout.normal_priority`` is false; returns what
+    happened (servers and workers report it at start-up).
 
     Ray starts every worker process (so every actor) at nice 15 (``RAY_worker_niceness``), and the
     engine processes an actor spawns inherit it.  Wherever the engine shares cores with anything at
@@ -67,6 +68,8 @@ def restore_normal_priority() -> str:
     users compare against, runs at nice 0.  Lowering niceness needs root or CAP_SYS_NICE; without
     them a warning says how to get the same effect when starting the cluster.
     """
+    if not rollout.get("normal_priority", True):
+        return "unchanged (rollout.normal_priority=false)"
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if before <= 0:
         return f"nice {before}"
@@ -76,10 +79,10 @@ def restore_normal_priority() -> str:
                 os.setpriority(os.PRIO_PROCESS, int(tid), 0)
     except (PermissionError, FileNotFoundError) as e:
         logger.warning(
-            "rollout server runs at nice %d (Ray's default for actors) and could not reset it (%s); the engine "
-            "gets less CPU than processes at normal priority. Start Ray with RAY_worker_niceness=0 in the "
-            "environment (e.g. `RAY_worker_niceness=0 ray start ...`) or set "
-            "actor_rollout_ref.rollout.normal_priority=false to silence this.", before, e)
+            "this actor (pid %d) runs at nice %d (Ray's default for actors) and could not reset it (%s); it "
+            "and any engine it starts get less CPU than processes at normal priority. Start Ray with "
+            "RAY_worker_niceness=0 in the environment (e.g. `RAY_worker_niceness=0 ray start ...`) or set "
+            "actor_rollout_ref.rollout.normal_priority=false to silence this.", os.getpid(), before, e)
         return f"nice {before} (could not reset: {e})"
     return f"nice {before} -> 0"
 

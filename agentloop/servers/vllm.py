@@ -97,11 +97,9 @@ class VLLMServer(BatchGenerateMixin):
 
         on_cpu = current_platform.is_cpu()
         args = _engine_args(self.rollout, self.model, on_cpu)
-        priority = "unchanged"
-        if self.rollout.get("normal_priority", True):
-            from agentloop.servers.placement import restore_normal_priority
+        from agentloop.servers.placement import restore_normal_priority
 
-            priority = restore_normal_priority()  # before the engine's processes are spawned: they inherit it
+        priority = restore_normal_priority(self.rollout)  # before the engine's processes exist: they inherit it
         try:
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         except Exception as e:

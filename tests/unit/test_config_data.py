@@ -116,12 +116,14 @@ def test_server_priority_is_reset_from_rays_nice_15_in_all_threads():
         os.nice(15)
         threading.Thread(target=lambda: __import__("time").sleep(2), daemon=True).start()
         from agentloop.servers.placement import restore_normal_priority
-        print(restore_normal_priority())
+        print(restore_normal_priority({"normal_priority": False}), os.getpriority(os.PRIO_PROCESS, 0))
+        print(restore_normal_priority({}))
         print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    summary, nices = out.stdout.strip().splitlines()[-2:]
+    disabled, summary, nices = out.stdout.strip().splitlines()[-3:]
+    assert disabled == "unchanged (rollout.normal_priority=false) 15"
     if os.geteuid() == 0:
         assert summary == "nice 15 -> 0" and nices == "[0]"
     else:
