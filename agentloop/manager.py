@@ -32,13 +32,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from agentloop.config import AgentLoopConfig, resolve_config
 from agentloop.errors import ConfigError, DatasetError
 from agentloop.loops.base import resolve_registry
-from agentloop.protocol import DataProto, split_rows
+from agentloop.protocol import DataProto
 from agentloop.rewards.columns import complete_reward_columns
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.routing.balancer_actor import create_global_balancer
 from agentloop.servers.colocated import start_colocated_servers
 from agentloop.servers.placement import ServerGroup, sleep_support, start_standalone_servers, stop_servers
-from agentloop.worker import AgentLoopWorker, check_batch
+from agentloop.servers.supervisor import ServerSupervisor
+from agentloop.types import RolloutStatus
+from agentloop.worker import AgentLoopWorker, check_batch, error_batch
+from agentloop.workerpool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,16 @@ class AgentLoopManager:
             if len(self.server_handles) > 1 else None
         )
         self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
-        self.agent_loop_workers: list[Any] = self._init_workers()
+        agent = self.rollout.agent
+        timeout = agent.get("batch_timeout")
+        self.workers = WorkerPool(
+            spawn=self._spawn_worker, num_workers=int(agent.num_workers), error_rows=self._error_rows,
+            balancer=self.balancer, max_sample_retries=int(agent.get("max_sample_retries", 1)),
+            batch_timeout=float(timeout) if timeout else None,
+        )
+        self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
+                                           restart=bool(self.rollout.server.get("restart_dead", True)))
+        self._nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         try:
             self._wait_for_workers()
         except BaseException:
@@ -103,32 +115,37 @@ class AgentLoopManager:
         if self.rollout.free_cache_engine:
             self.sleep()
 
-    def _init_workers(self) -> list[Any]:
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    @property
+    def agent_loop_workers(self) -> list[Any]:
+        """The serving AgentLoopWorker actors (a replacement joins once it has started)."""
+        return self.workers.handles
+
+    def _spawn_worker(self, index: int, worker_id: str) -> Any:
         cls: Any = ray.remote(AgentLoopWorker)
-        workers: list[Any] = []
-        for i in range(int(self.rollout.agent.num_workers)):
-            workers.append(
-                cls.options(
-                    num_cpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True),
-                    max_concurrency=10000,
-                ).remote(self.rollout, self.config.model, self.server_handles, self.balancer, self.registry,
-                         trainer_config=self.config.root)
-            )
-        return workers
+        return cls.options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self._nodes[index % len(self._nodes)], soft=True),
+            max_concurrency=10000,
+        ).remote(self.rollout, self.config.model, list(self.server_handles), self.balancer, self.registry,
+                 trainer_config=self.config.root, worker_id=worker_id)
+
+    def _error_rows(self, chunk: DataProto, status: RolloutStatus, message: str) -> DataProto:
+        pad = self.tokenizer.pad_token_id
+        return error_batch(chunk, status, message, rollout=self.rollout,
+                           pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
+                           default_agent=str(self.rollout.agent.default_agent_loop))
+
+    def _swap_server(self, index: int, handle: Any) -> None:
+        """A restarted server replaces server ``index`` for every worker (and later workers)."""
+        self.server_handles[index] = handle
+        self.workers.broadcast("replace_server", index, handle)
+        if self.gateways:
+            ray.get([g.replace_server.remote(index, handle) for g in self.gateways])
 
     def _wait_for_workers(self) -> None:
         """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing (it was
         ~7 s of the demo's first batch) nor fail only when the first batch is sent."""
-        try:
-            infos = ray.get([w.ready.remote() for w in self.agent_loop_workers])
-        except ray.exceptions.ActorDiedError as e:  # its __init__ raised (bad tool config, parser, tokenizer...)
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            raise ConfigError(
-                f"an agent-loop worker failed to start: {lines[-1] if lines else e!r} "
-                "(the worker's full traceback is in the log above)"
-            ) from e
+        infos = self.workers.start()
         self.init_errors: dict[str, str] = {k: v for info in infos for k, v in info.get("init_errors", {}).items()}
         for name, error in sorted(self.init_errors.items()):
             logger.warning("agent loop %r failed to initialise (%s); samples that use it will come back with "
@@ -157,20 +174,43 @@ class AgentLoopManager:
             self.start_gateways()
         if self.rollout.free_cache_engine:
             self.wake_up()
-        n = min(len(self.agent_loop_workers), len(prompts))
-        chunks = split_rows(prompts, n) if n > 1 else [prompts]
-        outputs = ray.get(
-            [w.generate_sequences.remote(c) for w, c in zip(self.agent_loop_workers, chunks, strict=False)]
-        )
+        self.supervisor.poll(self._weight_version)
+        outputs = self.workers.run(prompts)
+        failovers = sum(int((o.meta_info.pop("faults", None) or {}).get("server_failovers", 0))
+                                           for o in outputs)
         # per-row metrics stay a list in row order (verl's concat would fold the workers' lists into a dict)
         metrics = [m for o in outputs for m in (o.meta_info.pop("metrics", None) or [])]
         output = DataProto.concat(align_keys(outputs))
+        if self._owns_servers:
+            self.supervisor.check()
         if self.rollout.free_cache_engine:
             self.sleep()
         output.meta_info["metrics"] = metrics
         timing = performance_metrics(output, time.perf_counter() - t0)
+        timing.update(self._fault_metrics(failovers))
         output.meta_info = {**output.meta_info, "timing": timing}
         return output
+
+    def _fault_metrics(self, failovers: int) -> dict[str, float]:
+        """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""
+        counts = {**self.workers.fault_counts, "servers_restarted": self.supervisor.counts["server_restarts"]}
+        before, self._fault_totals = self._fault_totals, dict(counts)
+        metrics = {k: v - before.get(k, 0) for k, v in counts.items()}  # the counts are cumulative
+        metrics.update(server_failovers=failovers, servers_down=len(self.supervisor.down))
+        return {f"agent_loop/faults/{k}": float(v) for k, v in metrics.items()}
+
+    _fault_totals: dict[str, int] = {}
+
+    def recover(self, timeout: float = 0.0) -> dict[str, int]:
+        """Put back restarted servers and replacement workers that finished starting, waiting up to ``timeout``
+        seconds for them (batches do this themselves, without waiting); returns the pool's state:
+        ``servers_down``, ``servers_restarting``, ``workers``, ``workers_starting``.  Restarts begin when a
+        batch finds a server dead (after each batch) or a worker dies."""
+        self.supervisor.poll(self._weight_version, wait_s=timeout)
+        self.workers._poll_replacements(timeout)
+        return {"servers_down": len(self.supervisor.down), "servers_restarting": len(self.supervisor.restarting),
+                "workers": len(self.workers.handles),
+                "workers_starting": sum(1 for s in self.workers.slots if s.ready is not None and not s.dead)}
 
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> AgentLoopManager:
@@ -200,7 +240,7 @@ class AgentLoopManager:
             from agentloop.gateway.actor import start_gateways
 
             self.gateways = start_gateways(self.rollout, self.config.model, self.server_handles, self.balancer)
-            ray.get([w.attach_gateways.remote(self.gateways) for w in self.agent_loop_workers])
+            self.workers.broadcast("attach_gateways", self.gateways, remember=True)
         return self.gateways
 
     @property
@@ -258,7 +298,10 @@ class AgentLoopManager:
         version = self._weight_version + 1 if global_steps is None else int(global_steps)
         if self.sleeping:
             self.wake_up()
-        handles = list(self.server_handles)
+        self.supervisor.poll(self._weight_version)
+        waiting = self.supervisor.awaiting_weights()  # restarted servers: they get the current weights too
+        handles = [h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down]
+        handles += list(waiting.values())
         try:
             ray.get([s.begin_weight_update.remote(version) for s in handles])
             loading: list[Any] = []
@@ -273,6 +316,7 @@ class AgentLoopManager:
             _abort_weight_updates(handles)
             raise
         self._weight_version = version
+        self.supervisor.weights_loaded(list(waiting))
         logger.debug("weights updated to version %d: %s", version, reports)
         return version
 
@@ -290,8 +334,11 @@ class AgentLoopManager:
 
     def shutdown(self) -> None:
         """Stop workers, balancer and engines, and release their resources."""
-        for w in self.agent_loop_workers:
-            ray.kill(w)
+        if hasattr(self, "workers"):
+            self.workers.shutdown()
+        if hasattr(self, "supervisor"):
+            for restart in self.supervisor.restarting.values():
+                ray.kill(restart.handle)
         if self.gateways:
             ray.get([g.shutdown.remote() for g in self.gateways])
             for g in self.gateways:
@@ -301,7 +348,6 @@ class AgentLoopManager:
             ray.kill(self.balancer)
         if self._owns_servers:
             stop_servers(self.servers)
-        self.agent_loop_workers = []
 
 
 def _abort_weight_updates(handles: list[Any]) -> None:

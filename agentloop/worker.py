@@ -125,6 +125,8 @@ class AgentLoopWorker:
         trainer_config: the whole trainer-shaped config (``data`` included) that loops receive as verl's
             ``trainer_config``; default: one holding just ``rollout`` and ``model``.
         processor: a HF processor for multimodal models (default: loaded for multimodal models only).
+        worker_id: the owner id of this worker's in-flight slots in the shared balancer (the manager
+            releases them if this worker dies); default: a fresh id.
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class AgentLoopWorker:
         gateways: list[Any] | None = None,
         trainer_config: DictConfig | None = None,
         processor: Any = None,
+        worker_id: str | None = None,
     ) -> None:
         root = trainer_config if trainer_config is not None else OmegaConf.create(
             {"actor_rollout_ref": {"rollout": rollout, "model": model}, "data": {}})
@@ -150,7 +153,8 @@ class AgentLoopWorker:
                           else load_processor(model, self.tokenizer))
         self.server_manager = AsyncLLMServerManager(
             server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),
-            batch_calls=bool(rollout.server.get("batch_calls", True)),
+            batch_calls=bool(rollout.server.get("batch_calls", True)), owner=worker_id,
+            max_failovers=rollout.server.get("max_failovers"),
         )
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         self.tools = load_rollout_tools(rollout)  # once per worker (verl 0.9); a bad tool config fails here
@@ -200,8 +204,18 @@ class AgentLoopWorker:
             if entry.cls.requires_gateway:
                 self._init_loop_class(entry, gateway_manager=manager)
 
-    async def generate_sequences(self, batch: DataProto) -> DataProto:
-        """Roll out every sample of ``batch``; returns the padded DataProto (one row per trajectory)."""
+    def replace_server(self, index: int, handle: Any) -> None:
+        """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead server)."""
+        self.server_manager.replace_server(index, handle)
+
+    async def generate_sequences(self, batch: DataProto, timeout: float | None = None) -> DataProto:
+        """Roll out every sample of ``batch``; returns the padded DataProto (one row per trajectory).
+
+        ``timeout``: seconds left of the manager's batch deadline (``agent.batch_timeout``); samples still
+        running then are cancelled (their engine requests aborted) and come back with status ``timeout``.
+        ``meta_info["faults"]`` counts this chunk's server failovers.
+        """
+        failovers = self.server_manager.num_failovers
         names = check_batch(batch, self.registry, str(self.rollout.agent.default_agent_loop))
         validate = bool(batch.meta_info.get("validate", False))
         sampling_params = sampling_params_from_config(self.rollout, validate=validate)
@@ -215,8 +229,10 @@ class AgentLoopWorker:
             sample["agent_name"] = str(names[i])
             infos[i]["trace"] = i in traced
             tasks.append(asyncio.create_task(self._run_sample(str(names[i]), sampling_params, sample, infos[i])))
-        results = await asyncio.gather(*tasks)
-        return self._postprocess(results, fields, names)
+        results = await _settle(tasks, timeout)
+        output = self._postprocess(results, fields, names)
+        output.meta_info["faults"] = {"server_failovers": self.server_manager.num_failovers - failovers}
+        return output
 
     async def _run_sample(
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
@@ -267,6 +283,47 @@ class AgentLoopWorker:
             calculate_log_probs=bool(self.rollout.calculate_log_probs),
             rewards_configured=self.rewards.configured,
         )
+
+
+async def _settle(tasks: list[asyncio.Task], timeout: float | None) -> list[list[AgentLoopOutput]]:
+    """Every task's result; with a ``timeout``, tasks still running then are cancelled and become ``timeout``
+    rows, and a task that raised (a bug outside the loop's own error handling) becomes an ``error`` row."""
+    if not tasks:
+        return []
+    _, pending = await asyncio.wait(tasks, timeout=timeout) if timeout else (None, set())
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    results = []
+    for task in tasks:
+        if task.cancelled():
+            results.append([_failed(RolloutStatus.TIMEOUT, f"the batch deadline (agent.batch_timeout) passed after "
+                                                           f"{timeout:.0f}s with this sample still running")])
+        elif task.exception() is not None:
+            e = task.exception()
+            logger.error("a sample task failed outside its agent loop: %r", e)
+            results.append([_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")])
+        else:
+            results.append(task.result())
+    return results
+
+
+def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, rollout: DictConfig, pad_token_id: int,
+                default_agent: str) -> DataProto:
+    """The rows of ``chunk`` when no worker could roll them out (its worker died and retries ran out, or it hung
+    past the batch deadline): one ``status`` row per sample with ``message``, in verl's padded layout, keeping
+    each sample's non-tensor fields (uid, index...)."""
+    fields = {k: v for k, v in chunk.non_tensor_batch.items()}
+    given = fields.get("agent_name")
+    names = [str(n) if n else default_agent for n in (given.tolist() if given is not None else [None] * len(chunk))]
+    fields["agent_name"] = np.asarray(names, dtype=object)
+    output = postprocess(
+        [_failed(status, message) for _ in range(len(chunk))],
+        prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
+        pad_token_id=pad_token_id, sample_fields=fields, calculate_log_probs=bool(rollout.calculate_log_probs),
+        rewards_configured=False,
+    )
+    return output
 
 
 def _checked(output: AgentLoopOutput, name: str) -> AgentLoopOutput:

@@ -24,26 +24,38 @@ class BalancerActor:
     def __init__(self, num_servers: int, **kwargs: Any) -> None:
         self.balancer = make_balancer(num_servers, **kwargs)
 
-    def acquire(self, request_id: str, prompt_len: int = 0) -> int:
+    def acquire(self, request_id: str, prompt_len: int = 0, owner: str | None = None) -> int:
         """Choose a server for ``request_id`` and count it in flight."""
-        return self.balancer.acquire(request_id, prompt_len)
+        return self.balancer.acquire(request_id, prompt_len, owner)
 
-    def release(self, server: int) -> None:
+    def release(self, server: int, owner: str | None = None) -> None:
         """A request on ``server`` ended."""
-        self.balancer.release(server)
+        self.balancer.release(server, owner)
 
-    def acquire_many(self, requests: list[tuple[str, int]], releases: list[int]) -> list[int]:
-        """Apply ``releases`` first, then acquire a server for each ``(request_id, prompt_len)``."""
+    def acquire_many(self, requests: list[tuple[str, int]], releases: list[int], owner: str | None = None) -> list[int]:
+        """Apply ``releases`` first, then acquire a server for each ``(request_id, prompt_len)``, all for ``owner``."""
         for server in releases:
-            self.balancer.release(server)
-        return [self.balancer.acquire(rid, plen) for rid, plen in requests]
+            self.balancer.release(server, owner)
+        return [self.balancer.acquire(rid, plen, owner) for rid, plen in requests]
+
+    def release_owner(self, owner: str) -> int:
+        """Release the slots a dead worker still held; returns how many."""
+        return self.balancer.release_owner(owner)
+
+    def mark_down(self, server: int) -> None:
+        """Stop routing to a dead server."""
+        self.balancer.mark_down(server)
+
+    def mark_up(self, server: int) -> None:
+        """Route to a restarted server again."""
+        self.balancer.mark_up(server)
 
     def lookup(self, request_id: str) -> int | None:
         """The server ``request_id`` is bound to, if any."""
         return self.balancer.lookup(request_id)
 
     def stats(self) -> dict[str, list[int]]:
-        """In-flight and total routed counts per server."""
+        """In-flight and total routed counts per server, and their health."""
         return self.balancer.stats()
 
 
@@ -66,8 +78,10 @@ class RemoteBalancer:
     event loop may be shutting down).
     """
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, owner: str | None = None) -> None:
         self.handle = handle
+        self.owner = owner
+        """Whose slots these are (the worker's id): the manager releases them all if the worker dies."""
         self._acquires: list[tuple[str, int, asyncio.Future[int]]] = []
         self._releases: list[int] = []
         self._busy = False
@@ -90,7 +104,7 @@ class RemoteBalancer:
 
     def _send_releases(self, servers: list[int]) -> None:
         """Submit releases without awaiting; Ray runs the call even though its result is dropped."""
-        self.handle.acquire_many.remote([], servers)
+        self.handle.acquire_many.remote([], servers, self.owner)
 
     def _kick(self) -> None:
         if not self._busy and (self._acquires or self._releases):
@@ -113,7 +127,7 @@ class RemoteBalancer:
 
     async def _trip(self, batch: list[tuple[str, int, asyncio.Future[int]]], releases: list[int]) -> None:
         """One actor call: apply ``releases``, acquire for ``batch`` and resolve its futures."""
-        ref = self.handle.acquire_many.remote([(r, p) for r, p, _ in batch], releases)
+        ref = self.handle.acquire_many.remote([(r, p) for r, p, _ in batch], releases, self.owner)
         try:
             servers = await ref
         except asyncio.CancelledError:  # the loop is going away: nobody will use what the call acquires

@@ -6,23 +6,34 @@ release the in-flight slot when the call ends — on success, on error and on ca
 Servers may be Ray actor handles or in-process objects implementing
 :class:`agentloop.servers.base.LLMServer` (e.g. :class:`agentloop.testing.ScriptedServer`); the
 balancer may be a local :class:`Balancer` or the GlobalBalancer actor.
+
+Failover: a request whose server turns out dead (its actor died, or it raises
+:class:`~agentloop.servers.base.ServerDeadError` because its engine process died) marks that server down in
+the balancer and is sent again, with the same prompt ids, to another server (at most ``max_failovers``
+times).  A multi-turn loop therefore keeps every token it has and only loses the prefix cache.  The manager
+restarts the dead server and swaps it back in with :meth:`AsyncLLMServerManager.replace_server`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from agentloop.errors import RoutingError, ServerError
+from agentloop.errors import RoutingError
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.strategies import Balancer, make_balancer
+from agentloop.servers.base import ServerDeadError
 from agentloop.types import TokenDelta, TokenOutput
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLMServerManager:
@@ -35,11 +46,16 @@ class AsyncLLMServerManager:
         batch_calls: coalesce the generate calls made in one event-loop iteration for the same server
             actor into one Ray call (:mod:`agentloop.routing.batcher`); in-process servers are called
             directly either way.
+        owner: who holds this client's in-flight slots in a shared balancer (default: a fresh id); the
+            AgentLoopManager releases them all when the worker owning this client dies.
+        max_failovers: how many times one request may move to another server after its server died
+            (default: once to every other server).
     """
 
     def __init__(
         self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
-        max_cache_size: int = 10000, batch_calls: bool = True,
+        max_cache_size: int = 10000, batch_calls: bool = True, owner: str | None = None,
+        max_failovers: int | None = None,
     ) -> None:
         self.server_handles = list(server_handles)
         if not self.server_handles:
@@ -47,12 +63,19 @@ class AsyncLLMServerManager:
         self.balancer: Any = balancer if balancer is not None else make_balancer(
             len(self.server_handles), max_cache_size=max_cache_size
         )
+        self.owner = owner or uuid.uuid4().hex
         self._remote_balancer = isinstance(self.balancer, ActorHandle)
-        self._client = RemoteBalancer(self.balancer) if self._remote_balancer else None
+        self._client = RemoteBalancer(self.balancer, self.owner) if self._remote_balancer else None
+        self._batch_calls = batch_calls
         self._batchers = {
             i: ServerCallBatcher(h, i) for i, h in enumerate(self.server_handles)
             if batch_calls and isinstance(h, ActorHandle)
         }
+        self.max_failovers = len(self.server_handles) - 1 if max_failovers is None else int(max_failovers)
+        self.down: set[int] = set()
+        """Servers this client saw die (and has not seen replaced)."""
+        self.num_failovers = 0
+        """Requests re-sent to another server after theirs died (reported in the batch's fault metrics)."""
 
     async def _acquire(self, request_id: str, prompt_len: int) -> int:
         if self._client is not None:
@@ -118,12 +141,44 @@ class AsyncLLMServerManager:
                 "AsyncLLMServerManager.generate got video_data/audio_data: agentloop passes images to the "
                 "engine but not videos or audio yet (docs/porting-from-verl.md, 'Remaining differences')"
             )
-        async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
-            output = await self._call(
-                server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
-                request_id=request_id, image_data=image_data,
-            )
+        attempt = 0
+        while True:
+            try:
+                async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
+                    output = await self._call(
+                        server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
+                        request_id=request_id, image_data=image_data,
+                    )
+                break
+            except ServerDeadError as e:
+                await self._mark_down(e)
+                if attempt >= self.max_failovers or len(self.down) >= len(self.server_handles):
+                    raise
+                attempt += 1
+                self.num_failovers += 1
+                logger.warning("request %s: %s; failing over to another server", request_id, e)
         return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
+
+    async def _mark_down(self, error: ServerDeadError) -> None:
+        """Take the dead server out of routing, for this client and (shared balancer) every other."""
+        server = error.server
+        if server is None or server in self.down:
+            return
+        self.down.add(server)
+        if self._remote_balancer:
+            await self.balancer.mark_down.remote(server)
+        else:
+            self.balancer.mark_down(server)
+
+    def replace_server(self, index: int, handle: Any) -> None:
+        """Use ``handle`` (a restarted server) as server ``index`` from now on and route to it again."""
+        self.server_handles[index] = handle
+        self._batchers.pop(index, None)
+        if self._batch_calls and isinstance(handle, ActorHandle):
+            self._batchers[index] = ServerCallBatcher(handle, index)
+        self.down.discard(index)
+        if not self._remote_balancer:
+            self.balancer.mark_up(index)  # a shared balancer actor is told once, by the manager
 
     async def generate_stream(
         self,
@@ -154,7 +209,7 @@ class AsyncLLMServerManager:
     @contextlib.asynccontextmanager
     async def _slot(self, key: str, prompt_len: int, request_id: str) -> AsyncIterator[int]:
         """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
-        cancellation alike.  A dead server process becomes a ServerError (errors raised inside it propagate
+        cancellation alike.  A dead server actor becomes a ServerDeadError (errors raised inside it propagate
         as they are)."""
         server = await self._acquire(key, prompt_len)
         cancelled = False
@@ -164,7 +219,10 @@ class AsyncLLMServerManager:
             cancelled = True
             raise
         except RayActorError as e:
-            raise ServerError(f"server {server} failed on request {request_id}: {e}") from e
+            raise ServerDeadError(f"server {server} died (its actor is gone) while serving request {request_id}: "
+                                  f"{_first_line(e)}", server) from e
+        except ServerDeadError as e:  # raised by the server itself (its engine died): name it by our index
+            raise ServerDeadError(str(e), server) from e
         finally:
             self._release_nowait(server, cancelled=cancelled)
 
@@ -200,6 +258,11 @@ class AsyncLLMServerManager:
         if self._remote_balancer:
             return await self.balancer.stats.remote()
         return self.balancer.stats()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:

@@ -5,6 +5,11 @@ counts; :class:`Balancer` owns the counts (``acquire`` on start, ``release`` on 
 error or cancellation alike).  The default is :func:`make_balancer`: sticky by request id (an LRU
 of ``max_cache_size`` entries, verl's default 10000) wrapping least-in-flight with a random
 tie-break, so ties never pin to server 0.
+
+Faults: a server marked down (:meth:`Balancer.mark_down`, when a request found it dead) is never chosen
+until :meth:`Balancer.mark_up`; a request stuck to it is re-bound to a healthy one.  In-flight counts are
+also kept per owner (one per agent-loop worker), so a worker that dies holding slots has them released
+with :meth:`Balancer.release_owner` instead of leaving its servers looking busy forever.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ class StickySession:
 
 
 class Balancer:
-    """In-flight accounting around a strategy."""
+    """In-flight accounting around a strategy, with per-server health and per-owner slot counts."""
 
     def __init__(self, num_servers: int, strategy: RoutingStrategy) -> None:
         if num_servers < 1:
@@ -91,27 +96,79 @@ class Balancer:
         self.strategy = strategy
         self.in_flight = [0] * num_servers
         self.routed = [0] * num_servers
+        self.healthy = [True] * num_servers
+        self._owned: dict[str, list[int]] = {}
 
-    def acquire(self, request_id: str, prompt_len: int = 0) -> int:
-        """Choose a server for a request starting now and count it in flight."""
-        server = self.strategy.choose(RouteContext(request_id, prompt_len), self.in_flight)
+    def acquire(self, request_id: str, prompt_len: int = 0, owner: str | None = None) -> int:
+        """Choose a healthy server for a request starting now and count it in flight (for ``owner`` too)."""
+        if all(self.healthy):
+            server = self.strategy.choose(RouteContext(request_id, prompt_len), self.in_flight)
+        else:
+            server = self._choose_healthy(RouteContext(request_id, prompt_len))
         self.in_flight[server] += 1
         self.routed[server] += 1
+        if owner is not None:
+            self._owned.setdefault(owner, [0] * self.num_servers)[server] += 1
         return server
 
-    def release(self, server: int) -> None:
-        """A request on ``server`` ended (any way)."""
+    def _choose_healthy(self, ctx: RouteContext) -> int:
+        if not any(self.healthy):
+            raise RoutingError(
+                f"all {self.num_servers} rollout servers are marked down (their engines died); requests fail until "
+                "one is restarted (the AgentLoopManager restarts dead servers it started; see docs/faults.md)"
+            )
+        down = 1 << 40  # a down server looks infinitely busy to least-in-flight strategies
+        view = [c if ok else down for c, ok in zip(self.in_flight, self.healthy, strict=True)]
+        server = self.strategy.choose(ctx, view)
+        if not self.healthy[server]:  # stuck to a dead server (sticky session): bind it anew
+            forget = getattr(self.strategy, "forget", None)
+            if forget is not None:
+                forget(ctx.request_id)
+                server = self.strategy.choose(ctx, view)
+            if not self.healthy[server]:
+                server = min((i for i in range(self.num_servers) if self.healthy[i]), key=lambda i: view[i])
+        return server
+
+    def release(self, server: int, owner: str | None = None) -> None:
+        """A request on ``server`` ended (any way).  With an ``owner`` whose slots were already released
+        (:meth:`release_owner`), nothing changes."""
         if not 0 <= server < self.num_servers:
             raise RoutingError(f"release: server index {server} out of range 0..{self.num_servers - 1}")
+        if owner is not None:
+            owned = self._owned.get(owner)
+            if owned is None or owned[server] <= 0:
+                return
+            owned[server] -= 1
         self.in_flight[server] = max(0, self.in_flight[server] - 1)
+
+    def release_owner(self, owner: str) -> int:
+        """Release every slot ``owner`` still holds (it died); returns how many."""
+        owned = self._owned.pop(owner, None)
+        if owned is None:
+            return 0
+        for server, n in enumerate(owned):
+            self.in_flight[server] = max(0, self.in_flight[server] - n)
+        return sum(owned)
+
+    def mark_down(self, server: int) -> None:
+        """Stop routing to ``server`` (its engine died)."""
+        self.healthy[server] = False
+
+    def mark_up(self, server: int) -> None:
+        """Route to ``server`` again (restarted and checked); its old in-flight count is dropped."""
+        self.healthy[server] = True
+        self.in_flight[server] = 0
+        for owned in self._owned.values():
+            owned[server] = 0
 
     def lookup(self, request_id: str) -> int | None:
         """The server a request id is bound to, when the strategy is sticky."""
         return self.strategy.lookup(request_id) if isinstance(self.strategy, StickySession) else None
 
     def stats(self) -> dict[str, list[int]]:
-        """Current in-flight and total routed counts per server."""
-        return {"in_flight": list(self.in_flight), "routed": list(self.routed)}
+        """Current in-flight and total routed counts per server, and which servers are healthy (1) or down (0)."""
+        return {"in_flight": list(self.in_flight), "routed": list(self.routed),
+                "healthy": [int(h) for h in self.healthy]}
 
 
 def make_balancer(

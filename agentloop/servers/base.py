@@ -10,8 +10,25 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
+from agentloop.errors import ServerError
 from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import TokenDelta, TokenOutput
+
+
+class ServerDeadError(ServerError):
+    """A server can serve nothing more: its actor died, or its engine process did (the actor lives on).
+
+    Servers raise it from ``generate`` once their engine is gone; the router raises it for a dead actor.
+    The router then marks the server down, retries the request on another server (failover) and the
+    AgentLoopManager restarts the server (see docs/faults.md).
+    """
+
+    def __init__(self, message: str, server: int | None = None) -> None:
+        super().__init__(message)
+        self.server = server
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep ``server`` across Ray's pickling
+        return (type(self), (str(self), self.server))
 
 
 @runtime_checkable

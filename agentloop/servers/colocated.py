@@ -298,4 +298,5 @@ def start_colocated_servers(cfg: AgentLoopConfig, worker_group: Any, resource_po
     handles, info = launch_servers(cfg, slots)
     logger.info("colocated %d rollout servers on %d trainer workers (%s)", len(handles), len(locations),
                 ", ".join(f"ranks {s.facts['trainer_ranks']} in bundle {s.facts['bundle_index']}" for s in slots))
-    return ServerGroup(handles=handles, placement_group=None, device=device, info=info, placement="colocated")
+    return ServerGroup(handles=handles, placement_group=None, device=device, info=info, placement="colocated",
+                       slots=slots, config=cfg)

@@ -41,6 +41,22 @@ class ServerGroup:
     placement: str = "standalone"
     """``standalone`` (own placement group), ``colocated`` (on the trainer's workers) or ``shared`` (servers
     started elsewhere, neither started nor stopped by the manager)."""
+    slots: list[ServerSlot] = field(default_factory=list)
+    """Where each server was placed: a dead server is restarted in its slot (empty: cannot be restarted)."""
+    config: AgentLoopConfig | None = None
+    """The config the servers were started with (what a restart uses)."""
+
+    @property
+    def restartable(self) -> bool:
+        """Whether a dead server can be started again in its slot (the manager started these servers)."""
+        return bool(self.slots) and self.config is not None
+
+    def relaunch(self, index: int) -> Any:
+        """Create (not start) a new server actor in server ``index``'s slot; call ``start`` on it next."""
+        if self.config is None or index >= len(self.slots):
+            raise ServerError(f"server {index} was not started by this manager ({self.placement} placement) and "
+                              "cannot be restarted by it")
+        return create_server_actor(self.config, self.slots[index], index)
 
 
 def detect_device(setting: str) -> str:
@@ -131,26 +147,27 @@ class ServerSlot:
     """Placement facts added to the server's start-up info (node, bundle, trainer ranks)."""
 
 
+def create_server_actor(cfg: AgentLoopConfig, slot: ServerSlot, index: int) -> Any:
+    """Create server ``index``'s actor in ``slot`` (its ``start`` is not called here)."""
+    cls: Any = ray.remote(_server_class(str(cfg.rollout.name)))
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        **slot.env,
+    }
+    return cls.options(
+        num_cpus=slot.num_cpus,
+        num_gpus=slot.num_gpus,
+        scheduling_strategy=slot.scheduling_strategy,
+        runtime_env={"env_vars": env},
+        max_concurrency=100000,
+    ).remote(cfg.rollout, cfg.model, index)
+
+
 def launch_servers(cfg: AgentLoopConfig, slots: list[ServerSlot]) -> tuple[list[Any], list[dict[str, Any]]]:
     """Create one server actor per slot (server ``i`` in ``slots[i]``), start them all and return the handles
     and their start-up info.  On failure every actor created here is killed and :class:`ServerError` raised."""
-    cls: Any = ray.remote(_server_class(str(cfg.rollout.name)))
-    handles: list[Any] = []
-    for i, slot in enumerate(slots):
-        env = {
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-            **slot.env,
-        }
-        handles.append(
-            cls.options(
-                num_cpus=slot.num_cpus,
-                num_gpus=slot.num_gpus,
-                scheduling_strategy=slot.scheduling_strategy,
-                runtime_env={"env_vars": env},
-                max_concurrency=100000,
-            ).remote(cfg.rollout, cfg.model, i)
-        )
+    handles = [create_server_actor(cfg, slot, i) for i, slot in enumerate(slots)]
     try:
         info = ray.get([h.start.remote() for h in handles])
     except Exception as e:
@@ -191,7 +208,7 @@ def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = No
     except ServerError:
         ray.util.remove_placement_group(pg)
         raise
-    return ServerGroup(handles=handles, placement_group=pg, device=device, info=info)
+    return ServerGroup(handles=handles, placement_group=pg, device=device, info=info, slots=slots, config=cfg)
 
 
 def stop_servers(group: ServerGroup) -> None:

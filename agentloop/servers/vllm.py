@@ -39,7 +39,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin
+from agentloop.servers.base import BatchGenerateMixin, ServerDeadError
 from agentloop.servers.weight_sync import (
     WORKER_EXTENSION,
     SharedBucket,
@@ -195,8 +195,12 @@ class VLLMServer(BatchGenerateMixin):
             return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
         final = None
-        async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
-            final = out
+        try:
+            async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
+                final = out
+        except Exception as e:
+            self._raise_if_dead(e)
+            raise
         if final is None:
             return TokenOutput(token_ids=[], stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields())
         return self._to_token_output(final, bool(sampling_params.get("logprobs")))
@@ -219,17 +223,41 @@ class VLLMServer(BatchGenerateMixin):
                              stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
             return
         finished = False
-        async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
-            finished = bool(out.finished)
-            stop = _FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP) if finished else None
-            yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
-                             extra_fields=self._extra_fields() if finished else {})
+        try:
+            async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
+                finished = bool(out.finished)
+                stop = _FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP) if finished else None
+                yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
+                                 extra_fields=self._extra_fields() if finished else {})
+        except Exception as e:
+            self._raise_if_dead(e)
+            raise
         if not finished:
             yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
                              stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields())
+
+    def _raise_if_dead(self, error: BaseException) -> None:
+        """An engine whose core process died raises vLLM's EngineDeadError for this and every later request:
+        turn it into :class:`ServerDeadError` so the router fails over and the manager restarts this server."""
+        if self._engine_dead() or type(error).__name__ == "EngineDeadError":
+            raise ServerDeadError(f"vLLM server {self.server_index}: the engine process died ({type(error).__name__}: "
+                                  f"{error}); the request is retried on another server and this one restarted",
+                                  self.server_index) from error
+
+    def _engine_dead(self) -> bool:
+        return bool(self.engine is not None and getattr(self.engine, "errored", False))
+
+    async def check_health(self) -> dict[str, Any]:
+        """Raises :class:`ServerDeadError` when the engine died; else returns the server's facts."""
+        if self.engine is None:
+            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        if self._engine_dead():
+            raise ServerDeadError(f"vLLM server {self.server_index}: the engine process died", self.server_index)
+        await self.engine.check_health()
+        return {"server_index": self.server_index, "global_steps": self.global_steps, "pid": os.getpid()}
 
     def _to_token_output(self, final: Any, want_logprobs: bool) -> TokenOutput:
         completion = final.outputs[0]

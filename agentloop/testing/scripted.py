@@ -18,7 +18,9 @@ Reply rules, in order:
    the ids end with ``eos_token_id``, ``length`` when they were truncated or exactly fill
    ``max_tokens`` without EOS (an EOS is configured), else ``stop``.  ``logprobs`` truthy → one
    deterministic finite log-probability per token.
-5. Every reply it builds carries ``extra_fields["global_steps"]``: the weight version, 0 until the first
+5. After :meth:`kill_engine` every ``generate`` raises :class:`~agentloop.servers.base.ServerDeadError` (as
+   a vLLM server whose engine process died) and :meth:`check_health` raises it too.
+6. Every reply it builds carries ``extra_fields["global_steps"]``: the weight version, 0 until the first
    update; ``update_weights`` / ``finish_weight_update`` set it (default: previous + 1), as a real server.
 """
 
@@ -30,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin
+from agentloop.servers.base import BatchGenerateMixin, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -93,6 +95,7 @@ class ScriptedServer(BatchGenerateMixin):
         self.lifecycle: list[str] = []
         self._open_version: int | None = None
         self._pending: dict[str, list[asyncio.Event]] = {}
+        self.engine_dead = False
 
     @property
     def remaining(self) -> int | None:
@@ -143,7 +146,10 @@ class ScriptedServer(BatchGenerateMixin):
         call = {"request_id": request_id, "prompt_ids": list(prompt_ids),
                 "sampling_params": dict(sampling_params), "image_data": image_data}
         self.calls.append(call)
-        if await self._wait(request_id):
+        self._raise_if_dead()
+        aborted = await self._wait(request_id)
+        self._raise_if_dead()
+        if aborted:
             return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                stop_reason=StopReason.ABORTED, extra_fields={"global_steps": self.global_steps})
         reply = self._reply(prompt_ids, sampling_params, request_id)
@@ -181,6 +187,26 @@ class ScriptedServer(BatchGenerateMixin):
         log_probs = fake_log_probs(len(ids)) if params.get("logprobs") else None
         return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=stop, num_preempted=0,
                            extra_fields={"global_steps": self.global_steps})
+
+    async def start(self) -> dict[str, Any]:
+        """Nothing to start (servers the manager launches, or restarts, are started with this)."""
+        return {"name": self.name}
+
+    def _raise_if_dead(self) -> None:
+        if self.engine_dead:
+            raise ServerDeadError(f"{self.name}: the engine process died (kill_engine)")
+
+    def kill_engine(self) -> None:
+        """Simulate the engine process dying: pending and later requests raise ServerDeadError."""
+        self.engine_dead = True
+        for events in self._pending.values():
+            for event in events:
+                event.set()
+
+    async def check_health(self) -> dict[str, Any]:
+        """Raises ServerDeadError after :meth:`kill_engine`."""
+        self._raise_if_dead()
+        return {"name": self.name, "global_steps": self.global_steps}
 
     async def abort(self, request_id: str) -> None:
         """End the pending call(s) with this id at once, with ``stop_reason='aborted'``."""

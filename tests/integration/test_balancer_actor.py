@@ -61,7 +61,7 @@ def test_two_managers_share_load_and_release(ray_session):
     assert all(o.token_ids == [2, 3] and o.stop_reason == StopReason.STOP for o in outs)
     assert Counter(o.extra_fields["server_index"] for o in outs) == dict.fromkeys(range(NUM_SERVERS), 2)
     stats = wait_idle(ray, balancer)
-    assert stats == {"in_flight": [0] * NUM_SERVERS, "routed": [2] * NUM_SERVERS}
+    assert stats == {"in_flight": [0] * NUM_SERVERS, "routed": [2] * NUM_SERVERS, "healthy": [1] * NUM_SERVERS}
 
 
 def test_sticky_across_managers_and_abort_reaches_the_bound_server(ray_session):
@@ -99,7 +99,7 @@ def test_cancellation_releases_during_acquire_and_during_generate(ray_session):
     asyncio.run(cancel_after(0.0))  # still waiting for the balancer; the event loop then closes
     assert wait_idle(ray, balancer)["in_flight"] == [0]
     asyncio.run(cancel_after(0.5))  # waiting on the server
-    assert wait_idle(ray, balancer) == {"in_flight": [0], "routed": [2]}
+    assert wait_idle(ray, balancer) == {"in_flight": [0], "routed": [2], "healthy": [1]}
 
 
 def test_dead_server_is_a_server_error_and_releases(ray_session):

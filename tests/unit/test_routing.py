@@ -118,7 +118,7 @@ def test_balancer_counts_and_never_goes_below_zero():
     first = bal.acquire("x")
     assert bal.acquire("x") == first  # sticky even while in flight
     assert bal.stats() == {"in_flight": [2 if i == first else 0 for i in range(2)],
-                           "routed": [2 if i == first else 0 for i in range(2)]}
+                           "routed": [2 if i == first else 0 for i in range(2)], "healthy": [1, 1]}
     for _ in range(3):
         bal.release(first)
     assert bal.in_flight == [0, 0]
@@ -126,9 +126,10 @@ def test_balancer_counts_and_never_goes_below_zero():
 
 def test_dead_server_becomes_server_error_and_releases():
     mgr = AsyncLLMServerManager([ScriptedServer([RayActorError()])])
-    with pytest.raises(ServerError, match="server 0 failed on request gone"):
+    with pytest.raises(ServerError, match="server 0 died .* request gone"):
         asyncio.run(mgr.generate("gone", prompt_ids=[1], sampling_params={}))
     assert mgr.balancer.in_flight == [0]
+    assert mgr.down == {0} and mgr.balancer.healthy == [False]
 
 
 def test_server_index_is_added_on_a_copy():

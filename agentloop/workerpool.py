@@ -1,0 +1,241 @@
+"""The AgentLoopManager's worker actors, and what happens when one dies or hangs.
+
+:class:`WorkerPool` spreads a batch over the live AgentLoopWorker actors in contiguous row ranges and
+waits for them with ``ray.wait``, so one worker's fault never costs the others' rows:
+
+* **A worker dies** (its process crashed, was OOM-killed, or ``ray.kill``-ed): its range is split over
+  the surviving workers and run again (``agent.max_sample_retries`` times at most; a sample then comes
+  back as an ``error`` row naming the fault).  The dead worker's in-flight slots in the shared balancer are
+  released, and a replacement actor is started at once, in the background: it joins the pool at the next
+  batch that finds it ready.
+* **A worker hangs** (its event loop is blocked, so even ``sample_timeout`` cannot fire): with
+  ``agent.batch_timeout`` set, each worker cancels its own samples still running at the deadline (they
+  come back as ``timeout`` rows); a worker that has not answered ``batch_grace_s`` after the deadline
+  is killed and replaced, and its samples come back as ``timeout`` rows (no retry: the deadline passed).
+
+The rows come back in the batch's order whatever happened.  ``fault_counts`` says what was done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.exceptions
+
+from agentloop.errors import ConfigError
+from agentloop.protocol import DataProto
+from agentloop.types import RolloutStatus
+
+logger = logging.getLogger(__name__)
+
+Spawn = Callable[[int, str], Any]
+"""``spawn(slot_index, worker_id) -> actor handle``: create (not wait for) one AgentLoopWorker actor."""
+ErrorRows = Callable[[DataProto, RolloutStatus, str], DataProto]
+"""``error_rows(chunk, status, message)``: the padded rows of samples no worker could roll out."""
+
+
+@dataclass
+class _Slot:
+    index: int
+    handle: Any
+    worker_id: str
+    ready: Any = None
+    """The pending ``ready()`` call of a worker still starting; None once it is serving."""
+    dead: bool = False
+    """Its replacement failed to start too: the slot is given up."""
+
+
+@dataclass
+class _Unit:
+    start: int
+    end: int
+    attempt: int = 0
+
+
+@dataclass
+class WorkerPool:
+    """Worker actors with replacement; see the module docstring.
+
+    Args:
+        spawn: creates one worker actor (see :data:`Spawn`).
+        num_workers: how many workers to keep.
+        error_rows: builds the rows of samples that could not be rolled out.
+        balancer: the GlobalBalancer actor (its slots of a dead worker are released), or None.
+        max_sample_retries: how many times a sample whose worker died is run again.
+        batch_timeout: seconds one ``generate_sequences`` may take (None: no deadline).
+        batch_grace_s: how long after the deadline a worker may take to send its (partly timed-out) rows
+            before it is considered hung and killed.
+        replacement_wait_s: how long a batch waits for a replacement when no worker is left.
+    """
+
+    spawn: Spawn
+    num_workers: int
+    error_rows: ErrorRows
+    balancer: Any = None
+    max_sample_retries: int = 1
+    batch_timeout: float | None = None
+    batch_grace_s: float = 30.0
+    replacement_wait_s: float = 300.0
+    on_ready: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    """Calls made on every worker that joins later (e.g. ``attach_gateways``), in order."""
+    slots: list[_Slot] = field(default_factory=list)
+    fault_counts: dict[str, int] = field(default_factory=lambda: {
+        "worker_restarts": 0, "sample_retries": 0, "samples_failed_by_faults": 0, "workers_hung": 0})
+
+    def start(self) -> list[dict[str, Any]]:
+        """Create every worker and wait for it to be ready; a worker that fails to start is a ConfigError
+        (its ``__init__`` raised: bad tool config, parser, tokenizer...)."""
+        for i in range(self.num_workers):
+            worker_id = uuid.uuid4().hex
+            self.slots.append(_Slot(i, self.spawn(i, worker_id), worker_id))
+        try:
+            return ray.get([s.handle.ready.remote() for s in self.slots])
+        except ray.exceptions.ActorDiedError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            raise ConfigError(
+                f"an agent-loop worker failed to start: {lines[-1] if lines else e!r} "
+                "(the worker's full traceback is in the log above)"
+            ) from e
+
+    @property
+    def handles(self) -> list[Any]:
+        """The serving workers' handles (replacements still starting are left out)."""
+        self._poll_replacements()
+        return [s.handle for s in self.slots if s.ready is None and not s.dead]
+
+    def broadcast(self, method: str, *args: Any, remember: bool = False) -> None:
+        """Call ``method(*args)`` on every serving worker and wait; ``remember``: on later joiners too."""
+        if remember:
+            self.on_ready.append((method, args))
+        ray.get([getattr(h, method).remote(*args) for h in self.handles])
+
+    # ----------------------------------------------------------------------------------------------
+    def run(self, batch: DataProto) -> list[DataProto]:
+        """Roll ``batch`` out over the workers; returns row ranges' outputs in the batch's row order."""
+        live = self._wait_for_live_workers()
+        deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
+        results: dict[int, DataProto] = {}
+        in_flight: dict[Any, tuple[_Unit, _Slot]] = {}
+        n = min(len(live), len(batch))
+        bounds = [round(i * len(batch) / n) for i in range(n + 1)] if n else [0, 0]
+        for slot, (a, b) in zip(live, zip(bounds[:-1], bounds[1:], strict=True), strict=False):
+            if b > a:
+                self._dispatch(batch, _Unit(a, b), slot, deadline, in_flight)
+        while in_flight:
+            wait = None if deadline is None else max(0.0, deadline + self.batch_grace_s - time.monotonic())
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=wait)
+            if not ready:
+                self._give_up_on_hung(batch, in_flight, results)
+                break
+            ref = ready[0]
+            unit, slot = in_flight.pop(ref)
+            try:
+                results[unit.start] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._replace(slot, f"died while rolling out rows {unit.start}-{unit.end - 1}: {_first_line(e)}")
+                self._retry(batch, unit, _first_line(e), deadline, in_flight, results)
+        return [results[k] for k in sorted(results)]
+
+    def _dispatch(self, batch: DataProto, unit: _Unit, slot: _Slot, deadline: float | None,
+                  in_flight: dict[Any, tuple[_Unit, _Slot]]) -> None:
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        ref = slot.handle.generate_sequences.remote(batch.slice(unit.start, unit.end), timeout=timeout)
+        in_flight[ref] = (unit, slot)
+
+    def _retry(self, batch: DataProto, unit: _Unit, reason: str, deadline: float | None,
+               in_flight: dict[Any, tuple[_Unit, _Slot]], results: dict[int, DataProto]) -> None:
+        """Run a dead worker's rows again on the live workers, or return them as error rows."""
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        live = [] if out_of_time or unit.attempt >= self.max_sample_retries else self._wait_for_live_workers(False)
+        if not live:
+            why = ("the batch deadline passed" if out_of_time else
+                   f"agent.max_sample_retries={self.max_sample_retries} retries were used"
+                   if unit.attempt >= self.max_sample_retries else "no agent-loop worker is left")
+            self.fault_counts["samples_failed_by_faults"] += unit.end - unit.start
+            results[unit.start] = self.error_rows(
+                batch.slice(unit.start, unit.end), RolloutStatus.ERROR,
+                f"the agent-loop worker running this sample died ({reason}) and {why}")
+            return
+        self.fault_counts["sample_retries"] += unit.end - unit.start
+        n = min(len(live), unit.end - unit.start)
+        size = unit.end - unit.start
+        for i, slot in enumerate(live[:n]):
+            a, b = unit.start + round(i * size / n), unit.start + round((i + 1) * size / n)
+            self._dispatch(batch, _Unit(a, b, unit.attempt + 1), slot, deadline, in_flight)
+
+    def _give_up_on_hung(self, batch: DataProto, in_flight: dict[Any, tuple[_Unit, _Slot]],
+                         results: dict[int, DataProto]) -> None:
+        """Workers that did not answer ``batch_grace_s`` after the deadline: killed, replaced, rows timed out."""
+        for unit, slot in in_flight.values():
+            self.fault_counts["workers_hung"] += 1
+            self.fault_counts["samples_failed_by_faults"] += unit.end - unit.start
+            self._replace(slot, f"did not return rows {unit.start}-{unit.end - 1} within agent.batch_timeout="
+                                f"{self.batch_timeout}s + {self.batch_grace_s}s (its event loop is blocked)")
+            results[unit.start] = self.error_rows(
+                batch.slice(unit.start, unit.end), RolloutStatus.TIMEOUT,
+                f"the agent-loop worker running this sample hung past agent.batch_timeout={self.batch_timeout}s "
+                "and was restarted (a tool or loop blocking its event loop? run blocking code in a thread)")
+        in_flight.clear()
+
+    # ----------------------------------------------------------------------------------------------
+    def _replace(self, slot: _Slot, reason: str) -> None:
+        """Kill a dead or hung worker, release its balancer slots and start its replacement (not awaited)."""
+        if slot.ready is not None or slot.dead:
+            return  # already being replaced
+        logger.warning("agent-loop worker %d %s; releasing its server slots and starting a replacement",
+                       slot.index, reason)
+        ray.kill(slot.handle, no_restart=True)
+        if self.balancer is not None:
+            self.balancer.release_owner.remote(slot.worker_id)
+        slot.worker_id = uuid.uuid4().hex
+        slot.handle = self.spawn(slot.index, slot.worker_id)
+        slot.ready = slot.handle.ready.remote()
+        self.fault_counts["worker_restarts"] += 1
+
+    def _poll_replacements(self, timeout: float = 0.0) -> None:
+        starting = {s.ready: s for s in self.slots if s.ready is not None and not s.dead}
+        if not starting:
+            return
+        done, _ = ray.wait(list(starting), num_returns=len(starting), timeout=timeout)
+        for ref in done:
+            slot = starting[ref]
+            try:
+                ray.get(ref)
+                for method, args in self.on_ready:
+                    ray.get(getattr(slot.handle, method).remote(*args))
+            except Exception as e:  # noqa: BLE001 - a replacement that cannot start: give the slot up
+                logger.error("the replacement of agent-loop worker %d failed to start: %s; running with one worker "
+                             "fewer", slot.index, _first_line(e))
+                slot.dead = True
+            slot.ready = None
+
+    def _wait_for_live_workers(self, must: bool = True) -> list[_Slot]:
+        """The serving workers; with none, waits up to ``replacement_wait_s`` for a replacement."""
+        self._poll_replacements()
+        live = [s for s in self.slots if s.ready is None and not s.dead]
+        if live or not any(s.ready is not None and not s.dead for s in self.slots):
+            if not live and must:
+                raise RuntimeError("every agent-loop worker is gone and none could be restarted (see the log)")
+            return live
+        self._poll_replacements(self.replacement_wait_s)
+        live = [s for s in self.slots if s.ready is None and not s.dead]
+        if not live and must:
+            raise RuntimeError(f"no agent-loop worker became ready within {self.replacement_wait_s}s of a restart")
+        return live
+
+    def shutdown(self) -> None:
+        """Kill every worker."""
+        for slot in self.slots:
+            ray.kill(slot.handle)
+        self.slots = []
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

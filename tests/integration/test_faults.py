@@ -1,0 +1,214 @@
+"""Fault injection on local Ray with the fake engine (ScriptedServer actors the manager owns and restarts):
+a worker killed mid-batch, a worker whose event loop hangs, a server actor killed mid-batch, an engine process
+that dies inside a live server.  Each case: every row comes back, and the next batch is clean."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from agentloop.loops.base import AgentLoopBase, register
+from agentloop.servers.placement import ServerGroup
+from agentloop.testing import ScriptedServer
+from agentloop.types import AgentLoopOutput
+
+pytestmark = pytest.mark.integration
+
+IM_END = 2
+
+
+class BlockingLoop(AgentLoopBase):
+    """Blocks its worker's whole event loop (a synchronous sleep) when the prompt says so."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        text = kwargs["raw_prompt"][0]["content"]
+        if text == "block":
+            time.sleep(float(os.environ.get("AGENTLOOP_TEST_BLOCK_S", "20")))
+        ids = [5, 6, 7]
+        out = await self.server_manager.generate(request_id=f"r{kwargs.get('index')}", prompt_ids=ids,
+                                                 sampling_params=sampling_params)
+        return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids))
+
+
+@dataclass
+class FakeServerGroup(ServerGroup):
+    """Standalone-like servers made of ScriptedServer actors, which the manager may restart."""
+
+    delay: float = 0.0
+
+    @property
+    def restartable(self) -> bool:
+        return True
+
+    def relaunch(self, index: int) -> Any:
+        import ray
+
+        return ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=1000).remote(
+            delay=self.delay, name=f"restarted{index}")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+    import ray.cloudpickle
+
+    from agentloop.loops.base import _agent_loop_registry
+
+    register("blocking_probe")(BlockingLoop)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+    _agent_loop_registry.pop("blocking_probe", None)
+
+
+def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_workers: int = 2,
+                 **agent: Any) -> Any:
+    import agentloop.manager as manager_module
+    from agentloop.config import default_config
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    handles = [ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=1000).remote(
+        delay=delay, name=f"s{i}") for i in range(num_servers)]
+    group = FakeServerGroup(handles=handles, placement_group=None, device="cpu", info=[], delay=delay)
+    monkeypatch.setattr(manager_module, "start_standalone_servers", lambda cfg: group)
+    cfg = default_config()
+    cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
+    cfg.data.max_response_length = 8
+    OmegaConf.update(cfg.actor_rollout_ref.rollout, "agent.num_workers", num_workers)
+    OmegaConf.update(cfg.actor_rollout_ref.rollout, "free_cache_engine", False)
+    for k, v in agent.items():
+        OmegaConf.update(cfg.actor_rollout_ref.rollout, f"agent.{k}", v)
+    return manager_module.AgentLoopManager(cfg)
+
+
+def batch(texts: list[str], agent_name: str = "single_turn_agent"):
+    from agentloop.data import rows_to_batch
+
+    return rows_to_batch([{"prompt": [{"role": "user", "content": t}], "agent_name": agent_name,
+                           "extra_info": {"index": i}} for i, t in enumerate(texts)])
+
+
+def later(seconds: float, fn, *args) -> threading.Timer:
+    timer = threading.Timer(seconds, fn, args)
+    timer.start()
+    return timer
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def faults(out) -> dict[str, float]:
+    return {k.rsplit("/", 1)[-1]: v for k, v in out.meta_info["timing"].items() if "/faults/" in k}
+
+
+def test_a_worker_killed_mid_batch_loses_no_row_and_is_replaced(ray_session, monkeypatch):
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0)
+    try:
+        victim = manager.agent_loop_workers[0]
+        timer = later(0.5, ray.kill, victim)
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(16)]))
+        timer.join()
+        assert len(out) == 16
+        assert out.non_tensor_batch["status"].tolist() == ["stop"] * 16  # re-run on the surviving worker
+        assert out.non_tensor_batch["index"].tolist() == list(range(16))  # in the batch's order
+        f = faults(out)
+        assert f["worker_restarts"] == 1 and f["sample_retries"] == 8 and f["samples_failed_by_faults"] == 0
+        # the dead worker's in-flight slots were released: nothing stays counted once the batch is done
+        assert wait_until(lambda: not any(ray.get(manager.balancer.stats.remote())["in_flight"]), 10)
+        assert wait_until(lambda: len(manager.agent_loop_workers) == 2)  # the replacement joined
+        assert victim not in manager.agent_loop_workers
+        nxt = manager.generate_sequences(batch([f"n{i}" for i in range(8)]))
+        assert nxt.non_tensor_batch["status"].tolist() == ["stop"] * 8 and faults(nxt)["worker_restarts"] == 0
+    finally:
+        manager.shutdown()
+
+
+def test_without_retries_a_dead_workers_samples_are_error_rows(ray_session, monkeypatch):
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=1, delay=1.0, max_sample_retries=0)
+    try:
+        timer = later(0.5, ray.kill, manager.agent_loop_workers[1])
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
+        timer.join()
+        status = out.non_tensor_batch["status"].tolist()
+        assert status == ["stop"] * 4 + ["error"] * 4
+        assert all("worker running this sample died" in e and "max_sample_retries=0" in e
+                   for e in out.non_tensor_batch["error"].tolist()[4:])
+        assert out.batch["response_mask"][4:].sum() == 0 and faults(out)["samples_failed_by_faults"] == 4
+    finally:
+        manager.shutdown()
+
+
+def test_a_worker_whose_event_loop_hangs_is_cut_at_the_batch_deadline(ray_session, monkeypatch):
+    ray = ray_session
+    monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "30")
+    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0, batch_timeout=2)
+    manager.workers.batch_grace_s = 1.0
+    try:
+        t0 = time.monotonic()
+        out = manager.generate_sequences(batch(["block", "a", "b", "c"], agent_name="blocking_probe"))
+        assert time.monotonic() - t0 < 25  # did not wait for the 30 s block
+        assert out.non_tensor_batch["status"].tolist() == ["timeout", "timeout", "stop", "stop"]
+        assert "hung past agent.batch_timeout=2" in out.non_tensor_batch["error"][0]
+        assert faults(out)["workers_hung"] == 1
+        assert wait_until(lambda: len(manager.agent_loop_workers) == 2)
+        nxt = manager.generate_sequences(batch(["x", "y", "z", "w"], agent_name="blocking_probe"))
+        assert nxt.non_tensor_batch["status"].tolist() == ["stop"] * 4
+    finally:
+        manager.shutdown()
+
+
+def test_a_server_killed_mid_batch_fails_over_and_is_restarted(ray_session, monkeypatch):
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0)
+    try:
+        dead = manager.server_handles[0]
+        timer = later(0.5, ray.kill, dead)
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
+        timer.join()
+        assert out.non_tensor_batch["status"].tolist() == ["stop"] * 8  # the dead server's requests moved
+        f = faults(out)
+        assert f["server_failovers"] >= 1 and f["servers_down"] == 1
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)  # restarted in the background
+        nxt = manager.generate_sequences(batch([f"n{i}" for i in range(8)]))
+        assert nxt.non_tensor_batch["status"].tolist() == ["stop"] * 8
+        assert faults(nxt)["servers_restarted"] == 1 and faults(nxt)["servers_down"] == 0
+        assert manager.server_handles[0] is not dead
+        served = {m for m in nxt.non_tensor_batch.get("server_index", []) if m is not None}
+        assert served <= {0, 1}
+        assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
+    finally:
+        manager.shutdown()
+
+
+def test_an_engine_that_dies_inside_its_only_server_is_restarted(ray_session, monkeypatch):
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
+    try:
+        ray.get(manager.server_handles[0].kill_engine.remote())
+        out = manager.generate_sequences(batch(["a", "b"]))
+        assert out.non_tensor_batch["status"].tolist() == ["error", "error"]  # nowhere to fail over to
+        assert all("engine process died" in e for e in out.non_tensor_batch["error"].tolist())
+        assert faults(out)["servers_down"] == 1
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)
+        nxt = manager.generate_sequences(batch(["c", "d"]))
+        assert nxt.non_tensor_batch["status"].tolist() == ["stop", "stop"]
+        assert faults(nxt)["servers_restarted"] == 1
+    finally:
+        manager.shutdown()
