@@ -3,18 +3,50 @@
 Public API (names and signatures follow verl's agent loop)::
 
     from agentloop import AgentLoopManager, DataProto, AgentLoopBase, register
+
+The names are imported on first use, so ``import agentloop`` (and the CLI's checks of a bad config or
+dataset) does not pay for torch and Ray before it needs them.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from agentloop.errors import AgentLoopError, ConfigError, DatasetError, ServerError, UnknownAgentError
-from agentloop.loops.base import AgentLoopBase, register
-from agentloop.loops.single_turn import SingleTurnAgentLoop
-from agentloop.manager import AgentLoopManager
-from agentloop.protocol import DataProto
-from agentloop.routing import AsyncLLMServerManager
-from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason, TokenOutput
-from agentloop.worker import AgentLoopWorker
+
+if TYPE_CHECKING:
+    from agentloop.loops.base import AgentLoopBase, register
+    from agentloop.loops.single_turn import SingleTurnAgentLoop
+    from agentloop.manager import AgentLoopManager
+    from agentloop.protocol import DataProto
+    from agentloop.routing import AsyncLLMServerManager
+    from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason, TokenOutput
+    from agentloop.worker import AgentLoopWorker
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "AgentLoopBase": "agentloop.loops.base", "register": "agentloop.loops.base",
+    "SingleTurnAgentLoop": "agentloop.loops.single_turn", "AgentLoopManager": "agentloop.manager",
+    "DataProto": "agentloop.protocol", "AsyncLLMServerManager": "agentloop.routing",
+    "AgentLoopMetrics": "agentloop.types", "AgentLoopOutput": "agentloop.types", "RolloutStatus": "agentloop.types",
+    "StopReason": "agentloop.types", "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentloop' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AgentLoopBase",

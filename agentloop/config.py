@@ -6,9 +6,10 @@ as in verl) or just the rollout subtree plus a model path.  :func:`resolve_confi
 ``rollout`` + ``model``, workers get ``rollout`` + ``model``, agent loops get ``rollout``.
 Missing keys are filled from ``configs/rollout.yaml`` so a partial config works.
 
-Nothing is ignored silently: after merging, :mod:`agentloop.configcheck` names unknown keys (with a
-did-you-mean), unsupported verl features set to non-default values (one warning each, or a ConfigError
-under ``rollout.agent.strict_config``), and raises on values of the wrong type.
+Nothing is ignored silently: after merging, :mod:`agentloop.configcheck` rejects unknown keys (a ConfigError
+with a did-you-mean, as verl's Hydra struct configs do), names unsupported verl features set to non-default
+values (one warning), and raises on values of the wrong type; ``rollout.agent.strict_config`` makes the
+warning an error too (``true``) or both only warnings (``false``).
 """
 
 from __future__ import annotations

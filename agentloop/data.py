@@ -9,6 +9,11 @@ optionally ``agent_name``, ``data_source``, ``reward_model`` and ``extra_info`` 
 
 A trainer that builds its own batches uses :func:`repeat_for_rollout` for verl's GRPO contract: one ``uid``
 per prompt, then ``n`` interleaved copies, so the ``n`` samples of a prompt are adjacent and share its ``uid``.
+
+Rows are checked when read, before Ray or an engine starts: each prompt must be a non-empty list of messages,
+each a dict with a string ``role`` and a ``content`` that is a string or a list of content parts (dicts with a
+string ``type``), or null for an assistant message with ``tool_calls``.  A :class:`DatasetError` names the file,
+the row (from 0; JSONL rows also give their line), the column and what was found.
 """
 
 from __future__ import annotations
@@ -17,33 +22,62 @@ import json
 import operator
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from agentloop.errors import DatasetError
-from agentloop.protocol import DataProto, object_array
+
+if TYPE_CHECKING:  # torch (via protocol) is imported only once the rows passed their checks
+    from agentloop.protocol import DataProto
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Load a ``.parquet`` or ``.jsonl`` file into a list of dicts."""
-    path = Path(path).expanduser()
+    """Load a ``.parquet`` or ``.jsonl`` file into a list of dicts (a DatasetError names what is wrong)."""
+    return _read(Path(path).expanduser())[0]
+
+
+def _read(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """The rows of ``path`` and, for JSONL, the 1-based line number of each row."""
+    if not path.exists():
+        raise DatasetError(f"dataset file {str(path)!r} does not exist: check data.train_files (a .parquet or "
+                           ".jsonl file; ~ is expanded, relative paths start at the current directory)")
     if not path.is_file():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist")
+        raise DatasetError(f"dataset {str(path)!r} is not a file: point data.train_files at a .parquet or .jsonl file")
     if path.suffix == ".parquet":
         import pandas as pd
 
-        return [_plain(r) for r in pd.read_parquet(path).to_dict(orient="records")]
+        try:
+            records = pd.read_parquet(path).to_dict(orient="records")
+        except Exception as e:  # noqa: BLE001 - pyarrow raises many types for a bad file
+            raise DatasetError(f"{path}: cannot read it as parquet ({type(e).__name__}: {e}); is it a parquet "
+                               "file (e.g. written by pandas.DataFrame.to_parquet)?") from e
+        return [_plain(r) for r in records], None
     if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}:{n}: not valid JSON ({e})") from e
-        return rows
+        return _read_jsonl(path)
     raise DatasetError(f"dataset {str(path)!r}: unsupported extension {path.suffix!r}; use .parquet or .jsonl")
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: cannot read it as UTF-8 text ({type(e).__name__}: {e})") from e
+    rows: list[dict[str, Any]] = []
+    lines: list[int] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{n}: not valid JSON ({e}); JSONL holds one JSON object per line") from e
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{n}: a row must be a JSON object like {{\"prompt\": [...]}}, "
+                               f"got {type(row).__name__}")
+        rows.append(row)
+        lines.append(n)
+    return rows, lines
 
 
 def _plain(value: Any) -> Any:
@@ -57,16 +91,84 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def rows_to_batch(rows: list[dict[str, Any]], prompt_key: str = "prompt", n: int = 1) -> DataProto:
-    """Turn dataset rows into a DataProto of samples, each repeated ``n`` times (interleaved)."""
+def _got(value: Any) -> str:
+    text = json.dumps(value, default=repr) if isinstance(value, str) else repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _message_problem(message: Any) -> str | None:
+    """What is wrong with one chat message, or None."""
+    if not isinstance(message, dict):
+        return f"is not a {{role, content}} dict, got {_got(message)}"
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        return f"has no string 'role' (got {_got(role)})"
+    content = message.get("content")
+    if isinstance(content, str):
+        return None
+    if content is None:
+        if role == "assistant" and message.get("tool_calls"):
+            return None  # an assistant turn that only calls tools
+        return (f"({role}) has no content: content must be a string or a list of content parts "
+                "(null only for an assistant message with tool_calls)")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+                return (f"({role}) content part {j} must be a dict with a string 'type' "
+                        f"(e.g. {{\"type\": \"text\", \"text\": ...}}), got {_got(part)}")
+        return None
+    return f"({role}) content must be a string or a list of content parts, got {_got(content)}"
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with one sample's prompt (a chat messages list), or None when it is well formed."""
+    if not isinstance(prompt, list):
+        return f"must be a list of {{role, content}} messages, got {_got(prompt)}"
+    if not prompt:
+        return "is an empty list: a prompt needs at least one {role, content} message"
+    for i, message in enumerate(prompt):
+        problem = _message_problem(message)
+        if problem is not None:
+            return f"message {i} {problem}"
+    return None
+
+
+def validate_rows(rows: list[dict[str, Any]], prompt_key: str = "prompt", source: str = "dataset",
+                  lines: list[int] | None = None) -> None:
+    """Check every row's prompt (a DatasetError names ``source``, the row and what was found).
+
+    Rows are numbered from 0, as ``pandas.read_parquet(...).iloc[k]``; JSONL rows also give their line.
+    """
     if not rows:
-        raise DatasetError("dataset is empty")
-    missing = [i for i, r in enumerate(rows) if prompt_key not in r and "raw_prompt" not in r]
-    if missing:
-        raise DatasetError(
-            f"{len(missing)} rows (first: row {missing[0]}) have no {prompt_key!r} column; columns present: "
-            f"{sorted(rows[missing[0]])}. Set data.prompt_key to the column holding the chat messages."
-        )
+        raise DatasetError(f"{source} has no rows: it is empty; point data.train_files at a dataset with rows")
+    for k, row in enumerate(rows):
+        where = f"{source} row {k}" + (f" (line {lines[k]})" if lines is not None else "")
+        if "raw_prompt" in row:
+            column, prompt = "raw_prompt", row["raw_prompt"]
+        elif prompt_key in row:
+            column, prompt = prompt_key, row[prompt_key]
+        else:
+            raise DatasetError(
+                f"{where} has no {prompt_key!r} column; columns present: {sorted(row)}. Set data.prompt_key "
+                "to the column holding the chat messages."
+            )
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            raise DatasetError(f"{where}: {column} {problem}")
+
+
+def rows_to_batch(rows: list[dict[str, Any]], prompt_key: str = "prompt", n: int = 1) -> DataProto:
+    """Turn dataset rows into a DataProto of samples, each repeated ``n`` times (interleaved).
+
+    Every row's prompt is checked first (:func:`validate_rows`): a malformed row raises DatasetError.
+    """
+    validate_rows(rows, prompt_key)
+    return _build_batch(rows, prompt_key, n)
+
+
+def _build_batch(rows: list[dict[str, Any]], prompt_key: str, n: int) -> DataProto:
+    from agentloop.protocol import DataProto, object_array
+
     columns: dict[str, list[Any]] = {}
     keys = sorted({k for r in rows for k in r} - {prompt_key, "raw_prompt"})
     columns["raw_prompt"] = [r.get("raw_prompt", r.get(prompt_key)) for r in rows]
@@ -102,6 +204,8 @@ def repeat_for_rollout(batch: DataProto, n: int, *, uid_key: str = "uid") -> Dat
     if len(batch) == 0:
         raise DatasetError("repeat_for_rollout: the batch has no rows")
     if uid_key not in batch.non_tensor_batch:
+        from agentloop.protocol import DataProto, object_array
+
         uids = object_array([str(uuid.uuid4()) for _ in range(len(batch))])
         batch = DataProto(batch=batch.batch, non_tensor_batch={**batch.non_tensor_batch, uid_key: uids},
                           meta_info=dict(batch.meta_info))
@@ -109,8 +213,13 @@ def repeat_for_rollout(batch: DataProto, n: int, *, uid_key: str = "uid") -> Dat
 
 
 def load_dataset(path: str | Path, prompt_key: str = "prompt", n: int = 1, max_samples: int = -1) -> DataProto:
-    """Read a dataset file and build the rollout batch."""
-    rows = read_rows(path)
+    """Read a dataset file, check every row's prompt and build the rollout batch.
+
+    Anything wrong (missing or unreadable file, no rows, missing prompt column, a prompt that is not a list
+    of ``{role, content}`` messages) raises :class:`DatasetError` naming the file and the row.
+    """
+    rows, lines = _read(Path(path).expanduser())
     if max_samples and max_samples > 0:
         rows = rows[:max_samples]
-    return rows_to_batch(rows, prompt_key=prompt_key, n=n)
+    validate_rows(rows, prompt_key, source=str(path), lines=lines)
+    return _build_batch(rows, prompt_key, n)

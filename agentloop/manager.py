@@ -204,11 +204,14 @@ class AgentLoopManager:
     def recover(self, timeout: float = 0.0) -> dict[str, int]:
         """Put back restarted servers and replacement workers that finished starting, waiting up to ``timeout``
         seconds for them (batches do this themselves, without waiting); returns the pool's state:
-        ``servers_down``, ``servers_restarting``, ``workers``, ``workers_starting``.  Restarts begin when a
+        ``servers_down``, ``servers_restarting``, ``servers_awaiting_weights`` (restarted after a weight update:
+        they rejoin after the next :meth:`update_weights`), ``workers``, ``workers_starting``.  Restarts begin when a
         batch finds a server dead (after each batch) or a worker dies."""
         self.supervisor.poll(self._weight_version, wait_s=timeout)
         self.workers._poll_replacements(timeout)
-        return {"servers_down": len(self.supervisor.down), "servers_restarting": len(self.supervisor.restarting),
+        waiting = len(self.supervisor.awaiting_weights())
+        return {"servers_down": len(self.supervisor.down),
+                "servers_restarting": len(self.supervisor.restarting) - waiting, "servers_awaiting_weights": waiting,
                 "workers": len(self.workers.handles),
                 "workers_starting": sum(1 for s in self.workers.slots if s.ready is not None and not s.dead)}
 

@@ -122,11 +122,10 @@ class WorkerPool:
         deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
         results: dict[int, DataProto] = {}
         in_flight: dict[Any, tuple[_Unit, _Slot]] = {}
-        n = min(len(live), len(batch))
-        bounds = [round(i * len(batch) / n) for i in range(n + 1)] if n else [0, 0]
+        n = max(1, min(len(live), len(batch)))  # an empty batch still goes to one worker (its empty output)
+        bounds = [round(i * len(batch) / n) for i in range(n + 1)]
         for slot, (a, b) in zip(live, zip(bounds[:-1], bounds[1:], strict=True), strict=False):
-            if b > a:
-                self._dispatch(batch, _Unit(a, b), slot, deadline, in_flight)
+            self._dispatch(batch, _Unit(a, b), slot, deadline, in_flight)
         while in_flight:
             wait = None if deadline is None else max(0.0, deadline + self.batch_grace_s - time.monotonic())
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=wait)
@@ -151,7 +150,7 @@ class WorkerPool:
     def _retry(self, batch: DataProto, unit: _Unit, reason: str, deadline: float | None,
                in_flight: dict[Any, tuple[_Unit, _Slot]], results: dict[int, DataProto]) -> None:
         """Run a dead worker's rows again on the live workers, or return them as error rows."""
-        out_of_time = deadline is not None and time.monotonic() >= deadline
+        out_of_time = deadline is not None and time.monotonic() >= deadline or unit.end == unit.start
         live = [] if out_of_time or unit.attempt >= self.max_sample_retries else self._wait_for_live_workers(False)
         if not live:
             why = ("the batch deadline passed" if out_of_time else

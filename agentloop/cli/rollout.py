@@ -8,39 +8,63 @@ Hydra-style overrides.  Writes to ``output_dir``:
 * ``rollout.dataproto`` — the padded DataProto (``DataProto.load_from_disk``);
 * ``trajectories.jsonl`` — one line per trajectory: decoded prompt and response, num_turns, status,
   lengths;
-* ``summary.json`` — wall time, throughput, length / turn / status statistics.
+* ``summary.json`` — wall time, throughput, length / turn / status statistics, ``failed_rows``.
+
+Exit codes: 0 done; 1 an unexpected exception (traceback printed); 2 bad input — any agentloop error
+(config, dataset, model path, ...) printed as one line ``agentloop: error: <message and fix>``, found before
+Ray starts wherever possible; 3 the outputs were written but more than ``rollout.agent.max_failure_fraction``
+of the rows ended with status ``error`` / ``timeout`` (the most common error messages are printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from agentloop.cli.failures import EXIT_BAD_INPUT, failure_verdict
 from agentloop.compat.port import add_port_parser, run_port
 from agentloop.config import default_config, resolve_config
-from agentloop.errors import ConfigError
-from agentloop.protocol import DataProto
+from agentloop.errors import AgentLoopError, ConfigError
+
+if TYPE_CHECKING:  # torch / Ray are imported only once the input checks passed
+    from agentloop.protocol import DataProto
 
 
 def build_config(config_file: str | None, overrides: list[str]) -> DictConfig:
     """Defaults ← ``config_file`` ← ``key=value`` overrides (OmegaConf dotlist syntax, ``+`` prefix allowed)."""
     cfg: Any = default_config()
     if config_file:
-        path = Path(config_file)
+        path = Path(config_file).expanduser()
         if not path.is_file():
-            raise ConfigError(f"--config {config_file!r} does not exist")
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            raise ConfigError(f"--config {config_file!r} does not exist: pass the path of a YAML config file")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        except Exception as e:  # noqa: BLE001 - yaml and OmegaConf raise many types
+            raise ConfigError(f"--config {config_file!r} is not a valid YAML config ({_first_line(e)})") from e
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ConfigError(f"overrides must look like key=value, got {bad}")
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+        raise ConfigError(f"overrides must look like key=value (e.g. actor_rollout_ref.rollout.temperature=0.7), "
+                          f"got {bad}")
+    for override in overrides:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([override.lstrip("+")]))
+        except Exception as e:  # noqa: BLE001 - OmegaConf's grammar and merge errors
+            raise ConfigError(f"cannot apply the override {override!r} ({_first_line(e)}); write it as "
+                              "dotted.key=value, quoting values with special characters") from e
     return cfg  # type: ignore[return-value]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _decode(tokenizer: Any, ids: np.ndarray, mask: np.ndarray) -> str:
@@ -106,14 +130,17 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
     }
 
 
-def run_rollout(cfg: DictConfig) -> Path:
-    """Roll out ``data.train_files`` and write the three output files; returns the output dir."""
-    from tqdm import tqdm
+def run_rollout(cfg: DictConfig) -> int:
+    """Roll out ``data.train_files``, write the three output files and return the exit code.
 
+    Everything that can be checked without Ray (config keys and values, model path, every dataset row) is
+    checked first and raises an :class:`~agentloop.errors.AgentLoopError`.  The result is :data:`EXIT_OK`, or
+    :data:`EXIT_TOO_MANY_FAILURES` (reported on stderr) when more than
+    ``rollout.agent.max_failure_fraction`` of the rows ended with status ``error`` or ``timeout``.
+    """
     from agentloop.data import load_dataset
-    from agentloop.manager import AgentLoopManager
 
-    resolve_config(cfg)  # fail on a bad model path / config before Ray or the engine start
+    resolved = resolve_config(cfg)  # fail on a bad model path / config before Ray or the engine start
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is not set: pass data.train_files=path/to/data.parquet (or .jsonl)")
     batch = load_dataset(
@@ -122,6 +149,31 @@ def run_rollout(cfg: DictConfig) -> Path:
     )
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
+    output, wall = _generate(cfg, batch)
+    output.save_to_disk(str(out_dir / "rollout.dataproto"))
+    from agentloop.tokenizer import load_tokenizer
+
+    write_trajectories(output, load_tokenizer(cfg.actor_rollout_ref.model), out_dir / "trajectories.jsonl")
+    summary = summarize(output, wall, len(batch))
+    nt = output.non_tensor_batch
+    verdict = failure_verdict(nt["status"].tolist(), nt["error"].tolist(),
+                              resolved.rollout.agent.get("max_failure_fraction"))
+    summary["failed_rows"] = verdict.num_failed
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: summary[k] for k in ("num_samples", "wall_time_s", "response_tokens_per_s", "status")}))
+    print(f"outputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json}}")
+    if verdict.message:
+        print(f"agentloop: error: {verdict.message}", file=sys.stderr)
+    return verdict.exit_code
+
+
+def _generate(cfg: DictConfig, batch: DataProto) -> tuple[DataProto, float]:
+    """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size`` steps."""
+    from tqdm import tqdm
+
+    from agentloop.manager import AgentLoopManager
+    from agentloop.protocol import DataProto
+
     manager = AgentLoopManager(cfg)
     try:
         t0 = time.perf_counter()
@@ -144,32 +196,46 @@ def run_rollout(cfg: DictConfig) -> Path:
         p.meta_info.pop("timing", None)
     output = DataProto.concat(parts)
     output.meta_info.update(timing=timing, metrics=metrics)
-    output.save_to_disk(str(out_dir / "rollout.dataproto"))
-    from agentloop.tokenizer import load_tokenizer
+    return output, wall
 
-    write_trajectories(output, load_tokenizer(cfg.actor_rollout_ref.model), out_dir / "trajectories.jsonl")
-    summary = summarize(output, wall, len(batch))
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("num_samples", "wall_time_s", "response_tokens_per_s", "status")}))
-    print(f"outputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json}}")
-    return out_dir
+
+def one_line(message: str) -> str:
+    """An error message on one line: ``head:\n  a\n  b`` becomes ``head: a; b``."""
+    text = re.sub(r":[ \t]*\n\s*", ": ", message.strip())
+    return re.sub(r"\s*\n\s*", "; ", text)
+
+
+def _agentloop_error(e: BaseException) -> AgentLoopError | None:
+    """``e`` itself, or the agentloop error a Ray task error wraps (``RayTaskError.cause``); else None."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, AgentLoopError):
+        return cause
+    return e if isinstance(e, AgentLoopError) else None
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``agentloop``."""
+    """Entry point of ``agentloop``; exits 0, 1 (unexpected exception, with traceback), 2 (bad input: one line
+    ``agentloop: error: ...`` on stderr) or 3 (too many failed rows; see :mod:`agentloop.cli.failures`)."""
     parser = argparse.ArgumentParser(prog="agentloop", description="Ray-native agentic rollouts")
     sub = parser.add_subparsers(dest="command", required=True)
-    ro = sub.add_parser("rollout", help="roll out a dataset (Hydra-style key=value overrides)")
+    ro = sub.add_parser(
+        "rollout", help="roll out a dataset (Hydra-style key=value overrides)",
+        description="Exit codes: 0 done; 1 unexpected exception; 2 bad input (config, dataset, model path); "
+        "3 more than rollout.agent.max_failure_fraction of the rows failed (outputs are still written).",
+    )
     ro.add_argument("--config", help="YAML merged over the defaults before the overrides")
     ro.add_argument("overrides", nargs="*", help="key=value config overrides")
     add_port_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "port":
-        raise SystemExit(run_port(args))
     try:
-        run_rollout(build_config(args.config, args.overrides))
-    except ConfigError as e:
-        raise SystemExit(f"agentloop: config error: {e}") from None
+        code = run_port(args) if args.command == "port" else run_rollout(build_config(args.config, args.overrides))
+    except Exception as e:
+        error = _agentloop_error(e)
+        if error is None:
+            raise  # a bug or a crash: keep the traceback (exit 1)
+        print(f"agentloop: error: {one_line(str(error))}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

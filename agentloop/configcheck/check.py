@@ -9,8 +9,15 @@ over the defaults and before anything starts.  It
 3. checks the types and ranges of the sampling, length and engine keys that would otherwise fail late,
    inside an engine or an actor.
 
-(1) and (2) are one warning each (logged once per process), or one :class:`ConfigError` when
-``actor_rollout_ref.rollout.agent.strict_config`` is true; (3) always raises.
+``actor_rollout_ref.rollout.agent.strict_config`` decides what (1) and (2) do:
+
+* ``null`` (the default): (1) raises one :class:`ConfigError` (as verl's Hydra struct configs reject an
+  unknown key), (2) is one warning;
+* ``true``: both raise;
+* ``false``: both are one warning each (for custom loops that read keys of their own outside
+  ``rollout.custom``).
+
+Warnings are logged once per process; every message is one line.  (3) always raises.
 """
 
 from __future__ import annotations
@@ -133,12 +140,13 @@ def _ours(defaults: dict[str, Any]) -> dict[str, set[str]]:
 
 
 def check_keys(raw: dict[str, Any], resolved: DictConfig, defaults: dict[str, Any]) -> None:
-    """Report unknown keys and unsupported non-default values (warning, or ConfigError when strict)."""
-    strict = bool(OmegaConf.select(resolved, "actor_rollout_ref.rollout.agent.strict_config", default=False))
+    """Report unknown keys and unsupported non-default values: a ConfigError or a warning each, as
+    ``rollout.agent.strict_config`` says (see the module docstring)."""
     ours = _ours(defaults)
     unknown_lines: list[str] = []
     unsupported_lines: list[str] = []
     missing: list[str] = []
+    unknown_lines.extend(_misspelt_sections(raw))
     for sub, table in SUBTREES.items():
         node = _get(raw, sub)
         if not isinstance(node, dict):
@@ -164,29 +172,62 @@ def check_keys(raw: dict[str, Any], resolved: DictConfig, defaults: dict[str, An
             f"{', '.join(missing)} must be set ('???' in verl's config is a mandatory value): "
             "e.g. actor_rollout_ref.rollout.name=vllm"
         )
-    problems: list[str] = []
-    if unknown_lines:
-        problems.append(
-            "unknown config keys (neither verl's nor agentloop's; agentloop does not use them, though a custom "
-            "agent loop may read them from its config):\n  "
-            + "\n  ".join(unknown_lines)
-            + "\nFix the spelling if it is a typo."
-        )
-    if unsupported_lines:
-        problems.append(
-            "verl config keys set to a non-default value that agentloop does not implement (they have no "
-            "effect; see docs/config.md):\n  " + "\n  ".join(unsupported_lines)
-            + "\nReset them to verl's default, or remove them."
-        )
-    if not problems:
-        return
-    if strict:
-        raise ConfigError(
-            "\n".join(problems) + "\n(actor_rollout_ref.rollout.agent.strict_config=true makes these errors; "
-            "set it to false to only warn)"
-        )
-    for message in problems:
-        _warn_once(message)
+    strict = OmegaConf.select(resolved, STRICT_KEY, default=None)
+    unknown_msg = _unknown_message(unknown_lines) if unknown_lines else None
+    unsupported_msg = _unsupported_message(unsupported_lines) if unsupported_lines else None
+    errors = [m for m, fatal in ((unknown_msg, strict is not False), (unsupported_msg, strict is True)) if m and fatal]
+    if errors:
+        raise ConfigError(" ".join(errors) + " " + _escape_hatch(strict))
+    for message in (unknown_msg, unsupported_msg):
+        if message:
+            _warn_once(message)
+
+
+STRICT_KEY = "actor_rollout_ref.rollout.agent.strict_config"
+
+# verl 0.9.1's generated trainer config: its top-level sections and those of actor_rollout_ref (+ ours)
+_ROOT_SECTIONS = {"actor_rollout_ref", "data", "critic", "custom_reward_function", "reward_model", "sandbox_fusion",
+                  "reward", "algorithm", "distillation", "transfer_queue", "trainer", "global_profiler", "skip",
+                  "ray_kwargs", "output_dir"}
+_ARR_SECTIONS = {"actor", "ref", "rollout", "model", "hybrid_engine", "nccl_timeout"}
+
+
+def _misspelt_sections(raw: dict[str, Any]) -> list[str]:
+    """Sections outside verl's spelled like a checked one (``dat``, ``actor_rollout_ref.rolout``): without this
+    their keys would pass unchecked.  Other unknown sections (a trainer's own) are left alone."""
+    found: list[str] = []
+    for prefix, node, known, checked in (("", raw, _ROOT_SECTIONS, ["data", "actor_rollout_ref"]),
+                                         ("actor_rollout_ref.", raw.get("actor_rollout_ref"), _ARR_SECTIONS,
+                                          ["rollout", "model"])):
+        for key in node if isinstance(node, dict) else ():
+            close = difflib.get_close_matches(str(key), checked, n=1, cutoff=0.75)
+            if key not in known and close:
+                found.append(f"{prefix}{key} (did you mean {prefix}{close[0]}?)")
+    return found
+
+
+
+def _unknown_message(lines: list[str]) -> str:
+    return (
+        f"unknown config key{'s' if len(lines) > 1 else ''} (neither verl's nor agentloop's): " + "; ".join(lines)
+        + ". Fix the spelling if it is a typo. Keys your own agent loop reads belong under "
+        "actor_rollout_ref.rollout.custom (verl's free-form extension slot, never checked; `+` prefix on verl's "
+        "command line) or in the loop's entry of agent.agent_loop_config_path (passed to its constructor)."
+    )
+
+
+def _unsupported_message(lines: list[str]) -> str:
+    return (
+        "verl config keys set to a non-default value that agentloop does not implement (they have no effect; "
+        "see docs/config.md): " + "; ".join(lines) + ". Reset them to verl's default, or remove them."
+    )
+
+
+def _escape_hatch(strict: Any) -> str:
+    if strict is True:
+        return f"({STRICT_KEY}=true makes both errors; set it to null to only warn about unsupported keys, or to " \
+               "false to only warn about both.)"
+    return f"(To accept them with a warning, set {STRICT_KEY}=false.)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,6 +244,7 @@ def _is_num(v: Any) -> bool:
 Check = tuple[Callable[[Any], bool], str]
 _NUM: Check = (_is_num, "a number")
 _BOOL: Check = (lambda v: isinstance(v, bool), "true or false")
+_OPT_BOOL: Check = (lambda v: v is None or isinstance(v, bool), "null, true or false")
 _STR: Check = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
 _OPT_STR: Check = (lambda v: v is None or (isinstance(v, str) and v != ""), "null or a non-empty string")
 _POS_INT: Check = (lambda v: _is_int(v) and v > 0, "a positive int")
@@ -214,7 +256,9 @@ _TEMP: Check = (lambda v: _is_num(v) and v >= 0, "a number >= 0")
 _TOP_P: Check = (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
 _POS_NUM: Check = (lambda v: _is_num(v) and v > 0, "a number > 0")
 _OPT_POS_NUM: Check = (lambda v: v is None or (_is_num(v) and v > 0), "null or a number > 0")
+_OPT_NON_NEG_NUM: Check = (lambda v: v is None or (_is_num(v) and v >= 0), "null or a number >= 0 (0/null: no limit)")
 _FRACTION: Check = (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")
+_OPT_UNIT: Check = (lambda v: v is None or (_is_num(v) and 0 <= v <= 1), "null or a number in [0, 1]")
 _OPT_SIZES: Check = (lambda v: v is None or (isinstance(v, list) and all(_is_int(x) and x > 0 for x in v)),
                      "null or a list of positive ints")
 _MAPPING: Check = (lambda v: isinstance(v, dict), "a mapping")
@@ -247,11 +291,15 @@ TYPE_CHECKS: dict[str, Check] = {
         "multi_turn.max_tool_response_length": _NON_NEG_INT,
         "multi_turn.tool_response_truncate_side": _one_of("left", "right", "middle"),
         "multi_turn.format": _STR, "multi_turn.tool_config_path": _OPT_STR,
-        "multi_turn.interaction_config_path": _OPT_STR, "multi_turn.tool_timeout": _OPT_POS_NUM,
-        "multi_turn.return_messages": _BOOL,
+        "multi_turn.interaction_config_path": _OPT_STR, "multi_turn.tool_timeout": _OPT_NON_NEG_NUM,
+        "multi_turn.return_messages": _BOOL, "multi_turn.tool_executor": _one_of("thread", "process"),
+        "multi_turn.tool_max_workers": _POS_INT,
         "agent": _MAPPING, "agent.num_workers": _POS_INT, "agent.default_agent_loop": _STR,
         "agent.agent_loop_config_path": _OPT_STR, "agent.sample_timeout": _OPT_POS_NUM,
-        "agent.strict_config": _BOOL, "server": _MAPPING, "gateway": _MAPPING,
+        "agent.strict_config": _OPT_BOOL,
+        "agent.max_failure_fraction": _OPT_UNIT, "server": _MAPPING, "gateway": _MAPPING,
+        "agent.batch_timeout": _OPT_POS_NUM, "agent.max_sample_retries": _NON_NEG_INT,
+        "server.max_failovers": _OPT_NON_NEG_INT, "server.restart_dead": _BOOL,
         "trace.backend": (lambda v: v in (None, "jsonl"), "null or jsonl (verl's weave / mlflow / trackio "
                                                           "backends are not available here)"),
         "trace.max_samples_per_step_per_worker": _OPT_POS_INT,
@@ -283,8 +331,8 @@ def check_types(resolved: DictConfig) -> None:
             example = f" (e.g. {key}={_EXAMPLES[leaf]})" if leaf in _EXAMPLES else ""
             errors.append(f"{key}={_show(value)} ({type(value).__name__}): expected {expected}{example}")
     if errors:
-        raise ConfigError("invalid config values:\n  " + "\n  ".join(errors)
-                          + "\nFix them in your config file or with key=value overrides.")
+        raise ConfigError("invalid config values: " + "; ".join(errors)
+                          + ". Fix them in your config file or with key=value overrides.")
 
 
 def check_load_format(resolved: DictConfig) -> None:

@@ -12,7 +12,10 @@ Each key is one of
 * ``irrelevant`` — it cannot change what a rollout produces (trainer-side, weight-sync transport,
   profiling, or only read when another key turns a feature on, and that key is checked);
 * ``unsupported`` — it would change behaviour and agentloop does not implement it: a value other than
-  verl's default is reported at start-up (an error under ``rollout.agent.strict_config``).
+  verl's default is reported at start-up (a warning; an error under ``rollout.agent.strict_config=true``).
+
+A key in none of the tables (and not in ``agentloop/configs/rollout.yaml``) is unknown: a ConfigError unless
+``rollout.agent.strict_config=false``.
 """
 
 from __future__ import annotations
@@ -118,8 +121,10 @@ _add(ROLLOUT, IRRELEVANT, "verl's SGLang HTTP adapter and other backends agentlo
      "(rollout.name rejects trtllm)", {
          "engine_kwargs.trtllm": {}, "server.timeout": 60.0, "server.max_attempts": 3, "server.retry_delay": 2.0,
          "server.max_connections": 1000, "server.max_start_wait_time": 300.0, "sglang_engine_mode": "local",
-         "moe_tensor_parallel_size": 1, "micro_batch_size": None, "custom": None,
-     }, open_keys=("engine_kwargs.trtllm", "custom"))
+         "moe_tensor_parallel_size": 1, "micro_batch_size": None,
+     }, open_keys=("engine_kwargs.trtllm",))
+_add(ROLLOUT, IRRELEVANT, "free-form extension slot (verl's RolloutConfig.custom): agentloop never reads it, custom "
+     "agent loops may; its children are not checked", {"custom": None}, origin="verl-dataclass", open_keys=("custom",))
 # The engine keeps its tokenizer either way (stop strings need it); the token ids are the same.
 _add(ROLLOUT, IRRELEVANT, "agentloop decides: the engine keeps its tokenizer for stop strings",
      {"skip_tokenizer_init": True})
@@ -180,7 +185,11 @@ _add(ROLLOUT, UNSUPPORTED, "replays dumped rollouts instead of generating", {"sk
 _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "normal_priority": True,
     "multi_turn.tool_timeout": 30, "multi_turn.return_messages": False,
-    "agent.prompt_truncation": "left", "agent.sample_timeout": None, "agent.strict_config": False,
+    "multi_turn.tool_executor": "thread", "multi_turn.tool_max_workers": 32,
+    "agent.prompt_truncation": "left", "agent.sample_timeout": None, "agent.strict_config": None,
+    "agent.max_failure_fraction": 0.5,
+    "agent.batch_timeout": None, "agent.max_sample_retries": 1, "server.max_failovers": None,
+    "server.restart_dead": True,
     "server.num_servers": None, "server.num_cpus_per_server": 1, "server.device": "auto",
     "server.max_cache_size": 10000, "server.batch_calls": True,
     "gateway.num_gateways": 1, "gateway.host": "127.0.0.1", "gateway.max_body_bytes": 8388608,

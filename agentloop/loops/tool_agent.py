@@ -8,11 +8,16 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
 * Tokens: sampled ids are kept exactly; tool turns are appended with
   :func:`agentloop.tokenization.encode_new_turns`, so the sequence equals a full chat-template render
   of the conversation.  Mask 1 on sampled tokens, 0 on tool turns; logprobs 0.0 on tool tokens.
-* Tools: see :mod:`agentloop.loops.tool_calls` (errors become tool messages; nothing is dropped silently).
+* Tools: see :mod:`agentloop.loops.tool_calls` (errors become tool messages; nothing is dropped silently;
+  ``tool_timeout`` bounds every tool kind unless the tool sets its own timeout; sync tool code runs in the
+  pool of ``tool_executor`` / ``tool_max_workers``, see :mod:`agentloop.tools.executor`).
 * Stop precedence after a generation: ``aborted`` (engine) > ``length`` (budget spent or engine hit
   max_tokens) > no tool call → ``stop`` > ``max_turns`` (assistant cap) > run the tools.  After the tool
-  turn: ``length`` if it does not fit in the budget (it is not appended, as in verl) > ``max_turns``
-  (user cap) > generate again.
+  turn: a turn must leave at least one token of the budget for the next generation; a tool turn that does
+  not fit has its texts cut shorter (the largest ``max_tool_response_length``-style character limit that
+  fits, same ``tool_response_truncate_side``, counted in ``num_budget_truncations``); if even one character
+  per text does not fit, ``length`` (the turn is not appended, as in verl; an interaction's user turn is
+  never cut) > ``max_turns`` (user cap) > generate again.
 * Interactions: only when ``multi_turn.interaction_config_path`` is set (verl's rule: a dataset that carries
   ``extra_info.interaction_kwargs`` runs without one otherwise) and the sample has ``interaction_kwargs``
   (``name`` picks the interaction, default ``interaction_agent``), an assistant turn without tool calls goes
@@ -21,9 +26,9 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
   ``calculate_score`` in ``reward_score``.  ``finalize_interaction`` is always called.
 * ``num_turns`` = user turns + assistant turns + 1 (verl).  ``extra_fields``: ``tool_rewards``,
   ``turn_scores``, ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``,
-  ``num_tool_timeouts``, ``min_global_steps`` / ``max_global_steps`` (the lowest and highest weight version
-  over all generation turns; None when the server reports none); with ``multi_turn.return_messages`` also
-  ``messages`` (the conversation).
+  ``num_tool_timeouts``, ``num_budget_truncations``, ``min_global_steps`` / ``max_global_steps`` (the lowest
+  and highest weight version over all generation turns; None when the server reports none); with
+  ``multi_turn.return_messages`` also ``messages`` (the conversation).
 
 * Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` (if any) starts the trajectory's
   image list; images returned by a tool are rendered as ``{"type": "image"}`` parts of its tool message
@@ -54,6 +59,7 @@ from agentloop.parsers.base import ToolParser, get_tool_parser
 from agentloop.tokenization import encode_new_turns
 from agentloop.tools import registry as tool_registry
 from agentloop.tools.base import BaseTool
+from agentloop.tools.executor import DEFAULT_MAX_WORKERS, configure_tool_executor
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
 
 
@@ -83,7 +89,8 @@ class AgentData:
     image_data: list[Any] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=lambda: {
         "tool_rewards": [], "turn_scores": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
-        "num_dropped_calls": 0, "num_tool_timeouts": 0, "min_global_steps": None, "max_global_steps": None,
+        "num_dropped_calls": 0, "num_tool_timeouts": 0, "num_budget_truncations": 0, "min_global_steps": None,
+        "max_global_steps": None,
     })
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
     interaction: BaseInteraction | None = None
@@ -123,6 +130,9 @@ class ToolAgentLoop(AgentLoopBase):
         path = mt.get("interaction_config_path")
         cls.interactions = initialize_interactions_from_config(path) if path else {}
         cls.interaction_config_path = str(path) if path else None
+        workers = mt.get("tool_max_workers")
+        configure_tool_executor(str(mt.get("tool_executor") or "thread"),
+                                DEFAULT_MAX_WORKERS if workers is None else workers)
         cls.runner = ToolRunner(
             tools=cls.tools,
             max_parallel_calls=int(mt.max_parallel_calls or 1),
@@ -215,7 +225,7 @@ class ToolAgentLoop(AgentLoopBase):
         result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
         data.metrics.tool_calls += time.perf_counter() - start
         _count(data, result, len(data.pending_calls))
-        return self._append_turn(data, result.messages, result.images)
+        return self._append_turn(data, result.messages, result.images, tool_result=result)
 
     async def _interacting(self, data: AgentData) -> AgentState:
         assert data.interaction is not None and data.interaction_id is not None
@@ -228,14 +238,16 @@ class ToolAgentLoop(AgentLoopBase):
         return self._append_turn(data, [{"role": "user", "content": reply}])
 
     def _append_turn(self, data: AgentData, messages: list[dict[str, Any]], images: list[Any] | None = None,
-                     ) -> AgentState:
-        """Append tool / user messages (mask 0) and their images if they fit, then decide whether to go on."""
-        system = data.messages[0] if data.messages[0]["role"] == "system" else None
-        previous = data.messages[-1] if data.messages[-1]["role"] == "assistant" else None
-        ids = encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas, previous=previous,
-                               chat_template_kwargs=self.apply_chat_template_kwargs)
+                     tool_result: ToolTurnResult | None = None) -> AgentState:
+        """Append tool / user messages (mask 0) and their images if they fit (a tool turn's texts cut to fit
+        when needed), then decide whether to go on."""
+        ids = self._encode_turn(data, messages)
         if len(data.response_mask) + len(ids) >= self.response_length:
-            return self._end(data, RolloutStatus.LENGTH)
+            fitted = self._fit_tool_turn(data, tool_result) if tool_result is not None else None
+            if fitted is None:
+                return self._end(data, RolloutStatus.LENGTH)
+            messages, ids = fitted
+            data.counters["num_budget_truncations"] += 1
         data.messages += messages
         data.image_data += images or []
         data.response_ids += ids
@@ -245,6 +257,46 @@ class ToolAgentLoop(AgentLoopBase):
         if self.max_user_turns and data.user_turns >= self.max_user_turns:
             return self._end(data, RolloutStatus.MAX_TURNS)
         return AgentState.GENERATING
+
+    def _encode_turn(self, data: AgentData, messages: list[dict[str, Any]]) -> list[int]:
+        system = data.messages[0] if data.messages[0]["role"] == "system" else None
+        previous = data.messages[-1] if data.messages[-1]["role"] == "assistant" else None
+        return encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas, previous=previous,
+                                chat_template_kwargs=self.apply_chat_template_kwargs)
+
+    def _fit_tool_turn(self, data: AgentData, result: ToolTurnResult,
+                       ) -> tuple[list[dict[str, Any]], list[int]] | None:
+        """The tool turn with its texts cut to the largest character limit whose encoding leaves one token of
+        the budget, and its ids; None when not even one character per text fits."""
+        room = self.response_length - len(data.response_mask) - 1  # tokens the turn may take
+        runner = self.runner
+        assert runner is not None
+        longest = max((len(t) for t in result.texts), default=0)
+        tried = min(longest, runner.max_response_length) if runner.max_response_length > 0 else longest
+        if room <= 0 or tried <= 1:
+            return None  # ``tried`` chars per text did not fit, and there is nothing shorter to try
+
+        def attempt(limit: int) -> tuple[list[dict[str, Any]], list[int]] | None:
+            messages = result.limited(limit, runner.truncate_side)
+            ids = self._encode_turn(data, messages)
+            return (messages, ids) if len(ids) <= room else None
+
+        best = attempt(1)
+        if best is None:
+            return None
+        # Binary search between 1 (fits) and ``hi`` (does not); a token rarely spans 64 characters, so the
+        # search starts there instead of rendering a huge text (when no max_tool_response_length caps it).
+        lo, hi = 1, min(tried, 64 * room + 1)
+        if hi < tried and (top := attempt(hi)) is not None:
+            return top
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = attempt(mid)
+            if got is None:
+                hi = mid
+            else:
+                lo, best = mid, got
+        return best
 
     @staticmethod
     def _end(data: AgentData, status: RolloutStatus) -> AgentState:

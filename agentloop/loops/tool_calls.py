@@ -5,23 +5,37 @@ Every call the policy made gets exactly one tool message back, in order:
 * an unknown tool → an error naming the available tools;
 * a malformed call (parser ``error``) → ``Error: <why>``;
 * a call beyond ``max_parallel_calls`` → an error saying the limit (verl drops these silently);
-* a tool that raises or exceeds its timeout (its ``config.timeout``, else ``tool_timeout``) → an error
-  with the exception or the timeout;
+* a tool that raises or exceeds its timeout → an error with the exception or the timeout;
 * otherwise the tool's text, truncated to ``max_tool_response_length`` characters
   (``left``: keep the start; ``right``: keep the end; anything else: keep both ends).
 
-``create`` / ``execute`` / ``release`` run per call; ``release`` always runs.
+``create`` / ``execute`` / ``release`` run per call; ``release`` always runs (its failure is logged, the
+tool message stays).  Timeouts, for every kind of tool (``BaseTool`` subclasses and ``@function_tool``
+functions alike): the tool's own ``config.timeout`` (YAML ``config: {timeout: ...}`` or
+``@function_tool(timeout=...)``) when it is set, else the runner's ``timeout`` (``multi_turn.tool_timeout``);
+0 or None means no limit.  Each of ``create``, ``execute`` and ``release`` is bounded by it.  A method
+written as a plain ``def`` runs in the tool executor's thread pool (:mod:`agentloop.tools.executor`), so a
+blocking tool never stalls the other samples of the worker; a timed-out thread runs on in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentloop.errors import ConfigError
 from agentloop.parsers.base import FunctionCall
 from agentloop.tools.base import BaseTool
+from agentloop.tools.executor import tool_executor
+from agentloop.tools.function_tool import FunctionTool
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +43,8 @@ class ToolTurnResult:
     """The tool messages of one turn and what happened."""
 
     messages: list[dict[str, Any]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    """Each message's full text, before truncation (to cut it again shorter, see :meth:`limited`)."""
     rewards: list[float] = field(default_factory=list)
     images: list[Any] = field(default_factory=list)
     num_errors: int = 0
@@ -36,17 +52,38 @@ class ToolTurnResult:
     num_dropped: int = 0
     num_timeouts: int = 0
 
+    def limited(self, limit: int, side: str) -> list[dict[str, Any]]:
+        """The messages with every text truncated to ``limit`` characters (see :func:`truncate`)."""
+        return [_with_text(m, truncate(t, limit, side)) for m, t in zip(self.messages, self.texts, strict=True)]
+
 
 def truncate(text: str, limit: int, side: str) -> str:
-    """verl's truncation of long tool responses (limit in characters)."""
+    """verl's truncation of long tool responses (limit in characters; 0 = no limit)."""
     if limit <= 0 or len(text) <= limit:
         return text
     if side == "left":
         return text[:limit] + "...(truncated)"
     if side == "right":
-        return "(truncated)..." + text[-limit:]
+        return "(truncated)..." + text[len(text) - limit:]
     half = limit // 2
-    return text[:half] + "...(truncated)..." + text[-half:]
+    return text[:half] + "...(truncated)..." + text[len(text) - half:]
+
+
+def effective_timeout(tool: BaseTool, default: float | None) -> float | None:
+    """Seconds one call of ``tool`` may take: its own ``config.timeout`` when set (not None), else
+    ``default``; None when that is 0 or None (no limit)."""
+    own = tool.config.get("timeout")
+    limit = default if own is None else own
+    return float(limit) if limit else None
+
+
+def _check_timeout(tool: BaseTool) -> None:
+    own = tool.config.get("timeout")
+    if own is None:
+        return
+    if isinstance(own, bool) or not isinstance(own, (int, float)) or own < 0 or math.isnan(own):
+        raise ConfigError(f"tool {tool.name!r}: config.timeout={own!r} is not a number of seconds >= 0; set it to "
+                          "a number (0: no limit), or leave it out to use multi_turn.tool_timeout")
 
 
 @dataclass
@@ -58,6 +95,15 @@ class ToolRunner:
     max_response_length: int = 256
     truncate_side: str = "middle"
     timeout: float | None = 30.0
+    """The default per-call limit in seconds (a tool's own ``config.timeout`` wins); 0 or None: no limit."""
+
+    def __post_init__(self) -> None:
+        """Check every tool now (not at its first call): timeouts, and sync functions vs the tool executor."""
+        executor = tool_executor()
+        for tool in self.tools.values():
+            _check_timeout(tool)
+            if isinstance(tool, FunctionTool) and not tool.is_async and tool.fn is not None:
+                executor.check_function(tool.fn, f"tool {tool.name!r}")
 
     async def run_turn(self, calls: list[FunctionCall], tools_kwargs: dict[str, Any] | None) -> ToolTurnResult:
         """One tool message per call, in call order."""
@@ -78,11 +124,11 @@ class ToolRunner:
                 jobs.append(self._execute(call, (tools_kwargs or {}).get(call.name) or {}, result))
         outputs = await asyncio.gather(*jobs)
         for call, (text, images) in zip(calls, outputs, strict=True):
-            text = truncate(text, self.max_response_length, self.truncate_side)
-            content: Any = text
+            result.texts.append(text)
+            content: Any = truncate(text, self.max_response_length, self.truncate_side)
             if images:
                 result.images.extend(images)
-                content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+                content = [*({"type": "image"} for _ in images), {"type": "text", "text": content}]
             result.messages.append({"role": "tool", "content": content, "tool_call_id": call.id, "name": call.name})
         return result
 
@@ -91,24 +137,49 @@ class ToolRunner:
     ) -> tuple[str, list[Any]]:
         tool = self.tools[call.name]
         instance_id = None
-        timeout = tool.config.get("timeout", self.timeout)  # the tool's own limit (YAML config.timeout) wins
+        timeout = effective_timeout(tool, self.timeout)
         try:
-            instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
+            instance_id, _ = await _bounded(tool.create, timeout, create_kwargs=kwargs.get("create_kwargs", {}))
             args = json.loads(call.arguments)
-            coro = tool.execute(instance_id, args, **kwargs.get("execute_kwargs", {}))
-            response, reward, _ = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+            response, reward, _ = await _bounded(tool.execute, timeout, instance_id, args,
+                                                 **kwargs.get("execute_kwargs", {}))
             result.rewards.append(float(reward))
             return response.text or "", list(response.image or [])
         except asyncio.TimeoutError:
             result.num_timeouts += 1
             result.num_errors += 1
-            return f"Error: tool {call.name!r} timed out after {timeout}s", []
+            return f"Error: tool {call.name!r} timed out after {timeout:g}s", []
         except Exception as e:  # noqa: BLE001 - a failing tool is reported to the model
             result.num_errors += 1
             return f"Error: tool {call.name!r} failed: {type(e).__name__}: {e}", []
         finally:
             if instance_id is not None:
-                await tool.release(instance_id)
+                await _release(tool, instance_id, timeout)
+
+
+async def _bounded(method: Callable[..., Any], timeout: float | None, /, *args: Any, **kwargs: Any) -> Any:
+    """Await ``method(*args, **kwargs)`` within ``timeout`` seconds; a plain ``def`` runs in the tool thread pool."""
+    sync = not inspect.iscoroutinefunction(method)
+    call = _in_thread(method, *args, **kwargs) if sync else method(*args, **kwargs)
+    return await (asyncio.wait_for(call, timeout) if timeout else call)
+
+
+async def _in_thread(method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    value = await tool_executor().run_in_thread(method, *args, **kwargs)
+    return await value if inspect.isawaitable(value) else value  # a sync wrapper around an async method
+
+
+async def _release(tool: BaseTool, instance_id: str, timeout: float | None) -> None:
+    try:
+        await _bounded(tool.release, timeout, instance_id)
+    except Exception as e:  # noqa: BLE001 - the call's result is already decided; keep the sample going
+        logger.warning("tool %r: release(%r) failed: %s: %s", tool.name, instance_id, type(e).__name__, e)
+
+
+def _with_text(message: dict[str, Any], text: str) -> dict[str, Any]:
+    content = message["content"]  # a string, or image parts then the text part
+    text_part = [*content[:-1], {"type": "text", "text": text}] if isinstance(content, list) else text
+    return {**message, "content": text_part}
 
 
 async def _text(text: str) -> tuple[str, list[Any]]:

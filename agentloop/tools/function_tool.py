@@ -30,10 +30,13 @@ raises :class:`~agentloop.errors.ConfigError` naming the function and the parame
 * Every parameter needs an annotation; ``*args``, ``**kwargs`` and positional-only parameters are refused.
 
 Calling: the model's arguments are passed as keyword arguments (unknown or missing ones are reported
-to the model as an error).  Sync functions run in a worker thread (``asyncio.to_thread``); async ones
-are awaited.  ``timeout=`` (overridable by the YAML ``config: {timeout: ...}``) bounds one call; when it
-fires the ``asyncio.TimeoutError`` propagates, so the agent loop's tool runner reports and counts it as
-a timeout (a sync function's thread cannot be killed and runs on in the background).
+to the model as an error).  Async functions are awaited; sync ones run in the process's tool executor
+(:mod:`agentloop.tools.executor`: a thread pool, or a process pool with ``multi_turn.tool_executor:
+process``), never in the event loop.  ``timeout=`` (overridable by the YAML ``config: {timeout: ...}``)
+bounds one call and, when set, wins over the agent loop's ``multi_turn.tool_timeout`` (which applies
+otherwise); when it fires the ``asyncio.TimeoutError`` propagates, so the agent loop's tool runner reports
+and counts it as a timeout (a sync function's thread or process cannot be interrupted and runs on in the
+background).
 
 Return values, as :meth:`FunctionTool.execute` (our loops) turns them into (response, reward, metrics):
 
@@ -69,6 +72,7 @@ from typing import Any, ClassVar, overload
 
 from agentloop.errors import ConfigError
 from agentloop.tools.base import BaseTool
+from agentloop.tools.executor import tool_executor
 from agentloop.tools.schema_inference import fn_label, infer_schema, json_schema_for, parse_docstring
 from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
@@ -100,7 +104,7 @@ class FunctionTool(BaseTool):
     default_schema: ClassVar[OpenAIFunctionToolSchema | None] = None
     default_timeout: ClassVar[float | None] = None
     is_async: bool
-    """Whether the function is awaited (else it runs in a worker thread)."""
+    """Whether the function is awaited (else it runs in the tool executor's pool)."""
 
     def __init__(
         self,
@@ -146,7 +150,8 @@ class FunctionTool(BaseTool):
         parameters = {**dict.fromkeys(self._none_defaults), **parameters}
         function = self.fn
         assert function is not None
-        call = function(**parameters) if self.is_async else asyncio.to_thread(function, **parameters)
+        call = function(**parameters) if self.is_async else tool_executor().run_function(
+            function, parameters, label=f"tool {self.name!r}")
         timeout = self.config.get("timeout")
         return await (asyncio.wait_for(call, float(timeout)) if timeout else call)
 

@@ -46,7 +46,9 @@ def test_missing_model_path_fails_fast_with_hint(tmp_path):
 def test_cli_reports_bad_model_path_before_starting_anything(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["rollout", f"actor_rollout_ref.model.path={tmp_path}/missing", "data.train_files=x.jsonl"])
-    assert "is not a directory" in str(e.value)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("agentloop: error: actor_rollout_ref.model.path") and "is not a directory" in line
 
 
 def test_bad_values_are_named(model_dir):
@@ -102,6 +104,86 @@ def test_parquet_dataset_lists_come_back_as_lists(tmp_path):
 def test_missing_prompt_column_is_named():
     with pytest.raises(DatasetError, match="'prompt'"):
         rows_to_batch([{"question": "hi"}])
+
+
+GOOD = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("What is 2+2?", 'prompt must be a list of {role, content} messages, got str "What is 2+2?"'),
+    ({"role": "user", "content": "hi"}, "prompt must be a list of {role, content} messages, got dict"),
+    ([], "prompt is an empty list"),
+    ([GOOD, "hello"], 'prompt message 1 is not a {role, content} dict, got str "hello"'),
+    ([{"content": "hi"}], "prompt message 0 has no string 'role' (got NoneType None)"),
+    ([{"role": "user", "content": 5}], "prompt message 0 (user) content must be a string or a list of content "
+                                       "parts, got int 5"),
+    ([{"role": "user", "content": None}], "prompt message 0 (user) has no content"),
+    ([{"role": "assistant", "content": None}], "prompt message 0 (assistant) has no content"),
+    ([{"role": "user", "content": ["hi"]}], "prompt message 0 (user) content part 0 must be a dict with a string "
+                                            "'type'"),
+])
+def test_malformed_prompts_are_named_by_file_row_and_what_was_found(tmp_path, prompt, expected):
+    path = tmp_path / "d.jsonl"
+    write_jsonl(path, [{"prompt": [GOOD]}, {"prompt": [GOOD]}, {"prompt": prompt}])
+    with pytest.raises(DatasetError) as e:
+        load_dataset(path)
+    assert str(e.value).startswith(f"{path} row 2 (line 3): {expected}")
+    with pytest.raises(DatasetError, match="^dataset row 0: "):  # rows built in Python are checked the same way
+        rows_to_batch([{"prompt": prompt}])
+
+
+def test_well_formed_prompt_shapes_are_accepted(tmp_path):
+    prompts = [
+        [{"role": "system", "content": "be brief"}, GOOD],
+        [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image"}]}],
+        [GOOD, {"role": "assistant", "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+         {"role": "tool", "content": "42"}],
+    ]
+    batch = rows_to_batch([{"prompt": p} for p in prompts])
+    assert list(batch.non_tensor_batch["raw_prompt"]) == prompts
+
+
+def test_parquet_rows_are_checked_by_row_number(tmp_path):
+    pd = pytest.importorskip("pandas")
+    rows = [{"prompt": [GOOD]}] * 7 + [{"prompt": [{"role": "user", "content": None}]}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    with pytest.raises(DatasetError, match=r"train.parquet row 7: prompt message 0 \(user\) has no content"):
+        load_dataset(tmp_path / "train.parquet")
+
+
+def test_max_samples_checks_only_the_rows_it_keeps(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": [GOOD]}, {"prompt": "bad"}])
+    assert len(load_dataset(tmp_path / "d.jsonl", max_samples=1)) == 1
+
+
+def test_unreadable_empty_and_missing_datasets_say_what_to_fix(tmp_path):
+    cases = {
+        "missing.jsonl": (None, "does not exist: check data.train_files"),
+        "empty.jsonl": ("\n\n", "has no rows"),
+        "broken.parquet": ("not a parquet file", "cannot read it as parquet"),
+        "bad.jsonl": ('{"prompt": [}\n', "bad.jsonl:1: not valid JSON"),
+        "list.jsonl": ("[1, 2]\n", "list.jsonl:1: a row must be a JSON object"),
+        "latin1.jsonl": (b"\xff\xfe{", "cannot read it as UTF-8 text"),
+        "d.csv": ("prompt\nhi\n", "unsupported extension '.csv'; use .parquet or .jsonl"),
+    }
+    for name, (content, expected) in cases.items():
+        path = tmp_path / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        with pytest.raises(DatasetError) as e:
+            load_dataset(path)
+        assert expected in str(e.value), name
+        assert "\n" not in str(e.value)
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(DatasetError, match="is not a file"):
+        load_dataset(tmp_path / "dir.jsonl")
+    write_jsonl(tmp_path / "q.jsonl", [{"question": "hi"}])
+    with pytest.raises(DatasetError, match=r"q.jsonl row 0 \(line 1\) has no 'prompt' column; columns present: "
+                                           r"\['question'\]. Set data.prompt_key"):
+        load_dataset(tmp_path / "q.jsonl")
 
 
 def test_repeat_for_rollout_adds_one_uid_per_prompt_and_interleaves():

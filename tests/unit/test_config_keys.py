@@ -135,31 +135,72 @@ def test_verls_own_generated_config_only_warns_about_dummy_weights(model_dir, ca
     assert out.rollout.load_format == "dummy"
 
 
-def test_unknown_key_warns_with_suggestion_and_strict_raises(model_dir, caplog):
+def test_unknown_keys_are_rejected_by_default_with_suggestions(model_dir, caplog):
+    """As verl's Hydra struct configs: a typo fails at start-up, naming the key, a suggestion and the fixes."""
     cfg = trainer(model_dir, {"temprature": 0.5, "multi_turn": {"max_asistant_turns": 2}, "tokenizer_path": "t"},
                   data={"max_prompt_len": 10})
-    with caplog.at_level(logging.WARNING, logger="agentloop.config"):
+    with pytest.raises(ConfigError) as e:
         resolve_config(cfg)
-    (msg,) = config_warnings(caplog)
+    msg = str(e.value)
+    assert "\n" not in msg
     assert "actor_rollout_ref.rollout.temprature (did you mean actor_rollout_ref.rollout.temperature?)" in msg
     assert ("multi_turn.max_asistant_turns (did you mean actor_rollout_ref.rollout.multi_turn.max_assistant_turns?)"
             in msg)
     assert "rollout.tokenizer_path (did you mean actor_rollout_ref.model.tokenizer_path?)" in msg
     assert "data.max_prompt_len (did you mean data.max_prompt_length?)" in msg
+    # the escape hatches: verl's free-form slot for custom keys, and strict_config=false
+    assert "actor_rollout_ref.rollout.custom" in msg and "actor_rollout_ref.rollout.agent.strict_config=false" in msg
+
+
+def test_strict_config_false_only_warns_and_true_also_rejects_unsupported(model_dir, caplog):
+    cfg = trainer(model_dir, {"temprature": 0.5, "data_parallel_size": 2, "agent": {"strict_config": False}})
+    with caplog.at_level(logging.WARNING, logger="agentloop.config"):
+        out = resolve_config(cfg)
+    assert out.rollout.temperature == 1.0  # the typo had no effect, as the warning says
+    unknown, unsupported = config_warnings(caplog)
+    assert "temprature (did you mean actor_rollout_ref.rollout.temperature?)" in unknown
+    assert "data_parallel_size=2" in unsupported
     cfg["actor_rollout_ref"]["rollout"]["agent"] = {"strict_config": True}
-    with pytest.raises(ConfigError, match=r"temprature \(did you mean .*temperature\?\)") as e:
+    with pytest.raises(ConfigError) as e:
         resolve_config(cfg)
-    assert "strict_config" in str(e.value)
+    assert "temprature" in str(e.value) and "data_parallel_size=2" in str(e.value)
+    assert "strict_config=true" in str(e.value)
+    cfg["actor_rollout_ref"]["rollout"]["agent"] = {"strict_config": "yes"}
+    with pytest.raises(ConfigError, match="strict_config=\"yes\" .*null, true or false"):
+        resolve_config(cfg)
+
+
+def test_misspelt_section_names_are_caught_but_other_sections_pass(model_dir):
+    cfg = trainer(model_dir)
+    cfg["actor_rollout_ref"]["rolout"] = {"temperature": 0.5}
+    cfg["dat"] = {"train_files": "x.parquet"}
+    with pytest.raises(ConfigError) as e:
+        resolve_config(cfg)
+    assert "actor_rollout_ref.rolout (did you mean actor_rollout_ref.rollout?)" in str(e.value)
+    assert "dat (did you mean data?)" in str(e.value)
+    # the trainer's own sections (verl's, or a recipe's) are not checked
+    ok = {**trainer(model_dir), "critic": {"anything": 1}, "my_recipe": {"x": 1}}
+    ok["actor_rollout_ref"]["actor"] = {"ppo_mini_batch_size": 4}
+    resolve_config(ok)
+
+
+def test_custom_keys_under_verls_extension_slot_are_accepted_silently(model_dir, caplog):
+    cfg = trainer(model_dir, {"custom": {"my_loop": {"max_steps": 4}}})
+    with caplog.at_level(logging.WARNING, logger="agentloop.config"):
+        out = resolve_config(cfg)
+    assert config_warnings(caplog) == []
+    assert out.rollout.custom.my_loop.max_steps == 4  # custom loops read it from their rollout config
 
 
 def test_rollout_only_config_gets_the_same_check(model_dir, caplog):
+    with pytest.raises(ConfigError, match=r"temprature \(did you mean actor_rollout_ref.rollout.temperature\?\)"):
+        resolve_config({"temprature": 0.5, "top_p": 0.9}, model_path=str(model_dir))
     with caplog.at_level(logging.WARNING, logger="agentloop.config"):
-        cfg = resolve_config({"temprature": 0.5, "top_p": 0.9}, model_path=str(model_dir))
+        cfg = resolve_config({"temprature": 0.5, "top_p": 0.9, "agent": {"strict_config": False}},
+                             model_path=str(model_dir))
     assert cfg.rollout.top_p == 0.9
     (msg,) = config_warnings(caplog)
     assert "temprature (did you mean actor_rollout_ref.rollout.temperature?)" in msg
-    with pytest.raises(ConfigError, match="temprature"):
-        resolve_config({"temprature": 0.5, "agent": {"strict_config": True}}, model_path=str(model_dir))
 
 
 def test_unsupported_non_default_keys_warn_once_in_one_message(model_dir, caplog):

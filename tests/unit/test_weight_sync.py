@@ -160,11 +160,16 @@ def fake_ray(monkeypatch):
     return puts
 
 
+from agentloop.servers.placement import ServerGroup  # noqa: E402
+from agentloop.servers.supervisor import ServerSupervisor  # noqa: E402
+
+
 def make_manager(servers: list[ScriptedServer], sleeping: bool = False) -> AgentLoopManager:
     manager = AgentLoopManager.__new__(AgentLoopManager)  # no Ray: only what update_weights touches
     manager.server_handles = [LocalHandle(s) for s in servers]
     manager._sleeping = sleeping
     manager._sleep_support = [True] * len(servers)
+    manager.supervisor = ServerSupervisor(ServerGroup(manager.server_handles, None, "cpu", []), None, lambda i, h: None)
     return manager
 
 
