@@ -1,18 +1,22 @@
-"""Per-turn latency through the OpenAI gateway vs a direct router call, on the same vLLM CPU engine.
+"""Sessions/s and per-turn latency through the OpenAI gateway vs a direct router call, same engine.
 
 ``--sessions`` concurrent conversations of ``--turns`` turns each (a user question, ``--max-tokens``
 sampled tokens with EOS ignored, then a follow-up user turn) run twice in one process on one engine:
 
-* direct: the client renders the whole conversation with the chat template and calls
+* direct (the baseline): the client renders the whole conversation with the chat template and calls
   ``AsyncLLMServerManager.generate`` with the ids (what an agent loop does per turn, minus its
   incremental encoding);
-* gateway: the same conversation as OpenAI chat requests over HTTP on loopback (``httpx``), through
-  the session store (only the new suffix is encoded).
+* gateway: the same conversation as OpenAI chat requests over HTTP on loopback (``aiohttp``, in the
+  gateway's event loop), through the session store (only the new suffix is encoded), each session
+  opened and finalized as the ``openai_agent`` loop does.
 
-Prints p50 / p99 per-turn latency of both, their ratio, and the tokens the gateway encoded per turn
-against the full prompt length per turn.
+``--engine fake`` (default) is :class:`agentloop.testing.ScriptedServer` replying after ``--delay``
+seconds, so the numbers are the gateway's own overhead at N concurrent sessions (try ``--sessions
+1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints sessions/s, p50 / p99 per-turn latency
+of both, their ratio last, and the tokens the gateway encoded per turn against the full prompt length.
 
-    python scripts/bench_gateway.py [--sessions 16] [--turns 4] [--max-tokens 16] [--repeats 3]
+    python scripts/bench_gateway.py [--engine fake|vllm] [--sessions 16] [--turns 4] [--max-tokens 16]
+                                    [--repeats 3] [--delay 0.01]
 """
 
 from __future__ import annotations
@@ -52,33 +56,28 @@ async def direct_session(router: Any, tokenizer: Any, first: str, args: argparse
         messages = conversation_step(messages, reply, turn)
 
 
-async def gateway_session(client: Any, handle: Any, first: str, args: argparse.Namespace,
-                          lat: list[float]) -> None:
+async def gateway_session(client: Any, gateway: Any, first: str, args: argparse.Namespace,
+                          lat: list[float], stats: dict[str, int]) -> None:
+    handle = await gateway.create_session(sampling_params={"ignore_eos": True})
     messages = [{"role": "user", "content": first}]
     headers = {"Authorization": f"Bearer {handle.api_key}"}
     for turn in range(args.turns):
         t0 = time.perf_counter()
-        r = await client.post(f"{handle.base_url}/chat/completions", headers=headers,
-                              json={"model": "m", "messages": messages, "temperature": 0,
-                                    "max_tokens": args.max_tokens})
-        r.raise_for_status()
-        reply = r.json()["choices"][0]["message"]["content"]
+        async with client.post(f"{handle.base_url}/chat/completions", headers=headers,
+                               json={"model": "m", "messages": messages, "temperature": 0,
+                                     "max_tokens": args.max_tokens}) as r:
+            r.raise_for_status()
+            reply = (await r.json())["choices"][0]["message"]["content"]
         lat.append(time.perf_counter() - t0)
         messages = conversation_step(messages, reply, turn)
+    done = await gateway.finalize(handle.session_id)
+    stats["encoded"] += done["stats"]["num_encoded_tokens"]
+    [traj] = done["trajectories"]
+    stats["prompt_lens"] += _prompt_tokens_per_turn(traj)
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    import httpx
-    from transformers import AutoTokenizer
-
-    from agentloop.gateway.actor import GatewayActor
-    from agentloop.routing import AsyncLLMServerManager
-    from agentloop.servers.vllm import VLLMServer
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    model_path = str(ensure_tiny_model())
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rollout = OmegaConf.create({
+def rollout_config(args: argparse.Namespace) -> Any:
+    return OmegaConf.create({
         "prompt_length": 768, "response_length": 256, "dtype": "float32", "max_model_len": None,
         "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True, "enforce_eager": False,
         "seed": 0, "disable_log_stats": True, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5,
@@ -86,38 +85,69 @@ async def main_async(args: argparse.Namespace) -> None:
         "calculate_log_probs": True, "multi_turn": {"format": "hermes"}, "server": {"max_cache_size": 10000},
         "gateway": {"host": "127.0.0.1"},
     })
-    model = OmegaConf.create({"path": model_path})
+
+
+async def start_engine(args: argparse.Namespace, rollout: Any, model: Any, tokenizer: Any) -> Any:
+    """The engine both paths share: the fake one (fixed replies after ``--delay``) or vLLM CPU."""
+    if args.engine == "fake":
+        from agentloop.testing import ScriptedServer
+
+        word = tokenizer.encode(" story", add_special_tokens=False)[0]
+
+        def reply(prompt_ids: list[int], params: dict[str, Any], request_id: str) -> list[int]:
+            return [word] * int(params.get("max_tokens") or args.max_tokens)
+
+        return ScriptedServer(reply, eos_token_id=tokenizer.eos_token_id, delay=args.delay)
+    from agentloop.servers.vllm import VLLMServer
+
     server = VLLMServer(rollout, model)
     await server.start()
+    return server
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    import aiohttp
+    from transformers import AutoTokenizer
+
+    from agentloop.gateway.actor import GatewayActor
+    from agentloop.routing import AsyncLLMServerManager
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    model_path = str(ensure_tiny_model())
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rollout = rollout_config(args)
+    model = OmegaConf.create({"path": model_path})
+    server = await start_engine(args, rollout, model, tokenizer)
     router = AsyncLLMServerManager([server])
     gateway = GatewayActor(rollout, model, [server], tokenizer=tokenizer)
     await gateway.start()
     firsts = [f"Tell me a story about topic number {i}." for i in range(args.sessions)]
     results: dict[str, list[float]] = {"direct": [], "gateway": []}
-    encoded, prompt_lens = 0, 0
+    walls: dict[str, float] = {"direct": 0.0, "gateway": 0.0}
+    stats = {"encoded": 0, "prompt_lens": 0}
     try:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=256)) as client:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as client:
             for rep in range(args.repeats + 1):  # the first round warms both paths up
                 for side in ("direct", "gateway") if rep % 2 == 0 else ("gateway", "direct"):
                     lat: list[float] = []
+                    round_stats = {"encoded": 0, "prompt_lens": 0}
+                    t0 = time.perf_counter()
                     if side == "direct":
                         await asyncio.gather(*(direct_session(router, tokenizer, f, args, lat) for f in firsts))
                     else:
-                        handles = [await gateway.create_session(sampling_params={"ignore_eos": True}) for _ in firsts]
-                        await asyncio.gather(*(gateway_session(client, h, f, args, lat)
-                                               for h, f in zip(handles, firsts, strict=True)))
-                        for h in handles:
-                            done = await gateway.finalize(h.session_id)
-                            if rep > 0:
-                                encoded += done["stats"]["num_encoded_tokens"]
-                                [traj] = done["trajectories"]
-                                prompt_lens += _prompt_tokens_per_turn(traj)
+                        await asyncio.gather(*(gateway_session(client, gateway, f, args, lat, round_stats)
+                                               for f in firsts))
                     if rep > 0:
+                        walls[side] += time.perf_counter() - t0
                         results[side] += lat
+                        for k, v in round_stats.items():
+                            stats[k] += v
     finally:
         await gateway.shutdown()
-        await server.shutdown()
-    report(results, encoded, prompt_lens, args)
+        if args.engine == "vllm":
+            await server.shutdown()
+    report(results, walls, stats["encoded"], stats["prompt_lens"], args)
 
 
 def _prompt_tokens_per_turn(traj: Any) -> int:
@@ -127,22 +157,28 @@ def _prompt_tokens_per_turn(traj: Any) -> int:
     return sum(len(traj.prompt_ids) + i for i in starts)
 
 
-def report(results: dict[str, list[float]], encoded: int, prompt_lens: int, args: argparse.Namespace) -> None:
+def report(results: dict[str, list[float]], walls: dict[str, float], encoded: int, prompt_lens: int,
+           args: argparse.Namespace) -> None:
     n_turns = len(results["gateway"])
-    print(f"{args.sessions} sessions x {args.turns} turns x {args.max_tokens} tokens, {args.repeats} repeats")
-    print(f"{'path':<10}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
-    for side in ("direct", "gateway"):
+    n_sessions = args.sessions * args.repeats
+    print(f"engine {args.engine}: {args.sessions} concurrent sessions x {args.turns} turns x {args.max_tokens} "
+          f"tokens, {args.repeats} repeats")
+    print(f"{'path':<18}{'sessions/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
+    for side, label in (("direct", "direct (baseline)"), ("gateway", "gateway (HTTP)")):
         vals = results[side]
-        print(f"{side:<10}{percentile(vals, 50) * 1e3:>10.1f}{percentile(vals, 99) * 1e3:>10.1f}"
-              f"{statistics.mean(vals) * 1e3:>10.1f}")
+        print(f"{label:<18}{n_sessions / walls[side]:>12.1f}{percentile(vals, 50) * 1e3:>10.1f}"
+              f"{percentile(vals, 99) * 1e3:>10.1f}{statistics.mean(vals) * 1e3:>10.1f}")
     print(f"tokens encoded per turn: gateway {encoded / n_turns:.1f} vs full prompt {prompt_lens / n_turns:.1f}")
+    rate = (n_sessions / walls["gateway"]) / (n_sessions / walls["direct"])
     p50 = percentile(results["gateway"], 50) / percentile(results["direct"], 50)
     p99 = percentile(results["gateway"], 99) / percentile(results["direct"], 99)
-    print(f"ratio gateway/direct: p50 {p50:.2f}  p99 {p99:.2f}")
+    print(f"ratio gateway/direct: sessions/s {rate:.2f}  p50 {p50:.2f}  p99 {p99:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("fake", "vllm"), default="fake")
+    parser.add_argument("--delay", type=float, default=0.01, help="fake engine: seconds per generation")
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)

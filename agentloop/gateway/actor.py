@@ -54,7 +54,7 @@ class GatewayActor:
                                        batch_calls=bool(server_cfg.get("batch_calls", True)))
         self.service = GatewayService(
             tok, router, get_tool_parser(str(fmt), tok) if fmt else None,
-            max_length=int(rollout.prompt_length) + int(rollout.response_length),
+            prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
             calculate_log_probs=bool(rollout.get("calculate_log_probs", True)),
             model_name=str(model.get("path", "agentloop")),
         )
@@ -90,6 +90,10 @@ class GatewayActor:
         self.url = f"http://{host}:{port}"
         self.service.base_url = self.url
         return self.url
+
+    def replace_server(self, index: int, handle: Any) -> None:
+        """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead server)."""
+        self.service.router.replace_server(index, handle)
 
     async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
                              sampling_params: dict[str, Any] | None = None) -> SessionHandle:

@@ -7,26 +7,39 @@ Routes (every session route needs ``Authorization: Bearer <session api_key>``):
 * ``POST /sessions/{id}/complete`` — body ``{"reward_info": {...}}`` (optional): the agent is done.
 * ``GET /health``.
 
-Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 malformed JSON or
-a refused request, 401 missing/wrong key, 404 unknown session, 409 session completed or aborted, 413
-body over ``max_body_bytes``, 502 engine failure (nothing is committed to the session).
+Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code", "request_id"}}``): 400
+malformed JSON (also ``NaN`` / ``Infinity``, and nesting deeper than :data:`MAX_JSON_DEPTH`) or a
+refused request, 401 missing/wrong key, 404 unknown session, 409 session completed or aborted, 413 body
+over ``max_body_bytes``; 5xx only for the gateway's own faults: 500 a bug, 502 the engine failed, 503
+no engine available (nothing is committed to the session in either case).
+
+Every response carries an ``x-request-id`` header; 5xx bodies name the same id, and the server-side
+log line of the fault starts with ``request <id>``, so an operator can find the details (which never
+go to the client).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentloop.gateway.protocol import ChatCompletionBody, GatewayHTTPError
 from agentloop.gateway.service import GatewayService
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays / objects a request body may have."""
+
+logger = logging.getLogger(__name__)
 
 
 def _error(e: GatewayHTTPError) -> JSONResponse:
@@ -51,10 +64,42 @@ async def read_json(request: Request, max_body_bytes: int, *, required: bool = T
         if required:
             raise GatewayHTTPError(400, "the request body is empty; send a JSON object")
         return None
+    return decode_json(raw)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (use a finite number or null)")
+
+
+def decode_json(raw: bytes) -> Any:
+    """Parse a request body; 400 for invalid JSON, non-finite numbers, huge integers or too deep nesting."""
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GatewayHTTPError(400, f"the request body is not valid JSON: {e}") from None
+        value = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        value = None
+        deep = True
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, integers over Python's digit limit
+        raise GatewayHTTPError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    else:
+        deep = json_depth_over(value, MAX_JSON_DEPTH)
+    if deep:
+        raise GatewayHTTPError(400, f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} levels deep; "
+                                    "flatten it")
+    return value
+
+
+def json_depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists / dicts more than ``limit`` levels deep (iterative, no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _bearer(request: Request) -> str | None:
@@ -86,21 +131,72 @@ _COMPLETE_OPENAPI = {"requestBody": {"required": False, "content": {"application
     "type": "object", "properties": {"reward_info": {"type": "object"}}}}}}}
 
 
+def request_id_of(request: Request) -> str:
+    """The id :class:`RequestIdMiddleware` gave this request."""
+    return str(request.scope.get("state", {}).get("request_id") or new_request_id())
+
+
+def new_request_id() -> str:
+    """``req_…`` id."""
+    return f"req_{uuid.uuid4().hex[:24]}"
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (``x-request-id`` response header, ``request.state.request_id``) and
+    turns an exception nothing else handled into a 500 with that id; the traceback goes to the log only."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = new_request_id()
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s: unhandled error in %s %s", rid, scope.get("method"), scope.get("path"))
+            if started:  # a stream already began: nothing more can be said to the client
+                return
+            error = GatewayHTTPError(500, f"internal gateway error; the server log has the details under request "
+                                          f"id {rid}", type_="server_error", request_id=rid)
+            await JSONResponse(status_code=500, content=error.body(), headers={"x-request-id": rid})(
+                scope, receive, send)
+
+
 def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application of one gateway."""
     app = FastAPI(title="agentloop gateway", version="1")
+    app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(GatewayHTTPError)
-    async def _gateway_error(_: Request, e: GatewayHTTPError) -> JSONResponse:
+    async def _gateway_error(request: Request, e: GatewayHTTPError) -> JSONResponse:
+        if e.request_id is None:
+            e.request_id = request_id_of(request)
         return _error(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(GatewayHTTPError(400, f"invalid request: {e.errors()[:1]}"))
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return _error(GatewayHTTPError(400, f"invalid request: {where}: {first.get('msg', 'invalid')}",
+                                       param=where or None, request_id=request_id_of(request)))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error(GatewayHTTPError(e.status_code, str(e.detail), type_="invalid_request_error"))
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(GatewayHTTPError(e.status_code, str(e.detail), type_="invalid_request_error",
+                                       request_id=request_id_of(request)))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -116,7 +212,7 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
     async def chat_completions(session_id: str, request: Request) -> Any:
         service.session(session_id, _bearer(request), check_key=True)
         body = await read_json(request, max_body_bytes)
-        result = await service.chat(session_id, body)
+        result = await service.chat(session_id, body, request_id=request_id_of(request))
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",

@@ -7,7 +7,11 @@ An *agent runner* is what runs the user's agent for one sample; it gets a sessio
 * a subprocess: ``command`` (a list or a shell-style string) run with ``OPENAI_BASE_URL``,
   ``OPENAI_API_KEY`` and ``AGENTLOOP_RAW_PROMPT`` (the prompt messages as JSON) in its environment
   (a leading ``python`` means the worker's own interpreter); a non-zero exit fails the sample with
-  the end of its stderr.
+  the end of its stderr.  The process is started with ``subprocess.Popen`` in a small dedicated thread
+  pool, never by forking from the event loop's thread, and in its own process group; the event loop
+  only polls it, so ``session_timeout`` and the worker's ``sample_timeout`` fire even while a spawn
+  hangs.  On timeout or cancellation the process group is killed (also a process whose spawn
+  finishes after the sample gave up).
 
 Selecting a runner per sample (``agent_name``), two ways:
 
@@ -23,7 +27,11 @@ Per sample (:meth:`OpenAIAgentLoop.run`), in numbered steps:
 2. Run the agent under ``session_timeout``; a timeout or an exception marks this sample
    ``timeout`` / ``error`` (with the message) and never touches other samples.
 3. Finalize the session: one trajectory per branch (``rollout.gateway.trajectories: all``) or the
-   longest; each becomes a row (list output → flattened rows sharing the sample's uid).
+   longest; each becomes a row (list output → flattened rows sharing the sample's uid).  A branch
+   the gateway stopped for its budget (``finish_reason`` ``length``) gets status ``length``; a session
+   whose every request was refused for length (its prompt is over ``prompt_length``) gives one
+   ``length`` row saying so.  Rows end with a sampled token (see :mod:`agentloop.gateway.store`), so the
+   reward sits on a token the policy sampled.
 4. Reward: ``reward_info`` the agent posted to ``/complete``, else what the runner returned, else
    the configured ``reward_fn(messages, **sample_fields) -> float``; ``reward_to`` (all | last |
    longest) picks which trajectories get it, the others get 0.0.  A sample whose agent failed or timed
@@ -33,12 +41,17 @@ Per sample (:meth:`OpenAIAgentLoop.run`), in numbered steps:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -167,6 +180,11 @@ class OpenAIAgentLoop(AgentLoopBase):
     def _outputs(self, result: dict[str, Any], returned: Any, fields: dict[str, Any], status: RolloutStatus,
                  error: str | None, elapsed: float) -> list[AgentLoopOutput]:
         trajectories = result["trajectories"]
+        over = int((result.get("stats") or {}).get("prompt_over_length") or 0)
+        if not trajectories and over and status == RolloutStatus.STOP:
+            return [AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[], status=RolloutStatus.LENGTH,
+                                    error=f"the agent's prompt has {over} tokens, over rollout.prompt_length; the "
+                                          "gateway answered finish_reason 'length' without generating")]
         if not trajectories:
             return [AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[],
                                     status=status if status != RolloutStatus.STOP else RolloutStatus.ERROR,
@@ -238,6 +256,58 @@ def _jsonable(value: Any) -> Any:
         return str(value)
 
 
+_SPAWN_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentloop-spawn")
+"""Threads that start agent processes (``Popen`` forks there, never on the event loop's thread)."""
+_POLL_MAX_S = 0.05
+
+
+def _spawn(argv: list[str], env: dict[str, str], stderr: IO[bytes]) -> subprocess.Popen:
+    """Start the agent process (called in a spawn thread)."""
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                            start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the agent's whole process group (it runs in its own session), then reap it off the loop."""
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, OSError):
+        proc.kill()
+    _SPAWN_POOL.submit(proc.wait)
+
+
+def _kill_when_spawned(future: Future) -> None:
+    """Done-callback of a spawn the sample stopped waiting for: kill the process if it did start (runs in
+    the spawn thread, so it works even after the event loop is gone)."""
+    if not future.cancelled() and future.exception() is None:
+        _kill(future.result())
+
+
+async def start_process(argv: list[str], env: dict[str, str], stderr: IO[bytes]) -> subprocess.Popen:
+    """``Popen`` in a spawn thread; cancelling the caller (a timeout) never waits for a hanging spawn, and a
+    process that starts after that is killed."""
+    future = _SPAWN_POOL.submit(_spawn, argv, env, stderr)
+    try:
+        return await asyncio.shield(asyncio.wrap_future(future))
+    except asyncio.CancelledError:
+        future.add_done_callback(_kill_when_spawned)
+        raise
+
+
+async def wait_process(proc: subprocess.Popen) -> int:
+    """Wait for the process by polling from the event loop (no thread held per agent); kill it when the
+    caller is cancelled."""
+    delay = 0.001
+    try:
+        while (code := proc.poll()) is None:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        return code
+    except asyncio.CancelledError:
+        _kill(proc)
+        raise
+
+
 def _subprocess_runner(command: str | list[str]) -> AgentRunner:
     """A runner that executes ``command`` with the session in its environment (see the module docstring)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
@@ -247,15 +317,13 @@ def _subprocess_runner(command: str | list[str]) -> AgentRunner:
     async def run(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]], **fields: Any) -> None:
         env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
                "AGENTLOOP_RAW_PROMPT": json.dumps(_jsonable(raw_prompt))}
-        proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        try:
-            _, stderr = await proc.communicate()
-        except asyncio.CancelledError:
-            proc.kill()
-            raise
-        if proc.returncode != 0:
-            tail = stderr.decode(errors="replace")[-800:]
-            raise RuntimeError(f"agent command {argv!r} exited with {proc.returncode}: {tail}")
+        with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: the agent never blocks on a full pipe
+            proc = await start_process(argv, env, stderr)
+            code = await wait_process(proc)
+            if code != 0:
+                stderr.seek(0, os.SEEK_END)
+                stderr.seek(max(0, stderr.tell() - 800))
+                tail = stderr.read().decode(errors="replace")
+                raise RuntimeError(f"agent command {argv!r} exited with {code}: {tail}")
 
     return run

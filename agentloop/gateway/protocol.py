@@ -10,8 +10,13 @@
   supports images.
 * Sampling keys are whitelisted: ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` /
   ``max_completion_tokens``, ``stop`` (string or list), ``seed``; they override the session's
-  defaults.  Other OpenAI keys that do not change sampling (``user``, ``metadata``,
-  ``parallel_tool_calls``, ``logit_bias``, ...) are accepted and ignored.
+  defaults.  Other OpenAI keys (``user``, ``metadata``, ``parallel_tool_calls``, ``logit_bias``,
+  ``presence_penalty``, ``frequency_penalty``, ...) are accepted and not applied.
+* Values are checked here, before any engine sees them (400 naming the parameter): ``temperature`` in
+  [0, 2]; ``top_p`` in (0, 1]; ``top_k`` -1 or 0 (off) or >= 1; ``seed`` a signed 64-bit integer;
+  ``max_tokens`` / ``max_completion_tokens`` >= 1; ``n`` >= 1; ``top_logprobs`` in [0, 20];
+  ``presence_penalty`` / ``frequency_penalty`` in [-2, 2]; ``stop`` at most :data:`MAX_STOP` non-empty
+  strings of at most :data:`MAX_STOP_CHARS` characters.
 * Refused with 400: ``n != 1``, ``response_format`` other than ``{"type": "text"}``, ``tool_choice``
   other than ``auto`` / ``none``, wrong types.
 """
@@ -28,23 +33,33 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 16
+"""Most stop strings one request may send."""
+MAX_STOP_CHARS = 1000
+"""Longest stop string."""
+_INT64 = 2**63
 
 
 class GatewayHTTPError(Exception):
     """An error with its HTTP status and an OpenAI-shaped body."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, request_id: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.request_id = request_id
 
     def body(self) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API returns."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API returns, plus the
+        ``request_id`` (also sent as the ``x-request-id`` header) when one is known."""
+        error: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.request_id is not None:
+            error["request_id"] = self.request_id
+        return {"error": error}
 
 
 class ChatCompletionBody(BaseModel):
@@ -58,16 +73,18 @@ class ChatCompletionBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int | None = None
+    seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
+    n: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     response_format: dict[str, Any] | None = None
 
 
@@ -98,8 +115,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
         req = ChatCompletionBody.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        loc = first["loc"]  # union members add type tags ("str", "list[str]"): keep the key and indices
+        where = ".".join([str(loc[0]), *(str(p) for p in loc[1:] if isinstance(p, int))]) if loc else "body"
         raise _bad(f"invalid request: {where}: {first['msg']}", param=where) from None
+    _check_stop(req.stop)
     if req.n not in (None, 1):
         raise _bad(f"n={req.n} is not supported: the gateway returns one choice per request; send n requests",
                    param="n")
@@ -121,6 +140,18 @@ def parse_chat_request(body: Any) -> ChatRequest:
         want_logprobs=bool(req.logprobs),
         parse_tools=tool_choice == "auto",
     )
+
+
+def _check_stop(stop: str | list[str] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise _bad(f"stop has {len(stops)} strings; send at most {MAX_STOP}", param="stop")
+    for s in stops:
+        if not s:
+            raise _bad("stop contains an empty string; remove it (an empty stop string would end every "
+                       "generation at once)", param="stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise _bad(f"a stop string has {len(s)} characters; the limit is {MAX_STOP_CHARS}", param="stop")
 
 
 def _sampling(req: ChatCompletionBody) -> dict[str, Any]:

@@ -8,11 +8,16 @@ One service per gateway actor.  A session owns a branch-aware trajectory store
 2. Reserve the request's node in the store: the longest matching branch is found and only the new
    suffix is encoded (synchronous, so concurrent requests of one session never interleave here; there
    is no per-session generation lock).
-3. Clamp ``max_tokens`` to what remains of ``prompt_length + response_length``; when nothing remains,
-   answer ``finish_reason: length`` without calling the engine.
+3. Budget, per branch, the way ``tool_agent`` counts it: the branch's first context node is the row's
+   prompt and must fit in ``prompt_length``; everything after it (sampled turns and the context between
+   them, the new context included) is the row's response and must fit in ``response_length``.
+   ``max_tokens`` is clamped to what is left; when nothing is left the answer is ``finish_reason:
+   length`` without an engine call, the new context is dropped and the branch's trajectory ends with
+   ``finish_reason`` ``length`` (so its row gets status ``length``; nothing is ever cut silently).
 4. Generate through the router, sticky per conversation root (continuations of a branch reach the
    server holding its prefix cache; independent sub-conversations may spread), streaming or not.  An
-   engine failure answers 502 and commits nothing.
+   engine failure answers 502 (503 when no engine is reachable) with a generic message and the
+   request id; the details go to the log line ``request <id>: ...``.  Nothing is committed.
 5. Decode (tool parser → ``tool_calls``; ``finish_reason`` ``tool_calls`` / ``stop`` / ``length``) and
    commit the sampled ids, logprobs and the returned message as a new sibling in the store.
 """
@@ -30,9 +35,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
 from pydantic import BaseModel
+from ray.exceptions import RayActorError, RayError
 
-from agentloop.errors import AgentLoopError
+from agentloop.errors import RoutingError
 from agentloop.gateway.decode import StreamDecoder, decode_turn
 from agentloop.gateway.protocol import (
     ChatRequest,
@@ -45,7 +52,9 @@ from agentloop.gateway.protocol import (
 )
 from agentloop.gateway.store import SessionStore, StoreError
 from agentloop.parsers.base import ToolParser
-from agentloop.types import StopReason, TokenOutput
+from agentloop.servers.base import ServerDeadError
+from agentloop.tokenization import TemplateMismatchError
+from agentloop.types import StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +81,8 @@ class Session:
     in_flight: dict[str, str] = field(default_factory=dict)  # request id -> its sticky routing key
     num_requests: int = 0
     num_parse_errors: int = 0
+    num_length_refusals: int = 0
+    prompt_over_length: int = 0  # the longest refused prompt (tokens) of a branch over prompt_length
     created: float = field(default_factory=time.time)
 
 
@@ -85,6 +96,7 @@ class _Turn:
     request_id: str
     params: dict[str, Any]
     sticky_key: str
+    http_id: str
 
 
 class GatewayService:
@@ -95,20 +107,30 @@ class GatewayService:
         router: an :class:`agentloop.routing.AsyncLLMServerManager` (or anything with ``generate``,
             ``generate_stream`` and ``abort`` of the same signatures).
         parser: the tool parser for ``multi_turn.format`` (None: no tool-call parsing).
-        max_length: per-trajectory token budget, ``prompt_length + response_length``.
+        max_length: per-trajectory token budget (default ``prompt_length + response_length``).
+        prompt_length: a branch's prompt (first context run) budget; None: only ``max_length`` counts.
+        response_length: a branch's response budget (step 3 of the module docstring); None: only
+            ``max_length`` counts.
         base_url: this gateway's URL; sessions live under ``{base_url}/sessions/{id}/v1``.
         calculate_log_probs: record the engine's logprobs in trajectories.
         model_name: the name ``GET /v1/models`` lists.
     """
 
     def __init__(
-        self, tokenizer: Any, router: Any, parser: ToolParser | None, *, max_length: int,
+        self, tokenizer: Any, router: Any, parser: ToolParser | None, *, max_length: int | None = None,
+        prompt_length: int | None = None, response_length: int | None = None,
         base_url: str = "", calculate_log_probs: bool = True, model_name: str = "agentloop",
     ) -> None:
+        if max_length is None:
+            if prompt_length is None or response_length is None:
+                raise ValueError("GatewayService needs max_length, or both prompt_length and response_length")
+            max_length = int(prompt_length) + int(response_length)
         self.tokenizer = tokenizer
         self.router = router
         self.parser = parser
         self.max_length = int(max_length)
+        self.prompt_length = None if prompt_length is None else int(prompt_length)
+        self.response_length = None if response_length is None else int(response_length)
         self.base_url = base_url
         self.calculate_log_probs = calculate_log_probs
         self.model_name = model_name
@@ -174,7 +196,8 @@ class GatewayService:
 
     def _stats(self, session: Session) -> dict[str, Any]:
         return {**session.store.stats(), "num_parse_errors": session.num_parse_errors,
-                "num_requests": session.num_requests}
+                "num_requests": session.num_requests, "num_length_refusals": session.num_length_refusals,
+                "prompt_over_length": session.prompt_over_length}
 
     def _active(self, session_id: str) -> Session:
         session = self.session(session_id)
@@ -184,32 +207,52 @@ class GatewayService:
         return session
 
     # ---- chat completions ------------------------------------------------------------------
-    async def chat(self, session_id: str, body: Any) -> dict[str, Any] | AsyncIterator[str]:
-        """Serve one chat request: a ``chat.completion`` dict, or an iterator of SSE lines when streaming."""
+    async def chat(self, session_id: str, body: Any, request_id: str | None = None
+                   ) -> dict[str, Any] | AsyncIterator[str]:
+        """Serve one chat request: a ``chat.completion`` dict, or an iterator of SSE lines when streaming.
+
+        ``request_id`` (the HTTP request's id) names this request in log lines and 5xx errors."""
         request = parse_chat_request(body)
-        turn = self._reserve(self._active(session_id), request)
-        if turn.params["max_tokens"] <= 0:  # the trajectory's budget is spent: no engine call
-            turn.session.store.release(turn.reservation)
-            empty = TokenOutput(token_ids=[], log_probs=[], stop_reason=StopReason.LENGTH)
-            return await self._respond_empty(turn, empty)
+        turn = self._reserve(self._active(session_id), request, request_id or f"req_{uuid.uuid4().hex[:24]}")
+        if turn.params["max_tokens"] <= 0:  # the branch's budget is spent: no engine call
+            session = turn.session
+            session.num_length_refusals += 1
+            if self.prompt_length is not None and turn.reservation.prompt_len > self.prompt_length:
+                session.prompt_over_length = max(session.prompt_over_length, turn.reservation.prompt_len)
+            session.store.release_spent(turn.reservation)
+            return await self._respond_empty(turn)
         if request.stream:
             return self._stream(turn)
         return await self._generate(turn)
 
-    def _reserve(self, session: Session, request: ChatRequest) -> _Turn:
+    def _reserve(self, session: Session, request: ChatRequest, http_id: str) -> _Turn:
         try:
             reservation = session.store.prepare(request.messages, request.tools)
         except StoreError as e:
             raise GatewayHTTPError(400, str(e), param="messages") from None
+        except (TemplateError, TemplateMismatchError, TypeError, ValueError) as e:
+            logger.info("request %s: the chat template cannot render the messages: %r", http_id, e)
+            raise GatewayHTTPError(400, f"the chat template cannot render these messages ({type(e).__name__}: "
+                                        f"{str(e)[:200]}); check the roles, contents and tool calls",
+                                   param="messages") from None
         session.num_requests += 1
         params = {**session.sampling_params, **request.sampling}
         params["logprobs"] = bool(self.calculate_log_probs or request.want_logprobs)
-        remaining = int(reservation.remaining)
+        remaining = self._budget(reservation)
         params["max_tokens"] = min(int(params.get("max_tokens") or remaining), remaining)
-        request_id = f"{session.session_id}-{uuid.uuid4().hex[:12]}"
-        return _Turn(session, request, reservation, request_id, params, _branch_key(session, reservation))
+        engine_id = f"{session.session_id}-{uuid.uuid4().hex[:12]}"
+        return _Turn(session, request, reservation, engine_id, params, _branch_key(session, reservation), http_id)
 
-    async def _respond_empty(self, turn: _Turn, out: TokenOutput) -> dict[str, Any] | AsyncIterator[str]:
+    def _budget(self, reservation: Any) -> int:
+        """Tokens this request may generate (step 3 of the module docstring); <= 0: none."""
+        remaining = int(reservation.remaining)
+        if self.prompt_length is not None and reservation.prompt_len > self.prompt_length:
+            return 0
+        if self.response_length is not None:
+            remaining = min(remaining, self.response_length - reservation.response_used)
+        return remaining
+
+    async def _respond_empty(self, turn: _Turn) -> dict[str, Any] | AsyncIterator[str]:
         message = {"role": "assistant", "content": ""}
         prompt_tokens = len(turn.reservation.prompt_ids)
         if not turn.request.stream:
@@ -238,7 +281,7 @@ class GatewayService:
             )
         except Exception as e:
             turn.session.store.release(turn.reservation)
-            raise _engine_error(e) from None
+            raise _engine_error(e, turn) from None
         finally:
             turn.session.in_flight.pop(turn.request_id, None)
         message, finish = await self._commit(turn, out.token_ids, out.log_probs, out.stop_reason)
@@ -257,6 +300,12 @@ class GatewayService:
             turn.session.store.release(turn.reservation)
             raise GatewayHTTPError(409, f"session {turn.session.session_id!r} was aborted during generation",
                                    type_="conflict")
+        limit = int(turn.params["max_tokens"])
+        if len(ids) > limit:  # an engine that ignored max_tokens: keep the budget, say so
+            logger.warning("request %s: the engine returned %d tokens for max_tokens=%d; keeping the first %d",
+                           turn.http_id, len(ids), limit, limit)
+            ids, stop = list(ids[:limit]), StopReason.LENGTH
+            log_probs = None if log_probs is None else list(log_probs)[:limit]
         decoded = await decode_turn(self.parser, self.tokenizer, ids, stop or StopReason.STOP,
                                     turn.request.tools, turn.request.parse_tools)
         if seen_content is not None:
@@ -305,7 +354,7 @@ class GatewayService:
                     if delta.finished:
                         stop = delta.stop_reason
             except Exception as e:
-                yield _sse(_engine_error(e).body())
+                yield _sse(_engine_error(e, turn).body())
                 return
             tails: list[str] = []
 
@@ -359,13 +408,29 @@ def _final_chunks(
     return chunks
 
 
-def _engine_error(e: Exception) -> GatewayHTTPError:
+def _engine_error(e: Exception, turn: _Turn) -> GatewayHTTPError:
+    """The client's view of an engine failure: 503 when no engine is reachable (a dead server actor or
+    engine, nothing to route to), else 502.  Ray errors (their text carries tracebacks, actor ids, pids,
+    addresses) are never shown; the full error goes to the log line ``request <id>: ...``."""
     if isinstance(e, GatewayHTTPError):
+        if e.request_id is None:
+            e.request_id = turn.http_id
         return e
-    logger.warning("engine call failed: %r", e)
-    kind = "engine_error" if isinstance(e, AgentLoopError) else type(e).__name__
-    return GatewayHTTPError(502, f"the inference engine failed: {e}; nothing was recorded for this request",
-                            type_="engine_error", code=kind)
+    rid = turn.http_id
+    logger.error("request %s: engine call failed (session %s, engine request %s): %s", rid,
+                 turn.session.session_id, turn.request_id, e, exc_info=e)
+    after = f"nothing was recorded for this request; the server log has the details under request id {rid}"
+    if isinstance(e, (RayActorError, ServerDeadError, RoutingError)):
+        return GatewayHTTPError(503, f"no inference engine is available right now; retry later ({after})",
+                                type_="server_error", code="engine_unavailable", request_id=rid)
+    reason = "" if isinstance(e, RayError) else f": {type(e).__name__}: {_first_line(e)}"  # in-process engines
+    return GatewayHTTPError(502, f"the inference engine failed{reason} ({after})", type_="server_error",
+                            code="engine_error", request_id=rid)
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def _sse(obj: dict[str, Any]) -> str:

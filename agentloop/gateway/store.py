@@ -38,7 +38,10 @@ that nothing sampled from and nothing waits on.
 :meth:`SessionStore.trajectories` returns one :class:`Trajectory` per sampled node without sampled
 descendants, in creation order of these leaves: prompt = the first context node's ids, response =
 everything after it, mask 1 on sampled ids and 0 on context ids, logprobs aligned (0.0 on context
-tokens; ``None`` when any sampled turn on the path has none).  The store is not thread-safe.
+tokens; ``None`` when any sampled turn on the path has none).  A trajectory always ends with a sampled id
+(context after the last one, e.g. before an empty generation, is dropped), so a reward placed on its last
+token lands on a token the policy sampled; its ``finish_reason`` is ``length`` when a later request on
+that branch found no budget left (:meth:`SessionStore.release_spent`).  The store is not thread-safe.
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ class SampledNode:
     canon: Canon
     seq: int
     children: dict[Key, ContextNode] = field(default_factory=dict)
+    budget_spent: bool = False
+    """A request continuing this turn found no response budget left (:meth:`SessionStore.release_spent`)."""
 
 
 @dataclass
@@ -170,13 +175,21 @@ class Reservation:
         prompt_ids: every id on the path from the root to ``node``: what the engine must continue.
         num_encoded_tokens: ids encoded for this request (0 when the context node was reused).
         remaining: ``max_length - len(prompt_ids)``; may be zero or negative.
+        prompt_len: ids of the branch's first context node (what a trajectory row calls the prompt);
+            ``len(prompt_ids) - prompt_len`` is the response budget the branch has used so far.
     """
 
     node: ContextNode
     prompt_ids: list[int]
     num_encoded_tokens: int
     remaining: int
+    prompt_len: int = 0
     done: bool = False
+
+    @property
+    def response_used(self) -> int:
+        """Response tokens (sampled and context) already on this branch, including the new context."""
+        return len(self.prompt_ids) - self.prompt_len
 
 
 @dataclass
@@ -244,9 +257,10 @@ class SessionStore:
         parent, start = self._match(canon, tools_key)
         node, encoded = self._context(parent, messages, canon, start, tools, tools_key)
         node.pending += 1
-        prompt = self._path_ids(node)
+        path = self._path(node)
+        prompt = [t for part in path for t in part.ids]
         return Reservation(node=node, prompt_ids=prompt, num_encoded_tokens=encoded,
-                           remaining=self.max_length - len(prompt))
+                           remaining=self.max_length - len(prompt), prompt_len=len(path[0].ids))
 
     def commit(self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
                message: dict[str, Any], finish_reason: str) -> SampledNode:
@@ -280,6 +294,15 @@ class SessionStore:
         siblings = self._children(node.parent)
         if siblings.get(node.key) is node:
             del siblings[node.key]
+
+    def release_spent(self, reservation: Reservation) -> None:
+        """Release a reservation whose branch has no response budget left: its new context is dropped (as
+        ``tool_agent`` drops a tool turn that does not fit) and the sampled turn it continued is marked, so
+        that turn's trajectory reports ``finish_reason`` ``length``."""
+        parent = reservation.node.parent
+        self.release(reservation)
+        if parent is not None:
+            parent.budget_spent = True
 
     def _finish(self, reservation: Reservation) -> None:
         if reservation.done:
@@ -381,9 +404,6 @@ class SessionStore:
             current = current.parent
         return chain[::-1]
 
-    def _path_ids(self, node: ContextNode) -> list[int]:
-        return [t for part in self._path(node) for t in part.ids]
-
     # ---- results -----------------------------------------------------------------------------------
     def _contexts(self) -> Iterator[ContextNode]:
         stack = list(self._roots.values())
@@ -426,9 +446,11 @@ class SessionStore:
                 mask += [0] * len(part.ids)
                 logprobs += [0.0] * len(part.ids)
                 messages += part.messages
-        return Trajectory(prompt_ids=list(first.ids), response_ids=response, response_mask=mask,
-                          response_logprobs=logprobs if has_logprobs else None, messages=copy.deepcopy(messages),
-                          num_turns=len(messages), finish_reason=leaf.finish_reason)
+        end = max((k + 1 for k, m in enumerate(mask) if m), default=0)  # drop context after the last sampled id
+        return Trajectory(prompt_ids=list(first.ids), response_ids=response[:end], response_mask=mask[:end],
+                          response_logprobs=logprobs[:end] if has_logprobs else None,
+                          messages=copy.deepcopy(messages), num_turns=len(messages),
+                          finish_reason="length" if leaf.budget_spent else leaf.finish_reason)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: nodes, sampled nodes, trajectories, tokens encoded, reuses, fallbacks."""
