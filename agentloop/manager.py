@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,11 +29,11 @@ import ray.exceptions
 from omegaconf import DictConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from agentloop.batch_metrics import align_keys, performance_metrics
 from agentloop.config import AgentLoopConfig, resolve_config
-from agentloop.errors import ConfigError, DatasetError
+from agentloop.errors import ConfigError
 from agentloop.loops.base import resolve_registry
 from agentloop.protocol import DataProto
-from agentloop.rewards.columns import complete_reward_columns
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.routing.balancer_actor import create_global_balancer
 from agentloop.servers.colocated import start_colocated_servers
@@ -166,15 +166,7 @@ class AgentLoopManager:
         the version of the weights being served (what :meth:`update_weights` returned last; 0 before it).
         """
         t0 = time.perf_counter()
-        if "global_steps" not in prompts.meta_info:  # a copy: the caller's batch is left as it is
-            prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
-                                meta_info={**prompts.meta_info, "global_steps": self._weight_version})
-        names = check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
-        if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
-            self.start_gateways()
-        if self.rollout.free_cache_engine:
-            self.wake_up()
-        self.supervisor.poll(self._weight_version)
+        prompts = self._prepare(prompts)
         outputs = self.workers.run(prompts)
         failovers = sum(int((o.meta_info.pop("faults", None) or {}).get("server_failovers", 0))
                                            for o in outputs)
@@ -190,6 +182,55 @@ class AgentLoopManager:
         timing.update(self._fault_metrics(failovers))
         output.meta_info = {**output.meta_info, "timing": timing}
         return output
+
+    def generate_sequences_stream(self, prompts: DataProto, group_by: str | None = "uid") -> Iterator[DataProto]:
+        """Roll out ``prompts`` and yield padded mini-batches, one per complete group, in completion order.
+
+        A group is every row sharing ``non_tensor_batch[group_by]`` (GRPO's ``uid``: all ``n`` trajectories of a
+        prompt); ``group_by=None`` or a batch without that column makes each row its own group.  A group is
+        yielded once all its samples are done (each exactly once, whatever fails: see docs/faults.md), so a
+        trainer can start computing advantages while the slowest samples still run.  Each mini-batch has
+        verl's padded layout (same widths as :meth:`generate_sequences`), ``meta_info["metrics"]`` for its rows
+        and ``meta_info["timing"]`` (``agent_loop/wall`` = seconds since the stream started).  Closing the
+        iterator early (``break``, ``.close()``) cancels the samples still running and aborts their engine
+        requests.  Sync iterator; use it from a thread in async code.
+        """
+        t0 = time.perf_counter()
+        prompts = self._prepare(prompts)
+        keys = prompts.non_tensor_batch.get(group_by) if group_by else None
+        if keys is None:
+            order, starts = np.arange(len(prompts)), list(range(len(prompts)))
+        else:
+            first: dict[Any, int] = {}
+            ids = np.array([first.setdefault(k, len(first)) for k in keys.tolist()])
+            order = np.argsort(ids, kind="stable")  # each group's rows next to each other, groups in batch order
+            starts = np.flatnonzero(np.r_[True, np.diff(ids[order]) != 0]).tolist()
+        batch = prompts if np.array_equal(order, np.arange(len(prompts))) else prompts.select_idxs(order)
+        try:
+            for _, rows in self.workers.stream(batch, starts):
+                failovers = int((rows.meta_info.pop("faults", None) or {}).get("server_failovers", 0))
+                timing = performance_metrics(rows, time.perf_counter() - t0)
+                timing.update(self._fault_metrics(failovers))
+                rows.meta_info = {**rows.meta_info, "timing": timing}
+                yield rows
+        finally:
+            if self._owns_servers:
+                self.supervisor.check()
+            if self.rollout.free_cache_engine:
+                self.sleep()
+
+    def _prepare(self, prompts: DataProto) -> DataProto:
+        """Checks and set-up before a batch: names, gateways, wake-up, restarted servers put back."""
+        if "global_steps" not in prompts.meta_info:  # a copy: the caller's batch is left as it is
+            prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
+                                meta_info={**prompts.meta_info, "global_steps": self._weight_version})
+        names = check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
+        if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
+            self.start_gateways()
+        if self.rollout.free_cache_engine:
+            self.wake_up()
+        self.supervisor.poll(self._weight_version)
+        return prompts
 
     def _fault_metrics(self, failovers: int) -> dict[str, float]:
         """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""
@@ -383,73 +424,3 @@ def _check_verl_arguments(worker_group: Any, rollout_pool: Any, rm_pool: Any, te
     if rm_pool is not None:
         logger.warning("AgentLoopManager: rm_resource_pool given but agentloop starts no reward-model servers; "
                        "it is unused (rewards come from the agent loop's reward_score)")
-
-
-def align_keys(parts: list[DataProto]) -> list[DataProto]:
-    """Give every worker's chunk the same columns before concatenation, inventing no values.
-
-    * Reward columns: when any chunk has ``rm_scores``, a chunk without them gets them by the one rule of
-      :mod:`agentloop.rewards.columns` (it had no reward source, so each of its rows is ``reward_valid`` 0
-      with a ``reward_error``), and ``meta_info["reward_extra_keys"]`` becomes the union over the chunks.
-    * Any other tensor column must come from every chunk: a zero-filled row would read as data, so a chunk
-      without it is a :class:`DatasetError`.
-    * A non-tensor column missing from a chunk (an extra field only some loops set, ``prompt_truncated``
-      absent from a chunk whose samples all failed) is None on that chunk's rows.
-    """
-    keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]  # TensorDict: `in` is not key lookup
-    with_scores = [p.batch["rm_scores"] for p, ks in zip(parts, keys, strict=True)
-                   if p.batch is not None and "rm_scores" in ks]
-    if with_scores:
-        for p in parts:
-            complete_reward_columns(p, with_scores[0])
-        extra_keys = list(dict.fromkeys(k for p in parts for k in p.meta_info.get("reward_extra_keys") or []))
-        for p in parts:
-            p.meta_info["reward_extra_keys"] = extra_keys
-        keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]
-    tensor_keys = list(dict.fromkeys(k for ks in keys for k in ks))
-    for i, present in enumerate(keys):
-        missing = [k for k in tensor_keys if k not in present]
-        if missing:
-            raise DatasetError(
-                f"worker chunk {i} of {len(parts)} lacks the tensor column(s) {missing} that other chunks have; "
-                "filling them would invent values. A tensor column must be built for every row by every worker "
-                "(agentloop.postprocess does so for its own columns; a custom column needs the same rule)"
-            )
-    non_tensor_keys = set().union(*(p.non_tensor_batch for p in parts)) if parts else set()
-    for p in parts:
-        for k in non_tensor_keys - set(p.non_tensor_batch):
-            p.non_tensor_batch[k] = np.full(len(p), None, dtype=object)
-    return parts
-
-
-def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
-    """verl's ``agent_loop/*`` timing keys (``compute_score``: seconds in the reward function) plus status
-    counts, the truncated-prompt count and, with reward columns, ``agent_loop/reward/num_invalid``."""
-    metrics = output.meta_info.get("metrics", [])
-    timing: dict[str, float] = {"agent_loop/wall": wall}
-    if not metrics:
-        return timing
-    gen = np.array([m["generate_sequences"] for m in metrics], dtype=np.float64)
-    tool = np.array([m["tool_calls"] for m in metrics], dtype=np.float64)
-    score = np.array([m.get("compute_score", 0.0) for m in metrics], dtype=np.float64)
-    for name, arr in (("generate_sequences", gen), ("tool_calls", tool), ("compute_score", score)):
-        timing[f"agent_loop/{name}/min"] = float(arr.min())
-        timing[f"agent_loop/{name}/max"] = float(arr.max())
-        timing[f"agent_loop/{name}/mean"] = float(arr.mean())
-    slowest = int(np.argmax(gen + tool + score))
-    assert output.batch is not None
-    attention = output.batch["attention_mask"]
-    prompt_len = output.batch["prompts"].shape[1]
-    timing["agent_loop/slowest/generate_sequences"] = float(gen[slowest])
-    timing["agent_loop/slowest/tool_calls"] = float(tool[slowest])
-    timing["agent_loop/slowest/compute_score"] = float(score[slowest])
-    timing["agent_loop/slowest/prompt_length"] = float(attention[slowest, :prompt_len].sum())
-    timing["agent_loop/slowest/response_length"] = float(attention[slowest, prompt_len:].sum())
-    for status, count in Counter(output.non_tensor_batch["status"].tolist()).items():
-        timing[f"agent_loop/status/{status}"] = float(count)
-    truncated = output.non_tensor_batch.get("prompt_truncated")
-    if truncated is not None:
-        timing["agent_loop/num_truncated_prompts"] = float(sum(1 for t in truncated.tolist() if t))
-    if "reward_valid" in list(output.batch.keys()):
-        timing["agent_loop/reward/num_invalid"] = float((output.batch["reward_valid"] == 0).sum())
-    return timing

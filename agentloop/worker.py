@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -216,6 +217,54 @@ class AgentLoopWorker:
         ``meta_info["faults"]`` counts this chunk's server failovers.
         """
         failovers = self.server_manager.num_failovers
+        names, fields, tasks = self._start_samples(batch)
+        results = await _settle(tasks, timeout)
+        output = self._postprocess(results, fields, names)
+        output.meta_info["faults"] = {"server_failovers": self.server_manager.num_failovers - failovers}
+        return output
+
+    async def generate_sequences_stream(self, batch: DataProto, group_starts: list[int],
+                                        timeout: float | None = None) -> AsyncIterator[tuple[int, DataProto]]:
+        """Like :meth:`generate_sequences`, but yields ``(group, rows)`` for each group of samples as soon as
+        all of its samples are done (a Ray streaming generator in the actor).  Groups are contiguous row ranges
+        starting at ``group_starts`` (ascending, first 0).  Samples still running at ``timeout`` are cancelled
+        (``timeout`` rows); closing the stream cancels every sample still running (engine requests aborted)."""
+        failovers = self.server_manager.num_failovers
+        names, fields, tasks = self._start_samples(batch)
+        bounds = [*group_starts, len(batch)]
+        group_of = np.repeat(np.arange(len(group_starts)), np.diff(bounds)) if group_starts else np.zeros(0, int)
+        left = np.diff(bounds).tolist() if group_starts else []
+        results: list[list[AgentLoopOutput]] = [[] for _ in tasks]
+        position = {task: i for i, task in enumerate(tasks)}
+        pending = set(tasks)
+        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
+        try:
+            while pending:
+                wait = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # the deadline passed: what is still running becomes timeout rows
+                    for task in pending:
+                        task.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    done, pending = pending, set()
+                for task in done:
+                    i = position[task]
+                    results[i] = _result_of(task, timeout)
+                    g = int(group_of[i])
+                    left[g] -= 1
+                    if left[g] == 0:
+                        a, b = bounds[g], bounds[g + 1]
+                        rows = self._postprocess(results[a:b], {k: v[a:b] for k, v in fields.items()}, names[a:b])
+                        now = self.server_manager.num_failovers
+                        rows.meta_info["faults"] = {"server_failovers": now - failovers}
+                        failovers = now
+                        yield g, rows
+        finally:
+            for task in pending:
+                task.cancel()
+
+    def _start_samples(self, batch: DataProto) -> tuple[np.ndarray, dict[str, np.ndarray], list[asyncio.Task]]:
+        """Check ``batch`` and start one task per sample; returns the agent names, the fields and the tasks."""
         names = check_batch(batch, self.registry, str(self.rollout.agent.default_agent_loop))
         validate = bool(batch.meta_info.get("validate", False))
         sampling_params = sampling_params_from_config(self.rollout, validate=validate)
@@ -229,10 +278,7 @@ class AgentLoopWorker:
             sample["agent_name"] = str(names[i])
             infos[i]["trace"] = i in traced
             tasks.append(asyncio.create_task(self._run_sample(str(names[i]), sampling_params, sample, infos[i])))
-        results = await _settle(tasks, timeout)
-        output = self._postprocess(results, fields, names)
-        output.meta_info["faults"] = {"server_failovers": self.server_manager.num_failovers - failovers}
-        return output
+        return names, fields, tasks
 
     async def _run_sample(
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
@@ -294,18 +340,20 @@ async def _settle(tasks: list[asyncio.Task], timeout: float | None) -> list[list
     for task in pending:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    results = []
-    for task in tasks:
-        if task.cancelled():
-            results.append([_failed(RolloutStatus.TIMEOUT, f"the batch deadline (agent.batch_timeout) passed after "
-                                                           f"{timeout:.0f}s with this sample still running")])
-        elif task.exception() is not None:
-            e = task.exception()
-            logger.error("a sample task failed outside its agent loop: %r", e)
-            results.append([_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")])
-        else:
-            results.append(task.result())
-    return results
+    return [_result_of(task, timeout) for task in tasks]
+
+
+def _result_of(task: asyncio.Task, timeout: float | None) -> list[AgentLoopOutput]:
+    """A finished sample task's outputs; a cancelled one (deadline) is a ``timeout`` row, one that raised (a bug
+    outside the loop's own error handling) an ``error`` row."""
+    if task.cancelled():
+        return [_failed(RolloutStatus.TIMEOUT, f"the batch deadline (agent.batch_timeout) passed after "
+                                               f"{timeout or 0:.0f}s with this sample still running")]
+    e = task.exception()
+    if e is not None:
+        logger.error("a sample task failed outside its agent loop: %r", e)
+        return [_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
+    return task.result()
 
 
 def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, rollout: DictConfig, pad_token_id: int,

@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 import ray.exceptions
 
@@ -140,6 +141,90 @@ class WorkerPool:
                 self._replace(slot, f"died while rolling out rows {unit.start}-{unit.end - 1}: {_first_line(e)}")
                 self._retry(batch, unit, _first_line(e), deadline, in_flight, results)
         return [results[k] for k in sorted(results)]
+
+    def stream(self, batch: DataProto, group_starts: list[int]) -> Iterator[tuple[int, DataProto]]:
+        """Roll ``batch`` out and yield ``(group, rows)`` for each group (contiguous rows from ``group_starts``) as
+        soon as all its samples are done, in completion order; every group exactly once, whatever dies.  Closing
+        the iterator cancels what is still running."""
+        bounds = [*group_starts, len(batch)]
+        live = self._wait_for_live_workers()
+        deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
+        streams: dict[Any, tuple[list[int], _Slot, int]] = {}  # generator -> (its groups, worker, attempt)
+        sent: set[int] = set()
+        n = max(1, min(len(live), len(group_starts)))
+        shares = [list(range(round(i * len(group_starts) / n), round((i + 1) * len(group_starts) / n)))
+                  for i in range(n)]
+        for slot, groups in zip(live, shares, strict=False):
+            if groups:
+                self._open_stream(batch, bounds, groups, slot, 0, deadline, streams)
+        try:
+            while streams:
+                wait = None if deadline is None else max(0.0, deadline + self.batch_grace_s - time.monotonic())
+                ready, _ = ray.wait(list(streams), num_returns=1, timeout=wait)
+                if not ready:  # hung past the deadline: their groups come back as timeout rows
+                    for gen, (groups, slot, _) in list(streams.items()):
+                        why = f"agent.batch_timeout={self.batch_timeout}s + {self.batch_grace_s}s"
+                        self._replace(slot, f"did not finish its stream within {why} (its event loop is blocked)")
+                        for g in groups:
+                            if g not in sent:
+                                sent.add(g)
+                                yield g, self.error_rows(batch.slice(bounds[g], bounds[g + 1]), RolloutStatus.TIMEOUT,
+                                                         "the agent-loop worker running this sample hung past "
+                                                         f"agent.batch_timeout={self.batch_timeout}s and was restarted")
+                        del streams[gen]
+                    break
+                gen = ready[0]
+                groups, slot, attempt = streams[gen]
+                try:
+                    local, rows = ray.get(next(gen))  # type: ignore[call-overload,arg-type]
+                except StopIteration:
+                    del streams[gen]
+                    continue
+                except ray.exceptions.RayActorError as e:
+                    del streams[gen]
+                    self._replace(slot, f"died while streaming groups {groups[:5]}...: {_first_line(e)}")
+                    left = [g for g in groups if g not in sent]
+                    yield from self._restream(batch, bounds, left, attempt, _first_line(e), deadline, streams, sent)
+                    continue
+                sent.add(groups[local])
+                yield groups[local], rows
+        finally:
+            for gen in streams:
+                ray.cancel(gen)
+
+    def _open_stream(self, batch: DataProto, bounds: list[int], groups: list[int], slot: _Slot, attempt: int,
+                     deadline: float | None, streams: dict[Any, tuple[list[int], _Slot, int]]) -> None:
+        rows = np.concatenate([np.arange(bounds[g], bounds[g + 1]) for g in groups])
+        sizes = [bounds[g + 1] - bounds[g] for g in groups]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        gen = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(
+            batch.select_idxs(rows), starts, timeout=timeout)
+        streams[gen] = (groups, slot, attempt)
+
+    def _restream(self, batch: DataProto, bounds: list[int], groups: list[int], attempt: int, reason: str,
+                  deadline: float | None, streams: dict[Any, tuple[list[int], _Slot, int]],
+                  sent: set[int]) -> Iterator[tuple[int, DataProto]]:
+        """A dead worker's unfinished groups: streamed again by the live workers, or error rows."""
+        if not groups:
+            return
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        live = [] if out_of_time or attempt >= self.max_sample_retries else self._wait_for_live_workers(False)
+        if not live:
+            why = ("the batch deadline passed" if out_of_time else
+                   f"agent.max_sample_retries={self.max_sample_retries} retries were used"
+                   if attempt >= self.max_sample_retries else "no agent-loop worker is left")
+            for g in groups:
+                sent.add(g)
+                self.fault_counts["samples_failed_by_faults"] += bounds[g + 1] - bounds[g]
+                yield g, self.error_rows(batch.slice(bounds[g], bounds[g + 1]), RolloutStatus.ERROR,
+                                         f"the agent-loop worker running this sample died ({reason}) and {why}")
+            return
+        self.fault_counts["sample_retries"] += sum(bounds[g + 1] - bounds[g] for g in groups)
+        n = min(len(live), len(groups))
+        for i, slot in enumerate(live[:n]):
+            share = groups[round(i * len(groups) / n):round((i + 1) * len(groups) / n)]
+            self._open_stream(batch, bounds, share, slot, attempt + 1, deadline, streams)
 
     def _dispatch(self, batch: DataProto, unit: _Unit, slot: _Slot, deadline: float | None,
                   in_flight: dict[Any, tuple[_Unit, _Slot]]) -> None:

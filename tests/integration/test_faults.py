@@ -4,10 +4,12 @@ that dies inside a live server.  Each case: every row comes back, and the next b
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,18 @@ class BlockingLoop(AgentLoopBase):
         return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids))
 
 
+class SleepyLoop(AgentLoopBase):
+    """Sleeps the number of seconds its prompt says (``sleep 0.5``) before one generation."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        text = kwargs["raw_prompt"][0]["content"]
+        await asyncio.sleep(float(text.split()[1]) if text.startswith("sleep ") else 0.0)
+        ids = [5, 6, 7]
+        out = await self.server_manager.generate(request_id=uuid.uuid4().hex, prompt_ids=ids,
+                                                 sampling_params=sampling_params)
+        return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids))
+
+
 @dataclass
 class FakeServerGroup(ServerGroup):
     """Standalone-like servers made of ScriptedServer actors, which the manager may restart."""
@@ -62,12 +76,14 @@ def ray_session():
     from agentloop.loops.base import _agent_loop_registry
 
     register("blocking_probe")(BlockingLoop)
+    register("sleepy_probe")(SleepyLoop)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
     _agent_loop_registry.pop("blocking_probe", None)
+    _agent_loop_registry.pop("sleepy_probe", None)
 
 
 def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_workers: int = 2,
@@ -208,5 +224,56 @@ def test_an_engine_that_dies_inside_its_only_server_is_restarted(ray_session, mo
         nxt = manager.generate_sequences(batch(["c", "d"]))
         assert nxt.non_tensor_batch["status"].tolist() == ["stop", "stop"]
         assert faults(nxt)["servers_restarted"] == 1
+    finally:
+        manager.shutdown()
+
+
+def grouped(texts_per_group: list[list[str]]):
+    """Group g's rows share ``group`` g (rows of different groups interleaved on purpose)."""
+    from agentloop.data import rows_to_batch
+
+    rows = [{"prompt": [{"role": "user", "content": t}], "agent_name": "sleepy_probe", "group": f"g{g}",
+             "extra_info": {"index": g}} for g, texts in enumerate(texts_per_group) for t in texts]
+    rows = rows[::2] + rows[1::2]
+    return rows_to_batch(rows)
+
+
+def test_stream_yields_each_complete_group_once_in_completion_order(ray_session, monkeypatch):
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=2, delay=0.0)
+    try:
+        groups = [["sleep 3", "sleep 0"], ["sleep 0", "sleep 0.2"], ["sleep 1.5", "sleep 0"], ["sleep 0", "sleep 0"]]
+        got = list(manager.generate_sequences_stream(grouped(groups), group_by="group"))
+        uids = [set(part.non_tensor_batch["group"].tolist()) for part in got]
+        assert all(len(u) == 1 for u in uids) and [len(p) for p in got] == [2, 2, 2, 2]  # whole groups
+        order = [u.pop() for u in uids]
+        assert sorted(order) == ["g0", "g1", "g2", "g3"]  # each exactly once
+        assert order.index("g0") == 3 and order.index("g2") == 2  # the slow groups come last
+        assert all(set(p.non_tensor_batch["status"].tolist()) == {"stop"} for p in got)
+        widths = {tuple(p.batch["input_ids"].shape[1:]) for p in got}
+        assert len(widths) == 1  # same padded layout: the parts concatenate
+        assert "agent_loop/wall" in got[0].meta_info["timing"] and len(got[0].meta_info["metrics"]) == 2
+    finally:
+        manager.shutdown()
+
+
+def test_stream_survives_a_dead_worker_and_closing_it_cancels_the_rest(ray_session, monkeypatch):
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
+    try:
+        groups = [["sleep 1", "sleep 1"] for _ in range(6)]
+        timer = later(0.5, ray.kill, manager.agent_loop_workers[0])
+        got = list(manager.generate_sequences_stream(grouped(groups), group_by="group"))
+        timer.join()
+        order = sorted(u for p in got for u in set(p.non_tensor_batch["group"].tolist()))
+        assert order == [f"g{g}" for g in range(6)] and sum(len(p) for p in got) == 12
+        assert {s for p in got for s in p.non_tensor_batch["status"].tolist()} == {"stop"}
+        assert sum(p.meta_info["timing"]["agent_loop/faults/sample_retries"] for p in got) == 6
+        stream = manager.generate_sequences_stream(grouped([["sleep 0"]] + [["sleep 30"]] * 3), group_by="group")
+        first = next(stream)
+        stream.close()  # the three 30 s samples are cancelled, not waited for
+        assert first.non_tensor_batch["group"].tolist() == ["g0"]
+        out = manager.generate_sequences(batch(["a", "b"]))
+        assert out.non_tensor_batch["status"].tolist() == ["stop", "stop"]
     finally:
         manager.shutdown()

@@ -1,0 +1,81 @@
+"""Driver-side helpers for the manager's output: aligning worker chunks' columns and the batch timing metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from agentloop.errors import DatasetError
+from agentloop.protocol import DataProto
+from agentloop.rewards.columns import complete_reward_columns
+
+
+def align_keys(parts: list[DataProto]) -> list[DataProto]:
+    """Give every worker's chunk the same columns before concatenation, inventing no values.
+
+    * Reward columns: when any chunk has ``rm_scores``, a chunk without them gets them by the one rule of
+      :mod:`agentloop.rewards.columns` (it had no reward source, so each of its rows is ``reward_valid`` 0
+      with a ``reward_error``), and ``meta_info["reward_extra_keys"]`` becomes the union over the chunks.
+    * Any other tensor column must come from every chunk: a zero-filled row would read as data, so a chunk
+      without it is a :class:`DatasetError`.
+    * A non-tensor column missing from a chunk (an extra field only some loops set, ``prompt_truncated``
+      absent from a chunk whose samples all failed) is None on that chunk's rows.
+    """
+    keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]  # TensorDict: `in` is not key lookup
+    with_scores = [p.batch["rm_scores"] for p, ks in zip(parts, keys, strict=True)
+                   if p.batch is not None and "rm_scores" in ks]
+    if with_scores:
+        for p in parts:
+            complete_reward_columns(p, with_scores[0])
+        extra_keys = list(dict.fromkeys(k for p in parts for k in p.meta_info.get("reward_extra_keys") or []))
+        for p in parts:
+            p.meta_info["reward_extra_keys"] = extra_keys
+        keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]
+    tensor_keys = list(dict.fromkeys(k for ks in keys for k in ks))
+    for i, present in enumerate(keys):
+        missing = [k for k in tensor_keys if k not in present]
+        if missing:
+            raise DatasetError(
+                f"worker chunk {i} of {len(parts)} lacks the tensor column(s) {missing} that other chunks have; "
+                "filling them would invent values. A tensor column must be built for every row by every worker "
+                "(agentloop.postprocess does so for its own columns; a custom column needs the same rule)"
+            )
+    non_tensor_keys = set().union(*(p.non_tensor_batch for p in parts)) if parts else set()
+    for p in parts:
+        for k in non_tensor_keys - set(p.non_tensor_batch):
+            p.non_tensor_batch[k] = np.full(len(p), None, dtype=object)
+    return parts
+
+
+def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
+    """verl's ``agent_loop/*`` timing keys (``compute_score``: seconds in the reward function) plus status
+    counts, the truncated-prompt count and, with reward columns, ``agent_loop/reward/num_invalid``."""
+    metrics = output.meta_info.get("metrics", [])
+    timing: dict[str, float] = {"agent_loop/wall": wall}
+    if not metrics:
+        return timing
+    gen = np.array([m["generate_sequences"] for m in metrics], dtype=np.float64)
+    tool = np.array([m["tool_calls"] for m in metrics], dtype=np.float64)
+    score = np.array([m.get("compute_score", 0.0) for m in metrics], dtype=np.float64)
+    for name, arr in (("generate_sequences", gen), ("tool_calls", tool), ("compute_score", score)):
+        timing[f"agent_loop/{name}/min"] = float(arr.min())
+        timing[f"agent_loop/{name}/max"] = float(arr.max())
+        timing[f"agent_loop/{name}/mean"] = float(arr.mean())
+    slowest = int(np.argmax(gen + tool + score))
+    assert output.batch is not None
+    attention = output.batch["attention_mask"]
+    prompt_len = output.batch["prompts"].shape[1]
+    timing["agent_loop/slowest/generate_sequences"] = float(gen[slowest])
+    timing["agent_loop/slowest/tool_calls"] = float(tool[slowest])
+    timing["agent_loop/slowest/compute_score"] = float(score[slowest])
+    timing["agent_loop/slowest/prompt_length"] = float(attention[slowest, :prompt_len].sum())
+    timing["agent_loop/slowest/response_length"] = float(attention[slowest, prompt_len:].sum())
+    for status, count in Counter(output.non_tensor_batch["status"].tolist()).items():
+        timing[f"agent_loop/status/{status}"] = float(count)
+    truncated = output.non_tensor_batch.get("prompt_truncated")
+    if truncated is not None:
+        timing["agent_loop/num_truncated_prompts"] = float(sum(1 for t in truncated.tolist() if t))
+    if "reward_valid" in list(output.batch.keys()):
+        timing["agent_loop/reward/num_invalid"] = float((output.batch["reward_valid"] == 0).sum())
+    return timing
