@@ -48,7 +48,9 @@ class SleepyLoop(AgentLoopBase):
         ids = [5, 6, 7]
         out = await self.server_manager.generate(request_id=uuid.uuid4().hex, prompt_ids=ids,
                                                  sampling_params=sampling_params)
-        return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids))
+        versions = {k: out.extra_fields.get(k) for k in ("min_global_steps", "max_global_steps")}
+        return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids),
+                               extra_fields=versions)
 
 
 @dataclass
@@ -275,5 +277,56 @@ def test_stream_survives_a_dead_worker_and_closing_it_cancels_the_rest(ray_sessi
         assert first.non_tensor_batch["group"].tolist() == ["g0"]
         out = manager.generate_sequences(batch(["a", "b"]))
         assert out.non_tensor_batch["status"].tolist() == ["stop", "stop"]
+    finally:
+        manager.shutdown()
+
+
+def prompt_batches(num_batches: int, groups: int, n: int, seconds: float):
+    from agentloop.data import repeat_for_rollout, rows_to_batch
+
+    for b in range(num_batches):
+        rows = [{"prompt": [{"role": "user", "content": f"sleep {seconds}"}], "agent_name": "sleepy_probe",
+                 "extra_info": {"index": b * groups + g}} for g in range(groups)]
+        yield repeat_for_rollout(rows_to_batch(rows), n)
+
+
+def test_rollouter_hands_out_every_group_once_within_its_inflight_budget(ray_session, monkeypatch):
+    from agentloop.rollouter import Rollouter
+
+    manager = make_manager(ray_session, monkeypatch, num_servers=2, delay=0.0)
+    try:
+        rollouter = Rollouter(manager, prompt_batches(3, 4, 2, 0.3), max_inflight=4, groups_per_dispatch=1)
+        peak = []
+        got = []
+        while (part := rollouter.get(num_groups=3)) is not None:
+            got.append(part)
+            peak.append(part.meta_info["rollouter"]["rollouter/inflight_samples"])
+        uids = [u for p in got for u in p.non_tensor_batch["uid"].tolist()]
+        assert len(uids) == 24 and len(set(uids)) == 12 and all(uids.count(u) == 2 for u in set(uids))
+        assert max(peak) <= 4
+        m = rollouter.metrics()
+        assert m["rollouter/groups_handed_out"] == 12 and m["rollouter/staleness"] == {0: 12}
+        rollouter.stop()
+    finally:
+        manager.shutdown()
+
+
+def test_rollouter_bounds_staleness_across_weight_updates(ray_session, monkeypatch):
+    import torch
+
+    from agentloop.rollouter import Rollouter
+
+    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0)
+    try:
+        rollouter = Rollouter(manager, prompt_batches(2, 6, 2, 1.0), max_inflight=8, max_staleness=0).start()
+        first = rollouter.get(num_groups=2)
+        manager.update_weights({"w": torch.zeros(2)})  # groups still running started at version 0: too stale
+        rest = [p for p in iter(lambda: rollouter.get(num_groups=2), None)]
+        handed = [first, *rest]
+        assert sum(len(p) for p in handed) == 24  # every group handed out once, none lost
+        assert all(set(p.non_tensor_batch["min_global_steps"].tolist()) == {1} for p in rest)
+        m = rollouter.metrics()
+        assert m["rollouter/groups_rerun_stale"] > 0 and set(m["rollouter/staleness"]) == {0}
+        rollouter.stop()
     finally:
         manager.shutdown()

@@ -1,0 +1,288 @@
+"""Rollouter: keeps the engines busy from a prompt iterator while the trainer trains (asynchronous RL).
+
+::
+
+    rollouter = Rollouter(manager, batches, max_inflight=64, max_staleness=1)   # batches: DataProto iterator
+    rollouter.start()
+    for step in range(steps):
+        batch = rollouter.get(num_groups=16)          # complete groups (GRPO uid), in completion order
+        ...train on batch...
+        manager.update_weights(policy.state_dict())  # generation goes on meanwhile
+    rollouter.stop()
+
+A background thread (the only one; everything else is Ray) takes prompt batches from the iterator, splits
+them into groups (rows sharing ``group_by``, e.g. ``uid``: the ``n`` samples of a prompt) and keeps up to
+``max_inflight`` samples running on the AgentLoopWorkers, each dispatch a Ray streaming generator
+(:meth:`AgentLoopWorker.generate_sequences_stream`) whose groups come back as they finish.  Finished groups
+wait in a queue for :meth:`Rollouter.get`.
+
+Staleness (AReaL's eta): a group's staleness is the current weight version minus the oldest version its tokens
+were generated with (``min_global_steps``).  With ``max_staleness`` set, a group that is too stale when it
+finishes or when :meth:`Rollouter.get` would hand it out is dropped and its prompts rolled out again, and a
+dispatch still running when the weights have moved more than
+``max_staleness`` versions past the version it started at is cancelled (its engine requests aborted) and its
+unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A dead worker's unfinished groups
+are rolled out again too (the worker is replaced, as in :mod:`agentloop.workerpool`).
+
+:meth:`Rollouter.metrics` reports queue lengths, samples in flight, the staleness histogram of the groups
+handed out, groups re-run for staleness or faults, and the fraction of wall time the servers had at least
+one request in flight (sampled from the shared balancer; with one server, from samples in flight).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import ray.exceptions
+
+from agentloop.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    groups: list[DataProto]
+    slot: Any
+    version: int
+    """The weight version when it was dispatched."""
+    finished: set[int] = field(default_factory=set)
+
+    def unfinished(self) -> list[DataProto]:
+        return [g for i, g in enumerate(self.groups) if i not in self.finished]
+
+
+class Rollouter:
+    """See the module docstring.
+
+    Args:
+        manager: an :class:`agentloop.manager.AgentLoopManager`.
+        prompts: an iterable of prompt batches (DataProto with ``raw_prompt``; repeat them ``n`` times with a
+            shared ``uid`` first, e.g. :func:`agentloop.data.repeat_for_rollout`).  Exhausting it ends the
+            rollout once everything in flight is done.
+        max_inflight: samples running at once (across all workers).
+        max_staleness: the most weight versions a group handed out may lag behind (None: unbounded).
+        group_by: the column whose equal values form a group (None: every row is a group).
+        max_queue: finished groups kept waiting for :meth:`get` before dispatching pauses.
+        groups_per_dispatch: groups sent to a worker in one streaming call.
+    """
+
+    def __init__(self, manager: Any, prompts: Iterable[DataProto], *, max_inflight: int = 64,
+                 max_staleness: int | None = None, group_by: str | None = "uid", max_queue: int = 1024,
+                 groups_per_dispatch: int = 4) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"Rollouter: max_inflight must be >= 1, got {max_inflight}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"Rollouter: max_staleness must be >= 0 or None, got {max_staleness}")
+        self.manager = manager
+        self._prompts: Iterator[DataProto] = iter(prompts)
+        self.max_inflight = max_inflight
+        self.max_staleness = max_staleness
+        self.group_by = group_by
+        self.max_queue = max_queue
+        self.groups_per_dispatch = max(1, groups_per_dispatch)
+        self._todo: collections.deque[DataProto] = collections.deque()  # groups waiting to be dispatched
+        self._ready: queue.Queue[tuple[DataProto, DataProto] | None] = queue.Queue()  # (prompts, rows)
+        self._jobs: dict[Any, _Job] = {}
+        self._exhausted = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._busy_time = 0.0
+        self._started_at = 0.0
+        self.counts = {"groups_dispatched": 0, "groups_done": 0, "groups_handed_out": 0, "groups_rerun_stale": 0,
+                       "groups_rerun_fault": 0,
+                       "dispatches_cancelled_stale": 0}
+        self.staleness: collections.Counter[int] = collections.Counter()
+
+    # ---------------------------------------------------------------------------------------------- trainer side
+    def start(self) -> Rollouter:
+        """Start generating in the background; returns self."""
+        if self._thread is None:
+            self._started_at = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="agentloop-rollouter", daemon=True)
+            self._thread.start()
+        return self
+
+    def get(self, num_groups: int = 1, timeout: float | None = None) -> DataProto | None:
+        """The next ``num_groups`` finished groups as one padded DataProto (fewer when the prompts ran out;
+        None when nothing is left).  Blocks until they are there (``timeout``: raise TimeoutError after it)."""
+        self.start()
+        parts: list[DataProto] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(parts) < num_groups:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = self._ready.get(timeout=wait)
+            except queue.Empty:
+                raise TimeoutError(f"Rollouter.get: {len(parts)} of {num_groups} groups after {timeout}s") from None
+            if item is None:  # the end
+                self._ready.put(None)
+                break
+            prompts, rows = item
+            staleness = self._staleness(rows, self.manager._weight_version)
+            if self.max_staleness is not None and staleness > self.max_staleness:  # went stale while queued
+                self.counts["groups_rerun_stale"] += 1
+                self._todo.appendleft(prompts)  # deque appends are thread-safe; the thread dispatches it again
+                continue
+            self.staleness[staleness] += 1
+            self.counts["groups_handed_out"] += 1
+            parts.append(rows)
+        if self._error is not None:
+            raise RuntimeError(f"the rollouter's thread failed: {self._error!r}") from self._error
+        if not parts:
+            return None
+        out = DataProto.concat(parts) if len(parts) > 1 else parts[0]
+        out.meta_info["rollouter"] = self.metrics()
+        return out
+
+    def __iter__(self) -> Iterator[DataProto]:
+        """Finished groups one by one until the prompts are exhausted."""
+        while (group := self.get(1)) is not None:
+            yield group
+
+    def stop(self) -> None:
+        """Stop dispatching, cancel what is running and end the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def metrics(self) -> dict[str, Any]:
+        """Queue lengths, samples in flight, staleness histogram, re-runs and the servers' busy fraction."""
+        wall = max(1e-9, time.monotonic() - self._started_at) if self._started_at else 0.0
+        return {
+            "rollouter/queue/ready_groups": self._ready.qsize(), "rollouter/queue/todo_groups": len(self._todo),
+            "rollouter/inflight_samples": self._inflight(),
+            "rollouter/engine_busy_fraction": self._busy_time / wall if wall else 0.0,
+            "rollouter/staleness": dict(sorted(self.staleness.items())),
+            **{f"rollouter/{k}": v for k, v in self.counts.items()},
+        }
+
+    # ---------------------------------------------------------------------------------------------- the thread
+    def _inflight(self) -> int:
+        return sum(len(g) for job in list(self._jobs.values()) for g in job.unfinished())
+
+    def _run(self) -> None:
+        try:
+            last = time.monotonic()
+            while not self._stop.is_set():
+                self._fill()
+                if not self._jobs:
+                    if self._exhausted and not self._todo:
+                        break
+                    time.sleep(0.01)  # the queue of finished groups is full: wait for the trainer
+                    continue
+                ready, _ = ray.wait(list(self._jobs), num_returns=1, timeout=0.05)
+                now = time.monotonic()
+                if self._servers_busy():
+                    self._busy_time += now - last
+                last = now
+                for gen in ready:
+                    self._take(gen)
+                self._cancel_stale()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer through get()
+            logger.exception("the rollouter's thread failed")
+            self._error = e
+        finally:
+            for gen in self._jobs:
+                ray.cancel(gen)
+            self._jobs.clear()
+            self._ready.put(None)
+
+    def _fill(self) -> None:
+        """Dispatch groups while fewer than ``max_inflight`` samples run and the ready queue has room."""
+        while self._ready.qsize() < self.max_queue and self._inflight() < self.max_inflight:
+            if not self._todo and not self._exhausted:
+                try:
+                    self._todo.extend(_groups(self.manager._prepare(next(self._prompts)), self.group_by))
+                except StopIteration:
+                    self._exhausted = True
+            if not self._todo:
+                return
+            groups = [self._todo.popleft()]
+            while (self._todo and len(groups) < self.groups_per_dispatch
+                   and self._inflight() + sum(map(len, groups)) + len(self._todo[0]) <= self.max_inflight):
+                groups.append(self._todo.popleft())
+            self._dispatch(groups)
+
+    def _dispatch(self, groups: list[DataProto]) -> None:
+        live = self.manager.workers._wait_for_live_workers()
+        load = {id(s): 0 for s in live}
+        for job in self._jobs.values():
+            if id(job.slot) in load:
+                load[id(job.slot)] += sum(len(g) for g in job.unfinished())
+        slot = min(live, key=lambda s: load[id(s)])
+        starts = np.concatenate([[0], np.cumsum([len(g) for g in groups])[:-1]]).astype(int).tolist()
+        batch = DataProto.concat(groups) if len(groups) > 1 else groups[0]
+        gen = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(batch, starts)
+        self._jobs[gen] = _Job(groups, slot, self.manager._weight_version)
+        self.counts["groups_dispatched"] += len(groups)
+
+    def _take(self, gen: Any) -> None:
+        job = self._jobs[gen]
+        try:
+            local, rows = ray.get(next(gen))
+        except StopIteration:
+            del self._jobs[gen]
+            return
+        except ray.exceptions.RayActorError as e:
+            del self._jobs[gen]
+            self.manager.workers._replace(job.slot, f"died while streaming: {e}".splitlines()[0])
+            self._requeue(job, "groups_rerun_fault")
+            return
+        job.finished.add(local)
+        rows.meta_info.pop("faults", None)
+        staleness = self._staleness(rows, job.version)
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            self.counts["groups_rerun_stale"] += 1
+            self._todo.appendleft(job.groups[local])  # its prompts, rolled out again
+            return
+        self.counts["groups_done"] += 1
+        self._ready.put((job.groups[local], rows))
+
+    def _staleness(self, rows: DataProto, dispatched_at: int) -> int:
+        oldest = rows.non_tensor_batch.get("min_global_steps")
+        versions = [int(v) for v in (oldest.tolist() if oldest is not None else []) if v is not None]
+        return max(0, self.manager._weight_version - min(versions, default=dispatched_at))
+
+    def _cancel_stale(self) -> None:
+        if self.max_staleness is None:
+            return
+        current = self.manager._weight_version
+        for gen, job in list(self._jobs.items()):
+            if current - job.version > self.max_staleness:
+                ray.cancel(gen)
+                del self._jobs[gen]
+                self.counts["dispatches_cancelled_stale"] += 1
+                self._requeue(job, "groups_rerun_stale")
+
+    def _requeue(self, job: _Job, reason: str) -> None:
+        left = job.unfinished()
+        self.counts[reason] += len(left)
+        self._todo.extendleft(reversed(left))
+
+    def _servers_busy(self) -> bool:
+        balancer = self.manager.balancer
+        if balancer is None:
+            return self._inflight() > 0
+        return any(ray.get(balancer.stats.remote())["in_flight"])
+
+
+def _groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
+    """``batch`` split into its groups (rows sharing ``batch.non_tensor_batch[group_by]``), in batch order."""
+    keys = batch.non_tensor_batch.get(group_by) if group_by else None
+    if keys is None:
+        return [batch.slice(i, i + 1) for i in range(len(batch))]
+    rows: dict[Any, list[int]] = {}
+    for i, k in enumerate(keys.tolist()):
+        rows.setdefault(k, []).append(i)
+    return [batch.select_idxs(np.asarray(idx)) for idx in rows.values()]
