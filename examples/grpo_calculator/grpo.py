@@ -66,6 +66,8 @@ class GRPOConfig:
     """Held-out problems for the greedy evaluation before and after training."""
     seed: int = 0
     """Seed of the training problems (the held-out set uses ``seed + 1000``)."""
+    async_rollout: bool = False
+    """Generate ahead of training with the Rollouter (``--async``)."""
 
 
 def rollout_config(model_path: str | Path, *, temperature: float = 1.0, prompt_length: int = 320,

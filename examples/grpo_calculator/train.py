@@ -1,6 +1,6 @@
 """GRPO on the calculator task: an HF policy trained from agentloop rollouts on vLLM (CPU).
 
-    .venv/bin/python examples/grpo_calculator/train.py [--steps 30] [--prompts 16] [--n 8] [--lr 1e-4]
+    .venv/bin/python examples/grpo_calculator/train.py [--steps 30] [--prompts 16] [--n 8] [--lr 1e-4] [--async]
 
 1. Builds (first time only, ~2-4 min) and loads the weak starting checkpoint: the tiny model's training run
    stopped at step 400 of 1100 (``ensure_tiny_model(snapshot_step=400)``).
@@ -11,6 +11,10 @@
    ``manager.generate_sequences`` → rewards → group advantages → PPO-clip updates →
    ``manager.update_weights(policy.state_dict())``.
 5. Greedy evaluation again; writes ``outputs/grpo_calculator/{metrics.json, reward_curve.png}``.
+
+``--async``: the rollout runs ahead of training (:class:`agentloop.rollouter.Rollouter`, one step of data in
+flight beyond the step being trained, ``max_staleness`` 1 weight version): each step takes the first ``prompts``
+complete groups, trains on them while the engine keeps generating, then syncs the weights.
 """
 
 from __future__ import annotations
@@ -53,9 +57,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[GRPOConfig, Path]:
     parser.add_argument("--eval-problems", type=int, default=d.eval_problems)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", default="outputs/grpo_calculator")
+    parser.add_argument("--async", dest="async_rollout", action="store_true",
+                        help="generate ahead of training with the Rollouter (max_staleness 1)")
     a = parser.parse_args(argv)
     cfg = GRPOConfig(steps=a.steps, prompts_per_step=a.prompts, n=a.n, lr=a.lr, mini_batches=a.mini_batches,
-                     eval_problems=a.eval_problems, seed=a.seed)
+                     eval_problems=a.eval_problems, seed=a.seed, async_rollout=a.async_rollout)
     return cfg, Path(a.out)
 
 
@@ -104,9 +110,19 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
         before = greedy_success(manager, held_out)
         print(f"greedy success before: {before:.3f} ({cfg.eval_problems} held-out problems)", flush=True)
         history, t_start = [], time.perf_counter()
+        step_rows = [train_rows[(s - 1) * cfg.prompts_per_step: s * cfg.prompts_per_step]
+                     for s in range(1, cfg.steps + 1)]
+        rollouter = None
+        if cfg.async_rollout:
+            from agentloop.rollouter import Rollouter
+
+            budget = 2 * cfg.prompts_per_step * cfg.n  # the step being trained on + one step ahead
+            rollouter = Rollouter(manager, (make_batch(rows, cfg.n) for rows in step_rows), max_inflight=budget,
+                                  max_staleness=1, groups_per_dispatch=2).start()
         for step in range(1, cfg.steps + 1):
-            history.append(grpo_step(manager, policy, optimizer, cfg, step,
-                                     train_rows[(step - 1) * cfg.prompts_per_step: step * cfg.prompts_per_step]))
+            history.append(grpo_step(manager, policy, optimizer, cfg, step, step_rows[step - 1], rollouter))
+        if rollouter is not None:
+            rollouter.stop()
         train_seconds = time.perf_counter() - t_start
         after = greedy_success(manager, held_out)
         print(f"greedy success after:  {after:.3f} (+{after - before:.3f}); {cfg.steps} steps in "
@@ -124,10 +140,12 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def grpo_step(manager: Any, policy: Any, optimizer: Any, cfg: GRPOConfig, step: int,
-              rows: list[dict[str, Any]]) -> dict[str, float]:
-    """One rollout → update → weight sync round; prints and returns its metrics."""
+              rows: list[dict[str, Any]], rollouter: Any = None) -> dict[str, float]:
+    """One rollout → update → weight sync round; prints and returns its metrics.  With a ``rollouter`` the
+    step's data are the next ``prompts_per_step`` groups it finished (generated while the last step trained)."""
     t0 = time.perf_counter()
-    out = manager.generate_sequences(make_batch(rows, cfg.n))
+    out = (rollouter.get(num_groups=cfg.prompts_per_step) if rollouter is not None
+           else manager.generate_sequences(make_batch(rows, cfg.n)))
     t1 = time.perf_counter()
     rewards, valid = sequence_rewards(out, manager.tokenizer)
     advantages = group_advantages(rewards, out.non_tensor_batch["uid"], valid)

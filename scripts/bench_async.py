@@ -1,0 +1,187 @@
+"""Synchronous batches vs asynchronous streaming (Rollouter) on a heavy-tailed agentic workload, in one run.
+
+Workload (the same samples for both modes): each sample runs ``--turns`` generations with ``ignore_eos`` and a
+per-turn ``max_tokens`` drawn from a lognormal (median ``--median-tokens``, sigma ``--sigma``), with
+``--tool-latency`` seconds of "tool" time and a short tool message between turns — a long tail of slow samples,
+as in agentic RL.  One vLLM CPU server, the tiny model.
+
+* sync: ``--steps`` calls of ``manager.generate_sequences`` on ``--groups`` groups of ``--n`` samples each
+  (the next batch starts when the slowest sample of the previous one ends);
+* async: a :class:`agentloop.rollouter.Rollouter` over the same batches with the same in-flight budget
+  (``groups * n`` samples), the consumer taking ``--groups`` complete groups per step.
+
+Passes alternate (sync, async, sync, async, ...) so drift hits both alike; prints trajectories/s of each, the
+ratio async / sync (goal >= 1.5), and the engine's busy fraction (seconds with at least one request in the
+engine / wall).  ``--tool-heavy``: tools 10x slower than a turn's decode and 4x the in-flight budget for the
+async mode (goal: engine busy >= 90%).
+
+    python scripts/bench_async.py [--groups 8] [--n 4] [--steps 4] [--repeats 2] [--tool-heavy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from agentloop.loops.base import AgentLoopBase, register
+from agentloop.types import AgentLoopOutput
+
+TOOL_TOKENS = [11, 12, 13, 14, 15]
+
+
+class TailLoop(AgentLoopBase):
+    """``extra_info["turn_tokens"]`` generations (ignore_eos), ``extra_info["tool_latency"]`` s between them."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        info = kwargs["extra_info"]
+        ids = [int(t) for t in self.tokenizer.apply_chat_template(
+            list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True, return_dict=False)]
+        prompt_len, mask, rid = len(ids), [], uuid.uuid4().hex
+        turns = list(info["turn_tokens"])
+        versions: list[int] = []
+        for k, max_tokens in enumerate(turns):
+            out = await self.server_manager.generate(
+                request_id=rid, prompt_ids=ids,
+                sampling_params={**sampling_params, "max_tokens": int(max_tokens), "ignore_eos": True})
+            ids += out.token_ids
+            mask += [1] * len(out.token_ids)
+            versions.append(int(out.extra_fields.get("global_steps", 0)))
+            if k < len(turns) - 1:
+                await asyncio.sleep(float(info["tool_latency"]))
+                ids += TOOL_TOKENS
+                mask += [0] * len(TOOL_TOKENS)
+        return AgentLoopOutput(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], response_mask=mask,
+                               num_turns=2 * len(turns),
+                               extra_fields={"min_global_steps": min(versions), "max_global_steps": max(versions)})
+
+
+def make_batches(args: argparse.Namespace, seed: int) -> list[Any]:
+    from agentloop.data import repeat_for_rollout, rows_to_batch
+
+    rng = np.random.default_rng(seed)
+    batches = []
+    for step in range(args.steps):
+        rows = [{"prompt": [{"role": "user", "content": f"Step {step}, question {g}: tell me a story."}],
+                 "agent_name": "bench_tail", "extra_info": {}} for g in range(args.groups)]
+        batch = repeat_for_rollout(rows_to_batch(rows), args.n)
+        infos = []
+        for _ in range(len(batch)):
+            tokens = np.clip(rng.lognormal(np.log(args.median_tokens), args.sigma, args.turns), 4, args.max_tokens)
+            infos.append({"turn_tokens": [int(t) for t in tokens], "tool_latency": args.tool_latency})
+        batch.non_tensor_batch["extra_info"] = np.array(infos, dtype=object)
+        batches.append(batch)
+    return batches
+
+
+def engine_busy_seconds(manager: Any) -> float:
+    import ray
+
+    def read(server: Any) -> float:
+        return float(server.busy_seconds()) if hasattr(server, "busy_seconds") else float("nan")
+
+    return sum(ray.get([h.__ray_call__.remote(read) for h in manager.server_handles]))
+
+
+def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    rows = sum(len(manager.generate_sequences(b)) for b in batches)
+    return time.perf_counter() - t0, rows
+
+
+def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int) -> tuple[float, int]:
+    from agentloop.rollouter import Rollouter
+
+    t0 = time.perf_counter()
+    rollouter = Rollouter(manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1).start()
+    rows = 0
+    while (part := rollouter.get(num_groups=groups)) is not None:
+        rows += len(part)
+    rollouter.stop()
+    return time.perf_counter() - t0, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--median-tokens", type=float, default=16)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--tool-latency", type=float, default=0.2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tool-heavy", action="store_true")
+    args = parser.parse_args()
+
+    import ray
+    import ray.cloudpickle
+
+    from agentloop.config import default_config
+    from agentloop.manager import AgentLoopManager
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    register("bench_tail")(TailLoop)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    cfg = default_config()
+    for k, v in {
+        "actor_rollout_ref.model.path": str(ensure_tiny_model()),
+        "data.max_prompt_length": 128,
+        "data.max_response_length": args.turns * (args.max_tokens + len(TOOL_TOKENS)),
+        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.rollout.free_cache_engine": False,
+        "actor_rollout_ref.rollout.max_num_seqs": 256,
+        "actor_rollout_ref.rollout.agent.num_workers": 2,
+        "actor_rollout_ref.rollout.server.num_servers": 1,
+        "actor_rollout_ref.rollout.server.device": "cpu",
+    }.items():
+        OmegaConf.update(cfg, k, v)
+    manager = AgentLoopManager(cfg)
+    try:
+        budget = args.groups * args.n
+        if args.tool_heavy:  # calibrate: a turn's decode time, then tools 10x slower
+            probe = make_batches(argparse.Namespace(**{**vars(args), "steps": 1, "turns": 1}), seed=99)[0]
+            wall, _ = sync_pass(manager, [probe])
+            args.tool_latency = 10 * wall
+            print(f"tool-heavy: one turn of a batch takes {wall:.2f}s, tool latency set to {args.tool_latency:.2f}s")
+        batches = make_batches(args, seed=0)
+        sync_pass(manager, batches[:1])  # warm-up
+        results: dict[str, list[float]] = {"sync": [], "async": []}
+        busy: dict[str, list[float]] = {"sync": [], "async": []}
+        for r in range(args.repeats):
+            for mode in ("sync", "async"):
+                time.sleep(1.5)  # let idle engine threads settle
+                b0 = engine_busy_seconds(manager)
+                if mode == "sync":
+                    wall, rows = sync_pass(manager, batches)
+                else:
+                    wall, rows = async_pass(manager, batches, args.groups, budget * (4 if args.tool_heavy else 1))
+                results[mode].append(rows / wall)
+                busy[mode].append((engine_busy_seconds(manager) - b0) / wall)
+                print(f"pass {r} {mode:5s}: {rows} trajectories in {wall:.2f}s = {rows / wall:.2f}/s, "
+                      f"engine busy {busy[mode][-1]:.0%}", flush=True)
+        med = {m: statistics.median(v) for m, v in results.items()}
+        spread = {m: (min(v), max(v)) for m, v in results.items()}
+        print(f"sync : {med['sync']:.2f} trajectories/s (range {spread['sync'][0]:.2f}-{spread['sync'][1]:.2f}), "
+              f"engine busy {statistics.median(busy['sync']):.0%}")
+        print(f"async: {med['async']:.2f} trajectories/s (range {spread['async'][0]:.2f}-{spread['async'][1]:.2f}), "
+              f"engine busy {statistics.median(busy['async']):.0%}")
+        print(f"ratio async / sync: {med['async'] / med['sync']:.2f}x")
+    finally:
+        manager.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
