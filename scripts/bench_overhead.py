@@ -80,10 +80,10 @@ class RawEngine:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from agentloop.servers.placement import _cpu_bind_env
+        from agentloop.servers.placement import cpu_bind_env
         from agentloop.servers.vllm import _engine_args
 
-        os.environ.update(_cpu_bind_env(0, 1))  # the same core binding the server actor gets
+        os.environ.update(cpu_bind_env(0, 1))  # the same core binding the server actor gets
         r = cfg.actor_rollout_ref.rollout
         self.prompts = prompts
         self.params = SamplingParams(  # the raw engine used at its best: no detokenizing, final output only
