@@ -222,7 +222,8 @@ class Rollouter:
                 load[id(job.slot)] += sum(len(g) for g in job.unfinished())
         slot = min(live, key=lambda s: load[id(s)])
         starts = np.concatenate([[0], np.cumsum([len(g) for g in groups])[:-1]]).astype(int).tolist()
-        batch = DataProto.concat(groups) if len(groups) > 1 else groups[0]
+        batch = DataProto.concat(groups) if len(groups) > 1 else groups[0].slice(0, len(groups[0]))
+        batch.meta_info["global_steps"] = self.manager._weight_version  # the version this dispatch starts at
         gen = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(batch, starts)
         self._jobs[gen] = _Job(groups, slot, self.manager._weight_version)
         self.counts["groups_dispatched"] += len(groups)
@@ -281,8 +282,12 @@ def _groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
     """``batch`` split into its groups (rows sharing ``batch.non_tensor_batch[group_by]``), in batch order."""
     keys = batch.non_tensor_batch.get(group_by) if group_by else None
     if keys is None:
-        return [batch.slice(i, i + 1) for i in range(len(batch))]
-    rows: dict[Any, list[int]] = {}
-    for i, k in enumerate(keys.tolist()):
-        rows.setdefault(k, []).append(i)
-    return [batch.select_idxs(np.asarray(idx)) for idx in rows.values()]
+        parts = [batch.slice(i, i + 1) for i in range(len(batch))]
+    else:
+        rows: dict[Any, list[int]] = {}
+        for i, k in enumerate(keys.tolist()):
+            rows.setdefault(k, []).append(i)
+        parts = [batch.select_idxs(np.asarray(idx)) for idx in rows.values()]
+    for part in parts:  # groups of different batches are dispatched together: the version is set per dispatch
+        part.meta_info = {k: v for k, v in part.meta_info.items() if k != "global_steps"}
+    return parts
