@@ -95,6 +95,9 @@ class Rollouter:
         self._jobs: dict[Any, _Job] = {}
         self._exhausted = False
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._unconsumed = 0
+        """Finished groups put in the ready queue and not yet handed out or re-queued by :meth:`get`."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._busy_time = 0.0
@@ -130,10 +133,12 @@ class Rollouter:
                 break
             prompts, rows = item
             staleness = self._staleness(rows, self.manager._weight_version)
-            if self.max_staleness is not None and staleness > self.max_staleness:  # went stale while queued
-                self.counts["groups_rerun_stale"] += 1
-                self._todo.appendleft(prompts)  # deque appends are thread-safe; the thread dispatches it again
-                continue
+            with self._lock:
+                self._unconsumed -= 1
+                if self.max_staleness is not None and staleness > self.max_staleness:  # went stale while queued
+                    self.counts["groups_rerun_stale"] += 1
+                    self._todo.appendleft(prompts)  # the thread dispatches it again (it waits for this decision)
+                    continue
             self.staleness[staleness] += 1
             self.counts["groups_handed_out"] += 1
             parts.append(rows)
@@ -177,8 +182,9 @@ class Rollouter:
             while not self._stop.is_set():
                 self._fill()
                 if not self._jobs:
-                    if self._exhausted and not self._todo:
-                        break
+                    with self._lock:  # done once every finished group was handed out (none re-queued by get)
+                        if self._exhausted and not self._todo and self._unconsumed == 0:
+                            break
                     time.sleep(0.01)  # the queue of finished groups is full: wait for the trainer
                     continue
                 ready, _ = ray.wait(list(self._jobs), num_returns=1, timeout=0.05)
@@ -248,6 +254,8 @@ class Rollouter:
             self._todo.appendleft(job.groups[local])  # its prompts, rolled out again
             return
         self.counts["groups_done"] += 1
+        with self._lock:
+            self._unconsumed += 1
         self._ready.put((job.groups[local], rows))
 
     def _staleness(self, rows: DataProto, dispatched_at: int) -> int:

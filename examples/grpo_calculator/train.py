@@ -116,8 +116,9 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
         if cfg.async_rollout:
             from agentloop.rollouter import Rollouter
 
-            budget = 2 * cfg.prompts_per_step * cfg.n  # the step being trained on + one step ahead
-            rollouter = Rollouter(manager, (make_batch(rows, cfg.n) for rows in step_rows), max_inflight=budget,
+            # one step of samples generating while the previous step trains; at most one step finished and waiting
+            rollouter = Rollouter(manager, (make_batch(rows, cfg.n) for rows in step_rows),
+                                  max_inflight=cfg.prompts_per_step * cfg.n, max_queue=cfg.prompts_per_step,
                                   max_staleness=1, groups_per_dispatch=2).start()
         for step in range(1, cfg.steps + 1):
             history.append(grpo_step(manager, policy, optimizer, cfg, step, step_rows[step - 1], rollouter))
