@@ -156,6 +156,7 @@ class AgentLoopWorker:
             server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),
             batch_calls=bool(rollout.server.get("batch_calls", True)), owner=worker_id,
             max_failovers=rollout.server.get("max_failovers"),
+            partial_rollout=bool(OmegaConf.select(root, "async_training.partial_rollout", default=False)),
         )
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         self.tools = load_rollout_tools(rollout)  # once per worker (verl 0.9); a bad tool config fails here

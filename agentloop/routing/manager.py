@@ -12,6 +12,11 @@ Failover: a request whose server turns out dead (its actor died, or it raises
 the balancer and is sent again, with the same prompt ids, to another server (at most ``max_failovers``
 times).  A multi-turn loop therefore keeps every token it has and only loses the prefix cache.  The manager
 restarts the dead server and swaps it back in with :meth:`AsyncLLMServerManager.replace_server`.
+
+Partial rollouts (``partial_rollout=True``, config ``async_training.partial_rollout``): a generation that a
+server :meth:`~agentloop.servers.base.LLMServer.pause` interrupted is sent again, once the server resumes, with
+the prompt plus the tokens generated so far and the rest of its ``max_tokens``; the pieces are joined so the agent
+loop sees one call (see :meth:`AsyncLLMServerManager.generate`).  Without it such a call returns ``aborted``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.strategies import Balancer, make_balancer
 from agentloop.servers.base import ServerDeadError
-from agentloop.types import TokenDelta, TokenOutput
+from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +55,14 @@ class AsyncLLMServerManager:
             AgentLoopManager releases them all when the worker owning this client dies.
         max_failovers: how many times one request may move to another server after its server died
             (default: once to every other server).
+        partial_rollout: resume generations a server pause interrupted and join the pieces (verl's
+            ``async_training.partial_rollout``); False returns them ``aborted``.
     """
 
     def __init__(
         self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
         max_cache_size: int = 10000, batch_calls: bool = True, owner: str | None = None,
-        max_failovers: int | None = None,
+        max_failovers: int | None = None, partial_rollout: bool = False,
     ) -> None:
         self.server_handles = list(server_handles)
         if not self.server_handles:
@@ -76,6 +83,9 @@ class AsyncLLMServerManager:
         """Servers this client saw die (and has not seen replaced)."""
         self.num_failovers = 0
         """Requests re-sent to another server after theirs died (reported in the batch's fault metrics)."""
+        self.partial_rollout = bool(partial_rollout)
+        self.num_resumes = 0
+        """Generations re-issued after a server pause interrupted them (``partial_rollout``)."""
 
     async def _acquire(self, request_id: str, prompt_len: int) -> int:
         if self._client is not None:
@@ -131,6 +141,15 @@ class AsyncLLMServerManager:
         The output's ``extra_fields`` gain ``server_index`` and, when the server reports its weight version
         ``global_steps``, ``min_global_steps`` / ``max_global_steps`` (both that version, as in verl).
 
+        With ``partial_rollout`` a call that a server pause interrupted (``extra_fields["preempted_by_pause"]``)
+        is re-issued with the same request id (so the same server, once it resumes), ``prompt_ids`` plus the
+        tokens so far and ``max_tokens`` less those tokens (the limit of the first piece when the caller gave
+        none), until a piece ends otherwise.  The result is one TokenOutput: ids and log-probs concatenated, the
+        last piece's stop reason, ``num_preempted`` = resumes (when any), and ``extra_fields`` with the last
+        piece's ``global_steps``, ``min_global_steps`` / ``max_global_steps`` over the pieces and
+        ``weight_versions`` (the weight version that sampled each token).  A caller's own :meth:`abort` is
+        never resumed.
+
         The other keywords are the ones verl 0.7–0.9 loops pass (``video_data``, ``audio_data``,
         ``mm_processor_kwargs``, ``mm_processor_output``, ``priority``, anything else): accepted so those
         loops run unchanged.  Videos and audio are refused (no engine path for them here yet; see
@@ -141,15 +160,42 @@ class AsyncLLMServerManager:
                 "AsyncLLMServerManager.generate got video_data/audio_data: agentloop passes images to the "
                 "engine but not videos or audio yet (docs/porting-from-verl.md, 'Remaining differences')"
             )
+        key = sticky_key or request_id
+        output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, image_data)
+        pieces = [output]
+        while self.partial_rollout and output.extra_fields.get("preempted_by_pause"):
+            generated = [t for piece in pieces for t in piece.token_ids]
+            limit = pieces[0].extra_fields.get("max_tokens") or sampling_params.get("max_tokens")
+            params = dict(sampling_params)
+            if limit is not None:
+                if int(limit) - len(generated) <= 0:  # cut after its last allowed token: nothing is left
+                    extra = {k: v for k, v in output.extra_fields.items() if k not in ("preempted_by_pause",
+                                                                                          "max_tokens")}
+                    pieces[-1] = output.model_copy(update={"stop_reason": StopReason.LENGTH, "extra_fields": extra})
+                    break
+                params["max_tokens"] = int(limit) - len(generated)
+            self.num_resumes += 1
+            logger.debug("request %s: interrupted by a server pause after %d tokens; resuming", request_id,
+                         len(generated))
+            output, server = await self._generate_once(request_id, key, list(prompt_ids) + generated, params,
+                                                       image_data)
+            pieces.append(output)
+        if self.partial_rollout:
+            output = _join(pieces)
+        return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
+
+    async def _generate_once(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                             image_data: list[Any] | None) -> tuple[TokenOutput, int]:
+        """One server call, failing over to another server when the chosen one is dead."""
         attempt = 0
         while True:
             try:
-                async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
+                async with self._slot(key, len(prompt_ids), request_id) as server:
                     output = await self._call(
                         server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
                         request_id=request_id, image_data=image_data,
                     )
-                break
+                return output, server
             except ServerDeadError as e:
                 await self._mark_down(e)
                 if attempt >= self.max_failovers or len(self.down) >= len(self.server_handles):
@@ -157,7 +203,6 @@ class AsyncLLMServerManager:
                 attempt += 1
                 self.num_failovers += 1
                 logger.warning("request %s: %s; failing over to another server", request_id, e)
-        return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
 
     async def _mark_down(self, error: ServerDeadError) -> None:
         """Take the dead server out of routing, for this client and (shared balancer) every other."""
@@ -274,6 +319,25 @@ def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:
         fields.setdefault("min_global_steps", fields["global_steps"])
         fields.setdefault("max_global_steps", fields["global_steps"])
     return fields
+
+
+def _join(pieces: list[TokenOutput]) -> TokenOutput:
+    """One TokenOutput from the pieces of a resumed generation (see AsyncLLMServerManager.generate)."""
+    last = pieces[-1]
+    fields = dict(last.extra_fields)
+    if not fields.get("preempted_by_pause"):
+        fields.pop("max_tokens", None)
+    if all(p.extra_fields.get("global_steps") is not None for p in pieces):
+        versions = [int(p.extra_fields["global_steps"]) for p in pieces]
+        fields["min_global_steps"] = min(versions)
+        fields["max_global_steps"] = max(versions)
+        fields["weight_versions"] = [v for p, v in zip(pieces, versions, strict=True) for _ in p.token_ids]
+    if len(pieces) == 1:
+        return last.model_copy(update={"extra_fields": fields})
+    log_probs = None if any(p.log_probs is None for p in pieces) else [x for p in pieces for x in p.log_probs or []]
+    return last.model_copy(update={
+        "token_ids": [t for p in pieces for t in p.token_ids], "log_probs": log_probs,
+        "num_preempted": len(pieces) - 1, "extra_fields": fields})
 
 
 LLMServerClient = AsyncLLMServerManager

@@ -7,12 +7,14 @@ router talks to it only through this Protocol, so vLLM, SGLang and the test fake
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from agentloop.errors import ServerError
 from agentloop.servers.weight_sync import WeightBucket
-from agentloop.types import TokenDelta, TokenOutput
+from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 
 class ServerDeadError(ServerError):
@@ -64,6 +66,18 @@ class LLMServer(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Abort an in-flight request; its ``generate`` returns with ``stop_reason='aborted'``."""
+        ...
+
+    async def pause(self) -> int:
+        """Abort every in-flight request and hold new ``generate`` calls until :meth:`resume`; returns how many
+        requests were in flight.  Each aborted call returns the tokens and log-probs sampled before the abort,
+        ``stop_reason='aborted'``, ``extra_fields["preempted_by_pause"] = True`` and ``extra_fields["max_tokens"]``
+        (the limit it ran under), so the router can resume it (``partial_rollout``).  A weight update may run
+        while paused; held calls still wait for :meth:`resume`.  Pausing a paused server returns 0."""
+        ...
+
+    async def resume(self) -> None:
+        """Let held and new requests run again (no-op when not paused)."""
         ...
 
     async def wake_up(self) -> None:
@@ -152,3 +166,87 @@ class BatchGenerateMixin:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+class PauseGate:
+    """The bookkeeping behind a server's :meth:`LLMServer.pause` / :meth:`LLMServer.resume`.
+
+    ``generate`` runs inside :meth:`admitted`: it waits there while the gate is closed, then counts as in flight.
+    :meth:`close` (pause) remembers which in-flight requests it preempts; the server aborts them in its engine and
+    passes each output's extra_fields through :meth:`extra`, which tags a preempted, aborted output for the
+    router.  A caller's own abort (:meth:`caller_abort`) is never tagged: the router resumes only what a pause
+    interrupted.
+    """
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.in_flight: dict[str, int] = {}
+        """Request ids admitted and not finished -> how many calls use the id."""
+        self._waiting: dict[str, int] = {}
+        self._preempted: set[str] = set()
+        self._dropped: set[str] = set()
+
+    @property
+    def paused(self) -> bool:
+        """Whether new requests are held."""
+        return not self._open.is_set()
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, request_id: str) -> AsyncIterator[bool]:
+        """Wait while paused, then count ``request_id`` in flight until the block ends.  Yields False when the
+        caller aborted the request while it was held (it must not reach the engine then)."""
+        _count(self._waiting, request_id, +1)
+        try:
+            while not self._open.is_set():
+                await self._open.wait()
+        finally:  # also when the wait is cancelled: a later call with this id must not be dropped
+            _count(self._waiting, request_id, -1)
+            admitted = request_id not in self._dropped
+            if request_id not in self._waiting:
+                self._dropped.discard(request_id)
+        _count(self.in_flight, request_id, +1)
+        try:
+            yield admitted
+        finally:
+            _count(self.in_flight, request_id, -1)
+            if request_id not in self.in_flight:
+                self._preempted.discard(request_id)
+
+    def close(self) -> int:
+        """Hold new requests and mark the in-flight ones preempted; returns how many calls were in flight
+        (0 when already closed)."""
+        if not self._open.is_set():
+            return 0
+        self._open.clear()
+        self._preempted |= set(self.in_flight)
+        return sum(self.in_flight.values())
+
+    def open(self) -> None:
+        """Let held and new requests go."""
+        self._open.set()
+
+    def caller_abort(self, request_id: str) -> None:
+        """The caller aborted ``request_id``: not a preemption; if it is held, it must not run."""
+        self._preempted.discard(request_id)
+        if request_id in self._waiting:
+            self._dropped.add(request_id)
+
+    def extra(self, extra_fields: dict[str, Any], stop_reason: str | None, request_id: str,
+              max_tokens: int | None) -> dict[str, Any]:
+        """An output's ``extra_fields`` plus ``preempted_by_pause`` / ``max_tokens`` when a pause (not the
+        caller) aborted it: what the router needs to resume it."""
+        if stop_reason != StopReason.ABORTED or request_id not in self._preempted:
+            return extra_fields
+        extra = {**extra_fields, "preempted_by_pause": True}
+        if max_tokens is not None:
+            extra["max_tokens"] = int(max_tokens)
+        return extra
+
+
+def _count(counts: dict[str, int], key: str, step: int) -> None:
+    left = counts.get(key, 0) + step
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -22,6 +22,10 @@ or ``update_weights`` for a whole dict at once) go straight into the engine work
 to transport ``file``: each bucket is written as a safetensors shard in a temporary directory that the engine
 reloads at the end (same result, slower, disk-bound).  Every output carries the server's weight version in
 ``extra_fields["global_steps"]`` (0 until the first update).
+
+:meth:`VLLMServer.pause` aborts in-flight requests (they return the tokens sampled so far, ``aborted``) and holds
+new ones until :meth:`VLLMServer.resume` (see :meth:`agentloop.servers.base.LLMServer.pause`); a weight update
+may run in between.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin, ServerDeadError
+from agentloop.servers.base import BatchGenerateMixin, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import (
     WORKER_EXTENSION,
     SharedBucket,
@@ -98,6 +102,11 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool, server_in
     return args
 
 
+async def _empty() -> AsyncIterator[Any]:
+    return
+    yield
+
+
 def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
     """The logprob of each sampled token (vLLM returns a {token: Logprob} dict per position)."""
     return [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
@@ -128,6 +137,7 @@ class VLLMServer(BatchGenerateMixin):
         self.weight_transport = "file"
         """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set by start()."""
         self._update: _WeightUpdate | None = None
+        self._gate = PauseGate()
 
     async def start(self) -> dict[str, Any]:
         """Create the engine; returns facts about it (platform, start seconds)."""
@@ -187,23 +197,29 @@ class VLLMServer(BatchGenerateMixin):
         request_id: str,
         image_data: list[Any] | None = None,
     ) -> TokenOutput:
-        """Generate from token ids; see the module docstring for the keys."""
+        """Generate from token ids; see the module docstring for the keys.  While the server is paused the call
+        waits for :meth:`resume`; a pause during the call ends it with the tokens sampled so far (aborted)."""
         if self.engine is None:
             raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        want_logprobs = bool(sampling_params.get("logprobs"))
         params = self._sampling_params(len(prompt_ids), sampling_params)
         if params.max_tokens <= 0:
-            return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+            return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
         final = None
-        try:
-            async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
-                final = out
-        except Exception as e:
-            self._raise_if_dead(e)
-            raise
-        if final is None:
-            return TokenOutput(token_ids=[], stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields())
-        return self._to_token_output(final, bool(sampling_params.get("logprobs")))
+        async with self._gate.admitted(request_id) as admitted:
+            if admitted:
+                try:
+                    async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
+                        final = out
+                except Exception as e:
+                    self._raise_if_dead(e)
+                    raise
+            output = (self._to_token_output(final, want_logprobs) if final is not None else
+                      TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
+                                  stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields()))
+            extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id, params.max_tokens)
+            return output.model_copy(update={"extra_fields": extra})
 
     async def generate_stream(
         self,
@@ -223,21 +239,47 @@ class VLLMServer(BatchGenerateMixin):
                              stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
             return
         finished = False
-        try:
-            async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
-                completion = out.outputs[0]
-                ids = list(completion.token_ids)
-                log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
-                finished = bool(out.finished)
-                stop = _FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP) if finished else None
-                yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
-                                 extra_fields=self._extra_fields() if finished else {})
-        except Exception as e:
-            self._raise_if_dead(e)
-            raise
-        if not finished:
-            yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
-                             stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields())
+        async with self._gate.admitted(request_id) as admitted:
+            try:
+                prompt = self._prompt(prompt_ids, image_data)
+                async for out in self.engine.generate(prompt, params, request_id) if admitted else _empty():
+                    completion = out.outputs[0]
+                    ids = list(completion.token_ids)
+                    log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
+                    finished = bool(out.finished)
+                    reason = completion.finish_reason or "abort"
+                    stop = _FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
+                    extra = self._gate.extra(self._extra_fields(), stop, request_id, params.max_tokens)
+                    yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
+                                     extra_fields=extra if finished else {})
+            except Exception as e:
+                self._raise_if_dead(e)
+                raise
+            if not finished:
+                yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
+                                 stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields())
+
+    async def pause(self) -> int:
+        """Abort every in-flight request and hold new ones until :meth:`resume` (see
+        :meth:`agentloop.servers.base.LLMServer.pause`); the KV cache is kept."""
+        if self.engine is None:
+            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        if self._gate.paused:
+            return 0
+        n = self._gate.close()
+        # The engine's own pause aborts what runs (their final outputs carry the tokens so far) and queues any
+        # request already past the gate but not yet in the engine, so nothing runs until resume().
+        await self.engine.pause_generation(mode="abort", clear_cache=False)
+        return n
+
+    async def resume(self) -> None:
+        """Let held and new requests run again (no-op when not paused); during an open weight update they run
+        once :meth:`finish_weight_update` has applied it."""
+        if not self._gate.paused:
+            return
+        if self._update is None and self.engine is not None:
+            await self.engine.resume_generation()
+        self._gate.open()
 
     def _raise_if_dead(self, error: BaseException) -> None:
         """An engine whose core process died raises vLLM's EngineDeadError for this and every later request:
@@ -277,7 +319,9 @@ class VLLMServer(BatchGenerateMixin):
         return {"server_index": self.server_index, "global_steps": self.global_steps}
 
     async def abort(self, request_id: str) -> None:
-        """Abort an in-flight request (its generate returns ``stop_reason='aborted'``)."""
+        """Abort an in-flight request (its generate returns ``stop_reason='aborted'``); a request held by a
+        pause ends aborted without running.  A caller's abort is never resumed by the router."""
+        self._gate.caller_abort(request_id)
         await self.engine.abort(request_id)
 
     async def wake_up(self) -> None:
@@ -415,7 +459,8 @@ class VLLMServer(BatchGenerateMixin):
         update, self._update = self._update, None
         if update is not None and update.tmpdir is not None:
             update.tmpdir.cleanup()
-        await self.engine.resume_generation()
+        if not self._gate.paused:  # paused: the engine stays paused until resume()
+            await self.engine.resume_generation()
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix (KV) cache, e.g. after a weight update made it stale."""

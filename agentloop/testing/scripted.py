@@ -22,6 +22,12 @@ Reply rules, in order:
    a vLLM server whose engine process died) and :meth:`check_health` raises it too.
 6. Every reply it builds carries ``extra_fields["global_steps"]``: the weight version, 0 until the first
    update; ``update_weights`` / ``finish_weight_update`` set it (default: previous + 1), as a real server.
+7. ``token_delay`` > 0 hands the reply out one token at a time, ``token_delay`` seconds per token, so an
+   :meth:`abort` or :meth:`pause` can cut it: the call then returns the tokens (and log-probs) produced so far
+   with ``stop_reason='aborted'``.
+8. :meth:`pause` cuts every call in flight (its delay or its tokens) and holds new calls until :meth:`resume`,
+   as a real server; the cut replies carry ``extra_fields["preempted_by_pause"] = True`` and
+   ``extra_fields["max_tokens"]`` (when the call had one), a caller's own abort does not.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin, ServerDeadError
+from agentloop.servers.base import BatchGenerateMixin, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -57,6 +63,8 @@ class ScriptedServer(BatchGenerateMixin):
             echoes the last ``min(4, max_tokens)`` prompt ids.
         eos_token_id: a reply ending with it has ``stop_reason='stop'``.
         delay: seconds to wait before replying (lets tests overlap, time out or abort requests).
+        token_delay: seconds per token of the reply, handed out one by one (lets a pause or an abort cut a
+            reply part-way, as on a real engine).
         name: shown in error messages.
 
     Attributes:
@@ -66,7 +74,7 @@ class ScriptedServer(BatchGenerateMixin):
         global_steps: the weight version put in every reply.
         buckets: the tensor names of each bucket of the last streamed update.
         lifecycle: ``sleep`` / ``wake_up`` / ``begin_weight_update`` / ``finish_weight_update`` /
-            ``update_weights`` calls in order, for tests of what happens before what.
+            ``update_weights`` / ``pause`` / ``resume`` calls in order, for tests of what happens before what.
     """
 
     supports_sleep = True
@@ -77,6 +85,7 @@ class ScriptedServer(BatchGenerateMixin):
         *,
         eos_token_id: int | None = None,
         delay: float = 0.0,
+        token_delay: float = 0.0,
         name: str = "scripted",
     ) -> None:
         self._script: list[Script] | ScriptFn | None = (
@@ -85,6 +94,7 @@ class ScriptedServer(BatchGenerateMixin):
         self._next = 0
         self.eos_token_id = eos_token_id
         self.delay = delay
+        self.token_delay = token_delay
         self.name = name
         self.calls: list[dict[str, Any]] = []
         self.counts = {"wake_up": 0, "sleep": 0, "update_weights": 0, "abort": 0, "clear_kv_cache": 0,
@@ -96,6 +106,7 @@ class ScriptedServer(BatchGenerateMixin):
         self._open_version: int | None = None
         self._pending: dict[str, list[asyncio.Event]] = {}
         self.engine_dead = False
+        self._gate = PauseGate()
 
     @property
     def remaining(self) -> int | None:
@@ -118,15 +129,15 @@ class ScriptedServer(BatchGenerateMixin):
         self._next += 1
         return reply
 
-    async def _wait(self, request_id: str) -> bool:
-        """Sleep ``delay`` seconds; True when the request was aborted meanwhile."""
-        if not self.delay:
+    async def _wait(self, request_id: str, seconds: float) -> bool:
+        """Sleep ``seconds``; True when the request was aborted (or paused) meanwhile."""
+        if not seconds:
             return False
         event = asyncio.Event()
         self._pending.setdefault(request_id, []).append(event)
         try:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), self.delay)
+                await asyncio.wait_for(event.wait(), seconds)
             return event.is_set()
         finally:
             waiting = self._pending.get(request_id, [])
@@ -142,22 +153,38 @@ class ScriptedServer(BatchGenerateMixin):
         request_id: str,
         image_data: list[Any] | None = None,
     ) -> TokenOutput:
-        """Record the call, wait ``delay`` (abortable), then reply from the script."""
+        """Record the call, wait while paused, wait ``delay`` (abortable), then reply from the script (one token
+        per ``token_delay``, abortable)."""
         call = {"request_id": request_id, "prompt_ids": list(prompt_ids),
                 "sampling_params": dict(sampling_params), "image_data": image_data}
         self.calls.append(call)
         self._raise_if_dead()
-        aborted = await self._wait(request_id)
+        async with self._gate.admitted(request_id) as admitted:
+            output = await self._generate(prompt_ids, sampling_params, request_id) if admitted else None
+            if output is None:  # aborted before the reply was made
+                output = TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+                                     stop_reason=StopReason.ABORTED, extra_fields={"global_steps": self.global_steps})
+            extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id,
+                                     sampling_params.get("max_tokens"))
+            return output.model_copy(update={"extra_fields": extra}) if extra is not output.extra_fields else output
+
+    async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any],
+                        request_id: str) -> TokenOutput | None:
+        aborted = await self._wait(request_id, self.delay)
         self._raise_if_dead()
         if aborted:
-            return TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
-                               stop_reason=StopReason.ABORTED, extra_fields={"global_steps": self.global_steps})
+            return None
         reply = self._reply(prompt_ids, sampling_params, request_id)
         if isinstance(reply, Exception):
             raise reply
-        if isinstance(reply, TokenOutput):
-            return reply
-        return self._shape(list(reply), sampling_params)
+        output = reply if isinstance(reply, TokenOutput) else self._shape(list(reply), sampling_params)
+        for i in range(len(output.token_ids) if self.token_delay else 0):
+            if await self._wait(request_id, self.token_delay):
+                self._raise_if_dead()
+                return output.model_copy(update={
+                    "token_ids": output.token_ids[:i], "stop_reason": StopReason.ABORTED,
+                    "log_probs": None if output.log_probs is None else output.log_probs[:i]})
+        return output
 
     async def generate_stream(
         self,
@@ -209,10 +236,32 @@ class ScriptedServer(BatchGenerateMixin):
         return {"name": self.name, "global_steps": self.global_steps}
 
     async def abort(self, request_id: str) -> None:
-        """End the pending call(s) with this id at once, with ``stop_reason='aborted'``."""
+        """End the pending call(s) with this id at once, with ``stop_reason='aborted'`` and the tokens produced
+        so far (a call held by a pause ends so without running)."""
         self.counts["abort"] += 1
+        self._gate.caller_abort(request_id)
         for event in self._pending.pop(request_id, []):
             event.set()
+
+    async def pause(self) -> int:
+        """Cut every call in flight (rule 8) and hold new ones until :meth:`resume`; returns how many calls were
+        in flight (0 when already paused)."""
+        self.lifecycle.append("pause")
+        n = self._gate.close()
+        for events in self._pending.values():
+            for event in events:
+                event.set()
+        return n
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` holds new calls."""
+        return self._gate.paused
+
+    async def resume(self) -> None:
+        """Let held and new calls run again."""
+        self.lifecycle.append("resume")
+        self._gate.open()
 
     async def wake_up(self) -> None:
         """Count the call (nothing to re-acquire)."""
