@@ -287,6 +287,20 @@ class AgentLoopManager:
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
         return self.gateways
 
+    def pause(self) -> int:
+        """Abort every in-flight engine request and hold new ones until :meth:`resume` (e.g. around
+        :meth:`update_weights` while a rollout runs in another thread or the :class:`~agentloop.rollouter.Rollouter`).
+        With ``async_training.partial_rollout: true`` the routers re-issue each cut request after the resume with
+        its tokens so far, so agent loops see one uninterrupted generation (docs/concepts.md, "Pause, resume and
+        partial rollouts"); otherwise cut requests end ``aborted``.  Returns how many requests were cut."""
+        live = [h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down]
+        return int(sum(ray.get([s.pause.remote() for s in live])))
+
+    def resume(self) -> None:
+        """Let the servers run the held and re-issued requests again (after :meth:`pause`)."""
+        live = [h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down]
+        ray.get([s.resume.remote() for s in live])
+
     @property
     def can_sleep(self) -> bool:
         """Whether every server really releases accelerator memory on :meth:`sleep` (each declares

@@ -89,13 +89,14 @@ def ray_session():
 
 
 def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_workers: int = 2,
+                 server_kwargs: dict[str, Any] | None = None, root: dict[str, Any] | None = None,
                  **agent: Any) -> Any:
     import agentloop.manager as manager_module
     from agentloop.config import default_config
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     handles = [ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=1000).remote(
-        delay=delay, name=f"s{i}") for i in range(num_servers)]
+        delay=delay, name=f"s{i}", **(server_kwargs or {})) for i in range(num_servers)]
     group = FakeServerGroup(handles=handles, placement_group=None, device="cpu", info=[], delay=delay)
     monkeypatch.setattr(manager_module, "start_standalone_servers", lambda cfg: group)
     cfg = default_config()
@@ -105,6 +106,8 @@ def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_w
     OmegaConf.update(cfg.actor_rollout_ref.rollout, "free_cache_engine", False)
     for k, v in agent.items():
         OmegaConf.update(cfg.actor_rollout_ref.rollout, f"agent.{k}", v)
+    for k, v in (root or {}).items():
+        OmegaConf.update(cfg, k, v, force_add=True)
     return manager_module.AgentLoopManager(cfg)
 
 
@@ -328,5 +331,40 @@ def test_rollouter_bounds_staleness_across_weight_updates(ray_session, monkeypat
         m = rollouter.metrics()
         assert m["rollouter/groups_rerun_stale"] > 0 and set(m["rollouter/staleness"]) == {0}
         rollouter.stop()
+    finally:
+        manager.shutdown()
+
+
+def eight_tokens(prompt_ids: list[int], params: dict, request_id: str) -> list[int]:
+    """A deterministic "model": the continuation of 40..47 after what the prompt (5, 6, 7 + tokens) already has."""
+    return [40, 41, 42, 43, 44, 45, 46, 47][len(prompt_ids) - 3:]
+
+
+def test_pause_update_resume_cycles_during_a_batch_lose_nothing(ray_session, monkeypatch):
+    """Three pause -> update_weights -> resume cycles while a batch runs (tokens handed out one per 0.1 s): with
+    partial_rollout every sample still gets its 8 tokens, exactly as uninterrupted, spanning several versions."""
+    import torch
+
+    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0,
+                           server_kwargs={"responses": eight_tokens, "token_delay": 0.1},
+                           root={"async_training.partial_rollout": True})
+    try:
+        result: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: result.update(out=manager.generate_sequences(
+            batch([f"sleep 0.{i}" for i in range(8)], agent_name="sleepy_probe"))))
+        worker.start()
+        cut = 0
+        for version in (1, 2, 3):
+            time.sleep(0.25)
+            cut += manager.pause()
+            manager.update_weights({"w": torch.full((2,), float(version))}, global_steps=version)
+            manager.resume()
+        worker.join(60)
+        out = result["out"]
+        assert cut > 0  # requests really were cut mid-generation
+        assert out.non_tensor_batch["status"].tolist() == ["stop"] * 8  # none aborted, none failed
+        assert out.batch["responses"][:, :8].tolist() == [[40, 41, 42, 43, 44, 45, 46, 47]] * 8
+        assert max(out.non_tensor_batch["max_global_steps"].tolist()) == 3
+        assert min(out.non_tensor_batch["min_global_steps"].tolist()) < 3  # tokens from several versions
     finally:
         manager.shutdown()
