@@ -101,6 +101,8 @@ class Rollouter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._busy_time = 0.0
+        self._busy_sampled_at = 0.0
+        self._busy_sample = False
         self._started_at = 0.0
         self.counts = {"groups_dispatched": 0, "groups_done": 0, "groups_handed_out": 0, "groups_rerun_stale": 0,
                        "groups_rerun_fault": 0,
@@ -280,10 +282,16 @@ class Rollouter:
         self._todo.extendleft(reversed(left))
 
     def _servers_busy(self) -> bool:
+        """Whether a server has a request in flight; the shared balancer is asked at most every 0.1 s (it also
+        serves every worker's routing), the answer reused in between."""
         balancer = self.manager.balancer
         if balancer is None:
             return self._inflight() > 0
-        return any(ray.get(balancer.stats.remote())["in_flight"])
+        now = time.monotonic()
+        if now - self._busy_sampled_at >= 0.1:
+            self._busy_sampled_at = now
+            self._busy_sample = any(ray.get(balancer.stats.remote())["in_flight"])
+        return self._busy_sample
 
 
 def _groups(batch: DataProto, group_by: str | None) -> list[DataProto]:

@@ -29,7 +29,7 @@ import numpy as np
 import ray
 import ray.exceptions
 
-from agentloop.errors import ConfigError
+from agentloop.errors import ConfigError, first_line
 from agentloop.protocol import DataProto
 from agentloop.types import RolloutStatus
 
@@ -138,8 +138,8 @@ class WorkerPool:
             try:
                 results[unit.start] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                self._replace(slot, f"died while rolling out rows {unit.start}-{unit.end - 1}: {_first_line(e)}")
-                self._retry(batch, unit, _first_line(e), deadline, in_flight, results)
+                self._replace(slot, f"died while rolling out rows {unit.start}-{unit.end - 1}: {first_line(e)}")
+                self._retry(batch, unit, first_line(e), deadline, in_flight, results)
         return [results[k] for k in sorted(results)]
 
     def stream(self, batch: DataProto, group_starts: list[int]) -> Iterator[tuple[int, DataProto]]:
@@ -182,9 +182,9 @@ class WorkerPool:
                     continue
                 except ray.exceptions.RayActorError as e:
                     del streams[gen]
-                    self._replace(slot, f"died while streaming groups {groups[:5]}...: {_first_line(e)}")
+                    self._replace(slot, f"died while streaming groups {groups[:5]}...: {first_line(e)}")
                     left = [g for g in groups if g not in sent]
-                    yield from self._restream(batch, bounds, left, attempt, _first_line(e), deadline, streams, sent)
+                    yield from self._restream(batch, bounds, left, attempt, first_line(e), deadline, streams, sent)
                     continue
                 sent.add(groups[local])
                 yield groups[local], rows
@@ -295,7 +295,7 @@ class WorkerPool:
                     ray.get(getattr(slot.handle, method).remote(*args))
             except Exception as e:  # noqa: BLE001 - a replacement that cannot start: give the slot up
                 logger.error("the replacement of agent-loop worker %d failed to start: %s; running with one worker "
-                             "fewer", slot.index, _first_line(e))
+                             "fewer", slot.index, first_line(e))
                 slot.dead = True
             slot.ready = None
 
@@ -318,8 +318,3 @@ class WorkerPool:
         for slot in self.slots:
             ray.kill(slot.handle)
         self.slots = []
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

@@ -72,7 +72,11 @@ async def gateway_session(client: Any, gateway: Any, first: str, args: argparse.
         messages = conversation_step(messages, reply, turn)
     done = await gateway.finalize(handle.session_id)
     stats["encoded"] += done["stats"]["num_encoded_tokens"]
-    [traj] = done["trajectories"]
+    [traj] = done["trajectories"]  # one session, one branch: exactly one trajectory
+    text = gateway.service.tokenizer.decode(list(traj.prompt_ids) + list(traj.response_ids))
+    if text.count("topic number") != 1 or first not in text:  # a lost or merged trajectory
+        raise AssertionError(f"session {first!r} got a trajectory that is not its own: {text[:200]!r}")
+    stats["sessions_checked"] += 1
     stats["prompt_lens"] += _prompt_tokens_per_turn(traj)
 
 
@@ -124,14 +128,14 @@ async def main_async(args: argparse.Namespace) -> None:
     firsts = [f"Tell me a story about topic number {i}." for i in range(args.sessions)]
     results: dict[str, list[float]] = {"direct": [], "gateway": []}
     walls: dict[str, float] = {"direct": 0.0, "gateway": 0.0}
-    stats = {"encoded": 0, "prompt_lens": 0}
+    stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=600)) as client:
             for rep in range(args.repeats + 1):  # the first round warms both paths up
                 for side in ("direct", "gateway") if rep % 2 == 0 else ("gateway", "direct"):
                     lat: list[float] = []
-                    round_stats = {"encoded": 0, "prompt_lens": 0}
+                    round_stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
                     t0 = time.perf_counter()
                     if side == "direct":
                         await asyncio.gather(*(direct_session(router, tokenizer, f, args, lat) for f in firsts))
@@ -148,6 +152,8 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.engine == "vllm":
             await server.shutdown()
     report(results, walls, stats["encoded"], stats["prompt_lens"], args)
+    print(f"trajectories checked: {stats['sessions_checked']} sessions, each exactly one trajectory holding only its "
+          "own conversation")
 
 
 def _prompt_tokens_per_turn(traj: Any) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from agentloop.errors import RoutingError
+from agentloop.errors import RoutingError, first_line
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.strategies import Balancer, make_balancer
@@ -265,7 +265,7 @@ class AsyncLLMServerManager:
             raise
         except RayActorError as e:
             raise ServerDeadError(f"server {server} died (its actor is gone) while serving request {request_id}: "
-                                  f"{_first_line(e)}", server) from e
+                                  f"{first_line(e)}", server) from e
         except ServerDeadError as e:  # raised by the server itself (its engine died): name it by our index
             raise ServerDeadError(str(e), server) from e
         finally:
@@ -305,9 +305,6 @@ class AsyncLLMServerManager:
         return self.balancer.stats()
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:

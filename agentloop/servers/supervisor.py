@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from agentloop.errors import first_line
 from agentloop.servers.placement import ServerGroup
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class ServerSupervisor:
             try:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 - any failure to answer means the server cannot serve
-                logger.warning("rollout server %d is dead: %s", i, _first_line(e))
+                logger.warning("rollout server %d is dead: %s", i, first_line(e))
                 dead.append(i)
         for i in dead:
             self._take_out(i)
@@ -126,7 +127,7 @@ class ServerSupervisor:
                 info = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a failed restart is retried at the next check
                 logger.error("rollout server %d failed to restart: %s; trying again after the next batch", i,
-                             _first_line(e))
+                             first_line(e))
                 ray.kill(self.restarting.pop(i).handle, no_restart=True)
                 self._begin_restart(i)
                 continue
@@ -159,8 +160,3 @@ class ServerSupervisor:
         self.down.discard(index)
         self.counts["server_restarts"] += 1
         logger.warning("rollout server %d is back in routing", index)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
