@@ -266,6 +266,19 @@ class AgentLoopManager:
         """Drop every server's prefix (KV) cache, e.g. after a weight update made it stale."""
         ray.get([s.clear_kv_cache.remote() for s in self.server_handles])
 
+    def engine_busy_seconds(self) -> list[float]:
+        """Per server: seconds it had at least one request in its engine since it started (a restarted server
+        starts again from 0; a server that cannot answer counts nan).  Two samples' difference over the wall time
+        between is the engine-busy fraction (:class:`~agentloop.rollouter.Rollouter` metrics, bench_async)."""
+        refs = [s.busy_seconds.remote() for s in self.server_handles]
+        out = []
+        for ref in refs:
+            try:
+                out.append(float(ray.get(ref, timeout=30)))
+            except Exception:  # noqa: BLE001 - a dead or foreign server: unknown, not a failure of the caller
+                out.append(float("nan"))
+        return out
+
     def start_profile(self, **kwargs: Any) -> None:
         """Start the engines' profilers (vLLM's torch profiler needs ``VLLM_TORCH_PROFILER_DIR``; a logged
         no-op where the engine has none)."""

@@ -25,8 +25,9 @@ unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A de
 are rolled out again too (the worker is replaced, as in :mod:`agentloop.workerpool`).
 
 :meth:`Rollouter.metrics` reports queue lengths, samples in flight, the staleness histogram of the groups
-handed out, groups re-run for staleness or faults, and the fraction of wall time the servers had at least
-one request in flight (sampled from the shared balancer; with one server, from samples in flight).
+handed out, groups re-run for staleness or faults, and the engine-busy fraction: the share of wall time since
+:meth:`Rollouter.start` during which a server had at least one request in its engine, averaged over the servers
+(each server counts its own busy seconds; :meth:`AgentLoopManager.engine_busy_seconds`).
 """
 
 from __future__ import annotations
@@ -100,9 +101,7 @@ class Rollouter:
         """Finished groups put in the ready queue and not yet handed out or re-queued by :meth:`get`."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._busy_time = 0.0
-        self._busy_sampled_at = 0.0
-        self._busy_sample = False
+        self._busy_at_start: list[float] = []
         self._started_at = 0.0
         self.counts = {"groups_dispatched": 0, "groups_done": 0, "groups_handed_out": 0, "groups_rerun_stale": 0,
                        "groups_rerun_fault": 0,
@@ -113,6 +112,7 @@ class Rollouter:
     def start(self) -> Rollouter:
         """Start generating in the background; returns self."""
         if self._thread is None:
+            self._busy_at_start = self.manager.engine_busy_seconds()
             self._started_at = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="agentloop-rollouter", daemon=True)
             self._thread.start()
@@ -169,7 +169,7 @@ class Rollouter:
         return {
             "rollouter/queue/ready_groups": self._ready.qsize(), "rollouter/queue/todo_groups": len(self._todo),
             "rollouter/inflight_samples": self._inflight(),
-            "rollouter/engine_busy_fraction": self._busy_time / wall if wall else 0.0,
+            "rollouter/engine_busy_fraction": self._busy_fraction(wall),
             "rollouter/staleness": dict(sorted(self.staleness.items())),
             **{f"rollouter/{k}": v for k, v in self.counts.items()},
         }
@@ -180,7 +180,6 @@ class Rollouter:
 
     def _run(self) -> None:
         try:
-            last = time.monotonic()
             while not self._stop.is_set():
                 self._fill()
                 if not self._jobs:
@@ -190,10 +189,6 @@ class Rollouter:
                     time.sleep(0.01)  # the queue of finished groups is full: wait for the trainer
                     continue
                 ready, _ = ray.wait(list(self._jobs), num_returns=1, timeout=0.05)
-                now = time.monotonic()
-                if self._servers_busy():
-                    self._busy_time += now - last
-                last = now
                 for gen in ready:
                     self._take(gen)
                 self._cancel_stale()
@@ -281,17 +276,13 @@ class Rollouter:
         self.counts[reason] += len(left)
         self._todo.extendleft(reversed(left))
 
-    def _servers_busy(self) -> bool:
-        """Whether a server has a request in flight; the shared balancer is asked at most every 0.1 s (it also
-        serves every worker's routing), the answer reused in between."""
-        balancer = self.manager.balancer
-        if balancer is None:
-            return self._inflight() > 0
-        now = time.monotonic()
-        if now - self._busy_sampled_at >= 0.1:
-            self._busy_sampled_at = now
-            self._busy_sample = any(ray.get(balancer.stats.remote())["in_flight"])
-        return self._busy_sample
+    def _busy_fraction(self, wall: float) -> float:
+        """Mean over the servers of (busy seconds since start) / wall; nan when no server can tell."""
+        if not wall:
+            return 0.0
+        now = self.manager.engine_busy_seconds()
+        fractions = [(b - a) / wall for a, b in zip(self._busy_at_start, now, strict=False) if b >= a]
+        return float(np.mean(fractions)) if fractions else float("nan")
 
 
 def _groups(batch: DataProto, group_by: str | None) -> list[DataProto]:

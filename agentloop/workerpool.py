@@ -53,13 +53,6 @@ class _Slot:
 
 
 @dataclass
-class _Unit:
-    start: int
-    end: int
-    attempt: int = 0
-
-
-@dataclass
 class WorkerPool:
     """Worker actors with replacement; see the module docstring.
 
@@ -83,6 +76,9 @@ class WorkerPool:
     batch_timeout: float | None = None
     batch_grace_s: float = 30.0
     replacement_wait_s: float = 300.0
+    chunks_per_worker: int = 2
+    """:meth:`run` cuts a batch into this many row ranges per live worker (a dead worker's unfinished ranges
+    are spread over the survivors)."""
     on_ready: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     """Calls made on every worker that joins later (e.g. ``attach_gateways``), in order."""
     slots: list[_Slot] = field(default_factory=list)
@@ -118,29 +114,17 @@ class WorkerPool:
 
     # ----------------------------------------------------------------------------------------------
     def run(self, batch: DataProto) -> list[DataProto]:
-        """Roll ``batch`` out over the workers; returns row ranges' outputs in the batch's row order."""
+        """Roll ``batch`` out over the workers; returns the outputs of contiguous row ranges in row order.
+
+        Built on :meth:`stream`: the batch is cut into ``chunks_per_worker`` ranges per live worker, streamed,
+        and the ranges put back in order, so the fault handling is the stream's (a dead worker's ranges spread
+        over the survivors, a hung worker's ranges come back as timeout rows)."""
         live = self._wait_for_live_workers()
-        deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
-        results: dict[int, DataProto] = {}
-        in_flight: dict[Any, tuple[_Unit, _Slot]] = {}
-        n = max(1, min(len(live), len(batch)))  # an empty batch still goes to one worker (its empty output)
-        bounds = [round(i * len(batch) / n) for i in range(n + 1)]
-        for slot, (a, b) in zip(live, zip(bounds[:-1], bounds[1:], strict=True), strict=False):
-            self._dispatch(batch, _Unit(a, b), slot, deadline, in_flight)
-        while in_flight:
-            wait = None if deadline is None else max(0.0, deadline + self.batch_grace_s - time.monotonic())
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=wait)
-            if not ready:
-                self._give_up_on_hung(batch, in_flight, results)
-                break
-            ref = ready[0]
-            unit, slot = in_flight.pop(ref)
-            try:
-                results[unit.start] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                self._replace(slot, f"died while rolling out rows {unit.start}-{unit.end - 1}: {first_line(e)}")
-                self._retry(batch, unit, first_line(e), deadline, in_flight, results)
-        return [results[k] for k in sorted(results)]
+        if len(batch) == 0:  # nothing to stream: one worker pads the empty output (its columns and widths)
+            return [ray.get(live[0].handle.generate_sequences.remote(batch))]
+        n = max(1, min(len(live) * self.chunks_per_worker, len(batch)))
+        parts = dict(self.stream(batch, [round(i * len(batch) / n) for i in range(n)]))
+        return [parts[g] for g in sorted(parts)]
 
     def stream(self, batch: DataProto, group_starts: list[int]) -> Iterator[tuple[int, DataProto]]:
         """Roll ``batch`` out and yield ``(group, rows)`` for each group (contiguous rows from ``group_starts``) as
@@ -165,12 +149,16 @@ class WorkerPool:
                     for gen, (groups, slot, _) in list(streams.items()):
                         why = f"agent.batch_timeout={self.batch_timeout}s + {self.batch_grace_s}s"
                         self._replace(slot, f"did not finish its stream within {why} (its event loop is blocked)")
+                        self.fault_counts["workers_hung"] += 1
                         for g in groups:
                             if g not in sent:
                                 sent.add(g)
+                                self.fault_counts["samples_failed_by_faults"] += bounds[g + 1] - bounds[g]
                                 yield g, self.error_rows(batch.slice(bounds[g], bounds[g + 1]), RolloutStatus.TIMEOUT,
                                                          "the agent-loop worker running this sample hung past "
-                                                         f"agent.batch_timeout={self.batch_timeout}s and was restarted")
+                                                         f"agent.batch_timeout={self.batch_timeout}s and was restarted "
+                                                         "(a tool or loop blocking its event loop? run blocking "
+                                                         "code in a thread)")
                         del streams[gen]
                     break
                 gen = ready[0]
@@ -225,47 +213,6 @@ class WorkerPool:
         for i, slot in enumerate(live[:n]):
             share = groups[round(i * len(groups) / n):round((i + 1) * len(groups) / n)]
             self._open_stream(batch, bounds, share, slot, attempt + 1, deadline, streams)
-
-    def _dispatch(self, batch: DataProto, unit: _Unit, slot: _Slot, deadline: float | None,
-                  in_flight: dict[Any, tuple[_Unit, _Slot]]) -> None:
-        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
-        ref = slot.handle.generate_sequences.remote(batch.slice(unit.start, unit.end), timeout=timeout)
-        in_flight[ref] = (unit, slot)
-
-    def _retry(self, batch: DataProto, unit: _Unit, reason: str, deadline: float | None,
-               in_flight: dict[Any, tuple[_Unit, _Slot]], results: dict[int, DataProto]) -> None:
-        """Run a dead worker's rows again on the live workers, or return them as error rows."""
-        out_of_time = deadline is not None and time.monotonic() >= deadline or unit.end == unit.start
-        live = [] if out_of_time or unit.attempt >= self.max_sample_retries else self._wait_for_live_workers(False)
-        if not live:
-            why = ("the batch deadline passed" if out_of_time else
-                   f"agent.max_sample_retries={self.max_sample_retries} retries were used"
-                   if unit.attempt >= self.max_sample_retries else "no agent-loop worker is left")
-            self.fault_counts["samples_failed_by_faults"] += unit.end - unit.start
-            results[unit.start] = self.error_rows(
-                batch.slice(unit.start, unit.end), RolloutStatus.ERROR,
-                f"the agent-loop worker running this sample died ({reason}) and {why}")
-            return
-        self.fault_counts["sample_retries"] += unit.end - unit.start
-        n = min(len(live), unit.end - unit.start)
-        size = unit.end - unit.start
-        for i, slot in enumerate(live[:n]):
-            a, b = unit.start + round(i * size / n), unit.start + round((i + 1) * size / n)
-            self._dispatch(batch, _Unit(a, b, unit.attempt + 1), slot, deadline, in_flight)
-
-    def _give_up_on_hung(self, batch: DataProto, in_flight: dict[Any, tuple[_Unit, _Slot]],
-                         results: dict[int, DataProto]) -> None:
-        """Workers that did not answer ``batch_grace_s`` after the deadline: killed, replaced, rows timed out."""
-        for unit, slot in in_flight.values():
-            self.fault_counts["workers_hung"] += 1
-            self.fault_counts["samples_failed_by_faults"] += unit.end - unit.start
-            self._replace(slot, f"did not return rows {unit.start}-{unit.end - 1} within agent.batch_timeout="
-                                f"{self.batch_timeout}s + {self.batch_grace_s}s (its event loop is blocked)")
-            results[unit.start] = self.error_rows(
-                batch.slice(unit.start, unit.end), RolloutStatus.TIMEOUT,
-                f"the agent-loop worker running this sample hung past agent.batch_timeout={self.batch_timeout}s "
-                "and was restarted (a tool or loop blocking its event loop? run blocking code in a thread)")
-        in_flight.clear()
 
     # ----------------------------------------------------------------------------------------------
     def _replace(self, slot: _Slot, reason: str) -> None:

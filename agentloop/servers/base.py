@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -168,6 +169,18 @@ class BatchGenerateMixin:
                 task.cancel()
 
 
+class GatedServerMixin:
+    """What a server with a :class:`PauseGate` in ``self._gate`` answers about its load."""
+
+    _gate: PauseGate
+
+    def busy_seconds(self) -> float:
+        """Seconds with at least one request in the engine since the server started (see
+        :meth:`PauseGate.busy_seconds`); sample it twice and divide the difference by the wall time between
+        for the engine-busy fraction."""
+        return self._gate.busy_seconds()
+
+
 class PauseGate:
     """The bookkeeping behind a server's :meth:`LLMServer.pause` / :meth:`LLMServer.resume`.
 
@@ -186,6 +199,14 @@ class PauseGate:
         self._waiting: dict[str, int] = {}
         self._preempted: set[str] = set()
         self._dropped: set[str] = set()
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
+
+    def busy_seconds(self) -> float:
+        """Seconds (monotonic clock) during which at least one admitted request was in the engine, since the
+        server started: the numerator of the engine-busy fraction (requests held by a pause do not count)."""
+        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_total + running
 
     @property
     def paused(self) -> bool:
@@ -205,6 +226,8 @@ class PauseGate:
             admitted = request_id not in self._dropped
             if request_id not in self._waiting:
                 self._dropped.discard(request_id)
+        if not self.in_flight:
+            self._busy_since = time.monotonic()
         _count(self.in_flight, request_id, +1)
         try:
             yield admitted
@@ -212,6 +235,9 @@ class PauseGate:
             _count(self.in_flight, request_id, -1)
             if request_id not in self.in_flight:
                 self._preempted.discard(request_id)
+            if not self.in_flight and self._busy_since is not None:
+                self._busy_total += time.monotonic() - self._busy_since
+                self._busy_since = None
 
     def close(self) -> int:
         """Hold new requests and mark the in-flight ones preempted; returns how many calls were in flight

@@ -43,7 +43,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin, PauseGate, ServerDeadError
+from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import (
     WORKER_EXTENSION,
     SharedBucket,
@@ -112,7 +112,7 @@ def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
     return [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
 
 
-class VLLMServer(BatchGenerateMixin):
+class VLLMServer(BatchGenerateMixin, GatedServerMixin):
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
 
     Args:

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin, PauseGate, ServerDeadError
+from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -54,7 +54,7 @@ def fake_log_probs(n: int) -> list[float]:
     return [-0.1 * ((i % 10) + 1) for i in range(n)]
 
 
-class ScriptedServer(BatchGenerateMixin):
+class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
     """Replies from a script (see the module docstring for the exact rules).
 
     Args:
