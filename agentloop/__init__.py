@@ -21,7 +21,14 @@ if TYPE_CHECKING:
     from agentloop.manager import AgentLoopManager
     from agentloop.protocol import DataProto
     from agentloop.routing import AsyncLLMServerManager
-    from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason, TokenOutput
+    from agentloop.types import (
+        AgentLoopMetrics,
+        AgentLoopOutput,
+        MultiTrajectoryAgentLoopOutput,
+        RolloutStatus,
+        StopReason,
+        TokenOutput,
+    )
     from agentloop.worker import AgentLoopWorker
 
 __version__ = "0.1.0"
@@ -31,6 +38,7 @@ _LAZY = {
     "SingleTurnAgentLoop": "agentloop.loops.single_turn", "AgentLoopManager": "agentloop.manager",
     "DataProto": "agentloop.protocol", "AsyncLLMServerManager": "agentloop.routing",
     "AgentLoopMetrics": "agentloop.types", "AgentLoopOutput": "agentloop.types", "RolloutStatus": "agentloop.types",
+    "MultiTrajectoryAgentLoopOutput": "agentloop.types",
     "StopReason": "agentloop.types", "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.worker",
 }
 
@@ -59,6 +67,7 @@ __all__ = [
     "ConfigError",
     "DataProto",
     "DatasetError",
+    "MultiTrajectoryAgentLoopOutput",
     "RolloutStatus",
     "ServerError",
     "SingleTurnAgentLoop",

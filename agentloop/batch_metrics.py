@@ -50,7 +50,8 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
 
 def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
     """verl's ``agent_loop/*`` timing keys (``compute_score``: seconds in the reward function) plus status
-    counts, the truncated-prompt count and, with reward columns, ``agent_loop/reward/num_invalid``."""
+    counts, the truncated-prompt count, trajectories per sample and, with reward columns,
+    ``agent_loop/reward/num_invalid``."""
     metrics = output.meta_info.get("metrics", [])
     timing: dict[str, float] = {"agent_loop/wall": wall}
     if not metrics:
@@ -78,4 +79,18 @@ def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
         timing["agent_loop/num_truncated_prompts"] = float(sum(1 for t in truncated.tolist() if t))
     if "reward_valid" in list(output.batch.keys()):
         timing["agent_loop/reward/num_invalid"] = float((output.batch["reward_valid"] == 0).sum())
+    timing.update(_episode_metrics(output))
     return timing
+
+
+def _episode_metrics(output: DataProto) -> dict[str, float]:
+    """``agent_loop/trajectories_per_sample/{mean,max}`` over the samples (episodes) of the batch, from the
+    episode columns (rows whose ``trajectory_index`` is 0 each start one episode)."""
+    index, count = output.non_tensor_batch.get("trajectory_index"), output.non_tensor_batch.get("num_trajectories")
+    if index is None or count is None:
+        return {}
+    per_sample = [int(n) for i, n in zip(index.tolist(), count.tolist(), strict=True) if i == 0 and n is not None]
+    if not per_sample:
+        return {}
+    return {"agent_loop/trajectories_per_sample/mean": float(np.mean(per_sample)),
+            "agent_loop/trajectories_per_sample/max": float(max(per_sample))}

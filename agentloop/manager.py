@@ -164,6 +164,8 @@ class AgentLoopManager:
 
         ``meta_info["global_steps"]`` (verl's trainer sets it; traces and trajectory info carry it) defaults to
         the version of the weights being served (what :meth:`update_weights` returned last; 0 before it).
+        Built on the same worker stream as :meth:`generate_sequences_stream` (row ranges instead of groups, put
+        back in the batch's order), so both share one fault path (docs/faults.md).
         """
         t0 = time.perf_counter()
         prompts = self._prepare(prompts)

@@ -10,13 +10,18 @@ Tensor columns (``P = prompt_length``, ``R = response_length``, all integer tens
 * ``response_mask`` [B, R]: the loop's mask (1 = sampled by the policy), 0 on padding.
 * ``rollout_log_probs`` [B, R] float32: only when ``calculate_log_probs``; 0.0 on padding and on rows
   whose output carries no log-probs (e.g. failed samples), so the column exists whenever it is asked for.
+* ``rollout_weight_versions`` [B, R] int64: only when an output has ``response_weight_versions`` (the built-in
+  loops with ``async_training.partial_rollout``): the weight version that sampled each response token, -1 on
+  tokens the policy did not sample, on padding and on rows without versions.
 * ``rm_scores`` [B, R] float32 and ``reward_valid`` [B] int8: whenever the batch has a reward source
   (``rewards_configured``, or any output has a ``reward_score``).  A valid row's score sits on its last real
   response token (column 0 for an empty response, so ``rm_scores.sum(-1)`` is always the score); a row without
   a reward is all zeros with ``reward_valid`` 0 (:mod:`agentloop.rewards.columns`).
 
 Non-tensor columns (numpy arrays, one entry per row): ``__num_turns__`` (int32), ``status`` (the
-:class:`~agentloop.types.RolloutStatus` value string), ``error`` (message or None), one object column per
+:class:`~agentloop.types.RolloutStatus` value string), ``error`` (message or None), the episode columns
+``trajectory_index`` (int32, 0..k-1 within its sample), ``num_trajectories`` (int32, k) and ``session_id`` (str,
+one per sample: the rows' ``extra_fields["session_id"]``, else a fresh id), one object column per
 ``extra_fields`` key seen in any output (None where a row lacks it), ``multi_modal_data`` when any output has
 it, and every ``sample_fields`` column.  With the reward columns: ``reward_error`` (None on valid rows, else why
 there is no reward) and, as verl, one column per key of the scorers' ``reward_extra_info``.  ``meta_info`` is
@@ -33,6 +38,7 @@ through a boolean mask, with no per-row or per-token Python work beyond reading 
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,7 +51,10 @@ from agentloop.protocol import DataProto, object_array
 from agentloop.rewards.columns import reward_columns, reward_extra_columns
 from agentloop.types import AgentLoopOutput
 
-_BUILTIN_COLUMNS = ("__num_turns__", "status", "error", "multi_modal_data")
+_BUILTIN_COLUMNS = ("__num_turns__", "status", "error", "multi_modal_data", "trajectory_index", "num_trajectories",
+                    "session_id")
+EPISODE_COLUMNS = ("trajectory_index", "num_trajectories", "session_id")
+"""Per-row episode columns: which trajectory of its sample a row is, of how many, and the episode's id."""
 
 
 def _lengths(rows: Sequence[Sequence[Any]]) -> np.ndarray:
@@ -89,6 +98,12 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
             f"output {i}: response_mask has {n_mask[i]} entries but response_ids has {n_ids[i]}; "
             "the agent loop must append one mask value per response token"
         )
+    for i, o in enumerate(outputs):
+        if o.response_weight_versions is not None and len(o.response_weight_versions) != n_ids[i]:
+            raise DatasetError(
+                f"output {i}: response_weight_versions has {len(o.response_weight_versions)} entries but "
+                f"response_ids has {n_ids[i]}; use -1 for tokens the policy did not sample"
+            )
     if not calculate_log_probs:
         return
     for i, o in enumerate(outputs):
@@ -121,6 +136,9 @@ def _tensor_columns(
     if calculate_log_probs:
         logprobs = [o.response_logprobs if o.response_logprobs is not None else () for o in outputs]
         cols["rollout_log_probs"], _ = pad_rows(logprobs, response_length, 0.0, np.float32)
+    if any(o.response_weight_versions is not None for o in outputs):
+        versions = [o.response_weight_versions if o.response_weight_versions is not None else () for o in outputs]
+        cols["rollout_weight_versions"], _ = pad_rows(versions, response_length, -1, np.int64)
     reward_non_tensor: dict[str, np.ndarray] = {}
     if rewards_configured or any(o.reward_score is not None for o in outputs):
         reward_tensors, reward_non_tensor = reward_columns(outputs, resp_valid)
@@ -156,8 +174,35 @@ def _sample_columns(sample_fields: dict[str, Any] | None, batch_size: int) -> di
     return columns
 
 
+def episode_columns(outputs: Sequence[AgentLoopOutput], trajectory_counts: Sequence[int] | None = None
+                    ) -> dict[str, np.ndarray]:
+    """``trajectory_index``, ``num_trajectories`` and ``session_id`` for ``outputs``, whose first
+    ``trajectory_counts[0]`` rows are one sample's trajectories, the next ``trajectory_counts[1]`` the next
+    sample's, and so on (None: one row per sample).  A sample's ``session_id`` is the first of its rows'
+    ``extra_fields["session_id"]``, else a fresh uuid4 hex.
+
+    Raises:
+        DatasetError: the counts do not add up to ``len(outputs)`` or one is below 1.
+    """
+    counts = np.ones(len(outputs), dtype=np.int64) if trajectory_counts is None else \
+        np.asarray(list(trajectory_counts), dtype=np.int64)
+    if int(counts.sum()) != len(outputs) or (counts < 1).any():
+        raise DatasetError(f"trajectory_counts {counts.tolist()} must be >= 1 each and add up to the "
+                           f"{len(outputs)} outputs (one count per sample, its trajectories consecutive)")
+    starts = np.cumsum(counts) - counts
+    index = np.arange(len(outputs)) - np.repeat(starts, counts)
+    ids = []
+    for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
+        given = [o.extra_fields["session_id"] for o in outputs[start:start + count]
+                 if o.extra_fields.get("session_id") is not None]
+        ids.extend([str(given[0]) if given else uuid.uuid4().hex] * count)
+    return {"trajectory_index": index.astype(np.int32), "num_trajectories": np.repeat(counts, counts).astype(np.int32),
+            "session_id": object_array(ids)}
+
+
 def _non_tensor_columns(
-    outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None, reward: dict[str, np.ndarray]
+    outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None, reward: dict[str, np.ndarray],
+    trajectory_counts: Sequence[int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """Build every non-tensor column, applying the precedence described in the module docstring; returns
     them and the ``reward_extra_info`` keys."""
@@ -171,6 +216,7 @@ def _non_tensor_columns(
     columns["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int32)
     columns["status"] = object_array([getattr(o.status, "value", o.status) for o in outputs])
     columns["error"] = object_array([o.error for o in outputs])
+    columns.update(episode_columns(outputs, trajectory_counts))
     if any(o.multi_modal_data is not None for o in outputs):
         columns["multi_modal_data"] = object_array([o.multi_modal_data for o in outputs])
     return columns, extra_keys
@@ -185,6 +231,7 @@ def postprocess(
     sample_fields: dict[str, np.ndarray] | None = None,
     calculate_log_probs: bool = False,
     rewards_configured: bool = False,
+    trajectory_counts: Sequence[int] | None = None,
 ) -> DataProto:
     """Pad ``outputs`` (one row per trajectory) into verl's rollout layout.
 
@@ -198,13 +245,16 @@ def postprocess(
         calculate_log_probs: add ``rollout_log_probs``; rows without log-probs are filled with 0.0.
         rewards_configured: a reward function is configured, so the reward columns are added even when no
             row has a ``reward_score`` (every row then invalid, with its ``reward_error``).
+        trajectory_counts: how many consecutive ``outputs`` each sample has (its episode's trajectories), for
+            the episode columns; None: every output is its own sample (``trajectory_index`` 0 of 1).
 
     Returns:
         A DataProto of ``len(outputs)`` rows; see the module docstring for every column.
 
     Raises:
         DatasetError: a row's ``response_mask`` / ``response_logprobs`` length differs from its
-            ``response_ids``, a ``sample_fields`` column has the wrong length, or a width is negative.
+            ``response_ids``, a ``sample_fields`` column has the wrong length, ``trajectory_counts`` does
+            not add up, or a width is negative.
     """
     if prompt_length < 0 or response_length < 0:
         raise DatasetError(f"prompt_length and response_length must be >= 0, got {prompt_length}, {response_length}")
@@ -212,11 +262,11 @@ def postprocess(
     tensors, reward = _tensor_columns(outputs, prompt_length, response_length, pad_token_id, calculate_log_probs,
                                       rewards_configured)
     batch = TensorDict(tensors, batch_size=[len(outputs)])
-    non_tensor, extra_keys = _non_tensor_columns(outputs, sample_fields, reward)
+    non_tensor, extra_keys = _non_tensor_columns(outputs, sample_fields, reward, trajectory_counts)
     meta_info: dict[str, Any] = {"metrics": [o.metrics.model_dump() for o in outputs]}
     if reward:
         meta_info["reward_extra_keys"] = extra_keys
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
 
 
-__all__ = ["pad_rows", "postprocess"]
+__all__ = ["EPISODE_COLUMNS", "episode_columns", "pad_rows", "postprocess"]

@@ -7,12 +7,15 @@ against verl reads the same attributes here.  Two additions, both data rather th
   and ``aborted`` apart; verl folds the first two together.
 * ``AgentLoopOutput.status`` records how the rollout ended (see :class:`RolloutStatus`) and ``error``
   carries the message when a sample failed, so a failed sample is a row in the batch, never a gap.
+
+:class:`MultiTrajectoryAgentLoopOutput` (the name verl's context-editing loops use) is one episode made of
+several trajectories; see docs/context.md.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -128,6 +131,10 @@ class AgentLoopOutput(BaseModel):
     """1 where the policy sampled the token, 0 for tool / user / template tokens."""
     response_logprobs: list[float] | None = None
     """Log-probabilities aligned with ``response_ids`` (0.0 on masked-out tokens)."""
+    response_weight_versions: list[int] | None = None
+    """The weight version (``global_steps``) that sampled each token of ``response_ids`` (-1 on tokens the
+    policy did not sample); the built-in loops fill it from the router's per-token ``weight_versions``, which it
+    reports with ``async_training.partial_rollout`` (a generation a pause cut may span versions)."""
     routed_experts: Any | None = None
     multi_modal_data: dict[str, Any] | None = None
     """Images / videos seen by the trajectory, for multimodal trainers."""
@@ -160,3 +167,45 @@ class AgentLoopOutput(BaseModel):
     @classmethod
     def _multi_modal_data(cls, value: Any) -> Any:
         return value or None
+
+
+RewardTo = Literal["all", "last", "discounted"]
+"""Which trajectories of an episode get the episode's reward (``multi_turn.reward_to``; docs/context.md)."""
+
+
+class MultiTrajectoryAgentLoopOutput(BaseModel):
+    """One episode (sample) made of several trajectories, e.g. the snapshots a context edit closed, in order.
+
+    A loop may return this wherever it may return a ``list[AgentLoopOutput]``; the worker treats both the same:
+    one row per trajectory, each keeping the sample's non-tensor fields (``uid``, ``index``...) and getting
+    ``trajectory_index`` (0..k-1, the order here), ``num_trajectories`` (k) and ``session_id`` (the episode's
+    id).  The last trajectory is the final one: it is the one a ``custom_reward_function`` scores, and
+    ``multi_turn.reward_to`` decides which trajectories get that episode reward (docs/context.md).
+
+    Extra keyword fields (e.g. the ``contextpilot_*`` fields of verl forks) are accepted and ignored.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="allow")
+
+    trajectories: list[AgentLoopOutput]
+    """The episode's trajectories in order; the last one is the final trajectory.  Must not be empty."""
+    session_id: str | None = None
+    """The episode's id in the ``session_id`` column (e.g. a gateway session); None: the worker makes one."""
+    reward_to: RewardTo | None = None
+    """This episode's reward rule, overriding ``multi_turn.reward_to`` (None: the config's)."""
+    reward_gamma: float | None = None
+    """The discount for ``reward_to="discounted"``, overriding ``multi_turn.reward_gamma`` (None: the config's)."""
+
+    @field_validator("trajectories")
+    @classmethod
+    def _not_empty(cls, value: list[AgentLoopOutput]) -> list[AgentLoopOutput]:
+        if not value:
+            raise ValueError("MultiTrajectoryAgentLoopOutput needs at least one trajectory (the final one)")
+        return value
+
+    @field_validator("reward_gamma")
+    @classmethod
+    def _gamma(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"reward_gamma must be in [0, 1], got {value}")
+        return value

@@ -11,7 +11,9 @@ it in a Ray actor.  For one ``generate_sequences(batch)`` call:
 4. When a sample's loop returns, score each of its trajectories (``custom_reward_function``, else the loop's
    reward_score; tool rewards: :mod:`agentloop.rewards.scoring`); a failing scorer marks its row
    (``reward_valid`` 0, ``reward_error``), never the batch.
-5. Flatten list outputs (multi-trajectory); each row keeps its sample's non-tensor fields (uid, index...).
+5. Flatten list outputs (multi-trajectory: a list or a MultiTrajectoryAgentLoopOutput); each row keeps its
+   sample's non-tensor fields (uid, index...) and gets ``trajectory_index``, ``num_trajectories`` and the
+   episode's ``session_id`` (docs/context.md).
 6. Pad into the DataProto layout (:func:`agentloop.postprocess.postprocess`).
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,12 +37,13 @@ from agentloop.errors import DatasetError
 from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, lookup, resolve_registry
 from agentloop.postprocess import postprocess
 from agentloop.protocol import DataProto
+from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.servers.placement import restore_normal_priority
 from agentloop.tokenizer import load_processor, load_tokenizer
 from agentloop.trace import enabled as trace_enabled
-from agentloop.types import AgentLoopOutput, RolloutStatus
+from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +161,9 @@ class AgentLoopWorker:
             batch_calls=bool(rollout.server.get("batch_calls", True)), owner=worker_id,
             max_failovers=rollout.server.get("max_failovers"),
             partial_rollout=bool(OmegaConf.select(root, "async_training.partial_rollout", default=False)),
+            restart_preempted=bool(rollout.agent.get("restart_preempted", False)),
         )
+        self.record_timing = bool(rollout.agent.get("record_timing") or False)
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         self.tools = load_rollout_tools(rollout)  # once per worker (verl 0.9); a bad tool config fails here
         self.hf_model_type = _model_type(model)
@@ -284,13 +290,26 @@ class AgentLoopWorker:
     async def _run_sample(
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
     ) -> list[AgentLoopOutput]:
-        """Roll out one sample, then give each trajectory its reward (:mod:`agentloop.rewards.scoring`)."""
-        outputs = await self._rollout_sample(name, sampling_params, sample, info)
+        """Roll out one sample, then give each trajectory its reward (:mod:`agentloop.rewards.scoring`).
+        With ``agent.record_timing`` each engine call's server and times go on the sample's first trajectory
+        (``generate_calls``, for ``agentloop report``'s per-server timeline)."""
+        if not self.record_timing:
+            outputs = await self._rollout_sample(name, sampling_params, sample, info)
+        else:
+            with collect_generate_calls() as calls:
+                outputs = await self._rollout_sample(name, sampling_params, sample, info)
+            attach_generate_calls(outputs, calls)
         return await self.rewards.score(outputs, sample)
 
     async def _rollout_sample(
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
-    ) -> list[AgentLoopOutput]:
+    ) -> MultiTrajectoryAgentLoopOutput:
+        """Run the sample's loop; its result (or the error row) as one episode (:func:`_episode`)."""
+        return _episode(await self._run_loop(name, sampling_params, sample, info), name)
+
+    async def _run_loop(
+        self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
+    ) -> Any:
         entry = self.registry[name]
         timeout = self.sample_timeout
         if name in self.init_errors:
@@ -308,11 +327,7 @@ class AgentLoopWorker:
         except Exception as e:  # noqa: BLE001 - a failed sample is data, not a crash
             logger.warning("sample %s (%s) failed: %r", info["sample_index"], name, e)
             return [_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
-        outputs = output if isinstance(output, list) else [output]
-        if not outputs or not all(isinstance(o, AgentLoopOutput) for o in outputs):
-            msg = f"agent loop {name!r} returned {type(output).__name__}; expected AgentLoopOutput or a list of them"
-            return [_failed(RolloutStatus.ERROR, msg)]
-        return [_checked(o, name) for o in outputs]
+        return output
 
     def _postprocess(
         self, results: list[list[AgentLoopOutput]], fields: dict[str, np.ndarray], names: np.ndarray
@@ -323,6 +338,7 @@ class AgentLoopWorker:
         sample_fields["agent_name"] = np.asarray(names, dtype=object)[rows]
         return postprocess(
             flat,
+            trajectory_counts=[len(outs) for outs in results],
             prompt_length=int(self.rollout.prompt_length),
             response_length=int(self.rollout.response_length),
             pad_token_id=self.pad_token_id,
@@ -373,6 +389,28 @@ def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, rollou
         rewards_configured=False,
     )
     return output
+
+
+def _episode(output: Any, name: str) -> MultiTrajectoryAgentLoopOutput:
+    """What a loop returned (an AgentLoopOutput, a list of them or a MultiTrajectoryAgentLoopOutput) as one
+    episode of checked trajectories; anything else is one error row.  Every trajectory gets the episode's
+    ``session_id`` in ``extra_fields``: the episode's own, else one a trajectory carries (the first), else a
+    fresh one."""
+    episode = output if isinstance(output, MultiTrajectoryAgentLoopOutput) else None
+    outputs = episode.trajectories if episode is not None else output if isinstance(output, list) else [output]
+    if not outputs or not all(isinstance(o, AgentLoopOutput) for o in outputs):
+        msg = (f"agent loop {name!r} returned {type(output).__name__}; expected AgentLoopOutput, a list of them or "
+               "a MultiTrajectoryAgentLoopOutput")
+        outputs, episode = [_failed(RolloutStatus.ERROR, msg)], None
+    outputs = [_checked(o, name) for o in outputs]
+    given = [o.extra_fields.get("session_id") for o in outputs if o.extra_fields.get("session_id") is not None]
+    session_id = str(episode.session_id if episode is not None and episode.session_id is not None else
+                     given[0] if given else uuid.uuid4().hex)
+    for o in outputs:
+        o.extra_fields = {**o.extra_fields, "session_id": session_id}
+    if episode is None:
+        return MultiTrajectoryAgentLoopOutput(trajectories=outputs, session_id=session_id)
+    return episode.model_copy(update={"trajectories": outputs, "session_id": session_id})
 
 
 def _checked(output: AgentLoopOutput, name: str) -> AgentLoopOutput:

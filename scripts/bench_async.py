@@ -1,9 +1,11 @@
 """Synchronous batches vs asynchronous streaming (Rollouter) on a heavy-tailed agentic workload, in one run.
 
-Workload (the same samples for both modes): each sample runs ``--turns`` generations with ``ignore_eos`` and a
-per-turn ``max_tokens`` drawn from a lognormal (median ``--median-tokens``, sigma ``--sigma``), with
-``--tool-latency`` seconds of "tool" time and a short tool message between turns — a long tail of slow samples,
-as in agentic RL.  One vLLM CPU server, the tiny model.
+Workload (the same samples for both modes): each sample runs a number of generations (``--turns``; with
+``--turn-sigma`` > 0 drawn per sample from a lognormal with that median, clipped to 1..``--max-turns``) with
+``ignore_eos`` and a per-turn ``max_tokens`` drawn from a lognormal (median ``--median-tokens``, sigma ``--sigma``),
+with "tool" time between turns (median ``--tool-latency`` seconds; lognormal with ``--tool-sigma``, 0 = fixed) and
+a short tool message — a long tail of slow samples, as in agentic RL.  One vLLM CPU server, the tiny model.
+``--agentic`` is the preset of the measured table in docs/benchmarks.md (variable turns and tool times).
 
 * sync: ``--steps`` calls of ``manager.generate_sequences`` on ``--groups`` groups of ``--n`` samples each
   (the next batch starts when the slowest sample of the previous one ends);
@@ -13,9 +15,9 @@ as in agentic RL.  One vLLM CPU server, the tiny model.
 Passes alternate (sync, async, sync, async, ...) so drift hits both alike; prints trajectories/s of each, the
 ratio async / sync (goal >= 1.5), and the engine's busy fraction (seconds with at least one request in the
 engine / wall).  ``--tool-heavy``: tools 10x slower than a turn's decode and 4x the in-flight budget for the
-async mode (goal: engine busy >= 90%).
+async mode (``--inflight-factor``; goal: engine busy >= 90%).
 
-    python scripts/bench_async.py [--groups 8] [--n 4] [--steps 4] [--repeats 2] [--tool-heavy]
+    python scripts/bench_async.py [--groups 8] [--n 4] [--steps 4] [--repeats 2] [--agentic] [--tool-heavy]
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ TOOL_TOKENS = [11, 12, 13, 14, 15]
 
 
 class TailLoop(AgentLoopBase):
-    """``extra_info["turn_tokens"]`` generations (ignore_eos), ``extra_info["tool_latency"]`` s between them."""
+    """``extra_info["turn_tokens"]`` generations (ignore_eos), ``extra_info["tool_latency"][k]`` s after turn k."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         info = kwargs["extra_info"]
@@ -48,20 +50,24 @@ class TailLoop(AgentLoopBase):
         prompt_len, mask, rid = len(ids), [], uuid.uuid4().hex
         turns = list(info["turn_tokens"])
         versions: list[int] = []
+        decode: list[float] = []
         for k, max_tokens in enumerate(turns):
+            t0 = time.perf_counter()
             out = await self.server_manager.generate(
                 request_id=rid, prompt_ids=ids,
                 sampling_params={**sampling_params, "max_tokens": int(max_tokens), "ignore_eos": True})
+            decode.append(time.perf_counter() - t0)
             ids += out.token_ids
             mask += [1] * len(out.token_ids)
             versions.append(int(out.extra_fields.get("global_steps", 0)))
             if k < len(turns) - 1:
-                await asyncio.sleep(float(info["tool_latency"]))
+                await asyncio.sleep(float(info["tool_latency"][k]))
                 ids += TOOL_TOKENS
                 mask += [0] * len(TOOL_TOKENS)
         return AgentLoopOutput(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], response_mask=mask,
                                num_turns=2 * len(turns),
-                               extra_fields={"min_global_steps": min(versions), "max_global_steps": max(versions)})
+                               extra_fields={"min_global_steps": min(versions), "max_global_steps": max(versions),
+                                             "decode_s": float(np.mean(decode))})
 
 
 def make_batches(args: argparse.Namespace, seed: int) -> list[Any]:
@@ -75,20 +81,19 @@ def make_batches(args: argparse.Namespace, seed: int) -> list[Any]:
         batch = repeat_for_rollout(rows_to_batch(rows), args.n)
         infos = []
         for _ in range(len(batch)):
-            tokens = np.clip(rng.lognormal(np.log(args.median_tokens), args.sigma, args.turns), 4, args.max_tokens)
-            infos.append({"turn_tokens": [int(t) for t in tokens], "tool_latency": args.tool_latency})
+            turns = args.turns if not args.turn_sigma else int(
+                np.clip(round(rng.lognormal(np.log(args.turns), args.turn_sigma)), 1, args.max_turns))
+            tokens = np.clip(rng.lognormal(np.log(args.median_tokens), args.sigma, turns), 4, args.max_tokens)
+            tools = (rng.lognormal(np.log(args.tool_latency), args.tool_sigma, turns) if args.tool_sigma
+                     else np.full(turns, args.tool_latency))
+            infos.append({"turn_tokens": [int(t) for t in tokens], "tool_latency": [float(t) for t in tools]})
         batch.non_tensor_batch["extra_info"] = np.array(infos, dtype=object)
         batches.append(batch)
     return batches
 
 
 def engine_busy_seconds(manager: Any) -> float:
-    import ray
-
-    def read(server: Any) -> float:
-        return float(server.busy_seconds()) if hasattr(server, "busy_seconds") else float("nan")
-
-    return sum(ray.get([h.__ray_call__.remote(read) for h in manager.server_handles]))
+    return float(np.mean(manager.engine_busy_seconds()))
 
 
 def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
@@ -97,16 +102,34 @@ def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
     return time.perf_counter() - t0, rows
 
 
-def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int) -> tuple[float, int]:
+def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int) -> tuple[float, int, float]:
+    """Returns (wall, rows, engine busy fraction while the in-flight budget was full)."""
+    import threading
+
     from agentloop.rollouter import Rollouter
 
     t0 = time.perf_counter()
     rollouter = Rollouter(manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1).start()
+    samples: list[tuple[float, float, int]] = []  # (time, busy seconds, samples in flight)
+    done = threading.Event()
+
+    def monitor() -> None:  # the engine's busy clock while the rollouter had its budget in flight
+        while not done.wait(0.25):
+            samples.append((time.perf_counter(), engine_busy_seconds(manager), rollouter._inflight()))
+
+    watcher = threading.Thread(target=monitor, daemon=True)
+    watcher.start()
     rows = 0
     while (part := rollouter.get(num_groups=groups)) is not None:
         rows += len(part)
+    wall = time.perf_counter() - t0
+    done.set()
+    watcher.join()
     rollouter.stop()
-    return time.perf_counter() - t0, rows
+    full = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(samples, samples[1:], strict=False)
+            if min(a[2], b[2]) >= 0.9 * inflight]
+    saturated = sum(busy for _, busy in full) / sum(t for t, _ in full) if full else float("nan")
+    return wall, rows, saturated
 
 
 def main() -> None:
@@ -120,8 +143,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--tool-latency", type=float, default=0.2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--turn-sigma", type=float, default=0.0)
+    parser.add_argument("--max-turns", type=int, default=12)
+    parser.add_argument("--tool-sigma", type=float, default=0.0)
+    parser.add_argument("--agentic", action="store_true",
+                        help="preset: --turns 3 --turn-sigma 0.7 --tool-latency 0.3 --tool-sigma 1.0")
     parser.add_argument("--tool-heavy", action="store_true")
+    parser.add_argument("--inflight-factor", type=int, default=None,
+                        help="async in-flight budget = this x groups x n (default 1; 4 with --tool-heavy)")
     args = parser.parse_args()
+    if args.agentic:
+        args.turns, args.turn_sigma, args.tool_latency, args.tool_sigma = 3, 0.7, 0.3, 1.0
+    print("workload: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
+                                  if not isinstance(v, bool)), flush=True)
 
     import ray
     import ray.cloudpickle
@@ -130,6 +164,7 @@ def main() -> None:
     from agentloop.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
+    max_turns = args.max_turns if args.turn_sigma else args.turns
     register("bench_tail")(TailLoop)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -138,7 +173,7 @@ def main() -> None:
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
         "data.max_prompt_length": 128,
-        "data.max_response_length": args.turns * (args.max_tokens + len(TOOL_TOKENS)),
+        "data.max_response_length": max_turns * (args.max_tokens + len(TOOL_TOKENS)),
         "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.free_cache_engine": False,
         "actor_rollout_ref.rollout.max_num_seqs": 256,
@@ -150,33 +185,43 @@ def main() -> None:
     manager = AgentLoopManager(cfg)
     try:
         budget = args.groups * args.n
+        factor = args.inflight_factor or (4 if args.tool_heavy else 1)
         if args.tool_heavy:  # calibrate: a turn's decode time, then tools 10x slower
-            probe = make_batches(argparse.Namespace(**{**vars(args), "steps": 1, "turns": 1}), seed=99)[0]
-            wall, _ = sync_pass(manager, [probe])
-            args.tool_latency = 10 * wall
-            print(f"tool-heavy: one turn of a batch takes {wall:.2f}s, tool latency set to {args.tool_latency:.2f}s")
+            probe = make_batches(argparse.Namespace(**{**vars(args), "steps": 1, "turns": 1, "turn_sigma": 0}),
+                                 seed=99)[0]
+            out = manager.generate_sequences(probe)
+            turn = float(np.median(out.non_tensor_batch["decode_s"].astype(float)))
+            args.tool_latency = 10 * turn
+            print(f"tool-heavy: a turn's decode takes {turn:.3f}s (median), tool latency set to "
+                  f"{args.tool_latency:.2f}s", flush=True)
         batches = make_batches(args, seed=0)
         sync_pass(manager, batches[:1])  # warm-up
         results: dict[str, list[float]] = {"sync": [], "async": []}
         busy: dict[str, list[float]] = {"sync": [], "async": []}
+        full: list[float] = []
         for r in range(args.repeats):
             for mode in ("sync", "async"):
                 time.sleep(1.5)  # let idle engine threads settle
                 b0 = engine_busy_seconds(manager)
+                saturated = float("nan")
                 if mode == "sync":
                     wall, rows = sync_pass(manager, batches)
                 else:
-                    wall, rows = async_pass(manager, batches, args.groups, budget * (4 if args.tool_heavy else 1))
+                    wall, rows, saturated = async_pass(manager, batches, args.groups, budget * factor)
+                    full.append(saturated)
                 results[mode].append(rows / wall)
                 busy[mode].append((engine_busy_seconds(manager) - b0) / wall)
                 print(f"pass {r} {mode:5s}: {rows} trajectories in {wall:.2f}s = {rows / wall:.2f}/s, "
-                      f"engine busy {busy[mode][-1]:.0%}", flush=True)
+                      f"engine busy {busy[mode][-1]:.0%}"
+                      + (f" ({saturated:.0%} while {budget * factor} samples were in flight)" if mode == "async"
+                         else ""), flush=True)
         med = {m: statistics.median(v) for m, v in results.items()}
         spread = {m: (min(v), max(v)) for m, v in results.items()}
         print(f"sync : {med['sync']:.2f} trajectories/s (range {spread['sync'][0]:.2f}-{spread['sync'][1]:.2f}), "
               f"engine busy {statistics.median(busy['sync']):.0%}")
         print(f"async: {med['async']:.2f} trajectories/s (range {spread['async'][0]:.2f}-{spread['async'][1]:.2f}), "
-              f"engine busy {statistics.median(busy['async']):.0%}")
+              f"engine busy {statistics.median(busy['async']):.0%}, "
+              f"{statistics.median(full):.0%} while its in-flight budget was full")
         print(f"ratio async / sync: {med['async'] / med['sync']:.2f}x")
     finally:
         manager.shutdown()

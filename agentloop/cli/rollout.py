@@ -30,6 +30,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.cli.failures import EXIT_BAD_INPUT, failure_verdict
+from agentloop.cli.report import add_report_parser, run_report
+from agentloop.cli.verify import add_verify_parser, run_verify
 from agentloop.compat.port import add_port_parser, run_port
 from agentloop.config import default_config, resolve_config
 from agentloop.errors import AgentLoopError, ConfigError
@@ -149,6 +151,9 @@ def run_rollout(cfg: DictConfig) -> int:
     )
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.record_timing") is None:  # for `agentloop report`
+        OmegaConf.update(cfg, "actor_rollout_ref.rollout.agent.record_timing", True, force_add=True)
+    OmegaConf.save(cfg, out_dir / "config.yaml")  # `agentloop verify` reads the sampling settings from it
     output, wall = _generate(cfg, batch)
     output.save_to_disk(str(out_dir / "rollout.dataproto"))
     from agentloop.tokenizer import load_tokenizer
@@ -226,9 +231,13 @@ def main(argv: list[str] | None = None) -> None:
     ro.add_argument("--config", help="YAML merged over the defaults before the overrides")
     ro.add_argument("overrides", nargs="*", help="key=value config overrides")
     add_port_parser(sub)
+    add_report_parser(sub)
+    add_verify_parser(sub)
     args = parser.parse_args(argv)
+    commands = {"port": run_port, "report": run_report, "verify": run_verify}
     try:
-        code = run_port(args) if args.command == "port" else run_rollout(build_config(args.config, args.overrides))
+        code = (commands[args.command](args) if args.command in commands
+                else run_rollout(build_config(args.config, args.overrides)))
     except Exception as e:
         error = _agentloop_error(e)
         if error is None:

@@ -36,6 +36,7 @@ __all__ = [
     "AgentLoopWorker",
     "AgentState",
     "AsyncLLMServerManager",
+    "MultiTrajectoryAgentLoopOutput",
     "DictConfigWrap",
     "SingleTurnAgentLoop",
     "ToolAgentLoop",
@@ -50,6 +51,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "AgentData": ("agentloop.loops.tool_agent", "AgentData"),
     "AgentState": ("agentloop.loops.tool_agent", "AgentState"),
     "_agent_loop_registry": ("agentloop.loops.base", "_agent_loop_registry"),
+    "MultiTrajectoryAgentLoopOutput": ("agentloop.types", "MultiTrajectoryAgentLoopOutput"),
 }
 """verl names resolved on first access: ``name -> (agentloop module, attribute)``."""
 

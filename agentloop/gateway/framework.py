@@ -27,15 +27,19 @@ Per sample (:meth:`OpenAIAgentLoop.run`), in numbered steps:
 2. Run the agent under ``session_timeout``; a timeout or an exception marks this sample
    ``timeout`` / ``error`` (with the message) and never touches other samples.
 3. Finalize the session: one trajectory per branch (``rollout.gateway.trajectories: all``) or the
-   longest; each becomes a row (list output → flattened rows sharing the sample's uid).  A branch
+   longest, in branch order; they are one episode (:class:`~agentloop.types.MultiTrajectoryAgentLoopOutput`
+   with ``session_id`` = the gateway session), so each becomes a row sharing the sample's uid, with
+   ``trajectory_index`` / ``num_trajectories`` / ``session_id`` (docs/context.md).  A branch
    the gateway stopped for its budget (``finish_reason`` ``length``) gets status ``length``; a session
    whose every request was refused for length (its prompt is over ``prompt_length``) gives one
    ``length`` row saying so.  Rows end with a sampled token (see :mod:`agentloop.gateway.store`), so the
    reward sits on a token the policy sampled.
-4. Reward: ``reward_info`` the agent posted to ``/complete``, else what the runner returned, else
-   the configured ``reward_fn(messages, **sample_fields) -> float``; ``reward_to`` (all | last |
-   longest) picks which trajectories get it, the others get 0.0.  A sample whose agent failed or timed
-   out gets 0.0 unless a reward was posted.
+4. Reward: the session's reward is ``reward_info`` the agent posted to ``/complete``, else what the
+   runner returned, else the configured ``reward_fn(messages, **sample_fields) -> float`` of the final
+   (last) trajectory; a sample whose agent failed or timed out gets 0.0 unless a reward was posted.  It is
+   the episode reward of :mod:`agentloop.rewards.episode`, spread by ``rollout.gateway.reward_to``: ``all``
+   | ``last`` | ``discounted`` (the worker's rule, ``multi_turn.reward_gamma``), null (follow
+   ``multi_turn.reward_to``) or ``longest`` (only the longest trajectory gets it, the others 0.0).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, cast
 
 from omegaconf import DictConfig
 
@@ -64,7 +68,14 @@ from agentloop.loops.base import (
     register,
     rollout_config_of,
 )
-from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
+from agentloop.rewards.episode import REWARD_TO_MODES
+from agentloop.types import (
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    MultiTrajectoryAgentLoopOutput,
+    RewardTo,
+    RolloutStatus,
+)
 
 AgentRunner = Callable[..., Awaitable[Any]]
 
@@ -112,9 +123,11 @@ class OpenAIAgentLoop(AgentLoopBase):
         timeout = gateway.get("session_timeout")
         self.session_timeout: float | None = float(timeout) if timeout else None
         self.longest_only = str(gateway.get("trajectories", "all")) == "longest"
-        self.reward_to = str(gateway.get("reward_to", "all"))
-        if self.reward_to not in ("all", "last", "longest"):
-            raise ConfigError(f"rollout.gateway.reward_to must be all | last | longest, got {self.reward_to!r}")
+        reward_to = gateway.get("reward_to", "all")
+        self.reward_to: str | None = None if reward_to is None else str(reward_to)
+        if self.reward_to not in (None, *REWARD_TO_MODES, "longest"):
+            raise ConfigError(f"rollout.gateway.reward_to must be null (follow multi_turn.reward_to) | "
+                              f"{' | '.join(REWARD_TO_MODES)} | longest, got {self.reward_to!r}")
 
     @classmethod
     def init_class(cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
@@ -125,7 +138,9 @@ class OpenAIAgentLoop(AgentLoopBase):
         if OpenAIAgentLoop._slots is None and limit > 0:
             OpenAIAgentLoop._slots = asyncio.Semaphore(limit)
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
+    async def run(
+        self, sampling_params: dict[str, Any], **kwargs: Any
+    ) -> MultiTrajectoryAgentLoopOutput:
         """Steps 1-4 of the module docstring."""
         if self.gateway_manager is None:
             raise ConfigError("openai_agent needs the gateway: build the worker through AgentLoopManager, which "
@@ -153,7 +168,7 @@ class OpenAIAgentLoop(AgentLoopBase):
                           "@register_agent_runner(name), or give 'runner' / 'command' in its registry entry")
 
     async def _run_session(self, runner: AgentRunner, sampling_params: dict[str, Any],
-                           fields: dict[str, Any]) -> list[AgentLoopOutput]:
+                           fields: dict[str, Any]) -> MultiTrajectoryAgentLoopOutput:
         gm = self.gateway_manager
         params = {k: v for k, v in sampling_params.items() if k != "logprobs"}
         handle = await gm.create_session(metadata={"index": _jsonable(fields.get("index"))}, sampling_params=params)
@@ -175,7 +190,10 @@ class OpenAIAgentLoop(AgentLoopBase):
             raise
         result = await gm.finalize(handle.session_id, self.longest_only)
         elapsed = loop_time() - t0
-        return self._outputs(result, returned, fields, status, error, elapsed)
+        outputs = self._outputs(result, returned, fields, status, error, elapsed)
+        mode = cast("RewardTo | None", "last" if self.reward_to == "longest" else self.reward_to)
+        return MultiTrajectoryAgentLoopOutput(trajectories=outputs, session_id=str(result["session_id"]),
+                                              reward_to=mode)
 
     def _outputs(self, result: dict[str, Any], returned: Any, fields: dict[str, Any], status: RolloutStatus,
                  error: str | None, elapsed: float) -> list[AgentLoopOutput]:
@@ -189,11 +207,9 @@ class OpenAIAgentLoop(AgentLoopBase):
             return [AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[],
                                     status=status if status != RolloutStatus.STOP else RolloutStatus.ERROR,
                                     error=error or "the agent made no chat request that produced tokens")]
-        scores = self._scores(trajectories, result.get("reward_info"), returned, fields)
-        if status != RolloutStatus.STOP:  # a failed or timed-out agent run earns nothing unless it posted a reward
-            scores = [0.0 if s is None else s for s in scores]
+        scores = self._scores(trajectories, result.get("reward_info"), returned, fields, status)
         outputs = []
-        for i, (traj, score) in enumerate(zip(trajectories, scores, strict=True)):
+        for traj, score in zip(trajectories, scores, strict=True):
             finish = traj.finish_reason
             st = status if status != RolloutStatus.STOP else (
                 RolloutStatus.LENGTH if finish == "length" else RolloutStatus.STOP)
@@ -202,30 +218,26 @@ class OpenAIAgentLoop(AgentLoopBase):
                 response_mask=list(traj.response_mask), response_logprobs=traj.response_logprobs,
                 num_turns=int(traj.num_turns), reward_score=score, status=st, error=error,
                 metrics=AgentLoopMetrics(generate_sequences=elapsed),
-                extra_fields={"gateway_session_id": result["session_id"], "trajectory_index": i,
-                              "num_trajectories": len(trajectories), "finish_reason": finish},
+                extra_fields={"gateway_session_id": result["session_id"], "finish_reason": finish},
             ))
         return outputs
 
-    def _scores(self, trajectories: list[Any], reward_info: Any, returned: Any,
-                fields: dict[str, Any]) -> list[float | None]:
+    def _scores(self, trajectories: list[Any], reward_info: Any, returned: Any, fields: dict[str, Any],
+                status: RolloutStatus) -> list[float | None]:
+        """Each trajectory's own ``reward_score``: the session reward on the final trajectory (the worker
+        spreads it by ``reward_to``), or with ``longest`` on the longest one and 0.0 on the others."""
+        chosen = len(trajectories) - 1
+        if self.reward_to == "longest":
+            chosen = max(range(len(trajectories)), key=lambda k: len(trajectories[k].response_ids))
         score = _score_of(reward_info)
         if score is None:
             score = _score_of(returned)
-        pick = {"all": None, "last": len(trajectories) - 1,
-                "longest": max(range(len(trajectories)), key=lambda k: len(trajectories[k].response_ids))}
-        chosen = pick[self.reward_to]
-        if score is None and self.reward_fn is None:
-            return [None] * len(trajectories)
-        out: list[float | None] = []
-        for i, traj in enumerate(trajectories):
-            if chosen is not None and i != chosen:
-                out.append(0.0)
-            elif score is not None:
-                out.append(score)
-            else:
-                out.append(float(self.reward_fn(traj.messages, **fields)))
-        return out
+        if score is None and self.reward_fn is not None and status == RolloutStatus.STOP:
+            score = float(self.reward_fn(trajectories[chosen].messages, **fields))
+        if score is None and status != RolloutStatus.STOP:
+            score = 0.0  # a failed or timed-out agent run earns nothing unless it posted a reward
+        other = 0.0 if self.reward_to == "longest" and score is not None else None
+        return [score if i == chosen else other for i in range(len(trajectories))]
 
 
 async def _discard(gm: Any, session_id: str) -> None:

@@ -28,7 +28,7 @@ from agentloop.compat.loop_helpers import VerlLoopHelpers
 from agentloop.compat.wrappers import DictConfigWrap, ToolListWrap
 from agentloop.errors import ConfigError, UnknownAgentError
 from agentloop.imports import import_subclass, load_yaml_entries
-from agentloop.types import AgentLoopOutput
+from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
 
 __all__ = ["AgentLoopBase", "DictConfigWrap", "ToolListWrap", "register"]
 
@@ -198,7 +198,8 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
         cls._class_initialized = True
 
     @abstractmethod
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput | list[AgentLoopOutput]:
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any
+                  ) -> AgentLoopOutput | list[AgentLoopOutput] | MultiTrajectoryAgentLoopOutput:
         """Roll out one sample.
 
         Args:
@@ -206,7 +207,9 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
             **kwargs: the sample's non-tensor fields (``raw_prompt``, ``extra_info``, ``index``, ...).
 
         Returns:
-            One trajectory, or a list of them (each becomes a row with this sample's fields).
+            One trajectory, or several of one episode (a list, or a :class:`MultiTrajectoryAgentLoopOutput`,
+            final trajectory last): each becomes a row with this sample's fields plus ``trajectory_index``,
+            ``num_trajectories`` and ``session_id`` (docs/context.md).
         """
 
 

@@ -43,6 +43,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
         )
 
         response_ids = output.token_ids[: self.response_length]
+        versions = output.extra_fields.get("weight_versions")
         status = {
             StopReason.LENGTH: RolloutStatus.LENGTH,
             StopReason.ABORTED: RolloutStatus.ABORTED,
@@ -54,6 +55,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_ids=response_ids,
             response_mask=[1] * len(response_ids),
             response_logprobs=output.log_probs[: self.response_length] if output.log_probs is not None else None,
+            response_weight_versions=list(versions[: self.response_length]) if versions is not None else None,
             num_turns=2,
             metrics=metrics,
             extra_fields={"prompt_truncated": dropped,

@@ -36,6 +36,15 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
   ``image_data`` (None while it is empty), and the output carries it as ``multi_modal_data["image"]``
   (None when the trajectory has no images).  Prompt / tool turns are still encoded with the tokenizer's
   chat template, not a multimodal processor: placeholder expansion is left to the engine.
+
+* Context edits (:mod:`agentloop.loops.context`): when the next context is not the conversation so far plus
+  the new turn (a tool asked for an edit, ``multi_turn.context_window`` slid, or the chat template re-renders
+  the previous turn), the trajectory is closed as a snapshot and a new one starts from a full render of the
+  edited conversation; ``run`` then returns a ``MultiTrajectoryAgentLoopOutput`` (final trajectory last).
+  Turn caps count over the whole episode; ``response_length``, ``num_turns`` and the ``extra_fields`` counters
+  are per trajectory (tool rewards and turn scores stay on the trajectory whose turn earned them); the
+  interaction's score goes on the final trajectory.  Every row has ``num_context_edits``, ``context_edit`` and
+  ``context_edits_capped``.
 """
 
 from __future__ import annotations
@@ -53,14 +62,23 @@ from agentloop.errors import ConfigError
 from agentloop.interactions.base import BaseInteraction
 from agentloop.interactions.registry import initialize_interactions_from_config
 from agentloop.loops.base import AgentLoopBase, config_values, register, rollout_config_of
+from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots, edited_history
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
 from agentloop.parsers.base import ToolParser, get_tool_parser
 from agentloop.tokenization import encode_new_turns
+from agentloop.tokenization.incremental import TemplateMismatchError
 from agentloop.tools import registry as tool_registry
 from agentloop.tools.base import BaseTool
+from agentloop.tools.context_tools import ContextEdit, tool_turn
 from agentloop.tools.executor import DEFAULT_MAX_WORKERS, configure_tool_executor
-from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
+from agentloop.types import (
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    MultiTrajectoryAgentLoopOutput,
+    RolloutStatus,
+    StopReason,
+)
 
 
 class AgentState(str, Enum):
@@ -87,16 +105,24 @@ class AgentData:
     status: RolloutStatus = RolloutStatus.STOP
     pending_calls: list[Any] = field(default_factory=list)
     image_data: list[Any] = field(default_factory=list)
-    counters: dict[str, Any] = field(default_factory=lambda: {
-        "tool_rewards": [], "turn_scores": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
-        "num_dropped_calls": 0, "num_tool_timeouts": 0, "num_budget_truncations": 0, "min_global_steps": None,
-        "max_global_steps": None,
-    })
+    counters: dict[str, Any] = field(default_factory=lambda: _new_counters())
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
     interaction: BaseInteraction | None = None
     interaction_id: str | None = None
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)
     reward_score: float | None = None
+    snapshots: Snapshots = field(default_factory=Snapshots)
+    segment_start: int = 0
+    """user_turns + assistant_turns when the current trajectory started (its ``num_turns`` counts from there)."""
+
+
+def _new_counters() -> dict[str, Any]:
+    """The per-trajectory counters of ``extra_fields``, at zero."""
+    return {
+        "tool_rewards": [], "turn_scores": [], "num_tool_calls": 0, "num_tool_errors": 0, "num_parse_errors": 0,
+        "num_dropped_calls": 0, "num_tool_timeouts": 0, "num_budget_truncations": 0, "min_global_steps": None,
+        "max_global_steps": None,
+    }
 
 
 @register("tool_agent")
@@ -130,6 +156,7 @@ class ToolAgentLoop(AgentLoopBase):
         path = mt.get("interaction_config_path")
         cls.interactions = initialize_interactions_from_config(path) if path else {}
         cls.interaction_config_path = str(path) if path else None
+        ContextSettings.from_config(mt)  # a wrong context_window / max_context_edits fails here, once per worker
         workers = mt.get("tool_max_workers")
         configure_tool_executor(str(mt.get("tool_executor") or "thread"),
                                 DEFAULT_MAX_WORKERS if workers is None else workers)
@@ -148,9 +175,12 @@ class ToolAgentLoop(AgentLoopBase):
         self.max_assistant_turns: int | None = values["max_assistant_turns"]
         self.max_user_turns: int | None = values["max_user_turns"]
         self.return_messages: bool = values["return_messages"]
+        self.context: ContextSettings = values["context"]
         self.request_id = uuid4().hex
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+    async def run(
+        self, sampling_params: dict[str, Any], **kwargs: Any
+    ) -> AgentLoopOutput | MultiTrajectoryAgentLoopOutput:
         data = AgentData(messages=as_messages(kwargs["raw_prompt"]), image_data=_sample_images(kwargs))
         tools_kwargs = kwargs.get("tools_kwargs") or {}
         self.sampling_params = dict(sampling_params)
@@ -172,7 +202,7 @@ class ToolAgentLoop(AgentLoopBase):
         finally:
             if data.interaction is not None:
                 await data.interaction.finalize_interaction(data.interaction_id)  # type: ignore[arg-type]
-        return self._output(data)
+        return data.snapshots.finish(self._output(data))
 
     async def _start_interaction(self, data: AgentData, extra_info: Any) -> None:
         kwargs = dict((extra_info or {}).get("interaction_kwargs") or {}) if isinstance(extra_info, dict) else {}
@@ -187,10 +217,13 @@ class ToolAgentLoop(AgentLoopBase):
         data.interaction, data.interaction_kwargs = self.interactions[name], kwargs
         data.interaction_id = await data.interaction.start_interaction(uuid4().hex, **kwargs)
 
+    def _render_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, tools=self.tool_schemas, add_generation_prompt=True,
+                                   **self.apply_chat_template_kwargs)
+
     def _pending(self, data: AgentData) -> AgentState:
-        ids = apply_chat_template(self.tokenizer, data.messages, tools=self.tool_schemas, add_generation_prompt=True,
-                                  **self.apply_chat_template_kwargs)
-        data.prompt_ids, dropped = fit_prompt(ids, self.prompt_length, self.prompt_truncation)
+        data.prompt_ids, dropped = fit_prompt(self._render_prompt(data.messages), self.prompt_length,
+                                              self.prompt_truncation)
         data.counters["prompt_truncated"] = dropped
         return AgentState.GENERATING
 
@@ -222,10 +255,11 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _processing_tools(self, data: AgentData, tools_kwargs: dict[str, Any]) -> AgentState:
         start = time.perf_counter()
-        result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
+        with tool_turn(data.messages) as turn:  # tools may read the conversation and ask for edits
+            result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
         data.metrics.tool_calls += time.perf_counter() - start
         _count(data, result, len(data.pending_calls))
-        return self._append_turn(data, result.messages, result.images, tool_result=result)
+        return self._append_turn(data, result.messages, result.images, tool_result=result, edits=turn.edits)
 
     async def _interacting(self, data: AgentData) -> AgentState:
         assert data.interaction is not None and data.interaction_id is not None
@@ -238,10 +272,17 @@ class ToolAgentLoop(AgentLoopBase):
         return self._append_turn(data, [{"role": "user", "content": reply}])
 
     def _append_turn(self, data: AgentData, messages: list[dict[str, Any]], images: list[Any] | None = None,
-                     tool_result: ToolTurnResult | None = None) -> AgentState:
+                     tool_result: ToolTurnResult | None = None, edits: list[ContextEdit] | None = None) -> AgentState:
         """Append tool / user messages (mask 0) and their images if they fit (a tool turn's texts cut to fit
-        when needed), then decide whether to go on."""
-        ids = self._encode_turn(data, messages)
+        when needed), then decide whether to go on; or snapshot when the context is edited."""
+        history, source = edited_history(data.messages, messages, edits or [], self.context.window)
+        if source is None:
+            try:
+                ids = self._encode_turn(data, messages)
+            except TemplateMismatchError:
+                history, source = data.messages, TEMPLATE
+        if source is not None:
+            return self._snapshot(data, data.messages if history is None else history, messages, images, source)
         if len(data.response_mask) + len(ids) >= self.response_length:
             fitted = self._fit_tool_turn(data, tool_result) if tool_result is not None else None
             if fitted is None:
@@ -253,10 +294,34 @@ class ToolAgentLoop(AgentLoopBase):
         data.response_ids += ids
         data.response_mask += [0] * len(ids)
         data.response_logprobs += [0.0] * len(ids)
+        return self._count_user_turn(data)
+
+    def _count_user_turn(self, data: AgentData) -> AgentState:
         data.user_turns += 1
         if self.max_user_turns and data.user_turns >= self.max_user_turns:
             return self._end(data, RolloutStatus.MAX_TURNS)
         return AgentState.GENERATING
+
+    def _snapshot(self, data: AgentData, history: list[dict[str, Any]], messages: list[dict[str, Any]],
+                  images: list[Any] | None, source: str) -> AgentState:
+        """Close the trajectory as it is and start a new one whose prompt renders ``history + messages``."""
+        if not data.snapshots.allows_another(self.context):
+            data.snapshots.capped = True
+            return self._end(data, RolloutStatus.MAX_TURNS)
+        if self.max_user_turns and data.user_turns + 1 >= self.max_user_turns:
+            return self._end(data, RolloutStatus.MAX_TURNS)  # the new trajectory could not generate anything
+        conversation = [*history, *messages]
+        prompt = self._render_prompt(conversation)
+        if len(prompt) > self.prompt_length:  # never truncated: it would not be a render of the conversation
+            return self._end(data, RolloutStatus.LENGTH)
+        data.snapshots.close(self._output(data), source)
+        data.prompt_ids, data.response_ids, data.response_mask, data.response_logprobs = prompt, [], [], []
+        data.counters, data.metrics = _new_counters(), AgentLoopMetrics()
+        data.messages = conversation
+        data.image_data += images or []
+        state = self._count_user_turn(data)
+        data.segment_start = data.user_turns + data.assistant_turns
+        return state
 
     def _encode_turn(self, data: AgentData, messages: list[dict[str, Any]]) -> list[int]:
         system = data.messages[0] if data.messages[0]["role"] == "system" else None
@@ -311,7 +376,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_ids=data.response_ids[:n],
             response_mask=data.response_mask[:n],
             response_logprobs=data.response_logprobs[:n] if want_logprobs else None,
-            num_turns=data.user_turns + data.assistant_turns + 1,
+            num_turns=data.user_turns + data.assistant_turns - data.segment_start + 1,
             metrics=data.metrics,
             extra_fields={**data.counters, **({"messages": list(data.messages)} if self.return_messages else {})},
             reward_score=data.reward_score,
@@ -326,6 +391,7 @@ def _tool_agent_values(config: DictConfig) -> dict[str, Any]:
         "max_assistant_turns": mt.max_assistant_turns,
         "max_user_turns": mt.max_user_turns,
         "return_messages": bool(mt.get("return_messages", False)),
+        "context": ContextSettings.from_config(mt),
     }
 
 

@@ -1,6 +1,6 @@
 """Scoring trajectories when they end: verl's custom reward function, called by the worker.
 
-The rule for a trajectory's ``reward_score`` (each row of a multi-trajectory sample on its own):
+The rule for a single-trajectory sample's ``reward_score``:
 
 1. With ``custom_reward_function.path`` set, the function's score, and only that: the loop's own
    ``reward_score`` is replaced.  The function is not called on rollouts that did not finish (status
@@ -12,6 +12,16 @@ The rule for a trajectory's ``reward_score`` (each row of a multi-trajectory sam
 3. ``add_tool_rewards: true`` adds the sum of ``extra_fields["tool_rewards"]`` (the tools' step rewards) to
    that score; a finished trajectory with no score from 1 or 2 (and no function configured) scores the sum
    alone.  A row whose function call failed stays without a score.
+
+A sample with k > 1 trajectories (an episode, :mod:`agentloop.rewards.episode`): the function of rule 1 is
+called on the final (last) trajectory only; its score (else the final trajectory's own ``reward_score``) is the
+episode reward ``E``, and trajectory ``i`` gets ``share_i * E`` by ``multi_turn.reward_to`` (all: 1, last: 0
+except the final, discounted: ``gamma ** (k - 1 - i)``), plus what it earned itself: the ``reward_score`` the
+loop set on a non-final trajectory and, with rule 3, its own tool rewards.  When a function is configured and
+the episode has no reward (the final trajectory's call failed or it did not finish), no trajectory of the
+episode gets one (``reward_error`` says why); without a function and without ``E``, each trajectory keeps
+only its own score.  A non-final trajectory gets a copy of the final one's ``reward_extra_info`` (it describes
+the episode).  For k = 1 this is the rule above.
 
 ``BaseTool.calc_reward`` is not called: the tool runner creates and releases a tool instance around every
 call, so the instance is gone when the trajectory ends; its reward is the call's step reward, which is in
@@ -42,8 +52,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agentloop.rewards.columns import REWARD_ERROR, REWARD_EXTRA_INFO, UNFINISHED
+from agentloop.rewards.episode import EpisodeRewardConfig, reward_shares
 from agentloop.rewards.loader import RewardFunctionConfig, load_reward_function
-from agentloop.types import AgentLoopOutput
+from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +70,16 @@ class TrajectoryScorer:
         config: the ``custom_reward_function`` block; its function is imported here (once).
         tokenizer: decodes ``solution_str``.
         response_length: only the first ``response_length`` response ids are decoded (None: all).
+        episode: ``multi_turn.reward_to`` / ``reward_gamma`` for samples with several trajectories.
 
     Raises:
         ConfigError: the function cannot be loaded (see :func:`load_reward_function`).
     """
 
-    def __init__(self, config: RewardFunctionConfig, tokenizer: Any, response_length: int | None = None) -> None:
+    def __init__(self, config: RewardFunctionConfig, tokenizer: Any, response_length: int | None = None,
+                 episode: EpisodeRewardConfig | None = None) -> None:
         self.config = config
+        self.episode = episode or EpisodeRewardConfig()
         self.tokenizer = tokenizer
         self.response_length = response_length
         self.fn: Callable[..., Any] | None = load_reward_function(config.path, config.name) if config.path else None
@@ -78,29 +92,66 @@ class TrajectoryScorer:
     @classmethod
     def from_config(cls, root: Any, tokenizer: Any, response_length: int | None = None) -> TrajectoryScorer:
         """The scorer of a trainer-shaped config's ``custom_reward_function`` block."""
-        return cls(RewardFunctionConfig.from_config(root), tokenizer, response_length)
+        return cls(RewardFunctionConfig.from_config(root), tokenizer, response_length,
+                   EpisodeRewardConfig.from_config(root))
 
     @property
     def configured(self) -> bool:
         """True when this scorer is a reward source for every finished row (a function or tool rewards)."""
         return self.fn is not None or self.config.add_tool_rewards
 
-    async def score(self, outputs: list[AgentLoopOutput], sample: Mapping[str, Any]) -> list[AgentLoopOutput]:
+    async def score(self, outputs: list[AgentLoopOutput] | MultiTrajectoryAgentLoopOutput,
+                    sample: Mapping[str, Any]) -> list[AgentLoopOutput]:
         """Set ``reward_score`` (and ``reward_error`` / ``reward_extra_info`` / ``metrics.compute_score``) on
-        each of a sample's ``outputs``, in place; returns them.  Never raises for a scorer's failure."""
-        if self.configured:
-            await asyncio.gather(*(self._score_one(o, sample) for o in outputs))
-        return outputs
+        each of a sample's trajectories (one episode, final last), in place, by the module's rule; returns
+        them.  An episode's own ``reward_to`` / ``reward_gamma`` win over the config's.  Never raises for a
+        scorer's failure."""
+        episode = outputs if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else None
+        trajectories = list(outputs.trajectories if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else outputs)
+        if not trajectories:
+            return trajectories
+        mode = (episode.reward_to if episode is not None else None) or self.episode.reward_to
+        gamma = episode.reward_gamma if episode is not None and episode.reward_gamma is not None \
+            else self.episode.reward_gamma
+        shares = reward_shares(len(trajectories), mode, gamma)
+        final = trajectories[-1]
+        outcome, error = await self._outcome(final, sample)
+        extra_info = final.extra_fields.get(REWARD_EXTRA_INFO)
+        for i, output in enumerate(trajectories):
+            if output is final:
+                self._finish(output, outcome, error)
+                continue
+            unfinished = output.status in UNFINISHED
+            if self.fn is not None and (outcome is None or unfinished):
+                status = getattr(final.status, "value", final.status)
+                why = error or f"the final trajectory ended with status {status!r}"
+                self._finish(output, None, f"no reward: this episode's final trajectory has none ({why})"
+                             if outcome is None else None)
+                continue
+            share = None if outcome is None else shares[i] * outcome
+            parts = [v for v in (share, output.reward_score) if v is not None]
+            self._finish(output, math.fsum(parts) if parts else None, None)
+            if extra_info is not None and outcome is not None and REWARD_EXTRA_INFO not in output.extra_fields:
+                output.extra_fields = {**output.extra_fields, REWARD_EXTRA_INFO: dict(extra_info)}
+        return trajectories
 
-    async def _score_one(self, output: AgentLoopOutput, sample: Mapping[str, Any]) -> None:
+    async def _outcome(self, final: AgentLoopOutput, sample: Mapping[str, Any]) -> tuple[float | None, str | None]:
+        """The episode reward before tool rewards: the function's score of the final trajectory (its extra info
+        recorded on it), else the loop's own ``reward_score``; and the error when the call failed."""
+        if self.fn is None:
+            return final.reward_score, None
+        if final.status in UNFINISHED:
+            return None, None
+        start = time.perf_counter()
+        score, info, error = await self._call(final, sample)
+        final.metrics = final.metrics.model_copy(update={"compute_score": time.perf_counter() - start})
+        if info is not None:
+            final.extra_fields = {**final.extra_fields, REWARD_EXTRA_INFO: info}
+        return score, error
+
+    def _finish(self, output: AgentLoopOutput, score: float | None, error: str | None) -> None:
+        """Add the trajectory's own tool rewards (rule 3) to ``score`` and record it (and ``error``)."""
         finished = output.status not in UNFINISHED
-        score, info, error = output.reward_score, None, None
-        if self.fn is not None:
-            score = None
-            if finished:
-                start = time.perf_counter()
-                score, info, error = await self._call(output, sample)
-                output.metrics = output.metrics.model_copy(update={"compute_score": time.perf_counter() - start})
         if self.config.add_tool_rewards and error is None:
             try:
                 tools = tool_reward_sum(output)
@@ -112,9 +163,8 @@ class TrajectoryScorer:
                 elif self.fn is None and finished:
                     score = tools
         output.reward_score = score
-        updates = {k: v for k, v in ((REWARD_ERROR, error), (REWARD_EXTRA_INFO, info)) if v is not None}
-        if updates:
-            output.extra_fields = {**output.extra_fields, **updates}
+        if error is not None:
+            output.extra_fields = {**output.extra_fields, REWARD_ERROR: error}
 
     async def _call(self, output: AgentLoopOutput, sample: Mapping[str, Any]) -> Outcome:
         assert self.fn is not None

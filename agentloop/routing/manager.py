@@ -32,6 +32,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
 from agentloop.errors import RoutingError, first_line
+from agentloop.report import timing
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.strategies import Balancer, make_balancer
@@ -56,13 +57,17 @@ class AsyncLLMServerManager:
         max_failovers: how many times one request may move to another server after its server died
             (default: once to every other server).
         partial_rollout: resume generations a server pause interrupted and join the pieces (verl's
-            ``async_training.partial_rollout``); False returns them ``aborted``.
+            ``async_training.partial_rollout``); False returns them ``aborted``, unless ``restart_preempted``.
+        restart_preempted: without ``partial_rollout``, run a generation a server pause interrupted again from
+            its start (same prompt and ``max_tokens``; the tokens sampled before the pause are dropped, so the
+            whole generation comes from the weights loaded meanwhile) instead of returning it ``aborted``.
     """
 
     def __init__(
         self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
         max_cache_size: int = 10000, batch_calls: bool = True, owner: str | None = None,
         max_failovers: int | None = None, partial_rollout: bool = False,
+        restart_preempted: bool = False,
     ) -> None:
         self.server_handles = list(server_handles)
         if not self.server_handles:
@@ -84,6 +89,9 @@ class AsyncLLMServerManager:
         self.num_failovers = 0
         """Requests re-sent to another server after theirs died (reported in the batch's fault metrics)."""
         self.partial_rollout = bool(partial_rollout)
+        self.restart_preempted = bool(restart_preempted) and not self.partial_rollout
+        self.num_restarts = 0
+        """Generations run again from their start after a server pause interrupted them (``restart_preempted``)."""
         self.num_resumes = 0
         """Generations re-issued after a server pause interrupted them (``partial_rollout``)."""
 
@@ -162,6 +170,9 @@ class AsyncLLMServerManager:
             )
         key = sticky_key or request_id
         output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, image_data)
+        while self.restart_preempted and output.extra_fields.get("preempted_by_pause"):
+            self.num_restarts += 1
+            output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, image_data)
         pieces = [output]
         while self.partial_rollout and output.extra_fields.get("preempted_by_pause"):
             generated = [t for piece in pieces for t in piece.token_ids]
@@ -191,10 +202,12 @@ class AsyncLLMServerManager:
         while True:
             try:
                 async with self._slot(key, len(prompt_ids), request_id) as server:
+                    start = timing.now()
                     output = await self._call(
                         server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
                         request_id=request_id, image_data=image_data,
                     )
+                timing.record_generate(server, start, len(prompt_ids), output)  # for `agentloop report`
                 return output, server
             except ServerDeadError as e:
                 await self._mark_down(e)
@@ -238,7 +251,53 @@ class AsyncLLMServerManager:
 
         The in-flight slot is held until the stream ends, fails, or the consumer stops iterating;
         a consumer that stops early should :meth:`abort` the request so the engine stops too.
+
+        With ``partial_rollout`` a stream a server pause cut goes on after the resume, as :meth:`generate` does:
+        the tokens of the cut piece are passed on as an ordinary chunk and the request is re-issued with
+        ``prompt_ids`` plus every token so far and the rest of ``max_tokens``; the consumer sees one stream whose
+        last chunk has the last piece's stop reason and, in ``extra_fields``, ``num_preempted`` and the
+        ``min_global_steps`` / ``max_global_steps`` over the pieces.  (``restart_preempted`` does not apply to
+        streams: tokens already streamed cannot be taken back, so a cut stream ends ``aborted``.)
         """
+        generated: list[int] = []
+        versions: list[int] = []
+        params = dict(sampling_params)
+        limit = sampling_params.get("max_tokens")
+        while True:
+            final = None
+            async for delta in self._stream_once(request_id, sticky_key, list(prompt_ids) + generated, params,
+                                                 image_data):
+                if delta.finished:
+                    final = delta
+                    continue
+                generated += delta.token_ids
+                yield delta
+            if final is None:
+                return
+            if final.extra_fields.get("global_steps") is not None:
+                versions.append(int(final.extra_fields["global_steps"]))
+            extra = {k: v for k, v in final.extra_fields.items() if k not in ("preempted_by_pause", "max_tokens")}
+            if len(versions) > 1:
+                extra.update(min_global_steps=min(versions), max_global_steps=max(versions),
+                             num_preempted=len(versions) - 1)
+            if not (self.partial_rollout and final.extra_fields.get("preempted_by_pause")):
+                yield final.model_copy(update={"extra_fields": extra if len(versions) > 1 else final.extra_fields})
+                return
+            generated += final.token_ids
+            if final.token_ids:  # the cut piece's last tokens: an ordinary chunk, the stream goes on
+                yield TokenDelta(token_ids=final.token_ids, log_probs=final.log_probs)
+            limit = limit if limit is not None else final.extra_fields.get("max_tokens")
+            if limit is not None and int(limit) - len(generated) <= 0:  # cut after its last allowed token
+                yield TokenDelta(token_ids=[], log_probs=None if final.log_probs is None else [], finished=True,
+                                 stop_reason=StopReason.LENGTH, extra_fields=extra)
+                return
+            if limit is not None:
+                params["max_tokens"] = int(limit) - len(generated)
+            self.num_resumes += 1
+
+    async def _stream_once(self, request_id: str, sticky_key: str | None, prompt_ids: list[int],
+                           sampling_params: dict[str, Any], image_data: list[Any] | None
+                           ) -> AsyncIterator[TokenDelta]:
         kwargs = {"prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
                   "image_data": image_data}
         async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:

@@ -36,8 +36,6 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -46,11 +44,13 @@ from agentloop.errors import ServerError
 from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import (
     WORKER_EXTENSION,
+    OpenWeightUpdate,
     SharedBucket,
     WeightBucket,
     Weights,
     iter_buckets,
     tied_aliases,
+    write_shard,
 )
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -136,7 +136,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         """Version of the weights being served (verl's name); set by each weight update."""
         self.weight_transport = "file"
         """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set by start()."""
-        self._update: _WeightUpdate | None = None
+        self._update: OpenWeightUpdate | None = None
         self._gate = PauseGate()
 
     async def start(self) -> dict[str, Any]:
@@ -256,8 +256,9 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                 self._raise_if_dead(e)
                 raise
             if not finished:
+                extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
                 yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
-                                 stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields())
+                                 stop_reason=StopReason.ABORTED, extra_fields=extra)
 
     async def pause(self) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
@@ -364,7 +365,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
             raise ServerError(f"vLLM server {self.server_index}: weight transport {transport!r} is not available "
                               f"(this server has {self.weight_transport!r}; use 'auto', 'direct' or 'file')")
         version = self.global_steps + 1 if global_steps is None else int(global_steps)
-        self._update = _WeightUpdate(version, chosen, time.perf_counter())
+        self._update = OpenWeightUpdate(version, chosen, time.perf_counter())
         try:
             await self.engine.pause_generation(mode="wait", clear_cache=False)
             if chosen == "direct":
@@ -383,7 +384,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
             if update.transport == "direct":
                 await self._load_direct(bucket, aliases)
             else:
-                _write_shard(bucket, aliases, update)
+                write_shard(bucket, aliases, update)
         except Exception as e:
             await self.abort_weight_update()
             raise ServerError(f"vLLM server {self.server_index}: loading weights {bucket.names[:3]}... failed: {e}; "
@@ -441,7 +442,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         finally:
             shared.close()
 
-    def _require_update(self, method: str) -> _WeightUpdate:
+    def _require_update(self, method: str) -> OpenWeightUpdate:
         if self._update is None:
             raise ServerError(f"vLLM server {self.server_index}: {method}() without an open weight update; "
                               "call begin_weight_update() first")
@@ -487,29 +488,3 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-
-
-@dataclass
-class _WeightUpdate:
-    """An open weight update on one server."""
-
-    version: int
-    transport: str
-    started: float
-    tmpdir: tempfile.TemporaryDirectory[str] | None = None
-    tensors: int = 0
-    nbytes: int = 0
-    shards: list[str] = field(default_factory=list)
-
-
-def _write_shard(bucket: WeightBucket, aliases: dict[str, str], update: _WeightUpdate) -> None:
-    """File transport: the bucket becomes one safetensors shard of the update's directory."""
-    from safetensors.torch import save_file
-
-    assert update.tmpdir is not None
-    tensors = dict(bucket.tensors())
-    for alias, source in aliases.items():
-        tensors[alias] = tensors[source].clone()  # safetensors refuses two names for one storage
-    name = f"model-{len(update.shards):05d}.safetensors"
-    save_file(tensors, str(Path(update.tmpdir.name) / name))
-    update.shards.append(name)

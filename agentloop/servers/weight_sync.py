@@ -31,10 +31,12 @@ import contextlib
 import logging
 import mmap
 import os
+import tempfile
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -283,3 +285,29 @@ class VLLMWeightSyncExtension:
         finally:
             model_config.model, model_config.model_weights, model_config.revision = saved[:3]
             load_config.use_tqdm_on_load = saved[3]
+
+
+@dataclass
+class OpenWeightUpdate:
+    """An open weight update on one server."""
+
+    version: int
+    transport: str
+    started: float
+    tmpdir: tempfile.TemporaryDirectory[str] | None = None
+    tensors: int = 0
+    nbytes: int = 0
+    shards: list[str] = field(default_factory=list)
+
+
+def write_shard(bucket: WeightBucket, aliases: dict[str, str], update: OpenWeightUpdate) -> None:
+    """File transport: the bucket becomes one safetensors shard of the update's directory."""
+    from safetensors.torch import save_file
+
+    assert update.tmpdir is not None
+    tensors = dict(bucket.tensors())
+    for alias, source in aliases.items():
+        tensors[alias] = tensors[source].clone()  # safetensors refuses two names for one storage
+    name = f"model-{len(update.shards):05d}.safetensors"
+    save_file(tensors, str(Path(update.tmpdir.name) / name))
+    update.shards.append(name)

@@ -2,6 +2,13 @@
 
 from agentloop.tools.base import BaseTool
 from agentloop.tools.calculator import CalculatorTool
+from agentloop.tools.context_tools import (
+    ContextEdit,
+    DeleteContextTool,
+    SummarizeContextTool,
+    current_messages,
+    request_context_edit,
+)
 from agentloop.tools.function_tool import (
     FUNCTION_TOOL_REGISTRY,
     FunctionTool,
@@ -27,6 +34,8 @@ __all__ = [
     "FUNCTION_TOOL_REGISTRY",
     "BaseTool",
     "CalculatorTool",
+    "ContextEdit",
+    "DeleteContextTool",
     "FunctionTool",
     "Gsm8kTool",
     "OpenAIFunctionCallSchema",
@@ -36,11 +45,14 @@ __all__ = [
     "OpenAIFunctionSchema",
     "OpenAIFunctionToolCall",
     "OpenAIFunctionToolSchema",
+    "SummarizeContextTool",
     "ToolResponse",
+    "current_messages",
     "function_tool",
     "get_function_tool",
     "initialize_tools_from_config",
     "load_all_tools",
     "load_function_tools_from_path",
     "normalize_function_tool_return",
+    "request_context_edit",
 ]

@@ -127,4 +127,4 @@ def test_max_concurrent_sessions_caps_open_sessions_per_worker(tokenizer):
         OpenAIAgentLoop._slots = None
         OpenAIAgentLoop.gateway_manager = None
     assert peak == 2
-    assert all(o[0].status == "error" and "no chat request" in o[0].error for o in outs)
+    assert all(o.trajectories[0].status == "error" and "no chat request" in o.trajectories[0].error for o in outs)

@@ -207,3 +207,68 @@ async def test_a_resume_whose_server_died_fails_over() -> None:
     cut = len(first.calls[1]["prompt_ids"]) - len(PROMPT)
     assert cut > 0 and second.calls[0]["prompt_ids"] == first.calls[1]["prompt_ids"] and len(second.calls) == 1
     assert manager.num_failovers == 1 and out.extra_fields["server_index"] == servers.index(second)
+
+
+@run
+async def test_without_partial_rollout_restart_preempted_runs_the_cut_generation_again_from_its_start() -> None:
+    want = await uninterrupted(PARAMS)
+    server = counting_server("fake")
+    manager = AsyncLLMServerManager([server], partial_rollout=False, restart_preempted=True)
+    task = asyncio.ensure_future(manager.generate("r", prompt_ids=PROMPT, sampling_params=PARAMS))
+    await started(server, 1)
+    assert await server.pause() == 1
+    await server.update_weights({}, global_steps=3)
+    await server.resume()
+    out = await task
+
+    # the whole generation is the restarted one: same prompt, full max_tokens, only the new weight version
+    assert out.token_ids == want.token_ids and out.stop_reason == StopReason.LENGTH
+    assert [c["prompt_ids"] for c in server.calls] == [PROMPT, PROMPT]
+    assert [c["sampling_params"]["max_tokens"] for c in server.calls] == [30, 30]
+    assert manager.num_restarts == 1 and manager.num_resumes == 0
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 3)
+    assert "preempted_by_pause" not in out.extra_fields
+
+
+@run
+async def test_without_either_option_a_cut_generation_ends_aborted_with_its_tokens_so_far() -> None:
+    server = counting_server("fake")
+    manager = AsyncLLMServerManager([server], partial_rollout=False)
+    task = asyncio.ensure_future(manager.generate("r", prompt_ids=PROMPT, sampling_params=PARAMS))
+    await started(server, 1)
+    await server.pause()
+    out = await task
+    await server.resume()
+    assert out.stop_reason == StopReason.ABORTED and 0 < len(out.token_ids) < 30
+    assert len(server.calls) == 1 and manager.num_restarts == 0
+
+
+@run
+async def test_a_stream_cut_by_pauses_goes_on_after_the_resume_as_one_stream() -> None:
+    want = await uninterrupted(PARAMS)
+    (server,), manager = make()
+
+    async def consume() -> tuple[list[int], Any]:
+        ids, last = [], None
+        async for delta in manager.generate_stream("s", prompt_ids=PROMPT, sampling_params=PARAMS):
+            assert last is None  # nothing after the final chunk
+            ids += delta.token_ids
+            if delta.finished:
+                last = delta
+        return ids, last
+
+    task = asyncio.ensure_future(consume())
+    await started(server, 1)
+    assert await server.pause() == 1
+    await server.update_weights({}, global_steps=5)
+    await server.resume()
+    ids, last = await task
+
+    assert ids == want.token_ids and len(ids) == 30  # one stream, no token lost or repeated
+    assert last.stop_reason == StopReason.LENGTH
+    assert last.extra_fields["num_preempted"] == 1 and manager.num_resumes == 1
+    assert (last.extra_fields["min_global_steps"], last.extra_fields["max_global_steps"]) == (0, 5)
+    assert "preempted_by_pause" not in last.extra_fields
+    cut = len(server.calls[1]["prompt_ids"]) - len(PROMPT)
+    assert server.calls[1]["prompt_ids"] == PROMPT + want.token_ids[:cut]
+    assert server.calls[1]["sampling_params"]["max_tokens"] == 30 - cut

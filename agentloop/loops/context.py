@@ -1,0 +1,136 @@
+"""Context edits inside ``tool_agent``: when the next context is not an extension of the tokens so far.
+
+A trajectory is trainable only if every token is either sampled by the policy (mask 1) or a render of the
+conversation (mask 0).  When the conversation the model is to see next is *not* the conversation so far plus
+new turns, the tokens sampled so far cannot be extended: ``tool_agent`` closes the current trajectory as a
+snapshot (exactly the prompt and response it rendered and sampled) and starts a new trajectory whose prompt
+is a full chat-template render of the edited conversation.  Three sources (the ``context_edit`` column of
+the closed row names it):
+
+* ``tool`` — a tool asked for an edit (:mod:`agentloop.tools.context_tools`: ``delete_context``,
+  ``summarize_context``, or any tool calling ``request_context_edit``);
+* ``window`` — ``multi_turn.context_window: K`` keeps the messages up to the first user message (system
+  prompt, first user turn) and the last ``K`` turns as they are; the tool results of older turns are replaced
+  by :data:`PLACEHOLDER`.  A turn is an assistant message with the messages that follow it up to the next
+  assistant message.  Every tool turn that pushes a turn holding tool results out of the window is an edit;
+* ``template`` — the chat template is not prefix-stable for the next turn (it re-renders the previous
+  assistant turn once the new messages follow it, e.g. Qwen3 dropping earlier ``<think>`` on a new user
+  turn): :func:`agentloop.tokenization.encode_new_turns` detects it; instead of failing the sample, snapshot.
+
+The tool results / user turn that caused the edit are part of the new trajectory's prompt (mask 0 there);
+the closed trajectory ends with the last token its policy sampled.  ``multi_turn.max_context_edits`` (null:
+no cap) caps snapshots per sample: the edit beyond the cap ends the episode instead (status ``max_turns``,
+``context_edits_capped`` True), so a sample never yields more than ``max_context_edits + 1`` rows.  A new
+prompt longer than ``prompt_length`` ends the episode with status ``length`` (it is never truncated: a
+truncated prompt is not a render of the conversation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from agentloop.errors import ConfigError
+from agentloop.tools.context_tools import ContextEdit
+from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
+
+PLACEHOLDER = "[older tool result removed from the context]"
+"""What a tool result outside ``multi_turn.context_window`` is replaced by."""
+
+TOOL, WINDOW, TEMPLATE = "tool", "window", "template"
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """``multi_turn.context_window`` and ``multi_turn.max_context_edits``, checked."""
+
+    window: int | None = None
+    max_edits: int | None = None
+
+    @classmethod
+    def from_config(cls, multi_turn: DictConfig) -> ContextSettings:
+        """Read and check the two keys (ConfigError with the fix when a value is wrong)."""
+        window, cap = multi_turn.get("context_window"), multi_turn.get("max_context_edits")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.context_window={window!r}: give the number of "
+                              "latest turns to keep whole (an integer >= 1), or null for no window")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_context_edits={cap!r}: give the most "
+                              "snapshots per sample (an integer >= 0), or null for no cap")
+        return cls(window=window, max_edits=cap)
+
+
+def _text_of(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content or ""
+
+
+def _with_placeholder(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):  # keep the image parts: the trajectory's image list stays aligned
+        parts = [p for p in content if not (isinstance(p, dict) and p.get("type") == "text")]
+        return {**message, "content": [*parts, {"type": "text", "text": PLACEHOLDER}]}
+    return {**message, "content": PLACEHOLDER}
+
+
+def slide_window(messages: list[dict[str, Any]], window: int) -> list[dict[str, Any]] | None:
+    """``messages`` with the tool results of turns older than the last ``window`` turns replaced by
+    :data:`PLACEHOLDER`; None when that changes nothing."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), len(messages))
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > first_user]
+    if len(starts) <= window:
+        return None
+    out, changed = list(messages), False
+    for i in range(starts[0], starts[-window]):
+        if out[i].get("role") == "tool" and _text_of(out[i]) != PLACEHOLDER:
+            out[i], changed = _with_placeholder(out[i]), True
+    return out if changed else None
+
+
+def edited_history(history: list[dict[str, Any]], new: list[dict[str, Any]], edits: list[ContextEdit],
+                   window: int | None) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The conversation before ``new`` after the tools' ``edits`` (applied last-first, so every index is the
+    one the tool saw) and the window, and the source of the change; ``(None, None)`` when nothing changes."""
+    edited, source = history, None
+    if edits:
+        for edit in sorted(edits, key=lambda e: e.start, reverse=True):
+            edited = edit.apply(edited)
+        source = TOOL
+    if window is not None:
+        slid = slide_window(edited + new, window)
+        if slid is not None:
+            edited, source = slid[:len(slid) - len(new)], source or WINDOW
+    return (edited, source) if source else (None, None)
+
+
+@dataclass
+class Snapshots:
+    """The trajectories an episode closed so far, and why each was closed."""
+
+    closed: list[AgentLoopOutput] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    capped: bool = False
+    """An edit beyond ``max_context_edits`` ended the episode."""
+
+    def allows_another(self, settings: ContextSettings) -> bool:
+        """False when one more snapshot would exceed ``max_context_edits``."""
+        return settings.max_edits is None or len(self.closed) < settings.max_edits
+
+    def close(self, trajectory: AgentLoopOutput, source: str) -> None:
+        """Keep ``trajectory`` as a closed snapshot, ended by an edit from ``source``."""
+        self.closed.append(trajectory)
+        self.sources.append(source)
+
+    def finish(self, final: AgentLoopOutput) -> AgentLoopOutput | MultiTrajectoryAgentLoopOutput:
+        """The episode: ``final`` alone, or every trajectory in order (final last).  Every row gets
+        ``num_context_edits`` (snapshots of the episode), ``context_edit`` (the source that closed it; None
+        on the final one) and ``context_edits_capped``."""
+        rows = [*self.closed, final]
+        for row, source in zip(rows, [*self.sources, None], strict=True):
+            row.extra_fields = {**row.extra_fields, "num_context_edits": len(self.closed), "context_edit": source,
+                                "context_edits_capped": self.capped}
+        return final if not self.closed else MultiTrajectoryAgentLoopOutput(trajectories=rows)

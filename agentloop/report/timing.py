@@ -1,0 +1,67 @@
+"""Per-request timing of generate calls, recorded cheaply for ``agentloop report``'s server timeline.
+
+The router (:class:`agentloop.routing.AsyncLLMServerManager`) calls :func:`record_generate` after every
+engine call it made (each piece of a resumed generation and each failover attempt that returned is one call).
+The call is recorded only inside :func:`collect_generate_calls`, which the worker opens around each sample:
+the list lives in a :class:`~contextvars.ContextVar`, so calls made from tasks the agent loop spawns land in
+the same sample's list, and outside a collection (tests, the gateway) recording is a single context-variable
+read.  :func:`attach_generate_calls` then puts the list on the sample's first trajectory as
+``extra_fields["generate_calls"]`` (a ``generate_calls`` object column of the saved DataProto; the sample's
+other trajectories get an empty list, so no call is counted twice).
+
+One call is a dict ``{"server", "start", "end", "prompt_tokens", "response_tokens", "stop_reason"}``:
+``server`` is the router's server index, ``start`` / ``end`` are wall-clock epoch seconds (``time.time()``,
+comparable across worker processes on one machine), measured around the server call once a server was chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+GENERATE_CALLS = "generate_calls"
+"""The ``extra_fields`` key (and DataProto column) that holds a trajectory's generate calls."""
+
+_calls: ContextVar[list[dict[str, Any]] | None] = ContextVar("agentloop_generate_calls", default=None)
+
+
+def now() -> float:
+    """The clock generate calls are timed with (epoch seconds)."""
+    return time.time()
+
+
+def record_generate(server: int, start: float, prompt_tokens: int, output: Any) -> None:
+    """Record one finished engine call of the current sample (no-op outside :func:`collect_generate_calls`).
+
+    ``output`` is the call's :class:`~agentloop.types.TokenOutput`; the end time is taken now.
+    """
+    calls = _calls.get()
+    if calls is None:
+        return
+    stop = getattr(output, "stop_reason", None)
+    calls.append({"server": int(server), "start": start, "end": time.time(), "prompt_tokens": int(prompt_tokens),
+                  "response_tokens": len(getattr(output, "token_ids", ()) or ()),
+                  "stop_reason": getattr(stop, "value", stop)})
+
+
+@contextlib.contextmanager
+def collect_generate_calls() -> Iterator[list[dict[str, Any]]]:
+    """Collect the generate calls made inside this block (and tasks started in it) into the yielded list."""
+    calls: list[dict[str, Any]] = []
+    token = _calls.set(calls)
+    try:
+        yield calls
+    finally:
+        _calls.reset(token)
+
+
+def attach_generate_calls(outputs: Any, calls: list[dict[str, Any]]) -> None:
+    """Store ``calls`` on the first of a sample's trajectories (``extra_fields["generate_calls"]``) and an empty
+    list on the others; a loop that set the key itself keeps its value.  ``outputs``: the sample's trajectories,
+    as a list of :class:`~agentloop.types.AgentLoopOutput` or an episode (an object with ``trajectories``)."""
+    trajectories: Sequence[Any] = outputs.trajectories if hasattr(outputs, "trajectories") else outputs
+    for i, output in enumerate(trajectories):
+        output.extra_fields.setdefault(GENERATE_CALLS, list(calls) if i == 0 else [])

@@ -1,0 +1,82 @@
+"""The episode reward rule: which trajectories of a multi-trajectory sample get the episode's reward.
+
+A sample whose loop returns k > 1 trajectories (context-edit snapshots, gateway compaction branches) is one
+*episode*.  Its reward ``E`` is the final (last) trajectory's outcome score: the ``custom_reward_function``'s
+score of that trajectory when a function is configured (the function is called on the final trajectory only),
+else the ``reward_score`` the loop set on it.  ``multi_turn.reward_to`` spreads ``E`` over the trajectories:
+
+* ``all`` (default): every trajectory ``i`` gets ``E``;
+* ``last``: the final trajectory gets ``E``, the others 0;
+* ``discounted``: trajectory ``i`` gets ``gamma ** (k - 1 - i) * E`` (``multi_turn.reward_gamma``).
+
+What a trajectory earned on its own stays on it, added to its share: the ``reward_score`` a loop set on a
+non-final trajectory (e.g. a turn score) and, with ``custom_reward_function.add_tool_rewards``, the sum of its
+own ``tool_rewards``.  See :mod:`agentloop.rewards.scoring` for the whole rule and docs/context.md for why
+``all`` is the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast, get_args
+
+from omegaconf import OmegaConf
+
+from agentloop.errors import ConfigError
+from agentloop.types import RewardTo
+
+REWARD_TO_MODES: tuple[str, ...] = get_args(RewardTo)
+DEFAULT_GAMMA = 0.9
+
+
+@dataclass(frozen=True)
+class EpisodeRewardConfig:
+    """``multi_turn.reward_to`` and ``multi_turn.reward_gamma``, checked."""
+
+    reward_to: RewardTo = "all"
+    reward_gamma: float = DEFAULT_GAMMA
+
+    @classmethod
+    def from_config(cls, root: Any) -> EpisodeRewardConfig:
+        """Read the keys from a trainer-shaped config (``actor_rollout_ref.rollout.multi_turn``); absent keys
+        take the defaults.
+
+        Raises:
+            ConfigError: ``reward_to`` is not all | last | discounted, or ``reward_gamma`` is not in [0, 1].
+        """
+        node = OmegaConf.select(root, "actor_rollout_ref.rollout.multi_turn", default=None) \
+            if OmegaConf.is_config(root) else ((root or {}).get("actor_rollout_ref") or {}).get("rollout", {}).get(
+                "multi_turn")
+        node = node or {}
+        return cls.checked(node.get("reward_to"), node.get("reward_gamma"))
+
+    @classmethod
+    def checked(cls, reward_to: Any, reward_gamma: Any, where: str = "multi_turn") -> EpisodeRewardConfig:
+        """Validate the two values (None takes the default)."""
+        mode = "all" if reward_to is None else reward_to
+        if mode not in REWARD_TO_MODES:
+            raise ConfigError(f"{where}.reward_to must be one of {' | '.join(REWARD_TO_MODES)}, got {reward_to!r}")
+        gamma = DEFAULT_GAMMA if reward_gamma is None else reward_gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma <= 1.0:
+            raise ConfigError(f"{where}.reward_gamma must be a number in [0, 1] (the discount per trajectory "
+                              f"before the final one), got {reward_gamma!r}")
+        return cls(reward_to=cast(RewardTo, mode), reward_gamma=float(gamma))
+
+
+def reward_shares(num_trajectories: int, reward_to: str, gamma: float = DEFAULT_GAMMA) -> list[float]:
+    """The factor of the episode reward each of ``num_trajectories`` trajectories gets, in order.
+
+    >>> reward_shares(3, "all"), reward_shares(3, "last"), reward_shares(3, "discounted", 0.5)
+    ([1.0, 1.0, 1.0], [0.0, 0.0, 1.0], [0.25, 0.5, 1.0])
+    """
+    k = num_trajectories
+    if reward_to == "all":
+        return [1.0] * k
+    if reward_to == "last":
+        return [0.0] * (k - 1) + [1.0] if k else []
+    if reward_to == "discounted":
+        return [float(gamma) ** (k - 1 - i) for i in range(k)]
+    raise ConfigError(f"reward_to must be one of {' | '.join(REWARD_TO_MODES)}, got {reward_to!r}")
+
+
+__all__ = ["DEFAULT_GAMMA", "REWARD_TO_MODES", "EpisodeRewardConfig", "reward_shares"]
