@@ -100,6 +100,8 @@ class AgentData:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    """Per response token: the weight version that sampled it (-1: not sampled, or not reported)."""
     assistant_turns: int = 0
     user_turns: int = 0
     status: RolloutStatus = RolloutStatus.STOP
@@ -239,6 +241,10 @@ class ToolAgentLoop(AgentLoopBase):
         data.response_ids += out.token_ids
         data.response_mask += [1] * len(out.token_ids)
         data.response_logprobs += out.log_probs if out.log_probs is not None else [0.0] * len(out.token_ids)
+        versions = out.extra_fields.get("weight_versions")  # per token, with async_training.partial_rollout
+        data.weight_versions += versions if versions is not None else [-1] * len(out.token_ids)
+        if out.num_preempted and out.num_preempted > 0:  # resumes of this generation after server pauses
+            data.metrics.num_preempted = max(data.metrics.num_preempted, 0) + out.num_preempted
         data.assistant_turns += 1
         if out.stop_reason == StopReason.ABORTED:
             return self._end(data, RolloutStatus.ABORTED)
@@ -294,6 +300,7 @@ class ToolAgentLoop(AgentLoopBase):
         data.response_ids += ids
         data.response_mask += [0] * len(ids)
         data.response_logprobs += [0.0] * len(ids)
+        data.weight_versions += [-1] * len(ids)
         return self._count_user_turn(data)
 
     def _count_user_turn(self, data: AgentData) -> AgentState:
@@ -316,6 +323,7 @@ class ToolAgentLoop(AgentLoopBase):
             return self._end(data, RolloutStatus.LENGTH)
         data.snapshots.close(self._output(data), source)
         data.prompt_ids, data.response_ids, data.response_mask, data.response_logprobs = prompt, [], [], []
+        data.weight_versions = []
         data.counters, data.metrics = _new_counters(), AgentLoopMetrics()
         data.messages = conversation
         data.image_data += images or []
@@ -376,6 +384,8 @@ class ToolAgentLoop(AgentLoopBase):
             response_ids=data.response_ids[:n],
             response_mask=data.response_mask[:n],
             response_logprobs=data.response_logprobs[:n] if want_logprobs else None,
+            response_weight_versions=(data.weight_versions[:n] if any(v >= 0 for v in data.weight_versions)
+                                      else None),
             num_turns=data.user_turns + data.assistant_turns - data.segment_start + 1,
             metrics=data.metrics,
             extra_fields={**data.counters, **({"messages": list(data.messages)} if self.return_messages else {})},

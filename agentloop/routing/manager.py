@@ -260,11 +260,11 @@ class AsyncLLMServerManager:
         streams: tokens already streamed cannot be taken back, so a cut stream ends ``aborted``.)
         """
         generated: list[int] = []
-        versions: list[int] = []
+        pieces: list[tuple[int | None, int]] = []  # per piece: its weight version, the tokens it sampled
         params = dict(sampling_params)
         limit = sampling_params.get("max_tokens")
         while True:
-            final = None
+            final, before = None, len(generated)
             async for delta in self._stream_once(request_id, sticky_key, list(prompt_ids) + generated, params,
                                                  image_data):
                 if delta.finished:
@@ -274,14 +274,17 @@ class AsyncLLMServerManager:
                 yield delta
             if final is None:
                 return
-            if final.extra_fields.get("global_steps") is not None:
-                versions.append(int(final.extra_fields["global_steps"]))
+            version = final.extra_fields.get("global_steps")
+            pieces.append((None if version is None else int(version), len(generated) - before + len(final.token_ids)))
             extra = {k: v for k, v in final.extra_fields.items() if k not in ("preempted_by_pause", "max_tokens")}
-            if len(versions) > 1:
-                extra.update(min_global_steps=min(versions), max_global_steps=max(versions),
-                             num_preempted=len(versions) - 1)
+            if len(pieces) > 1:
+                extra["num_preempted"] = len(pieces) - 1
+                known = [(v, n) for v, n in pieces if v is not None]
+                sampled = [v for v, n in known if n] or [v for v, _ in known]  # a piece cut before any token
+                if sampled:                                                     # does not widen the range
+                    extra.update(min_global_steps=min(sampled), max_global_steps=max(sampled))
             if not (self.partial_rollout and final.extra_fields.get("preempted_by_pause")):
-                yield final.model_copy(update={"extra_fields": extra if len(versions) > 1 else final.extra_fields})
+                yield final.model_copy(update={"extra_fields": extra if len(pieces) > 1 else final.extra_fields})
                 return
             generated += final.token_ids
             if final.token_ids:  # the cut piece's last tokens: an ordinary chunk, the stream goes on
@@ -385,8 +388,10 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
         fields.pop("max_tokens", None)
     if all(p.extra_fields.get("global_steps") is not None for p in pieces):
         versions = [int(p.extra_fields["global_steps"]) for p in pieces]
-        fields["min_global_steps"] = min(versions)
-        fields["max_global_steps"] = max(versions)
+        # a piece cut before its first token sampled nothing with its weights: it does not widen the range
+        sampled = [v for p, v in zip(pieces, versions, strict=True) if p.token_ids] or versions
+        fields["min_global_steps"] = min(sampled)
+        fields["max_global_steps"] = max(sampled)
         fields["weight_versions"] = [v for p, v in zip(pieces, versions, strict=True) for _ in p.token_ids]
     if len(pieces) == 1:
         return last.model_copy(update={"extra_fields": fields})

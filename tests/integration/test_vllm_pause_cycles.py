@@ -109,3 +109,10 @@ def test_ten_pause_update_resume_cycles_during_a_tool_agent_batch_lose_nothing(m
     low, high = nt["min_global_steps"].astype(int), nt["max_global_steps"].astype(int)
     assert high.max() > low.min()  # trajectories saw several weight versions
     assert (low <= high).all() and high.max() <= versions[-1]
+    # per token: the version that sampled it on mask-1 tokens (non-decreasing along the row), -1 elsewhere
+    per_token = got.batch["rollout_weight_versions"]
+    assert (per_token[~mask] == -1).all() and (per_token[mask] >= 0).all()
+    for row in range(len(got)):
+        sampled = per_token[row][mask[row]].tolist()
+        assert sampled == sorted(sampled) and (min(sampled), max(sampled)) == (low[row], high[row])
+    assert int(got.batch["rollout_weight_versions"].max()) > 0
