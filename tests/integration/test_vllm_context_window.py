@@ -1,10 +1,17 @@
-"""A sliding-window calculator rollout on the real vLLM CPU engine returns several exact trajectories per sample.
+"""All three context-edit sources on the real vLLM CPU engine return several exact trajectories per sample.
 
-One manager (1 server, 2 workers, tiny model, fp32) for the module.  Each sample is a word problem plus two
-follow-up problems (``examples/context_window``'s interaction); ``multi_turn.context_window: 1`` pushes the
-first calculator result out of the window when the first follow-up arrives, so ``tool_agent`` closes a
-snapshot there.  Every row must be a full chat-template render of its own conversation, token for token, with
-the engine's log-probs on exactly the sampled tokens.
+One manager (1 server, 2 workers, tiny model, fp32) per source.  Each sample is a word problem plus two
+follow-up problems (``examples/context_window``'s interaction), rolled out greedily:
+
+* ``window``: ``multi_turn.context_window: 1`` pushes the first calculator result out of the window when the
+  first follow-up arrives;
+* ``tool``: the calculator is ``examples.context_window.forgetful.ForgetfulCalculatorTool``, which on a
+  follow-up replaces the earlier turns by a summary (a tool's context edit);
+* ``template``: a chat template that renders an earlier final answer shorter once a later user turn exists
+  (as Qwen3 drops earlier ``<think>`` blocks), so the conversation is not prefix-stable at the follow-up.
+
+Each time ``tool_agent`` closes a snapshot.  Every row must be a full chat-template render of its own
+conversation, token for token, with the engine's log-probs on exactly the sampled tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +33,35 @@ def model_path() -> str:
     return str(ensure_tiny_model())
 
 
+def answer_dropping_template(template: str) -> str:
+    """``template``, but a plain assistant answer before the last user message keeps only what follows its last
+    ``" is "`` ("The answer is 6." -> "6."): not prefix-stable once a follow-up question arrives."""
+    head = ("{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+            "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}")
+    plain = "    {%- elif message.role is defined and message.role %}"
+    assert plain in template
+    drop = ("    {%- elif message.role == 'assistant' and loop.index0 < ns.last_user %}\n"
+            "        {{- '<|im_start|>assistant\\n' ~ (message.content or '').split(' is ')[-1] ~ '<|im_end|>\\n' }}\n")
+    return head + template.replace(plain, drop + plain)
+
+
+@pytest.fixture(scope="module", params=["window", "tool", "template"])
+def source(request) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def rollout(model_path):
+def tokenizer(model_path, source):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if source == "template":
+        tok.chat_template = answer_dropping_template(tok.chat_template)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def rollout(model_path, source, tokenizer):
     import ray
 
     from agentloop.data import rows_to_batch
@@ -36,7 +70,16 @@ def rollout(model_path):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    manager = AgentLoopManager(rollout_config(model_path, window=1, questions=QUESTIONS))
+    from omegaconf import OmegaConf
+
+    cfg = rollout_config(model_path, window=1 if source == "window" else None, questions=QUESTIONS)
+    if source == "tool":
+        OmegaConf.update(cfg, "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                         "examples/context_window/forgetful_tools.yaml")
+    if source == "template":
+        OmegaConf.update(cfg, "actor_rollout_ref.model.custom_chat_template", tokenizer.chat_template,
+                         force_add=True)
+    manager = AgentLoopManager(cfg)
     try:
         batch = rows_to_batch(make_rows(PROBLEMS, QUESTIONS))
         batch.meta_info["validate"] = True  # greedy: the same trajectories every run
@@ -46,7 +89,7 @@ def rollout(model_path):
         ray.shutdown()
 
 
-def test_each_sample_returns_several_trajectories_in_order(rollout):
+def test_each_sample_returns_several_trajectories_in_order(rollout, source):
     nt = rollout.non_tensor_batch
     index, k, t = nt["index"].tolist(), nt["num_trajectories"].tolist(), nt["trajectory_index"].tolist()
     assert sorted(set(index)) == list(range(PROBLEMS))
@@ -55,19 +98,18 @@ def test_each_sample_returns_several_trajectories_in_order(rollout):
         assert len(rows) >= 2, f"sample {sample}: the window should have slid at least once"
         assert [t[i] for i in rows] == list(range(len(rows))) and {k[i] for i in rows} == {len(rows)}
         assert len({nt["uid"][i] for i in rows}) == 1 and len({nt["session_id"][i] for i in rows}) == 1
-        assert [nt["context_edit"][i] for i in rows] == ["window"] * (len(rows) - 1) + [None]
+        assert [nt["context_edit"][i] for i in rows] == [source] * (len(rows) - 1) + [None]
         assert {nt["num_context_edits"][i] for i in rows} == {len(rows) - 1}
 
 
-def test_every_trajectory_is_a_full_render_of_its_own_context(rollout, model_path):
-    from transformers import AutoTokenizer
-
+def test_every_trajectory_is_a_full_render_of_its_own_context(rollout, source, tokenizer):
     from agentloop.loops.context import PLACEHOLDER
     from agentloop.loops.prompt import apply_chat_template
     from agentloop.tokenization.incremental import turn_separator
     from agentloop.tools.calculator import CALCULATOR_TOOL_DICT
+    from agentloop.tools.context_tools import SUMMARY_PREFIX
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = tokenizer
     sep = tok.encode(turn_separator(tok), add_special_tokens=False)
     b, nt = rollout.batch, rollout.non_tensor_batch
     prompt_len, tools, checked = b["prompts"].shape[1], [CALCULATOR_TOOL_DICT], 0
@@ -86,8 +128,10 @@ def test_every_trajectory_is_a_full_render_of_its_own_context(rollout, model_pat
         if nt["num_parse_errors"][i] == 0:
             assert ids + sep == apply_chat_template(tok, messages, tools=tools), f"row {i}"
             checked += 1
-        if nt["trajectory_index"][i] > 0:  # a later trajectory starts from the edited conversation
+        if nt["trajectory_index"][i] > 0 and source == "window":  # it starts from the edited conversation
             assert any(m["role"] == "tool" and m["content"] == PLACEHOLDER for m in messages)
+        if nt["trajectory_index"][i] > 0 and source == "tool":
+            assert any(str(m.get("content", "")).startswith(SUMMARY_PREFIX) for m in messages)
         # log-probs: finite and <= 0 on the sampled tokens, 0 elsewhere
         bits, lp = b["response_mask"][i].bool(), b["rollout_log_probs"][i]
         assert bits.any() and torch.isfinite(lp).all() and (lp[bits] <= 0).all() and (lp[~bits] == 0).all()
