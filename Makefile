@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Builds (first time: trains for ~4 min on 2 cores) and caches the tiny tool-calling model.
+# Installs the tiny tool-calling model shipped in agentloop/assets into the cache (no training; `python
+# scripts/make_tiny_model.py --force` retrains it, ~4-6 min on 2 cores, and compares it with the shipped one).
 model: install
 	$(PY) scripts/make_tiny_model.py
 

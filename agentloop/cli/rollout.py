@@ -132,13 +132,16 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
     }
 
 
-def run_rollout(cfg: DictConfig) -> int:
+def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int:
     """Roll out ``data.train_files``, write the three output files and return the exit code.
 
     Everything that can be checked without Ray (config keys and values, model path, every dataset row) is
     checked first and raises an :class:`~agentloop.errors.AgentLoopError`.  The result is :data:`EXIT_OK`, or
     :data:`EXIT_TOO_MANY_FAILURES` (reported on stderr) when more than
     ``rollout.agent.max_failure_fraction`` of the rows ended with status ``error`` or ``timeout``.
+
+    Prints a summary table and ``show`` trajectories (:mod:`agentloop.cli.summary`).  Unless ``verbose``, the
+    engine's and Ray's logs go to ``<output_dir>/rollout.log`` instead of the console.
     """
     from agentloop.data import load_dataset
 
@@ -154,7 +157,7 @@ def run_rollout(cfg: DictConfig) -> int:
     if OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.record_timing") is None:  # for `agentloop report`
         OmegaConf.update(cfg, "actor_rollout_ref.rollout.agent.record_timing", True, force_add=True)
     OmegaConf.save(cfg, out_dir / "config.yaml")  # `agentloop verify` reads the sampling settings from it
-    output, wall = _generate(cfg, batch)
+    output, wall = _generate(cfg, batch, None if verbose else out_dir / "rollout.log")
     output.save_to_disk(str(out_dir / "rollout.dataproto"))
     from agentloop.tokenizer import load_tokenizer
 
@@ -165,22 +168,66 @@ def run_rollout(cfg: DictConfig) -> int:
                               resolved.rollout.agent.get("max_failure_fraction"))
     summary["failed_rows"] = verdict.num_failed
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("num_samples", "wall_time_s", "response_tokens_per_s", "status")}))
-    print(f"outputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json}}")
+    from agentloop.cli.summary import format_table, pick_rows, render_trajectory, summary_rows, use_colour
+
+    colour = use_colour()
+    print("\n" + format_table(summary_rows(output, wall, len(batch)), colour))
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+    for n, row in enumerate(pick_rows(output, show)):
+        print(f"\n--- trajectory {n + 1} (row {row}) ---\n" + render_trajectory(output, row, tokenizer, colour))
+    logs = "" if verbose else ", rollout.log"
+    print(f"\noutputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json, config.yaml{logs}}}")
+    print(f"next: agentloop report {out_dir}    agentloop verify {out_dir} --model "
+          f"{cfg.actor_rollout_ref.model.path}")
     if verdict.message:
         print(f"agentloop: error: {verdict.message}", file=sys.stderr)
     return verdict.exit_code
 
 
-def _generate(cfg: DictConfig, batch: DataProto) -> tuple[DataProto, float]:
-    """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size`` steps."""
+def _quiet_ray(log_file: Path) -> None:
+    """Start Ray with the workers' output kept out of the console (it goes to ``log_file`` at the end)."""
+    import logging
+    import os
+
+    import ray
+
+    for key, value in {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+                       "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}.items():
+        os.environ.setdefault(key, value)  # inherited by the Ray workers and the engine processes
+    if not ray.is_initialized():
+        ray.init(log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+    os.environ.pop("TQDM_DISABLE", None)  # the driver's own progress bar stays
+    log_file.write_text("# agentloop rollout: engine and Ray worker logs (copied at the end of the run)\n")
+
+
+def _collect_logs(log_file: Path) -> None:
+    """Append the Ray session's worker logs (stdout/stderr of every actor and engine process) to ``log_file``."""
+    try:
+        import ray._private.worker as ray_worker
+
+        logs = Path(ray_worker._global_node.get_logs_dir_path())  # type: ignore[union-attr,attr-defined]
+    except Exception:  # noqa: BLE001 - no session (Ray not started by us): nothing to copy
+        return
+    with log_file.open("a") as out:
+        for path in sorted(logs.glob("worker-*")):
+            text = path.read_text(errors="replace").strip()
+            if text:
+                out.write(f"\n===== {path.name} =====\n{text}\n")
+
+
+def _generate(cfg: DictConfig, batch: DataProto, log_file: Path | None = None) -> tuple[DataProto, float]:
+    """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size`` steps.
+    ``log_file``: keep the workers' logs out of the console and copy them there."""
     from tqdm import tqdm
 
     from agentloop.manager import AgentLoopManager
     from agentloop.protocol import DataProto
 
-    manager = AgentLoopManager(cfg)
+    if log_file is not None:
+        _quiet_ray(log_file)
+    manager = None
     try:
+        manager = AgentLoopManager(cfg)
         t0 = time.perf_counter()
         step = max(1, int(cfg.data.train_batch_size))
         parts: list[DataProto] = []
@@ -194,7 +241,10 @@ def _generate(cfg: DictConfig, batch: DataProto) -> tuple[DataProto, float]:
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         wall = time.perf_counter() - t0
     finally:
-        manager.shutdown()
+        if manager is not None:
+            manager.shutdown()
+        if log_file is not None:
+            _collect_logs(log_file)
     timing = parts[-1].meta_info.get("timing", {})
     metrics = [m for p in parts for m in (p.meta_info.pop("metrics", None) or [])]
     for p in parts:  # per-batch values; DataProto.concat (verl's rules) refuses differing meta_info
@@ -229,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
         "3 more than rollout.agent.max_failure_fraction of the rows failed (outputs are still written).",
     )
     ro.add_argument("--config", help="YAML merged over the defaults before the overrides")
+    ro.add_argument("--show", type=int, default=2, help="trajectories to print at the end (default 2)")
+    ro.add_argument("--verbose", action="store_true",
+                    help="show the engine's and Ray's logs on the console (default: <output_dir>/rollout.log)")
     ro.add_argument("overrides", nargs="*", help="key=value config overrides")
     add_port_parser(sub)
     add_report_parser(sub)
@@ -237,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = {"port": run_port, "report": run_report, "verify": run_verify}
     try:
         code = (commands[args.command](args) if args.command in commands
-                else run_rollout(build_config(args.config, args.overrides)))
+                else run_rollout(build_config(args.config, args.overrides), show=args.show, verbose=args.verbose))
     except Exception as e:
         error = _agentloop_error(e)
         if error is None:

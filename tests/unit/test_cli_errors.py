@@ -106,7 +106,7 @@ def test_agentloop_errors_wrapped_by_ray_are_unwrapped_and_others_keep_their_tra
             super().__init__(f"ray::AgentLoopWorker.start() (pid=1, ip=10.0.0.1)\nTraceback ...\n{cause!r}")
             self.cause = cause
 
-    def fail(cfg):
+    def fail(cfg, **kwargs):
         raise RayTaskError(ConfigError("tool config 'x.yaml' does not exist: fix multi_turn.tool_config_path"))
 
     monkeypatch.setattr(cli, "run_rollout", fail)
@@ -116,7 +116,7 @@ def test_agentloop_errors_wrapped_by_ray_are_unwrapped_and_others_keep_their_tra
     assert capsys.readouterr().err == ("agentloop: error: tool config 'x.yaml' does not exist: fix "
                                        "multi_turn.tool_config_path\n")
 
-    def crash(cfg):
+    def crash(cfg, **kwargs):
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(cli, "run_rollout", crash)
@@ -174,7 +174,7 @@ def test_rollout_with_mostly_failed_rows_writes_outputs_and_exits_3(model_dir, d
     import agentloop.tokenizer
     from agentloop.protocol import DataProto
 
-    def fake_generate(cfg, batch):
+    def fake_generate(cfg, batch, log_file=None):
         n = len(batch)
         ids = torch.ones(n, 2, dtype=torch.long)
         tensors = {"prompts": ids, "responses": ids, "input_ids": torch.cat([ids, ids], 1),

@@ -213,3 +213,24 @@ def test_train_and_evaluate_run(model_dir: Path, tok) -> None:  # type: ignore[n
     rates = train_tiny.evaluate_tool_use(model, tok, n=1)
     assert set(rates) == {"well_formed_call", "exact_expression", "right_answer_given_result", "end_to_end"}
     assert all(0.0 <= v <= 1.0 for v in rates.values())
+
+
+def test_the_shipped_trained_model_is_installed_without_training(tmp_path: Path) -> None:
+    from agentloop.testing.tiny_model import (
+        MARKER,
+        SNAPSHOT_STEP,
+        TRAIN_STEPS,
+        content_hash,
+        ensure_tiny_model,
+        shipped_model,
+    )
+
+    for snapshot in (None, SNAPSHOT_STEP):
+        shipped = shipped_model(TRAIN_STEPS, snapshot)
+        assert shipped is not None, "agentloop/assets lacks an intact trained model (make_tiny_model.py --force)"
+        target = tmp_path / shipped.name
+        path = ensure_tiny_model(target, train_steps=TRAIN_STEPS, snapshot_step=snapshot)
+        assert path == target and content_hash(path) == content_hash(shipped)
+        marker = json.loads((path / MARKER).read_text())
+        assert marker["train_steps"] == TRAIN_STEPS and marker["eval"]["end_to_end"] > 0.3  # trained, not random
+    assert shipped_model(TRAIN_STEPS + 1) is None  # other settings are built, not taken from the package
