@@ -43,6 +43,8 @@ from agentloop.routing import AsyncLLMServerManager
 from agentloop.servers.placement import restore_normal_priority
 from agentloop.tokenizer import load_processor, load_tokenizer
 from agentloop.trace import enabled as trace_enabled
+from agentloop.trace import flush as trace_flush
+from agentloop.trace import set_token_decoder
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,8 @@ class AgentLoopWorker:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.trace_samples = _start_tracing(rollout)
+        if RolloutTraceConfig.enable_token2text():  # generate spans carry the decoded response
+            set_token_decoder(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         # custom_reward_function (top level, verl's): imported once here, so a bad path fails the worker's start
         self.rewards = TrajectoryScorer.from_config(root, self.tokenizer, int(rollout.response_length))
         self._loop_args = (DictConfigWrap(root), self.server_manager, self.tokenizer, self.processor)
@@ -226,6 +230,8 @@ class AgentLoopWorker:
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         results = await _settle(tasks, timeout)
+        if trace_enabled():  # the mlflow backend writes from a thread: done before the batch is
+            await asyncio.to_thread(trace_flush)
         output = self._postprocess(results, fields, names)
         output.meta_info["faults"] = {"server_failovers": self.server_manager.num_failovers - failovers}
         return output
@@ -260,6 +266,8 @@ class AgentLoopWorker:
                     g = int(group_of[i])
                     left[g] -= 1
                     if left[g] == 0:
+                        if trace_enabled():  # the mlflow backend writes from a thread: done before the group is
+                            await asyncio.to_thread(trace_flush)
                         a, b = bounds[g], bounds[g + 1]
                         rows = self._postprocess(results[a:b], {k: v[a:b] for k, v in fields.items()}, names[a:b])
                         now = self.server_manager.num_failovers

@@ -26,6 +26,7 @@ from agentloop.worker import AgentLoopWorker, trajectory_info
 if TYPE_CHECKING:  # resolved lazily by __getattr__ below
     from agentloop.loops.single_turn import SingleTurnAgentLoop
     from agentloop.loops.tool_agent import AgentData, AgentState, ToolAgentLoop
+    from agentloop.types import MultiTrajectoryAgentLoopOutput
 
 __all__ = [
     "AgentData",

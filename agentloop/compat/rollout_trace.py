@@ -34,8 +34,8 @@ from agentloop.trace import configure, enabled, span, suppressed, trace_attribut
 __all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op", "select_traced_rows"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-SUPPORTED_BACKENDS = (None, "jsonl")
-VERL_ONLY_BACKENDS = ("weave", "mlflow", "trackio")
+SUPPORTED_BACKENDS = (None, "jsonl", "mlflow")
+VERL_ONLY_BACKENDS = ("weave", "trackio")
 TRACE_PATH_ENV = "AGENTLOOP_TRACE_PATH"
 
 
@@ -97,8 +97,8 @@ class RolloutTraceConfig:
         if name not in SUPPORTED_BACKENDS:
             extra = " (verl backend; agentloop does not implement it)" if name in VERL_ONLY_BACKENDS else ""
             raise ConfigError(
-                f"rollout trace backend {backend!r}{extra} is not supported; supported: null (off) and 'jsonl'. "
-                "Set actor_rollout_ref.rollout.trace.backend to null or jsonl (the JSONL file is "
+                f"rollout trace backend {backend!r}{extra} is not supported; supported: null (off), 'jsonl' and "
+                "'mlflow'. Set actor_rollout_ref.rollout.trace.backend to one of them (the JSONL file is "
                 f"${TRACE_PATH_ENV}, default rollout_traces/<project_name>/<experiment_name>.jsonl)"
             )
         if max_samples_per_step_per_worker is not None and int(max_samples_per_step_per_worker) < 0:
@@ -110,6 +110,9 @@ class RolloutTraceConfig:
                 "rollout_traces", str(project_name), f"{experiment_name}.jsonl"
             )
             configure("jsonl", path)
+        elif name == "mlflow":  # MLFLOW_TRACKING_URI, else a SQLite file under ./rollout_traces
+            path = os.environ.get("MLFLOW_TRACKING_URI")
+            configure("mlflow", path, experiment=str(project_name))
         else:
             path = None
             configure("none")

@@ -72,6 +72,7 @@ from agentloop.tools import registry as tool_registry
 from agentloop.tools.base import BaseTool
 from agentloop.tools.context_tools import ContextEdit, tool_turn
 from agentloop.tools.executor import DEFAULT_MAX_WORKERS, configure_tool_executor
+from agentloop.trace import span as trace_span
 from agentloop.types import (
     AgentLoopMetrics,
     AgentLoopOutput,
@@ -269,9 +270,11 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _interacting(self, data: AgentData) -> AgentState:
         assert data.interaction is not None and data.interaction_id is not None
-        terminate, reply, score, _ = await data.interaction.generate_response(
-            data.interaction_id, data.messages, **data.interaction_kwargs
-        )
+        with trace_span("interaction", inputs={"turn": data.user_turns}) as s:
+            terminate, reply, score, _ = await data.interaction.generate_response(
+                data.interaction_id, data.messages, **data.interaction_kwargs
+            )
+            s.outputs = {"terminate": bool(terminate), "reply": str(reply)[:500], "score": float(score)}
         data.counters["turn_scores"].append(float(score))
         if terminate:
             return self._end(data, RolloutStatus.STOP)

@@ -34,6 +34,7 @@ from agentloop.parsers.base import FunctionCall
 from agentloop.tools.base import BaseTool
 from agentloop.tools.executor import tool_executor
 from agentloop.tools.function_tool import FunctionTool
+from agentloop.trace import span as trace_span
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,18 @@ class ToolRunner:
         return result
 
     async def _execute(
+        self, call: FunctionCall, kwargs: dict[str, Any], result: ToolTurnResult
+    ) -> tuple[str, list[Any]]:
+        """Run one call; with ``rollout.trace`` on, one ``tool`` span (name, arguments, result head, error)."""
+        errors = result.num_errors
+        with trace_span("tool", inputs={"name": call.name, "arguments": call.arguments}) as s:
+            text, images = await self._run_call(call, kwargs, result)
+            s.outputs = {"result": text[:500], "images": len(images)}
+            if result.num_errors > errors:
+                s.error = text[:500]
+        return text, images
+
+    async def _run_call(
         self, call: FunctionCall, kwargs: dict[str, Any], result: ToolTurnResult
     ) -> tuple[str, list[Any]]:
         tool = self.tools[call.name]

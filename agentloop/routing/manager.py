@@ -37,6 +37,8 @@ from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.strategies import Balancer, make_balancer
 from agentloop.servers.base import ServerDeadError
+from agentloop.trace import decode_tokens, record_span
+from agentloop.trace import enabled as trace_enabled
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -208,6 +210,8 @@ class AsyncLLMServerManager:
                         request_id=request_id, image_data=image_data,
                     )
                 timing.record_generate(server, start, len(prompt_ids), output)  # for `agentloop report`
+                if trace_enabled():
+                    _trace_generate(request_id, server, start, prompt_ids, output)
                 return output, server
             except ServerDeadError as e:
                 await self._mark_down(e)
@@ -378,6 +382,18 @@ def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:
         fields.setdefault("min_global_steps", fields["global_steps"])
         fields.setdefault("max_global_steps", fields["global_steps"])
     return fields
+
+
+def _trace_generate(request_id: str, server: int, start: float, prompt_ids: list[int], output: TokenOutput) -> None:
+    """One ``generate`` span per engine call (``rollout.trace``); decoded text with ``token2text``."""
+    outputs: dict[str, Any] = {"response_tokens": len(output.token_ids),
+                               "stop_reason": getattr(output.stop_reason, "value", output.stop_reason),
+                               "global_steps": output.extra_fields.get("global_steps")}
+    text = decode_tokens(output.token_ids)
+    if text is not None:
+        outputs["response_text"] = text
+    record_span("generate", inputs={"request_id": request_id, "server": server, "prompt_tokens": len(prompt_ids)},
+                outputs=outputs, start=start, end=timing.now(), attrs={"server": server})
 
 
 def _join(pieces: list[TokenOutput]) -> TokenOutput:

@@ -2,7 +2,7 @@
 
 Spec:
 
-* :func:`configure` picks the backend (``"none"`` or ``"jsonl"``) for this process; a second call closes
+* :func:`configure` picks the backend (``"none"``, ``"jsonl"`` or ``"mlflow"``) for this process; a second call closes
   the previous backend first.  Ray workers are separate processes: each configures its own recorder.
 * :func:`enabled` is one module-global bool check while tracing is off; when on, it is also False inside
   :func:`suppressed` (verl's ``rollout_trace_attr(trace=False)``).
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from agentloop.errors import ConfigError
 from agentloop.trace.jsonl import DEFAULT_MAX_LIST_ITEMS, DEFAULT_MAX_STR_CHARS, JsonlBackend
 
-BACKENDS = ("none", "jsonl")
+BACKENDS = ("none", "jsonl", "mlflow")
 
 
 class TraceBackend(Protocol):
@@ -45,6 +45,24 @@ _attributes: ContextVar[dict[str, Any] | None] = ContextVar("agentloop_trace_att
 _suppressed: ContextVar[bool] = ContextVar("agentloop_trace_suppressed", default=False)
 _current_span: ContextVar[str | None] = ContextVar("agentloop_trace_span", default=None)
 _ids = itertools.count(1)
+_decoder: Any = None
+
+
+def set_token_decoder(decode: Any) -> None:
+    """``decode(ids) -> str`` used by :func:`decode_tokens` (verl's ``token2text``); None turns text off."""
+    global _decoder
+    _decoder = decode
+
+
+def decode_tokens(ids: Any) -> str | None:
+    """The text of ``ids`` when a token decoder is set (``rollout.trace.token2text``), else None."""
+    decode = _decoder
+    if decode is None:
+        return None
+    try:
+        return str(decode(list(ids)))
+    except Exception:  # noqa: BLE001 - a trace never fails the rollout
+        return None
 
 
 def configure(
@@ -53,20 +71,27 @@ def configure(
     *,
     max_list_items: int = DEFAULT_MAX_LIST_ITEMS,
     max_str_chars: int = DEFAULT_MAX_STR_CHARS,
+    experiment: str = "agentloop",
 ) -> None:
-    """Turn tracing on (``"jsonl"``, which needs ``path``) or off (``"none"`` or None) in this process.
+    """Turn tracing on (``"jsonl"``, which needs ``path``; ``"mlflow"``) or off (``"none"`` or None) here.
 
     Args:
-        backend: ``"none"`` / None or ``"jsonl"``.
-        path: the JSONL file spans are appended to; ``{pid}`` is replaced by the process id.
+        backend: ``"none"`` / None, ``"jsonl"`` or ``"mlflow"`` (:mod:`agentloop.trace.mlflow_backend`).
+        path: the JSONL file spans are appended to (``{pid}`` is replaced by the process id); for mlflow the
+            tracking URI (default ``MLFLOW_TRACKING_URI``, else ``sqlite:///./rollout_traces/mlflow.db``).
         max_list_items: lists longer than this are truncated in records.
         max_str_chars: strings longer than this are truncated in records.
+        experiment: the MLflow experiment the traces go to.
     """
     global _on, _backend
     name = "none" if backend is None else str(backend).lower()
     if name not in BACKENDS:
         raise ConfigError(f"unknown trace backend {backend!r}; supported backends: {list(BACKENDS)}")
     new: TraceBackend | None = None
+    if name == "mlflow":  # path: the tracking URI (default: MLFLOW_TRACKING_URI, else a local SQLite file)
+        from agentloop.trace.mlflow_backend import MlflowBackend
+
+        new = MlflowBackend(None if path is None else str(path), experiment=experiment)
     if name == "jsonl":
         if path is None:
             raise ConfigError("trace backend 'jsonl' needs a file: configure(backend='jsonl', path='traces.jsonl')")
@@ -74,6 +99,13 @@ def configure(
     old, _backend, _on = _backend, new, new is not None
     if old is not None:
         old.close()
+
+
+def flush() -> None:
+    """Wait until the backend has written what it was given (the mlflow backend writes from a thread)."""
+    sink = _backend
+    if sink is not None and hasattr(sink, "flush"):
+        sink.flush()
 
 
 def backend() -> TraceBackend | None:

@@ -173,11 +173,11 @@ def test_trace_attributes_nest_and_reach_child_tasks(tmp_path):
 
 
 def test_unsupported_backends_say_which_are_supported():
-    for backend in ("mlflow", "weave", "trackio", "otel"):
-        with pytest.raises(ConfigError, match="supported: null \\(off\\) and 'jsonl'"):
+    for backend in ("weave", "trackio", "otel"):
+        with pytest.raises(ConfigError, match="supported: null \\(off\\), 'jsonl' and 'mlflow'"):
             RolloutTraceConfig.init("p", "e", backend)
     with pytest.raises(ConfigError, match="supported backends"):
-        trace.configure("mlflow")
+        trace.configure("otel")
     with pytest.raises(ConfigError, match="needs a file"):
         trace.configure("jsonl")
 

@@ -25,7 +25,7 @@ def test_versions_are_padded_per_token_with_minus_one_where_unknown() -> None:
 
 def test_no_column_without_versions_and_a_misaligned_list_is_refused() -> None:
     batch = postprocess([out([5, 6], None)], prompt_length=3, response_length=4, pad_token_id=0)
-    assert "rollout_weight_versions" not in batch.batch.keys()
+    assert "rollout_weight_versions" not in set(batch.batch.keys())
     with pytest.raises(DatasetError, match="response_weight_versions has 1 entries but response_ids has 2"):
         postprocess([out([5, 6], [0])], prompt_length=3, response_length=4, pad_token_id=0)
 
