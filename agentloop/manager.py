@@ -232,7 +232,17 @@ class AgentLoopManager:
         if self.rollout.free_cache_engine:
             self.wake_up()
         self.supervisor.poll(self._weight_version)
+        self.grow_sticky_cache(2 * len(prompts))
         return prompts
+
+    def grow_sticky_cache(self, entries: int) -> None:
+        """Make the shared balancer keep at least ``entries`` request-id -> server bindings (one actor call, only
+        when that grows it): ``rollout.server.max_cache_size`` is a floor, so a batch larger than it does not
+        evict the bindings of samples still running (their next turn would lose its prefix cache)."""
+        if self.balancer is not None and entries > self._sticky_capacity:
+            self._sticky_capacity = int(ray.get(self.balancer.ensure_cache_capacity.remote(int(entries))))
+
+    _sticky_capacity: int = 0
 
     def _fault_metrics(self, failovers: int) -> dict[str, float]:
         """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""

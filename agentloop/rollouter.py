@@ -113,6 +113,7 @@ class Rollouter:
         """Start generating in the background; returns self."""
         if self._thread is None:
             self._busy_at_start = self.manager.engine_busy_seconds()
+            self.manager.grow_sticky_cache(4 * self.max_inflight)  # bindings of running samples are never evicted
             self._started_at = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="agentloop-rollouter", daemon=True)
             self._thread.start()

@@ -54,6 +54,10 @@ class BalancerActor:
         """The server ``request_id`` is bound to, if any."""
         return self.balancer.lookup(request_id)
 
+    def ensure_cache_capacity(self, entries: int) -> int:
+        """Grow the sticky cache to at least ``entries`` bindings; returns the capacity."""
+        return self.balancer.ensure_cache_capacity(entries)
+
     def stats(self) -> dict[str, list[int]]:
         """In-flight and total routed counts per server, and their health."""
         return self.balancer.stats()

@@ -3,8 +3,9 @@
 Servers are numbered ``0..N-1``.  A strategy picks one for a request given the current in-flight
 counts; :class:`Balancer` owns the counts (``acquire`` on start, ``release`` on end — success,
 error or cancellation alike).  The default is :func:`make_balancer`: sticky by request id (an LRU
-of ``max_cache_size`` entries, verl's default 10000) wrapping least-in-flight with a random
-tie-break, so ties never pin to server 0.
+of ``max_cache_size`` entries, verl's default 10000, grown to the batch by :meth:`Balancer.ensure_cache_capacity`
+so a 100k-sample batch never evicts the binding of a sample still running) wrapping least-in-flight with a
+random tie-break, so ties never pin to server 0.
 
 Faults: a server marked down (:meth:`Balancer.mark_down`, when a request found it dead) is never chosen
 until :meth:`Balancer.mark_up`; a request stuck to it is re-bound to a healthy one.  In-flight counts are
@@ -85,6 +86,11 @@ class StickySession:
         """Drop a request id's binding."""
         self._cache.pop(request_id, None)
 
+    def ensure_capacity(self, entries: int) -> int:
+        """Keep at least ``entries`` bindings (never shrinks); returns the capacity now."""
+        self.max_cache_size = max(self.max_cache_size, int(entries))
+        return self.max_cache_size
+
 
 class Balancer:
     """In-flight accounting around a strategy, with per-server health and per-owner slot counts."""
@@ -160,6 +166,13 @@ class Balancer:
         self.in_flight[server] = 0
         for owned in self._owned.values():
             owned[server] = 0
+
+    def ensure_cache_capacity(self, entries: int) -> int:
+        """Grow a sticky strategy's binding cache to at least ``entries`` (the manager passes a multiple of the
+        batch, or of the Rollouter's in-flight budget, so bindings of running samples are never evicted);
+        returns the capacity (0 when the strategy is not sticky)."""
+        grow = getattr(self.strategy, "ensure_capacity", None)
+        return int(grow(entries)) if grow is not None else 0
 
     def lookup(self, request_id: str) -> int | None:
         """The server a request id is bound to, when the strategy is sticky."""
