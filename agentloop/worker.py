@@ -40,6 +40,7 @@ from agentloop.protocol import DataProto
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.routing import AsyncLLMServerManager
+from agentloop.routing.tail import make_priority
 from agentloop.servers.placement import restore_normal_priority
 from agentloop.tokenizer import load_processor, load_tokenizer
 from agentloop.trace import enabled as trace_enabled
@@ -164,6 +165,7 @@ class AgentLoopWorker:
             max_failovers=rollout.server.get("max_failovers"),
             partial_rollout=bool(OmegaConf.select(root, "async_training.partial_rollout", default=False)),
             restart_preempted=bool(rollout.agent.get("restart_preempted", False)),
+            priority=make_priority(rollout.server.get("priority")),
         )
         self.record_timing = bool(rollout.agent.get("record_timing") or False)
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)

@@ -20,6 +20,7 @@ from agentloop.errors import ConfigError
 from agentloop.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
+from agentloop.routing.tail import make_priority
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class GatewayActor:
         server_cfg = rollout.get("server") or {}
         router = AsyncLLMServerManager(server_handles, balancer,
                                        max_cache_size=int(server_cfg.get("max_cache_size", 10000)),
-                                       batch_calls=bool(server_cfg.get("batch_calls", True)))
+                                       batch_calls=bool(server_cfg.get("batch_calls", True)),
+                                       priority=make_priority(server_cfg.get("priority")))
         self.service = GatewayService(
             tok, router, get_tool_parser(str(fmt), tok) if fmt else None,
             prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),

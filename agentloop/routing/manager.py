@@ -63,15 +63,20 @@ class AsyncLLMServerManager:
         restart_preempted: without ``partial_rollout``, run a generation a server pause interrupted again from
             its start (same prompt and ``max_tokens``; the tokens sampled before the pause are dropped, so the
             whole generation comes from the weights loaded meanwhile) instead of returning it ``aborted``.
+        priority: an engine priority policy (``priority(request_id, prompt_len) -> int``, e.g.
+            :class:`agentloop.routing.tail.ContextPriority`; config ``rollout.server.priority``): each call's
+            priority (lower runs first) goes to the server as ``sampling_params["priority"]``; a caller's own
+            non-zero ``priority`` wins.  None (default): no priority is sent, the engines serve in arrival order.
     """
 
     def __init__(
         self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
         max_cache_size: int = 10000, batch_calls: bool = True, owner: str | None = None,
         max_failovers: int | None = None, partial_rollout: bool = False,
-        restart_preempted: bool = False,
+        restart_preempted: bool = False, priority: Any = None,
     ) -> None:
         self.server_handles = list(server_handles)
+        self.priority = priority
         if not self.server_handles:
             raise RoutingError("no servers to route to: AsyncLLMServerManager got an empty server_handles list")
         self.balancer: Any = balancer if balancer is not None else make_balancer(
@@ -171,6 +176,10 @@ class AsyncLLMServerManager:
                 "engine but not videos or audio yet (docs/porting-from-verl.md, 'Remaining differences')"
             )
         key = sticky_key or request_id
+        if self.priority is not None:  # the engines run with scheduling_policy=priority
+            rank = int(priority) or int(self.priority(key, len(prompt_ids)))
+            if rank:
+                sampling_params = {**sampling_params, "priority": rank}
         output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, image_data)
         while self.restart_preempted and output.extra_fields.get("preempted_by_pause"):
             self.num_restarts += 1

@@ -95,6 +95,8 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool, server_in
         sizes = rollout.get("cudagraph_capture_sizes")
         if sizes:
             args["cudagraph_capture_sizes"] = [int(x) for x in sizes]
+    if (rollout.get("server") or {}).get("priority") not in (None, "", "fcfs"):  # the router sends priorities
+        args["scheduling_policy"] = "priority"
     args["worker_extension_cls"] = WORKER_EXTENSION  # weight updates without files (weight_sync.py)
     extra = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
     extra_dict = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra)
@@ -210,7 +212,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         async with self._gate.admitted(request_id) as admitted:
             if admitted:
                 try:
-                    async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id):
+                    async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id,
+                                                          priority=int(sampling_params.get("priority") or 0)):
                         final = out
                 except Exception as e:
                     self._raise_if_dead(e)
@@ -242,7 +245,9 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         async with self._gate.admitted(request_id) as admitted:
             try:
                 prompt = self._prompt(prompt_ids, image_data)
-                async for out in self.engine.generate(prompt, params, request_id) if admitted else _empty():
+                rank = int(sampling_params.get("priority") or 0)
+                async for out in (self.engine.generate(prompt, params, request_id, priority=rank) if admitted
+                                  else _empty()):
                     completion = out.outputs[0]
                     ids = list(completion.token_ids)
                     log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None

@@ -2,15 +2,27 @@
 
 Servers batch continuously: a decode step of a server running ``n`` requests takes ``step_a + step_b * n``
 seconds (plus ``prefill_per_token`` for each prompt token not in its prefix cache of the requests that joined
-since the previous step) and gives every running request one token.  A turn's prompt is cached when the
-trajectory's previous turn ran on the same server (its whole context so far), else it is prefilled again.
-Trajectories have heavy-tailed numbers of turns, response lengths and tool latencies (lognormal); between turns
-a trajectory waits for its tool.  Every turn is routed exactly as the workers route it: ``acquire(request_id,
-prompt_len)`` on the balancer when the turn starts, ``release(server)`` when it ends.
+since the previous step) and gives every running request one token; at most ``max_batch`` run at once, the rest
+wait (in arrival order, or by the router's priority as vLLM's priority scheduler orders them).  A turn's prompt
+is cached when the trajectory's previous turn ran on the same server (its whole context so far), else it is
+prefilled again.  Trajectories have heavy-tailed numbers of turns, response lengths and tool latencies
+(lognormal); between turns a trajectory waits for its tool.  Every turn is routed exactly as the workers route
+it: ``acquire(request_id, prompt_len)`` on the balancer when the turn starts, ``release(server)`` when it ends.
 
-:func:`simulate` returns the makespan, its lower bound (the longest trajectory alone on an idle server, or all
-the work spread over the servers at full batch, whichever is larger), the prefix-cache hit rate and how evenly
-the tokens were spread.  ``python scripts/sim_rollout.py`` prints a table.
+Two regimes:
+
+* :func:`simulate` — one synchronous batch (``AgentLoopManager.generate_sequences``, verl's trainer step): all
+  trajectories start at once and the batch ends with the last one.  Returns the makespan and its lower bound
+  (the longest trajectory alone on an idle server, or all the work spread over the servers at full batch,
+  whichever is larger).
+* :func:`simulate_stream` — the :class:`~agentloop.rollouter.Rollouter` with partial rollouts: ``in_flight``
+  trajectories run at all times, a batch is handed out as soon as ``batch`` trajectories have finished (the
+  unfinished ones carry over into later batches), and each hand-out is followed by a weight update that pauses
+  every server for ``sync_s`` seconds and empties the prefix caches.  Trajectories whose weights moved more than
+  ``max_staleness`` versions while they ran are dropped when they finish and rolled out again (their work is
+  wasted).  Returns the mean time per batch after the first (steady state) against the per-batch work bound.
+
+``python scripts/sim_rollout.py`` prints a table.
 """
 
 from __future__ import annotations
@@ -18,7 +30,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,107 +76,219 @@ class _Trajectory:
     context: int = 0
     last_server: int | None = None
     done_at: float = 0.0
+    version: int = 0
+    """The weight version when it started (stream regime)."""
 
 
 @dataclass
 class _Server:
     running: dict[int, int] = field(default_factory=dict)  # trajectory -> tokens left in this turn
-    waiting: list[tuple[int, int]] = field(default_factory=list)  # (trajectory, uncached prompt tokens)
+    waiting: list[tuple[int, int, int, int]] = field(default_factory=list)  # (priority, seq, trajectory, uncached)
     busy: bool = False
     tokens: int = 0
+    stall: float = 0.0  # seconds added to the next step (a weight update's pause and re-prefill)
+
+
+def _trajectory(rng: random.Random, w: Workload, index: int) -> _Trajectory:
+    turns = max(1, min(w.max_turns, round(rng.lognormvariate(math.log(w.turns_median), w.turns_sigma))))
+    lengths = [max(1, min(w.max_tokens, round(rng.lognormvariate(math.log(w.tokens_median), w.tokens_sigma))))
+               for _ in range(turns)]
+    tools = [rng.lognormvariate(math.log(w.tool_median_s), w.tool_sigma) for _ in range(turns - 1)]
+    return _Trajectory(index, lengths, tools, context=w.prompt_tokens)
 
 
 def make_trajectories(w: Workload) -> list[_Trajectory]:
     rng = random.Random(w.seed)
-    out = []
-    for i in range(w.trajectories):
-        turns = max(1, min(w.max_turns, round(rng.lognormvariate(math.log(w.turns_median), w.turns_sigma))))
-        lengths = [max(1, min(w.max_tokens, round(rng.lognormvariate(math.log(w.tokens_median), w.tokens_sigma))))
-                   for _ in range(turns)]
-        tools = [rng.lognormvariate(math.log(w.tool_median_s), w.tool_sigma) for _ in range(turns - 1)]
-        out.append(_Trajectory(i, lengths, tools, context=w.prompt_tokens))
-    return out
+    return [_trajectory(rng, w, i) for i in range(w.trajectories)]
+
+
+def _alone(t: _Trajectory, m: ServerModel) -> float:
+    return sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools)
+
+
+def _work(trajs: list[_Trajectory], m: ServerModel, servers: int) -> float:
+    """All the trajectories' tokens at full batch, spread over the servers."""
+    return sum(sum(t.turns) for t in trajs) * (m.step_b + m.step_a / m.max_batch) / servers
 
 
 def lower_bound(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int) -> float:
     """max(longest trajectory alone on an idle server, all tokens at full batch spread over the servers)."""
-    alone = max(sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) for t in trajs)
-    tokens = sum(sum(t.turns) for t in trajs)
-    per_token_at_full_batch = m.step_b + m.step_a / m.max_batch
-    return max(alone, tokens * per_token_at_full_batch / servers)
+    return max(max(_alone(t, m) for t in trajs), _work(trajs, m, servers))
 
 
-def simulate(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
-             servers: int = 8) -> dict[str, float]:
-    """Run the workload through ``balancer_factory(servers)`` (e.g. ``agentloop.routing.strategies.make_balancer``;
-    anything with ``acquire(request_id, prompt_len)`` and ``release(server)``) and report what happened."""
-    w, m = w or Workload(), m or ServerModel()
-    balancer = balancer_factory(servers)
-    trajs = make_trajectories(w)
-    nodes = [_Server() for _ in range(servers)]
-    events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, id)
-    seq = 0
-    hits = misses = 0
+class _Sim:
+    """The servers, the event queue and the routing; ``on_done`` is called as each trajectory finishes."""
 
-    def push(t: float, kind: str, ident: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, ident))
+    def __init__(self, balancer: Any, w: Workload, m: ServerModel, servers: int,
+                 priority: Callable[[str, int], int] | None, on_done: Callable[[_Trajectory], None]) -> None:
+        self.balancer, self.w, self.m, self.priority, self.on_done = balancer, w, m, priority, on_done
+        self.nodes = [_Server() for _ in range(servers)]
+        self.trajs: dict[int, _Trajectory] = {}
+        self.events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, id)
+        self.seq = 0
+        self.hits = self.misses = 0
+        self.now = 0.0
+        self.stopped = False
 
-    def start_turn(now: float, traj: _Trajectory) -> None:
-        nonlocal hits, misses
-        server = balancer.acquire(f"traj-{traj.index}", traj.context)
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def push(self, t: float, kind: str, ident: int) -> None:
+        heapq.heappush(self.events, (t, self.next_seq(), kind, ident))
+
+    def start_turn(self, traj: _Trajectory) -> None:
+        self.trajs[traj.index] = traj
+        server = self.balancer.acquire(f"traj-{traj.index}", traj.context)
         cached = traj.last_server == server
         if traj.turn:  # a later turn: its context is cached where its previous turn ran
-            hits += cached
-            misses += not cached
-        uncached = w.tool_tokens if cached and traj.turn else traj.context
-        nodes[server].waiting.append((traj.index, uncached))
-        if not nodes[server].busy:
-            step(now, server)
+            self.hits += cached
+            self.misses += not cached
+        uncached = self.w.tool_tokens if cached and traj.turn else traj.context
+        rank = self.priority(f"traj-{traj.index}", traj.context) if self.priority is not None else 0
+        heapq.heappush(self.nodes[server].waiting, (rank, self.next_seq(), traj.index, uncached))
+        if not self.nodes[server].busy:
+            self.step(server)
 
-    def step(now: float, server: int) -> None:
-        node = nodes[server]
+    def step(self, server: int) -> None:
+        node, m = self.nodes[server], self.m
         prefill = 0
         while node.waiting and len(node.running) < m.max_batch:
-            index, uncached = node.waiting.pop(0)
-            node.running[index] = trajs[index].turns[trajs[index].turn]
+            _, _, index, uncached = heapq.heappop(node.waiting)
+            traj = self.trajs[index]
+            node.running[index] = traj.turns[traj.turn]
             prefill += uncached
         if not node.running:
             node.busy = False
             return
         node.busy = True
-        push(now + m.step_a + m.step_b * len(node.running) + m.prefill_per_token * prefill, "step", server)
+        stall, node.stall = node.stall, 0.0
+        self.push(self.now + stall + m.step_a + m.step_b * len(node.running) + m.prefill_per_token * prefill,
+                  "step", server)
 
+    def weight_update(self, pause_s: float) -> None:
+        """Pause every server and empty the prefix caches (running requests re-prefill their context)."""
+        for node in self.nodes:
+            node.stall += pause_s + self.m.prefill_per_token * sum(self.trajs[i].context for i in node.running)
+        for traj in self.trajs.values():
+            traj.last_server = None
+
+    def run(self) -> None:
+        while self.events and not self.stopped:
+            self.now, _, kind, ident = heapq.heappop(self.events)
+            if kind == "tool":
+                self.start_turn(self.trajs[ident])
+                continue
+            node = self.nodes[ident]
+            finished = []
+            for index in list(node.running):
+                node.running[index] -= 1
+                node.tokens += 1
+                if node.running[index] == 0:
+                    finished.append(index)
+            for index in finished:
+                del node.running[index]
+                self.balancer.release(ident)
+                traj = self.trajs[index]
+                traj.context += traj.turns[traj.turn] + self.w.tool_tokens
+                traj.last_server = ident
+                if traj.turn + 1 < len(traj.turns):
+                    self.push(self.now + traj.tools[traj.turn], "tool", index)
+                    traj.turn += 1
+                else:
+                    traj.done_at = self.now
+                    del self.trajs[index]
+                    self.on_done(traj)
+            self.step(ident)
+
+    def result(self) -> dict[str, float]:
+        tokens = [n.tokens for n in self.nodes]
+        return {"prefix_hit_rate": self.hits / max(1, self.hits + self.misses),
+                "load_imbalance": max(tokens) / (sum(tokens) / len(tokens)) if sum(tokens) else 1.0}
+
+
+def simulate(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
+             servers: int = 8, priority: Callable[[str, int], int] | None = None) -> dict[str, float]:
+    """Run one synchronous batch through ``balancer_factory(servers)`` (e.g.
+    ``agentloop.routing.strategies.make_balancer``; anything with ``acquire(request_id, prompt_len)`` and
+    ``release(server)``) and report what happened.
+
+    ``priority(request_id, prompt_len)`` (as the router computes it, e.g.
+    :class:`agentloop.routing.tail.ContextPriority`) orders each server's waiting requests as vLLM's priority
+    scheduler does: lowest value first, ties in arrival order; without it, arrival order."""
+    w, m = w or Workload(), m or ServerModel()
+    trajs = make_trajectories(w)
+    sim = _Sim(balancer_factory(servers), w, m, servers, priority, lambda t: None)
     for traj in trajs:
-        start_turn(0.0, traj)
-    now = 0.0
-    while events:
-        now, _, kind, ident = heapq.heappop(events)
-        if kind == "tool":
-            start_turn(now, trajs[ident])
-            continue
-        node = nodes[ident]
-        finished = []
-        for index in list(node.running):
-            node.running[index] -= 1
-            node.tokens += 1
-            if node.running[index] == 0:
-                finished.append(index)
-        for index in finished:
-            del node.running[index]
-            balancer.release(ident)
-            traj = trajs[index]
-            traj.context += traj.turns[traj.turn] + w.tool_tokens
-            traj.last_server = ident
-            if traj.turn + 1 < len(traj.turns):
-                push(now + traj.tools[traj.turn], "tool", index)
-                traj.turn += 1
-            else:
-                traj.done_at = now
-        step(now, ident)
+        sim.start_turn(traj)
+    sim.run()
     bound = lower_bound(trajs, w, m, servers)
-    tokens = [n.tokens for n in nodes]
-    return {"makespan_s": now, "lower_bound_s": bound, "ratio": now / bound,
-            "prefix_hit_rate": hits / max(1, hits + misses),
-            "load_imbalance": max(tokens) / (sum(tokens) / len(tokens)) if sum(tokens) else 1.0}
+    return {"makespan_s": sim.now, "lower_bound_s": bound, "ratio": sim.now / bound, **sim.result()}
+
+
+def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
+                    servers: int = 8, *, batches: int = 6, in_flight: int | None = None, sync_s: float = 2.0,
+                    max_staleness: int | None = 1,
+                    priority: Callable[[str, int], int] | None = None) -> dict[str, float]:
+    """The Rollouter regime (module docstring): ``batches`` hand-outs of ``w.trajectories`` finished trajectories
+    each, ``in_flight`` (default: one batch) running at all times.
+
+    ``ratio`` is the mean time per hand-out after the first over the mean work bound of the trajectories handed
+    out (their tokens at full batch over the servers); ``first_batch_s`` is the cold start (it fills from empty as a
+    synchronous batch does); ``wasted_tokens`` the share of generated tokens thrown away with stale trajectories;
+    ``mean_staleness`` the versions the trajectories handed out lag behind on average."""
+    w, m = w or Workload(), m or ServerModel()
+    batch, in_flight = w.trajectories, in_flight or w.trajectories
+    rng = random.Random(w.seed)
+    counter = iter(range(1 << 62))
+    version = 0
+    handed: list[list[_Trajectory]] = []
+    ready: list[_Trajectory] = []
+    times: list[float] = []
+    wasted = total = 0
+    lags: list[int] = []
+    generated: list[int] = []  # tokens generated by each hand-out (all trajectories, finished or not)
+
+    def fresh() -> Iterator[_Trajectory]:
+        while True:
+            traj = _trajectory(rng, w, next(counter))
+            traj.version = version
+            yield traj
+
+    source = fresh()
+    sim: _Sim
+
+    def on_done(traj: _Trajectory) -> None:
+        nonlocal version, wasted, total
+        tokens = sum(traj.turns)
+        total += tokens
+        if max_staleness is not None and version - traj.version > max_staleness:
+            wasted += tokens
+        else:
+            ready.append(traj)
+        if len(ready) >= batch:
+            handed.append(ready[:batch])
+            del ready[:batch]
+            lags.extend(version - t.version for t in handed[-1])
+            times.append(sim.now)
+            generated.append(sum(node.tokens for node in sim.nodes))
+            if len(handed) == batches:
+                sim.stopped = True
+                return
+            version += 1
+            sim.weight_update(sync_s)
+        sim.start_turn(next(source))
+
+    sim = _Sim(balancer_factory(servers), w, m, servers, priority, on_done)
+    for _ in range(in_flight):
+        sim.start_turn(next(source))
+    sim.run()
+    if len(handed) < 2:
+        raise ValueError("simulate_stream needs batches >= 2 (the first hand-out is the cold start)")
+    steady = times[-1] - times[0]
+    per_token = (m.step_b + m.step_a / m.max_batch) / servers
+    bound = statistics.mean(_work(h, m, servers) for h in handed[1:])
+    return {"batch_s": steady / (len(times) - 1), "first_batch_s": times[0], "work_bound_s": bound,
+            "ratio": steady / (len(times) - 1) / bound,
+            "utilisation": (generated[-1] - generated[0]) * per_token / steady, "wasted_tokens": wasted / max(1, total),
+            "mean_staleness": statistics.mean(lags), **sim.result()}

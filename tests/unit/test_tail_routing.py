@@ -1,0 +1,83 @@
+"""Tail-aware priority (rollout.server.priority): the policy, the router sending it, the engine args, the simulator."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentloop.config import resolve_config
+from agentloop.errors import ConfigError
+from agentloop.routing import AsyncLLMServerManager
+from agentloop.routing.strategies import make_balancer
+from agentloop.routing.tail import ContextPriority, make_priority
+from agentloop.servers.vllm import _engine_args
+from agentloop.testing import ScriptedServer
+from agentloop.testing.sim_rollout import ServerModel, Workload, simulate, simulate_stream
+
+
+def test_longer_contexts_get_lower_values_so_vllm_serves_them_first():
+    rank = ContextPriority(bucket=100)
+    assert rank("a", 950) < rank("b", 420) < rank("c", 99) == 0
+    assert rank("a", 120) == rank("b", 180)  # one bucket: arrival order decides
+    assert make_priority(None) is None and make_priority("fcfs") is None
+    assert isinstance(make_priority("context"), ContextPriority)
+    with pytest.raises(ConfigError, match="server.priority='longest'.*null.*context"):
+        make_priority("longest")
+
+
+def test_the_router_sends_the_priority_only_when_a_policy_is_set():
+    async def run(policy, **kwargs):
+        server = ScriptedServer(lambda ids, p, rid: [7])
+        router = AsyncLLMServerManager([server], priority=policy)
+        await router.generate("r1", prompt_ids=list(range(600)), sampling_params={"max_tokens": 4}, **kwargs)
+        return server.calls[-1]["sampling_params"]
+
+    assert "priority" not in asyncio.run(run(None))
+    assert asyncio.run(run(ContextPriority(bucket=256)))["priority"] == -2
+    assert asyncio.run(run(ContextPriority(), priority=-9))["priority"] == -9  # the caller's own priority wins
+    assert "priority" not in asyncio.run(run(None, priority=-9))  # fcfs engines would reject a priority
+
+
+def test_priority_context_switches_the_engine_to_priority_scheduling(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+
+    def args(server):
+        cfg = resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)},
+                                                    "rollout": {"server": server}}, "data": {}})
+        return _engine_args(cfg.rollout, cfg.model, on_cpu=True)
+
+    assert args({})["scheduling_policy"] == "fcfs"
+    assert args({"priority": "context"})["scheduling_policy"] == "priority"
+    with pytest.raises(ConfigError, match="server.priority"):
+        args({"priority": "tokens"})
+
+
+SMALL = Workload(trajectories=192, seed=5)
+
+
+def test_priority_reorders_a_queueing_server_in_the_simulator():
+    queueing = ServerModel(max_batch=8)
+    fcfs = simulate(lambda n: make_balancer(n, seed=0), SMALL, queueing, servers=2)
+    ranked = simulate(lambda n: make_balancer(n, seed=0), SMALL, queueing, servers=2, priority=ContextPriority(64))
+    assert fcfs["makespan_s"] != ranked["makespan_s"]
+    assert min(fcfs["ratio"], ranked["ratio"]) >= 1.0
+    roomy = ServerModel(max_batch=4096)  # nothing ever waits: the order cannot matter
+    assert (simulate(lambda n: make_balancer(n, seed=0), SMALL, roomy, servers=2)["makespan_s"]
+            == simulate(lambda n: make_balancer(n, seed=0), SMALL, roomy, servers=2,
+                        priority=ContextPriority(64))["makespan_s"])
+
+
+def test_the_rollouter_regime_hands_out_batches_before_the_stragglers_finish():
+    sync = simulate(lambda n: make_balancer(n, seed=0), SMALL, ServerModel(), servers=2)
+    free = simulate_stream(lambda n: make_balancer(n, seed=0), SMALL, ServerModel(), servers=2, batches=4,
+                           max_staleness=None)
+    assert free == simulate_stream(lambda n: make_balancer(n, seed=0), SMALL, ServerModel(), servers=2, batches=4,
+                                   max_staleness=None)  # reproducible
+    assert free["wasted_tokens"] == 0 and free["batch_s"] < sync["makespan_s"]
+    assert free["first_batch_s"] < sync["makespan_s"]  # the first hand-out does not wait for the longest trajectory
+    bounded = simulate_stream(lambda n: make_balancer(n, seed=0), SMALL, ServerModel(), servers=2, batches=4,
+                              max_staleness=0)
+    assert bounded["wasted_tokens"] > 0 and bounded["mean_staleness"] == 0
+    with pytest.raises(ValueError, match="batches >= 2"):
+        simulate_stream(lambda n: make_balancer(n, seed=0), SMALL, ServerModel(), servers=2, batches=1)
