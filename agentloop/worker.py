@@ -222,6 +222,11 @@ class AgentLoopWorker:
         """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead server)."""
         self.server_manager.replace_server(index, handle)
 
+    def set_priority(self, policy: str | None) -> None:
+        """Switch this worker's engine priority policy (``rollout.server.priority``; null: send none).  A policy
+        needs engines started with it set (vLLM ``scheduling_policy: priority``)."""
+        self.server_manager.priority = make_priority(policy)
+
     async def generate_sequences(self, batch: DataProto, timeout: float | None = None) -> DataProto:
         """Roll out every sample of ``batch``; returns the padded DataProto (one row per trajectory).
 

@@ -1,0 +1,108 @@
+"""Long-tail rollout on the real engine: verl-style synchronous batches vs agentloop's tail-aware modes, one run.
+
+The heavy-tailed agentic shape of the rollout simulator (docs/routing.md) on vLLM CPU with the tiny model and
+``--servers`` engines: per sample a lognormal number of turns (median ``--turns``, sigma ``--turn-sigma``), each an
+``ignore_eos`` generation of lognormal ``max_tokens`` (median ``--median-tokens``, sigma ``--sigma``), and a
+sleeping tool between turns (lognormal, median ``--tool-latency`` s).  Engines run vLLM's priority scheduler with
+``--max-num-seqs`` running requests each, so a server queues when more samples are in flight than it runs.
+
+Passes (alternating, ``--repeats`` rounds, the same batches each time):
+
+* ``verl``: ``manager.generate_sequences`` per batch, sticky least-in-flight routing, no priority sent (every
+  request 0 = arrival order): verl's AgentLoopManager step, the batch ends with its slowest sample;
+* ``priority``: the same with ``rollout.server.priority: context`` (longer contexts first);
+* ``rollouter``: a :class:`~agentloop.rollouter.Rollouter` over the same batches with the in-flight budget of one
+  batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over.
+
+Prints seconds per step (median, range) of each and the ratio verl / each.
+
+    python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from omegaconf import OmegaConf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_async  # noqa: E402  (TailLoop, make_batches, the passes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turn-sigma", type=float, default=0.8)
+    parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--median-tokens", type=float, default=24)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--tool-latency", type=float, default=0.3)
+    parser.add_argument("--tool-sigma", type=float, default=1.0)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    args = parser.parse_args()
+    print("workload: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())), flush=True)
+
+    import ray
+    import ray.cloudpickle
+
+    from agentloop.config import default_config
+    from agentloop.loops.base import register
+    from agentloop.manager import AgentLoopManager
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    register("bench_tail")(bench_async.TailLoop)
+    ray.cloudpickle.register_pickle_by_value(bench_async)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    cfg = default_config()
+    for k, v in {
+        "actor_rollout_ref.model.path": str(ensure_tiny_model()),
+        "data.max_prompt_length": 128,
+        "data.max_response_length": args.max_turns * (args.max_tokens + len(bench_async.TOOL_TOKENS)),
+        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.rollout.free_cache_engine": False,
+        "actor_rollout_ref.rollout.max_num_seqs": args.max_num_seqs,
+        "actor_rollout_ref.rollout.agent.num_workers": 2,
+        "actor_rollout_ref.rollout.server.num_servers": args.servers,
+        "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.server.priority": "context",  # engines in priority mode; the verl pass sends none
+    }.items():
+        OmegaConf.update(cfg, k, v)
+    manager = AgentLoopManager(cfg)
+    try:
+        batches = bench_async.make_batches(args, seed=0)
+        rows_per_step = args.groups * args.n
+        bench_async.sync_pass(manager, batches[:1])  # warm-up
+        per_step: dict[str, list[float]] = {"verl": [], "priority": [], "rollouter": []}
+        for r in range(args.repeats):
+            for mode in per_step:
+                manager.workers.broadcast("set_priority", None if mode == "verl" else "context")
+                time.sleep(1.5)  # let idle engine threads settle
+                if mode == "rollouter":
+                    wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step)
+                else:
+                    wall, rows = bench_async.sync_pass(manager, batches)
+                per_step[mode].append(wall / (rows / rows_per_step))
+                print(f"round {r} {mode:9s}: {rows} trajectories in {wall:.1f}s = {per_step[mode][-1]:.2f}s per step",
+                      flush=True)
+        med = {m: statistics.median(v) for m, v in per_step.items()}
+        for mode, values in per_step.items():
+            print(f"{mode:9s}: {med[mode]:.2f}s per step (range {min(values):.2f}-{max(values):.2f}); "
+                  f"verl / {mode} = {med['verl'] / med[mode]:.2f}x")
+    finally:
+        manager.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
