@@ -38,7 +38,7 @@ grpo: install
 	$(PY) examples/grpo_calculator/train.py
 
 test: install model
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=25
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q

@@ -61,16 +61,32 @@ def tokenizer(model_path, source):
 
 
 @pytest.fixture(scope="module")
-def rollout(model_path, source, tokenizer):
+def engine(model_path):
+    """One vLLM engine for the three sources: each source's manager routes to its servers (none started, none
+    stopped by it), since only the agent loop's config differs."""
     import ray
 
-    from agentloop.data import rows_to_batch
     from agentloop.manager import AgentLoopManager
-    from examples.context_window.run import make_rows, rollout_config
+    from examples.context_window.run import rollout_config
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    manager = AgentLoopManager(rollout_config(model_path, window=None, questions=QUESTIONS))
+    try:
+        yield manager
+    finally:
+        manager.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rollout(engine, model_path, source, tokenizer):
     from omegaconf import OmegaConf
+
+    from agentloop.data import rows_to_batch
+    from agentloop.manager import AgentLoopManager
+    from agentloop.routing import LLMServerClient
+    from examples.context_window.run import make_rows, rollout_config
 
     cfg = rollout_config(model_path, window=1 if source == "window" else None, questions=QUESTIONS)
     if source == "tool":
@@ -79,14 +95,13 @@ def rollout(model_path, source, tokenizer):
     if source == "template":
         OmegaConf.update(cfg, "actor_rollout_ref.model.custom_chat_template", tokenizer.chat_template,
                          force_add=True)
-    manager = AgentLoopManager(cfg)
+    manager = AgentLoopManager(cfg, LLMServerClient(engine.server_handles))
     try:
         batch = rows_to_batch(make_rows(PROBLEMS, QUESTIONS))
         batch.meta_info["validate"] = True  # greedy: the same trajectories every run
         yield manager.generate_sequences(batch)
     finally:
         manager.shutdown()
-        ray.shutdown()
 
 
 def test_each_sample_returns_several_trajectories_in_order(rollout, source):
