@@ -31,13 +31,15 @@ Column precedence when names collide: ``sample_fields`` first, then ``extra_fiel
 key overrides the sample's value, a row that lacks it keeps the sample's value), then ``reward_extra_info``
 keys, then the built-in columns.
 
-All padding is vectorised: each ragged column is flattened once and scattered into a preallocated array
-through a boolean mask, with no per-row or per-token Python work beyond reading lengths.
+Each output array is allocated once, at its final dtype, and filled in place: a ragged row is converted from
+its Python list once (through :mod:`array`, the fastest list-to-buffer path) and copied into its slot, and the
+attention mask and position ids are computed with in-place ufuncs, so no batch-sized temporaries are made
+(``scripts/bench_postprocess.py``).
 """
 
 from __future__ import annotations
 
-import itertools
+import array
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +64,52 @@ def _lengths(rows: Sequence[Sequence[Any]]) -> np.ndarray:
     return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
 
 
+# ``array`` type codes with the same item layout as these numpy dtypes (a list converts fastest through them).
+_ARRAY_CODES = {np.dtype(code): code for code in ("q", "l", "i", "h", "b", "d", "f")
+                if np.dtype(code).itemsize == array.array(code).itemsize}
+
+
+def _row_array(row: Sequence[Any], dtype: np.dtype) -> Any:
+    """``row`` as something numpy copies from without per-item work: a numpy array as is, a list through an
+    ``array.array`` of the same layout (falling back to ``np.asarray`` for items that type rejects)."""
+    if isinstance(row, np.ndarray):
+        return row
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None:
+        try:
+            return np.frombuffer(array.array(code, row), dtype=dtype)
+        except (TypeError, OverflowError):
+            pass
+    return np.asarray(row, dtype=dtype)
+
+
+def fill_rows(out: np.ndarray, rows: Sequence[Sequence[Any]], *, left: bool = False) -> list[int]:
+    """Copy ragged ``rows`` into ``out`` [len(rows), width], already holding the padding value, in place.
+
+    With ``left`` rows are left-padded (a longer row keeps its last ``width`` items), else right-padded (a longer
+    row keeps its first ``width``).  Each row is converted once; padding cells are not touched.  Returns each
+    row's kept length."""
+    width = out.shape[1]
+    kept: list[int] = []
+    for b, row in enumerate(rows):
+        n = len(row)
+        keep = n if n <= width else width
+        kept.append(keep)
+        if keep == 0:
+            continue
+        if n > keep:
+            row = row[n - keep:] if left else row[:keep]
+        if left:
+            out[b, width - keep:] = _row_array(row, out.dtype)
+        else:
+            out[b, :keep] = _row_array(row, out.dtype)
+    return kept
+
+
+def _or_empty(row: Sequence[Any] | None) -> Sequence[Any]:
+    return () if row is None else row
+
+
 def pad_rows(
     rows: Sequence[Sequence[Any]], width: int, fill: float, dtype: Any, *, left: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -72,18 +120,10 @@ def pad_rows(
 
     Returns ``(values, valid)`` where ``valid`` is a boolean array, True on the cells holding row data.
     """
-    lens = _lengths(rows)
-    keep = np.minimum(lens, width)
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    keep = np.asarray(fill_rows(out, rows, left=left), dtype=np.int64)
     cols = np.arange(width)
     valid = cols[None, :] >= (width - keep)[:, None] if left else cols[None, :] < keep[:, None]
-    out = np.full((len(rows), width), fill, dtype=dtype)
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lens.sum()))
-    # First kept source index of each row (row starts in ``flat`` plus, when left-padding, the cut prefix).
-    first = np.cumsum(lens) - lens + (lens - keep if left else 0)
-    # ``out[valid]`` walks rows in order and each row's kept cells left to right, i.e. flat[first[b] + j].
-    dest_start = np.cumsum(keep) - keep
-    src = np.repeat(first - dest_start, keep) + np.arange(int(keep.sum()))
-    out[valid] = flat[src]
     return out, valid
 
 
@@ -120,27 +160,38 @@ def _tensor_columns(
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Build every tensor column of the layout described in the module docstring, and the reward columns'
     non-tensor companions (empty without a reward source)."""
-    prompts, prompt_valid = pad_rows([o.prompt_ids for o in outputs], prompt_length, pad_token_id, np.int64, left=True)
-    responses, resp_valid = pad_rows([o.response_ids for o in outputs], response_length, pad_token_id, np.int64)
-    resp_mask, _ = pad_rows([o.response_mask for o in outputs], response_length, 0, np.int64)
-    attention = np.concatenate([prompt_valid, resp_valid], axis=1).astype(np.int64)
-    position = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    batch, width = len(outputs), prompt_length + response_length
+    prompts = np.full((batch, prompt_length), pad_token_id, dtype=np.int64)
+    kept_prompt = np.asarray(fill_rows(prompts, [o.prompt_ids for o in outputs], left=True), dtype=np.int64)
+    responses = np.full((batch, response_length), pad_token_id, dtype=np.int64)
+    kept_response = np.asarray(fill_rows(responses, [o.response_ids for o in outputs]), dtype=np.int64)
+    response_mask = np.zeros((batch, response_length), dtype=np.int64)
+    fill_rows(response_mask, [o.response_mask for o in outputs])
+    # Real tokens are the contiguous span [start, start + total) of each row; position = column - start,
+    # clipped to [0, total - 1]; all three steps write straight into the outputs.
+    start, total = prompt_length - kept_prompt, kept_prompt + kept_response
+    position = np.empty((batch, width), dtype=np.int64)
+    np.subtract(np.arange(width, dtype=np.int64), start[:, None], out=position)
+    attention = np.empty((batch, width), dtype=np.int64)
+    np.less(position.view(np.uint64), total.astype(np.uint64)[:, None], out=attention, casting="unsafe")
+    np.clip(position, 0, np.maximum(total - 1, 0)[:, None], out=position)
     cols = {
         "prompts": prompts,
         "responses": responses,
-        "response_mask": resp_mask * resp_valid,
+        "response_mask": response_mask,
         "input_ids": np.concatenate([prompts, responses], axis=1),
         "attention_mask": attention,
         "position_ids": position,
     }
     if calculate_log_probs:
-        logprobs = [o.response_logprobs if o.response_logprobs is not None else () for o in outputs]
-        cols["rollout_log_probs"], _ = pad_rows(logprobs, response_length, 0.0, np.float32)
+        cols["rollout_log_probs"] = np.zeros((batch, response_length), dtype=np.float32)
+        fill_rows(cols["rollout_log_probs"], [_or_empty(o.response_logprobs) for o in outputs])
     if any(o.response_weight_versions is not None for o in outputs):
-        versions = [o.response_weight_versions if o.response_weight_versions is not None else () for o in outputs]
-        cols["rollout_weight_versions"], _ = pad_rows(versions, response_length, -1, np.int64)
+        cols["rollout_weight_versions"] = np.full((batch, response_length), -1, dtype=np.int64)
+        fill_rows(cols["rollout_weight_versions"], [_or_empty(o.response_weight_versions) for o in outputs])
     reward_non_tensor: dict[str, np.ndarray] = {}
     if rewards_configured or any(o.reward_score is not None for o in outputs):
+        resp_valid = np.arange(response_length)[None, :] < kept_response[:, None]
         reward_tensors, reward_non_tensor = reward_columns(outputs, resp_valid)
         cols.update(reward_tensors)
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cols.items()}, reward_non_tensor
@@ -269,4 +320,4 @@ def postprocess(
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
 
 
-__all__ = ["EPISODE_COLUMNS", "episode_columns", "pad_rows", "postprocess"]
+__all__ = ["EPISODE_COLUMNS", "episode_columns", "fill_rows", "pad_rows", "postprocess"]
