@@ -122,9 +122,12 @@ class AgentLoopManager:
 
     def _spawn_worker(self, index: int, worker_id: str) -> Any:
         cls: Any = ray.remote(AgentLoopWorker)
+        # round-robin over the nodes alive now (a replacement avoids a node that is gone); a hard affinity, since
+        # Ray's soft one let several workers pile onto one node of a 4-node cluster (tests/integration/test_multinode)
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) or self._nodes
         return cls.options(
             num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self._nodes[index % len(self._nodes)], soft=True),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
             max_concurrency=10000,
         ).remote(self.rollout, self.config.model, list(self.server_handles), self.balancer, self.registry,
                  trainer_config=self.config.root, worker_id=worker_id)

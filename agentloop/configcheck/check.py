@@ -303,6 +303,7 @@ TYPE_CHECKS: dict[str, Check] = {
         "agent.restart_preempted": _BOOL, "agent.record_timing": _OPT_BOOL,
         "server.max_failovers": _OPT_NON_NEG_INT, "server.restart_dead": _BOOL,
         "server.priority": (lambda v: v in (None, "fcfs", "context"), "null (first come, first served) or context"),
+        "server.placement_strategy": _one_of("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         "trace.backend": (lambda v: v in (None, "jsonl", "mlflow"), "null, jsonl or mlflow (verl's weave / trackio "
                                                           "backends are not available here)"),
         "trace.max_samples_per_step_per_worker": _OPT_POS_INT,

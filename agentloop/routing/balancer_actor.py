@@ -64,8 +64,16 @@ class BalancerActor:
 
 
 def create_global_balancer(num_servers: int, *, name: str | None = None, **kwargs: Any) -> Any:
-    """Start the shared balancer actor (no CPU reserved) and return its handle."""
-    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
+    """Start the shared balancer actor (no CPU reserved) on the caller's node and return its handle.
+
+    Pinned to the caller's (the manager's) node: with no CPU reserved Ray may put it on any node, and losing that
+    node would take routing away from every worker (found by tests/integration/test_multinode.py)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = {
+        "num_cpus": 0, "max_concurrency": 1,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    }
     if name:
         options["name"] = name
     return ray.remote(BalancerActor).options(**options).remote(num_servers, **kwargs)

@@ -177,6 +177,10 @@ def launch_servers(cfg: AgentLoopConfig, slots: list[ServerSlot]) -> tuple[list[
     return handles, [{**(facts or {}), **slot.facts} for facts, slot in zip(info, slots, strict=True)]
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""``rollout.server.placement_strategy``: how standalone servers' bundles spread over the nodes (Ray's names)."""
+
+
 def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = None) -> ServerGroup:
     """Create and start the server actors; raises :class:`ServerError` naming what failed."""
     device = detect_device(str(cfg.rollout.server.device))
@@ -184,14 +188,20 @@ def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = No
     tp = int(cfg.rollout.tensor_model_parallel_size)
     cpus = float(cfg.rollout.server.num_cpus_per_server)
     bundle = {"GPU": float(tp), "CPU": 1.0} if device == "cuda" else {"CPU": cpus}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    strategy = str(cfg.rollout.server.get("placement_strategy") or "PACK").upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"actor_rollout_ref.rollout.server.placement_strategy={strategy!r}: use one of "
+                          f"{', '.join(PLACEMENT_STRATEGIES)} (Ray placement-group strategies; SPREAD puts the "
+                          "servers on as many nodes as it can)")
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy)
     try:
         ray.get(pg.ready(), timeout=120)
     except Exception as e:
         ray.util.remove_placement_group(pg)
         raise ServerError(
-            f"could not reserve {n} x {bundle} for the rollout servers (cluster has {ray.cluster_resources()}); "
-            "lower actor_rollout_ref.rollout.server.num_servers / num_cpus_per_server"
+            f"could not reserve {n} x {bundle} for the rollout servers ({strategy}; cluster has "
+            f"{ray.cluster_resources()}); lower actor_rollout_ref.rollout.server.num_servers / num_cpus_per_server"
+            + (" or use placement_strategy SPREAD / PACK" if strategy.startswith("STRICT") else "")
         ) from e
     slots = [
         ServerSlot(
