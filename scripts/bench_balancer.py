@@ -7,7 +7,7 @@ server, releasing a random one of them each time (so counts differ and ties vary
 
 Paths measured, each with the shipped ``LeastInFlight`` (``new``) and the previous list-scan implementation
 kept below as :class:`OldLeastInFlight` (``old``, the baseline), alternating old/new passes; the local path also
-runs :class:`BucketLeastInFlight`, an O(log N) prototype that needs the Balancer to report count changes:
+runs :class:`~agentloop.routing.strategies.BucketedLeastInFlight` (O(log N), make_balancer's from 32 servers):
 
 * ``local``: :func:`agentloop.routing.strategies.make_balancer` in this process.
 * ``actor batched``: the GlobalBalancer actor through :class:`~agentloop.routing.balancer_actor.RemoteBalancer`,
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import os
 import random
 import statistics
@@ -32,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentloop.routing.balancer_actor import BalancerActor, RemoteBalancer
-from agentloop.routing.strategies import Balancer, LeastInFlight, RouteContext, StickySession
+from agentloop.routing.strategies import Balancer, BucketedLeastInFlight, LeastInFlight, RouteContext, StickySession
 
 
 class OldLeastInFlight:
@@ -54,69 +53,9 @@ class OldLeastInFlight:
         return tied[self._cursor % len(tied)]
 
 
-class BucketLeastInFlight:
-    """Prototype (not shipped): least in-flight in O(log N) per decision, the same choices as ``LeastInFlight``.
-
-    It keeps the servers bucketed by count (each bucket a sorted list) and the lowest count, so a decision reads
-    the lowest bucket instead of scanning every server.  That needs to be told every count change, which only
-    the :class:`Balancer` sees (releases above all); :class:`NotifyingBalancer` does so.  Measured here to size
-    what such a hook in ``Balancer`` would buy.
-    """
-
-    def __init__(self, num_servers: int, tie_break: str = "random", seed: int | None = None) -> None:
-        self.fallback = LeastInFlight(tie_break, seed)  # shares its rng / cursor, for views it does not track
-        self.tracked: list[int] | None = None
-        self._buckets: dict[int, list[int]] = {0: list(range(num_servers))}
-        self._low = 0
-
-    def moved(self, server: int, old: int, new: int) -> None:
-        bucket = self._buckets[old]
-        del bucket[bisect.bisect_left(bucket, server)]
-        if not bucket:
-            del self._buckets[old]
-        bisect.insort(self._buckets.setdefault(new, []), server)
-        if new < self._low:
-            self._low = new
-        elif old == self._low and old not in self._buckets:
-            self._low = new if new == old + 1 else min(self._buckets)
-
-    def choose(self, ctx: RouteContext, in_flight: Sequence[int]) -> int:
-        if in_flight is not self.tracked:  # a health-filtered view: scan it
-            return self.fallback.choose(ctx, in_flight)
-        tied = self._buckets[self._low]
-        if len(tied) == 1:
-            return tied[0]
-        lif = self.fallback
-        if lif.tie_break == "random":
-            return tied[lif._rng.randrange(len(tied))]
-        lif._cursor += 1
-        return tied[lif._cursor % len(tied)]
-
-
-class NotifyingBalancer(Balancer):
-    """A Balancer that tells a :class:`BucketLeastInFlight` of every count change (acquire / release only)."""
-
-    def __init__(self, num_servers: int, strategy: StickySession, tracker: BucketLeastInFlight) -> None:
-        super().__init__(num_servers, strategy)
-        self.tracker = tracker
-        tracker.tracked = self.in_flight
-
-    def acquire(self, request_id: str, prompt_len: int = 0, owner: str | None = None) -> int:
-        server = super().acquire(request_id, prompt_len, owner)
-        self.tracker.moved(server, self.in_flight[server] - 1, self.in_flight[server])
-        return server
-
-    def release(self, server: int, owner: str | None = None) -> None:
-        before = self.in_flight[server]
-        super().release(server, owner)
-        if self.in_flight[server] != before:
-            self.tracker.moved(server, before, self.in_flight[server])
-
-
 def _balancer(num_servers: int, old: bool | None, requests: int) -> Balancer:
-    if old is None:  # the prototype
-        tracker = BucketLeastInFlight(num_servers, seed=0)
-        return NotifyingBalancer(num_servers, StickySession(tracker, max_cache_size=2 * requests), tracker)
+    if old is None:  # bucketed, O(log N): what make_balancer uses from 32 servers on
+        return Balancer(num_servers, StickySession(BucketedLeastInFlight(seed=0), max_cache_size=2 * requests))
     inner: Any = OldLeastInFlight(seed=0) if old else LeastInFlight(seed=0)
     return Balancer(num_servers, StickySession(inner, max_cache_size=2 * requests))
 
@@ -224,7 +163,7 @@ def main() -> None:
                 rate, chosen[variant] = bench_local(n, variant, args.requests, args.window_per_server * n)
                 local[variant].append(rate)
         if not chosen[True] == chosen[False] == chosen[None]:
-            raise SystemExit(f"{n} servers: the new LeastInFlight (or the prototype) chose differently from the old")
+            raise SystemExit(f"{n} servers: the new LeastInFlight (or the bucketed one) chose differently from the old")
         rows.append((n, "local", local[True], local[False], local[None]))
         print(f"[{n} servers] local done (same choices: yes)", flush=True)
     if not args.no_actor:
@@ -247,8 +186,8 @@ def main() -> None:
     print(f"\ndecisions/s (acquire + release), {args.requests:,} distinct request ids ({args.unbatched_requests:,} "
           f"unbatched), {args.window_per_server} in flight per server, median (min-max) of {args.repeats} "
           "alternating passes\n")
-    print("| servers | path | old LeastInFlight | new LeastInFlight | new / old | bucket prototype (needs a Balancer "
-          "hook) |")
+    print("| servers | path | old LeastInFlight | new LeastInFlight | new / old | bucketed, O(log N) "
+          "(shipped from 32 servers) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for n, label, old_rates, new_rates, proto in rows:
         ratio = statistics.median(new_rates) / statistics.median(old_rates)
