@@ -130,7 +130,12 @@ def _server_class(name: str) -> type:
         from agentloop.servers.vllm import VLLMServer
 
         return VLLMServer
-    raise ConfigError(f"rollout.name={name!r}: only the 'vllm' backend is available in this version")
+    if name == "sglang":
+        from agentloop.servers.sglang import SGLangServer, load_sglang
+
+        load_sglang()  # not installed: one ConfigError naming the extra, before any actor starts
+        return SGLangServer
+    raise ConfigError(f"rollout.name={name!r}: use 'vllm' or 'sglang'")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,416 @@
+"""SGLang backend: one ``sglang.Engine`` hosted in a Ray actor behind the same protocol as vLLM.
+
+Selected with ``actor_rollout_ref.rollout.name: sglang`` (install with ``pip install -e .[sglang]``; GPU only:
+SGLang does not run on CPU machines).  Token in, token out: the engine starts with ``skip_tokenizer_init`` and gets
+``input_ids``; each request carries its router request id as SGLang's ``rid``, so :meth:`SGLangServer.abort` reaches
+it.  Outputs keep ``stop`` / ``length`` / ``aborted`` apart (SGLang's ``finish_reason.type``) and carry the sampled
+tokens' log-probs (``meta_info["output_token_logprobs"]``) when asked.
+
+Matched against SGLang's ``Engine`` API of the 0.5 line (``async_generate`` with ``rid`` / ``priority`` /
+``stream``; the tokenizer manager's coroutines for abort, memory release, tensor weight updates and the prefix
+cache, called directly since the Engine's synchronous wrappers cannot run inside the actor's event loop).  All of
+that is in :class:`SGLangEngineAPI`, the one place that touches SGLang; :class:`SGLangServer` holds what is ours
+(the pause gate, weight-update protocol, stop reasons, versions).  CI checks both against a contract fake of the
+engine (``tests/unit/test_sglang_server.py``); ``tests/gpu/test_sglang_gpu.py`` runs the real engine on a GPU.
+Status: **untested on a GPU so far** (docs/sglang.md).
+
+Config: verl's rollout keys map to SGLang's server arguments (:func:`engine_kwargs`); ``engine_kwargs.sglang``
+is passed through last, so it overrides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentloop.errors import ConfigError, ServerError
+from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.weight_sync import WeightBucket, iter_buckets
+from agentloop.types import StopReason, TokenDelta, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+_FINISH_TO_STOP = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED}
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "stop_token_ids": "stop_token_ids", "stop": "stop",
+             "ignore_eos": "ignore_eos", "seed": "sampling_seed", "n": "n"}
+INSTALL_HINT = "pip install -e '.[sglang]' (SGLang needs a CUDA GPU)"
+
+
+def load_sglang() -> tuple[Any, Any]:
+    """``(sglang.Engine, sglang.srt.managers.io_struct)``, or a ConfigError naming the fix."""
+    try:
+        import sglang
+        from sglang.srt.managers import io_struct
+    except ImportError as e:
+        raise ConfigError(f"actor_rollout_ref.rollout.name=sglang but SGLang is not installed ({e}); "
+                          f"install it with {INSTALL_HINT}, or use rollout.name=vllm") from e
+    return sglang.Engine, io_struct
+
+
+def engine_kwargs(rollout: DictConfig, model: DictConfig, server_index: int = 0) -> dict[str, Any]:
+    """SGLang ``ServerArgs`` from the rollout and model slices (verl's key names)."""
+    max_model_len = rollout.get("max_model_len") or int(rollout.prompt_length) + int(rollout.response_length)
+    kwargs: dict[str, Any] = {
+        "model_path": os.path.expanduser(str(model.path)),
+        "trust_remote_code": bool(model.get("trust_remote_code", False)),
+        "dtype": str(rollout.get("dtype", "auto")),
+        "tp_size": int(rollout.get("tensor_model_parallel_size", 1)),
+        "mem_fraction_static": float(rollout.get("gpu_memory_utilization", 0.5)),
+        "context_length": int(max_model_len),
+        "max_running_requests": int(rollout.get("max_num_seqs", 256)),
+        "chunked_prefill_size": max(int(rollout.get("max_num_batched_tokens", 8192)), int(max_model_len)),
+        "disable_radix_cache": not bool(rollout.get("enable_prefix_caching", True)),
+        "enable_memory_saver": bool(rollout.get("free_cache_engine", True)),
+        "random_seed": int(rollout.get("seed", 0)) + int(server_index),
+        "load_format": str(rollout.get("load_format") or "auto"),
+        "skip_tokenizer_init": True,  # token in, token out
+        "log_level": "error",
+    }
+    if model.get("tokenizer_path"):
+        kwargs["tokenizer_path"] = os.path.expanduser(str(model.tokenizer_path))
+    if (rollout.get("server") or {}).get("priority") not in (None, "", "fcfs"):
+        kwargs["enable_priority_scheduling"] = True
+    extra = (rollout.get("engine_kwargs") or {}).get("sglang") or {}
+    plain: Any = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra)
+    kwargs.update(plain)
+    return kwargs
+
+
+class SGLangEngineAPI:
+    """The SGLang calls the server makes, in one place (see the module docstring)."""
+
+    def __init__(self, engine: Any, io_struct: Any, serializer: Any = None) -> None:
+        self.engine, self.io, self._serializer = engine, io_struct, serializer
+        self.tm = engine.tokenizer_manager
+        args = getattr(engine, "server_args", None)
+        self.incremental_stream = bool(getattr(args, "incremental_streaming_output", False))
+        self.tp_size = int(getattr(args, "tp_size", 1) or 1)
+
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str, *, logprobs: bool,
+                       image_data: list[Any] | None, priority: int | None, stream: bool) -> Any:
+        kwargs: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling, "rid": rid,
+                                  "return_logprob": logprobs, "stream": stream}
+        if image_data:
+            kwargs["image_data"] = image_data
+        if priority:
+            kwargs["priority"] = int(priority)
+        return await self.engine.async_generate(**kwargs)
+
+    async def abort(self, rid: str) -> None:
+        result = self.tm.abort_request(rid)
+        if asyncio.iscoroutine(result):
+            await result
+
+    async def release_memory(self) -> None:
+        await self.tm.release_memory_occupation(self.io.ReleaseMemoryOccupationReqInput(), None)
+
+    async def resume_memory(self) -> None:
+        await self.tm.resume_memory_occupation(self.io.ResumeMemoryOccupationReqInput(), None)
+
+    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+        if self._serializer is None:
+            from sglang.srt.utils import MultiprocessingSerializer
+
+            self._serializer = MultiprocessingSerializer
+        payload = [self._serializer.serialize(named) for _ in range(self.tp_size)]  # one per TP rank
+        result = await self.tm.update_weights_from_tensor(
+            self.io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=False), None)
+        ok = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
+        if not ok:
+            raise ServerError(f"SGLang refused the weights: {result}")
+
+    async def flush_cache(self) -> None:
+        await self.tm.flush_cache()
+
+    def child_pids(self) -> list[int]:
+        get = getattr(self.engine, "get_all_child_pids", None)
+        return list(get()) if get is not None else []
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class SGLangServer(BatchGenerateMixin, GatedServerMixin):
+    """One SGLang engine.  Build with :meth:`start` (async) before use; same constructor as ``VLLMServer``."""
+
+    supports_sleep: bool = False
+
+    def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
+        self.rollout, self.model, self.server_index = rollout, model, server_index
+        self.prompt_length = int(rollout.prompt_length)
+        self.response_length = int(rollout.response_length)
+        self.api: SGLangEngineAPI | None = None
+        self.global_steps = 0
+        self._gate = PauseGate()
+        self._weights_open: asyncio.Event = asyncio.Event()
+        self._weights_open.set()
+        self._update: dict[str, Any] | None = None
+        self._sleeping = False
+
+    async def start(self, engine_api: SGLangEngineAPI | None = None) -> dict[str, Any]:
+        """Create the engine (``engine_api``: an already built one, for tests); returns facts about it."""
+        t0 = time.perf_counter()
+        if engine_api is None:
+            engine_cls, io_struct = load_sglang()
+            args = engine_kwargs(self.rollout, self.model, self.server_index)
+            try:
+                engine_api = SGLangEngineAPI(engine_cls(**args), io_struct)
+            except Exception as e:
+                raise ServerError(f"SGLang server {self.server_index} failed to start with {args}: {e}") from e
+        self.api = engine_api
+        self.supports_sleep = bool(getattr(getattr(engine_api.engine, "server_args", None), "enable_memory_saver",
+                                           False))
+        return {"platform": "cuda", "backend": "sglang", "start_s": time.perf_counter() - t0, "pid": os.getpid()}
+
+    def _require(self) -> SGLangEngineAPI:
+        if self.api is None:
+            raise ServerError(f"SGLang server {self.server_index} is not started; call start() first")
+        return self.api
+
+    def _sampling(self, prompt_len: int, params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        budget = self.prompt_length + self.response_length - prompt_len
+        max_tokens = int(min(params.get("max_tokens") or min(self.response_length, budget), budget))
+        out = {ours: params[theirs] for theirs, ours in _SAMPLING.items() if params.get(theirs) is not None}
+        if "top_k" in out and int(out["top_k"]) <= 0:
+            out["top_k"] = -1  # verl's "no top-k"
+        out["max_new_tokens"] = max_tokens
+        return out, max_tokens
+
+    def _extra_fields(self) -> dict[str, Any]:
+        return {"server_index": self.server_index, "global_steps": self.global_steps}
+
+    def _output(self, result: dict[str, Any], want_logprobs: bool) -> TokenOutput:
+        meta = result.get("meta_info") or {}
+        ids = [int(t) for t in result.get("output_ids") or []]
+        finish = (meta.get("finish_reason") or {}).get("type", "abort")
+        log_probs = [float(t[0]) for t in meta.get("output_token_logprobs") or []][:len(ids)] if want_logprobs else None
+        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=_FINISH_TO_STOP.get(finish, StopReason.STOP),
+                           extra_fields=self._extra_fields())
+
+    def _raise_if_dead(self, error: BaseException) -> None:
+        if self._engine_dead():
+            raise ServerDeadError(f"SGLang server {self.server_index}: the engine's processes died "
+                                  f"({type(error).__name__}: {error}); the request is retried on another server and "
+                                  "this one restarted",
+                                  self.server_index) from error
+
+    def _engine_dead(self) -> bool:
+        if self.api is None:
+            return False
+        for pid in self.api.child_pids():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                continue
+        return False
+
+    async def _wait_for_weights(self, request_id: str) -> None:
+        while not self._weights_open.is_set():  # a weight update is open: wait for its end
+            await self._weights_open.wait()
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data: list[Any] | None = None) -> TokenOutput:
+        """Generate from token ids (verl's sampling keys; ``priority`` from the router when configured)."""
+        api = self._require()
+        want_logprobs = bool(sampling_params.get("logprobs"))
+        sampling, max_tokens = self._sampling(len(prompt_ids), sampling_params)
+        if max_tokens <= 0:
+            return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason=StopReason.LENGTH,
+                               extra_fields=self._extra_fields())
+        await self._wait_for_weights(request_id)
+        result = None
+        async with self._gate.admitted(request_id) as admitted:
+            if admitted:
+                try:
+                    result = await api.generate(prompt_ids, sampling, request_id, logprobs=want_logprobs,
+                                                image_data=image_data, priority=sampling_params.get("priority"),
+                                                stream=False)
+                except Exception as e:
+                    self._raise_if_dead(e)
+                    raise
+            output = (self._output(result, want_logprobs) if result is not None else
+                      TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason=StopReason.ABORTED,
+                                  extra_fields=self._extra_fields()))
+            extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id, max_tokens)
+            return output.model_copy(update={"extra_fields": extra})
+
+    async def generate_stream(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                              image_data: list[Any] | None = None) -> AsyncIterator[TokenDelta]:
+        """Like :meth:`generate`, yielding ids as they are sampled (SGLang's cumulative or incremental chunks
+        become deltas); the last chunk has ``finished=True`` and the stop reason."""
+        api = self._require()
+        want_logprobs = bool(sampling_params.get("logprobs"))
+        sampling, max_tokens = self._sampling(len(prompt_ids), sampling_params)
+        if max_tokens <= 0:
+            yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
+                             stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
+            return
+        await self._wait_for_weights(request_id)
+        seen, seen_lp, stop = 0, 0, None
+        async with self._gate.admitted(request_id) as admitted:
+            try:
+                chunks = (await api.generate(prompt_ids, sampling, request_id, logprobs=want_logprobs,
+                                             image_data=image_data, priority=sampling_params.get("priority"),
+                                             stream=True)) if admitted else None
+                async for chunk in chunks if chunks is not None else _nothing():
+                    meta = chunk.get("meta_info") or {}
+                    ids = [int(t) for t in chunk.get("output_ids") or []]
+                    lps = [float(t[0]) for t in meta.get("output_token_logprobs") or []]
+                    if not api.incremental_stream:  # cumulative chunks: keep what is new
+                        ids, lps = ids[seen:], lps[seen_lp:]
+                    seen, seen_lp = seen + len(ids), seen_lp + len(lps)
+                    finish = meta.get("finish_reason")
+                    stop = _FINISH_TO_STOP.get(finish.get("type", "abort"), StopReason.STOP) if finish else None
+                    extra = self._gate.extra(self._extra_fields(), stop, request_id, max_tokens) if stop else {}
+                    yield TokenDelta(token_ids=ids, log_probs=lps[:len(ids)] if want_logprobs else None,
+                                     finished=stop is not None, stop_reason=stop, extra_fields=extra)
+            except Exception as e:
+                self._raise_if_dead(e)
+                raise
+            if stop is None:
+                extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, max_tokens)
+                yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
+                                 stop_reason=StopReason.ABORTED, extra_fields=extra)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its generate returns ``aborted`` with the tokens so far); one held by a pause ends
+        aborted without running."""
+        self._gate.caller_abort(request_id)
+        await self._require().abort(request_id)
+
+    async def pause(self) -> int:
+        """Abort what runs (each returns its tokens so far, tagged for the router to resume) and hold new
+        requests until :meth:`resume`; the prefix cache is kept."""
+        api = self._require()
+        if self._gate.paused:
+            return 0
+        running = list(self._gate.in_flight)
+        n = self._gate.close()
+        await asyncio.gather(*(api.abort(rid) for rid in running))
+        return n
+
+    async def resume(self) -> None:
+        """Let held and new requests run again (no-op when not paused)."""
+        self._gate.open()
+
+    async def check_health(self) -> dict[str, Any]:
+        """Raises :class:`ServerDeadError` when the engine's processes died; else the server's facts."""
+        self._require()
+        if self._engine_dead():
+            raise ServerDeadError(f"SGLang server {self.server_index}: the engine's processes died", self.server_index)
+        return {"server_index": self.server_index, "global_steps": self.global_steps, "pid": os.getpid()}
+
+    async def wake_up(self) -> None:
+        """Re-acquire weights and KV cache (a logged no-op without ``enable_memory_saver``)."""
+        if not self.supports_sleep:
+            logger.info("server %d: wake_up is a no-op (SGLang started without enable_memory_saver)",
+                        self.server_index)
+            return
+        if self._sleeping:
+            await self._require().resume_memory()
+            self._sleeping = False
+
+    async def sleep(self) -> None:
+        """Release weights and KV cache between rollouts (a logged no-op without ``enable_memory_saver``)."""
+        if not self.supports_sleep:
+            logger.info("server %d: sleep is a no-op (SGLang started without enable_memory_saver)", self.server_index)
+            return
+        if not self._sleeping:
+            await self._require().flush_cache()
+            await self._require().release_memory()
+            self._sleeping = True
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        """Set the reported weight version without loading weights."""
+        self.global_steps = int(global_steps)
+
+    async def begin_weight_update(self, global_steps: int | None = None, *, transport: str = "auto") -> None:
+        """Open an update: new requests wait, in-flight ones finish on the old weights first."""
+        self._require()
+        if self._sleeping:
+            raise ServerError(f"SGLang server {self.server_index} is asleep: wake_up() before updating weights")
+        if self._update is not None:
+            raise ServerError(f"SGLang server {self.server_index}: a weight update is already open; "
+                              "finish_weight_update() it first")
+        if transport not in ("auto", "direct"):
+            raise ServerError(f"SGLang server {self.server_index}: weight transport {transport!r} is not available "
+                              "(SGLang loads tensors directly: use 'auto' or 'direct')")
+        version = self.global_steps + 1 if global_steps is None else int(global_steps)
+        self._update = {"version": version, "tensors": 0, "bytes": 0, "started": time.perf_counter()}
+        self._weights_open.clear()
+        while self._gate.in_flight:  # let running requests finish on the weights they started with
+            await asyncio.sleep(0.01)
+
+    async def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """Load one bucket (HF names) into the engine."""
+        if self._update is None:
+            raise ServerError(f"SGLang server {self.server_index}: load_weight_bucket() without an open weight "
+                              "update; call begin_weight_update() first")
+        try:
+            await self._require().load_tensors(list(bucket.tensors()))
+        except Exception as e:
+            await self.abort_weight_update()
+            raise ServerError(f"SGLang server {self.server_index}: loading weights {bucket.names[:3]}... failed: "
+                              f"{e}; run the update again") from e
+        self._update["tensors"] += len(bucket)
+        self._update["bytes"] += bucket.nbytes
+
+    async def finish_weight_update(self) -> dict[str, Any]:
+        """Flush the prefix cache, publish the version, let requests run; returns what was loaded."""
+        update = self._update
+        if update is None:
+            raise ServerError(f"SGLang server {self.server_index}: finish_weight_update() without an open weight "
+                              "update; call begin_weight_update() first")
+        try:
+            await self._require().flush_cache()
+        finally:
+            self._update = None
+            self._weights_open.set()
+        self.global_steps = update["version"]
+        return {"version": update["version"], "transport": "direct", "tensors": update["tensors"],
+                "bytes": update["bytes"], "seconds": time.perf_counter() - update["started"]}
+
+    async def abort_weight_update(self) -> None:
+        """Close an open update without publishing its version (no-op when none is open)."""
+        self._update = None
+        self._weights_open.set()
+
+    async def update_weights(self, named_tensors: Any, global_steps: int | None = None, *,
+                             transport: str = "auto") -> dict[str, Any]:
+        """The whole update in one call: begin, one bucket, finish."""
+        await self.begin_weight_update(global_steps, transport=transport)
+        for bucket in iter_buckets(named_tensors, bucket_bytes=1 << 62):
+            await self.load_weight_bucket(bucket)
+        return await self.finish_weight_update()
+
+    async def clear_kv_cache(self) -> None:
+        """Drop the prefix (radix) cache."""
+        await self._require().flush_cache()
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        """Not wired for SGLang yet: a logged no-op."""
+        logger.warning("server %d: start_profile is a no-op on the SGLang backend", self.server_index)
+
+    async def stop_profile(self) -> None:
+        """See :meth:`start_profile`."""
+
+    async def shutdown(self) -> None:
+        """Stop the engine's processes."""
+        if self.api is not None:
+            self.api.shutdown()
+            self.api = None
+
+
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield
