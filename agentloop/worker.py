@@ -14,7 +14,8 @@ it in a Ray actor.  For one ``generate_sequences(batch)`` call:
 5. Flatten list outputs (multi-trajectory: a list or a MultiTrajectoryAgentLoopOutput); each row keeps its
    sample's non-tensor fields (uid, index...) and gets ``trajectory_index``, ``num_trajectories`` and the
    episode's ``session_id`` (docs/context.md).
-6. Pad into the DataProto layout (:func:`agentloop.postprocess.postprocess`).
+6. Pad into the DataProto layout (:func:`agentloop.postprocess.postprocess`); with a multimodal processor add
+   ``multi_modal_inputs`` and M-RoPE ``position_ids`` (:func:`agentloop.multimodal.add_multimodal_outputs`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from agentloop.compat.rollout_trace import RolloutTraceConfig, rollout_trace_att
 from agentloop.config import sampling_params_from_config
 from agentloop.errors import DatasetError
 from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, lookup, resolve_registry
+from agentloop.multimodal import add_multimodal_outputs
 from agentloop.postprocess import postprocess
 from agentloop.protocol import DataProto
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
@@ -351,7 +353,7 @@ class AgentLoopWorker:
         flat = [o for outs in results for o in outs]
         sample_fields = {k: v[rows] for k, v in fields.items()}
         sample_fields["agent_name"] = np.asarray(names, dtype=object)[rows]
-        return postprocess(
+        batch = postprocess(
             flat,
             trajectory_counts=[len(outs) for outs in results],
             prompt_length=int(self.rollout.prompt_length),
@@ -361,6 +363,7 @@ class AgentLoopWorker:
             calculate_log_probs=bool(self.rollout.calculate_log_probs),
             rewards_configured=self.rewards.configured,
         )
+        return add_multimodal_outputs(batch, self.processor)  # multi_modal_inputs; M-RoPE position_ids
 
 
 async def _settle(tasks: list[asyncio.Task], timeout: float | None) -> list[list[AgentLoopOutput]]:

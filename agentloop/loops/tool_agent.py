@@ -34,8 +34,12 @@ Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
   image list; images returned by a tool are rendered as ``{"type": "image"}`` parts of its tool message
   and appended to the list when that tool turn is appended.  Every generation passes the list so far as
   ``image_data`` (None while it is empty), and the output carries it as ``multi_modal_data["image"]``
-  (None when the trajectory has no images).  Prompt / tool turns are still encoded with the tokenizer's
-  chat template, not a multimodal processor: placeholder expansion is left to the engine.
+  (None when the trajectory has no images).  With the model's processor (a vision-language model), images
+  are decoded to RGB PIL images (one that cannot be decoded ends the sample with status ``error``) and each
+  image's placeholder in the rendered prompt / tool turn is expanded to its token count, exactly as the
+  processor renders it (:mod:`agentloop.multimodal`); without a processor they are passed on untouched and
+  the engine refuses images for a text-only model.  ``multi_modal_data["video"]`` is passed through as
+  ``video_data`` (expanded by the engine; docs/multimodal.md).
 
 * Context edits (:mod:`agentloop.loops.context`): when the next context is not the conversation so far plus
   the new turn (a tool asked for an edit, ``multi_turn.context_window`` slid, or the chat template re-renders
@@ -65,6 +69,7 @@ from agentloop.loops.base import AgentLoopBase, config_values, register, rollout
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots, edited_history
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
+from agentloop.multimodal import decode_images, encode_images
 from agentloop.parsers.base import ToolParser, get_tool_parser
 from agentloop.tokenization import encode_new_turns
 from agentloop.tokenization.incremental import TemplateMismatchError
@@ -108,6 +113,7 @@ class AgentData:
     status: RolloutStatus = RolloutStatus.STOP
     pending_calls: list[Any] = field(default_factory=list)
     image_data: list[Any] = field(default_factory=list)
+    video_data: list[Any] | None = None
     counters: dict[str, Any] = field(default_factory=lambda: _new_counters())
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
     interaction: BaseInteraction | None = None
@@ -184,7 +190,8 @@ class ToolAgentLoop(AgentLoopBase):
     async def run(
         self, sampling_params: dict[str, Any], **kwargs: Any
     ) -> AgentLoopOutput | MultiTrajectoryAgentLoopOutput:
-        data = AgentData(messages=as_messages(kwargs["raw_prompt"]), image_data=_sample_images(kwargs))
+        data = AgentData(messages=as_messages(kwargs["raw_prompt"]), image_data=self._decoded(_sample_images(kwargs)),
+                         video_data=_sample_images(kwargs, "video") or None)
         tools_kwargs = kwargs.get("tools_kwargs") or {}
         self.sampling_params = dict(sampling_params)
         await self._start_interaction(data, kwargs.get("extra_info"))
@@ -220,12 +227,17 @@ class ToolAgentLoop(AgentLoopBase):
         data.interaction, data.interaction_kwargs = self.interactions[name], kwargs
         data.interaction_id = await data.interaction.start_interaction(uuid4().hex, **kwargs)
 
-    def _render_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, tools=self.tool_schemas, add_generation_prompt=True,
-                                   **self.apply_chat_template_kwargs)
+    def _render_prompt(self, messages: list[dict[str, Any]], images: list[Any]) -> list[int]:
+        ids = apply_chat_template(self.tokenizer, messages, tools=self.tool_schemas, add_generation_prompt=True,
+                                  **self.apply_chat_template_kwargs)
+        return encode_images(self.processor, ids, images) if self.processor is not None else ids
+
+    def _decoded(self, images: list[Any], where: str = "sample image") -> list[Any]:
+        """RGB PIL images when the model has a processor (else as given: the engine decides)."""
+        return decode_images(images, where) if self.processor is not None and images else images
 
     def _pending(self, data: AgentData) -> AgentState:
-        data.prompt_ids, dropped = fit_prompt(self._render_prompt(data.messages), self.prompt_length,
+        data.prompt_ids, dropped = fit_prompt(self._render_prompt(data.messages, data.image_data), self.prompt_length,
                                               self.prompt_truncation)
         data.counters["prompt_truncated"] = dropped
         return AgentState.GENERATING
@@ -236,6 +248,7 @@ class ToolAgentLoop(AgentLoopBase):
         out = await self.server_manager.generate(
             request_id=self.request_id, prompt_ids=data.prompt_ids + data.response_ids,
             sampling_params={**self.sampling_params, "max_tokens": budget}, image_data=list(data.image_data) or None,
+            **({"video_data": data.video_data} if data.video_data else {}),
         )
         data.metrics.generate_sequences += time.perf_counter() - start
         _track_versions(data.counters, out.extra_fields)
@@ -266,6 +279,7 @@ class ToolAgentLoop(AgentLoopBase):
             result = await self.runner.run_turn(data.pending_calls, tools_kwargs)  # type: ignore[union-attr]
         data.metrics.tool_calls += time.perf_counter() - start
         _count(data, result, len(data.pending_calls))
+        result.images = self._decoded(result.images, "tool image")
         return self._append_turn(data, result.messages, result.images, tool_result=result, edits=turn.edits)
 
     async def _interacting(self, data: AgentData) -> AgentState:
@@ -287,7 +301,7 @@ class ToolAgentLoop(AgentLoopBase):
         history, source = edited_history(data.messages, messages, edits or [], self.context.window)
         if source is None:
             try:
-                ids = self._encode_turn(data, messages)
+                ids = self._encode_turn(data, messages, images)
             except TemplateMismatchError:
                 history, source = data.messages, TEMPLATE
         if source is not None:
@@ -321,7 +335,7 @@ class ToolAgentLoop(AgentLoopBase):
         if self.max_user_turns and data.user_turns + 1 >= self.max_user_turns:
             return self._end(data, RolloutStatus.MAX_TURNS)  # the new trajectory could not generate anything
         conversation = [*history, *messages]
-        prompt = self._render_prompt(conversation)
+        prompt = self._render_prompt(conversation, [*data.image_data, *(images or [])])
         if len(prompt) > self.prompt_length:  # never truncated: it would not be a render of the conversation
             return self._end(data, RolloutStatus.LENGTH)
         data.snapshots.close(self._output(data), source)
@@ -334,11 +348,13 @@ class ToolAgentLoop(AgentLoopBase):
         data.segment_start = data.user_turns + data.assistant_turns
         return state
 
-    def _encode_turn(self, data: AgentData, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_turn(self, data: AgentData, messages: list[dict[str, Any]], images: list[Any] | None = None
+                     ) -> list[int]:
         system = data.messages[0] if data.messages[0]["role"] == "system" else None
         previous = data.messages[-1] if data.messages[-1]["role"] == "assistant" else None
-        return encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas, previous=previous,
-                                chat_template_kwargs=self.apply_chat_template_kwargs)
+        ids = encode_new_turns(self.tokenizer, messages, system=system, tools=self.tool_schemas, previous=previous,
+                               chat_template_kwargs=self.apply_chat_template_kwargs)
+        return encode_images(self.processor, ids, images or []) if self.processor is not None else ids
 
     def _fit_tool_turn(self, data: AgentData, result: ToolTurnResult,
                        ) -> tuple[list[dict[str, Any]], list[int]] | None:
@@ -354,7 +370,7 @@ class ToolAgentLoop(AgentLoopBase):
 
         def attempt(limit: int) -> tuple[list[dict[str, Any]], list[int]] | None:
             messages = result.limited(limit, runner.truncate_side)
-            ids = self._encode_turn(data, messages)
+            ids = self._encode_turn(data, messages, result.images)
             return (messages, ids) if len(ids) <= room else None
 
         best = attempt(1)
@@ -417,10 +433,11 @@ def _assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:
     return message
 
 
-def _sample_images(sample: dict[str, Any]) -> list[Any]:
-    """The images of the sample's ``multi_modal_data`` cell (a list / object array, or one image), else []."""
+def _sample_images(sample: dict[str, Any], kind: str = "image") -> list[Any]:
+    """The images (``kind="video"``: videos) of the sample's ``multi_modal_data`` cell (a list / object array,
+    or one item; key ``image`` or verl's ``images``), else []."""
     mm = sample.get("multi_modal_data")
-    images = mm.get("image") if isinstance(mm, dict) else None
+    images = (mm.get(kind) if mm.get(kind) is not None else mm.get(kind + "s")) if isinstance(mm, dict) else None
     if images is None:
         return []
     if isinstance(images, (list, tuple)) or (isinstance(images, np.ndarray) and images.dtype == object):

@@ -167,23 +167,30 @@ class AsyncLLMServerManager:
 
         The other keywords are the ones verl 0.7–0.9 loops pass (``video_data``, ``audio_data``,
         ``mm_processor_kwargs``, ``mm_processor_output``, ``priority``, anything else): accepted so those
-        loops run unchanged.  Videos and audio are refused (no engine path for them here yet; see
-        docs/porting-from-verl.md), the rest is not used by the vLLM text/image path.
+        loops run unchanged.  ``video_data`` is passed to the server (vLLM: ``multi_modal_data["video"]``,
+        docs/multimodal.md); audio is refused (no engine path for it here yet; see docs/porting-from-verl.md),
+        the rest is not used by the vLLM text/image path.
         """
-        if video_data or audio_data:
+        if audio_data:
             raise NotImplementedError(
-                "AsyncLLMServerManager.generate got video_data/audio_data: agentloop passes images to the "
-                "engine but not videos or audio yet (docs/porting-from-verl.md, 'Remaining differences')"
+                "AsyncLLMServerManager.generate got audio_data: agentloop passes images and videos to the "
+                "engine but not audio yet (docs/porting-from-verl.md, 'Remaining differences')"
             )
+        media = {"image_data": image_data, **({"video_data": video_data} if video_data else {})}
         key = sticky_key or request_id
         if self.priority is not None:  # the engines run with scheduling_policy=priority
             rank = int(priority) or int(self.priority(key, len(prompt_ids)))
             if rank:
                 sampling_params = {**sampling_params, "priority": rank}
-        output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, image_data)
+        try:
+            output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
+        except TypeError as e:  # a server whose generate() has no video_data keyword
+            if video_data and "video_data" in str(e):
+                raise NotImplementedError(f"the server does not take video_data ({e}); serve with vLLM") from e
+            raise
         while self.restart_preempted and output.extra_fields.get("preempted_by_pause"):
             self.num_restarts += 1
-            output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, image_data)
+            output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
         pieces = [output]
         while self.partial_rollout and output.extra_fields.get("preempted_by_pause"):
             generated = [t for piece in pieces for t in piece.token_ids]
@@ -200,14 +207,14 @@ class AsyncLLMServerManager:
             logger.debug("request %s: interrupted by a server pause after %d tokens; resuming", request_id,
                          len(generated))
             output, server = await self._generate_once(request_id, key, list(prompt_ids) + generated, params,
-                                                       image_data)
+                                                       media)
             pieces.append(output)
         if self.partial_rollout:
             output = _join(pieces)
         return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
 
     async def _generate_once(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-                             image_data: list[Any] | None) -> tuple[TokenOutput, int]:
+                             media: dict[str, Any]) -> tuple[TokenOutput, int]:
         """One server call, failing over to another server when the chosen one is dead."""
         attempt = 0
         while True:
@@ -216,7 +223,7 @@ class AsyncLLMServerManager:
                     start = timing.now()
                     output = await self._call(
                         server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
-                        request_id=request_id, image_data=image_data,
+                        request_id=request_id, **media,
                     )
                 timing.record_generate(server, start, len(prompt_ids), output)  # for `agentloop report`
                 if trace_enabled():

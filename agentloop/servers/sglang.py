@@ -95,11 +95,14 @@ class SGLangEngineAPI:
         self.tp_size = int(getattr(args, "tp_size", 1) or 1)
 
     async def generate(self, input_ids: list[int], sampling: dict[str, Any], rid: str, *, logprobs: bool,
-                       image_data: list[Any] | None, priority: int | None, stream: bool) -> Any:
+                       image_data: list[Any] | None, priority: int | None, stream: bool,
+                       video_data: list[Any] | None = None) -> Any:
         kwargs: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling, "rid": rid,
                                   "return_logprob": logprobs, "stream": stream}
         if image_data:
             kwargs["image_data"] = image_data
+        if video_data:
+            kwargs["video_data"] = video_data
         if priority:
             kwargs["priority"] = int(priority)
         return await self.engine.async_generate(**kwargs)
@@ -219,7 +222,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
             await self._weights_open.wait()
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-                       image_data: list[Any] | None = None) -> TokenOutput:
+                       image_data: list[Any] | None = None, video_data: list[Any] | None = None) -> TokenOutput:
         """Generate from token ids (verl's sampling keys; ``priority`` from the router when configured)."""
         api = self._require()
         want_logprobs = bool(sampling_params.get("logprobs"))
@@ -234,7 +237,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
                 try:
                     result = await api.generate(prompt_ids, sampling, request_id, logprobs=want_logprobs,
                                                 image_data=image_data, priority=sampling_params.get("priority"),
-                                                stream=False)
+                                                stream=False, video_data=video_data)
                 except Exception as e:
                     self._raise_if_dead(e)
                     raise

@@ -183,14 +183,10 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
             **kwargs,
         )
 
-    @staticmethod
-    def _prompt(prompt_ids: list[int], image_data: list[Any] | None) -> Any:
-        from vllm.inputs import TokensPrompt
+    def _prompt(self, prompt_ids: list[int], image_data: list[Any] | None, video_data: list[Any] | None = None) -> Any:
+        from agentloop.multimodal import engine_prompt  # images decoded; refused by a text-only model
 
-        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
-        if image_data:
-            prompt["multi_modal_data"] = {"image": image_data}
-        return TokensPrompt(**prompt)  # type: ignore[typeddict-item]
+        return engine_prompt(prompt_ids, image_data, video_data, self.engine.model_config)
 
     async def generate(
         self,
@@ -198,6 +194,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         sampling_params: dict[str, Any],
         request_id: str,
         image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
     ) -> TokenOutput:
         """Generate from token ids; see the module docstring for the keys.  While the server is paused the call
         waits for :meth:`resume`; a pause during the call ends it with the tokens sampled so far (aborted)."""
@@ -208,11 +205,11 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         if params.max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
-        final = None
+        final, prompt = None, self._prompt(prompt_ids, image_data, video_data)
         async with self._gate.admitted(request_id) as admitted:
             if admitted:
                 try:
-                    async for out in self.engine.generate(self._prompt(prompt_ids, image_data), params, request_id,
+                    async for out in self.engine.generate(prompt, params, request_id,
                                                           priority=int(sampling_params.get("priority") or 0)):
                         final = out
                 except Exception as e:

@@ -1,0 +1,198 @@
+"""Images through the real engine: tool_agent on vLLM CPU with the tiny Qwen2-VL model.
+
+One manager (1 server, 1 worker, fp32, greedy) is shared by the module.  Checks: the engine sees the pixels
+(same prompt, red vs blue image: different tokens / log-probs), tool images are appended and reach the
+engine, the ids equal the processor's rendering of the whole conversation, and ``position_ids`` are
+verl's [B, 4, L] with rows 1-3 equal to the model's own ``get_rope_index``.
+
+vLLM's Qwen2-VL input processing (and transformers 5's Qwen2-VL processor) needs torchvision: the module is
+skipped where it is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from agentloop.config import default_config
+from agentloop.data import rows_to_batch
+from agentloop.loops.base import register
+from agentloop.loops.tool_agent import ToolAgentLoop
+from agentloop.parsers.base import FunctionCall
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("torchvision", reason="vLLM's Qwen2-VL processing needs torchvision (a build matching torch)")
+
+PROMPT_LEN, RESPONSE_LEN = 256, 64
+TOOL_FILE = '''
+from PIL import Image
+from agentloop.tools import ToolResponse, function_tool
+
+
+@function_tool
+def draw(colour: str) -> ToolResponse:
+    """Draw a square of one colour."""
+    return ToolResponse(text=f"a {colour} square", image=[Image.new("RGB", (56, 56), colour)])
+'''
+
+
+class DrawOnce:
+    """A parser that reads every assistant turn as a call of ``draw`` (the random model never calls tools by
+    itself): turn 1 runs the tool, turn 2 ends the rollout at ``max_assistant_turns`` (status max_turns)."""
+
+    async def extract_tool_calls(self, response_ids: list[int], tools: Any) -> tuple[str, list[FunctionCall]]:
+        return "", [FunctionCall(name="draw", arguments=json.dumps({"colour": "green"}), id="call_draw")]
+
+
+class DrawingAgent(ToolAgentLoop):
+    """tool_agent whose turns are one sampled token each (every id stops the engine; the random model would
+    not stop by itself) and always call ``draw`` (:class:`DrawOnce`)."""
+
+    @classmethod
+    def init_class(cls, config: Any, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
+        super().init_class(config, tokenizer, processor, **kwargs)
+        cls.tool_parser = DrawOnce()  # type: ignore[assignment]
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        every_id = list(range(len(self.tokenizer)))
+        return await super().run({**sampling_params, "stop_token_ids": every_id}, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from agentloop.testing.tiny_vl_model import ensure_tiny_vl_model
+
+    return str(ensure_tiny_vl_model())
+
+
+@pytest.fixture(scope="module")
+def processor(model_path):
+    from agentloop.testing.tiny_vl_model import load_vl_processor
+
+    return load_vl_processor(model_path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(model_path).eval()
+
+
+@pytest.fixture(scope="module")
+def tool_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "draw_tool.py"
+    path.write_text(TOOL_FILE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def schemas(tool_file) -> list[dict[str, Any]]:
+    """The tool schemas tool_agent renders into the prompt (its rule: only the keys the schema was given)."""
+    from agentloop.tools.registry import load_all_tools
+
+    return [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+            for t in load_all_tools(function_tool_path=tool_file)]
+
+
+@pytest.fixture(scope="module")
+def manager(model_path, tool_file):
+    import ray
+    import ray.cloudpickle
+
+    from agentloop.loops.base import _agent_loop_registry
+    from agentloop.manager import AgentLoopManager
+
+    register("it_drawing_agent")(DrawingAgent)  # only while this module's manager lives
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    cfg = default_config()
+    for k, v in {
+        "actor_rollout_ref.model.path": model_path,
+        "data.max_prompt_length": PROMPT_LEN,
+        "data.max_response_length": RESPONSE_LEN,
+        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.rollout.temperature": 0,
+        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.rollout.free_cache_engine": False,
+        "actor_rollout_ref.rollout.max_num_seqs": 8,
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "actor_rollout_ref.rollout.server.num_servers": 1,
+        "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.multi_turn.function_tool_path": str(tool_file),
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 2,
+        "actor_rollout_ref.rollout.multi_turn.return_messages": True,
+    }.items():
+        OmegaConf.update(cfg, k, v)
+    m = AgentLoopManager(cfg)
+    yield m
+    m.shutdown()
+    ray.shutdown()
+    _agent_loop_registry.pop("it_drawing_agent", None)
+
+
+def rows(colours: list[str], agent_name: str = "tool_agent") -> list[dict[str, Any]]:
+    from PIL import Image
+
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]
+    return [{"prompt": prompt, "agent_name": agent_name,
+             "multi_modal_data": {"image": [Image.new("RGB", (56, 56), c)]}} for c in colours]
+
+
+def check_layout(out, processor, hf_model, schemas) -> None:
+    """Position ids == get_rope_index (rows 1-3) and verl's text row; prompt ids == the processor's rendering."""
+    ids, mask, pos = out.batch["input_ids"], out.batch["attention_mask"], out.batch["position_ids"]
+    assert pos.shape == (len(out), 4, ids.shape[1])
+    grids = [g for mm in out.non_tensor_batch["multi_modal_inputs"] for g in mm["image_grid_thw"].tolist()]
+    kinds = (ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).long()
+    expected, _ = hf_model.model.get_rope_index(ids, kinds, image_grid_thw=torch.tensor(grids), attention_mask=mask)
+    assert torch.equal(pos[:, 1:], expected.transpose(0, 1))
+    prompt_len = out.batch["prompts"].shape[1]
+    for r in range(len(out)):
+        valid = mask[r].bool()
+        assert pos[r, 0, valid].tolist() == list(range(int(valid.sum())))
+        messages = list(out.non_tensor_batch["messages"][r])
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        text = processor.tokenizer.apply_chat_template(messages[:first], tools=schemas, tokenize=False,
+                                                       add_generation_prompt=True)
+        image = out.non_tensor_batch["multi_modal_data"][r]["image"][:1]
+        want = processor(text=[text], images=image, return_tensors="pt")["input_ids"][0].tolist()
+        assert ids[r, :prompt_len][mask[r, :prompt_len].bool()].tolist() == want
+
+
+def test_the_engine_sees_the_image(manager, processor, hf_model, schemas):
+    out = manager.generate_sequences(rows_to_batch(rows(["red", "blue", "red"])))
+    assert "error" not in set(out.non_tensor_batch["status"]), out.non_tensor_batch.get("error")
+    logprobs = out.batch["rollout_log_probs"]
+    responses = out.batch["responses"]
+    assert torch.equal(responses[0], responses[2]) and torch.equal(logprobs[0], logprobs[2])  # greedy: same image
+    assert not torch.equal(logprobs[0], logprobs[1])  # other pixels, other output
+    check_layout(out, processor, hf_model, schemas)
+
+
+def test_tool_images_reach_the_engine_with_exact_tokens(manager, processor, hf_model, schemas):
+    out = manager.generate_sequences(rows_to_batch(rows(["red", "blue"], agent_name="it_drawing_agent")))
+    assert list(out.non_tensor_batch["status"]) == ["max_turns", "max_turns"], out.non_tensor_batch.get("error")
+    for cell in out.non_tensor_batch["multi_modal_data"]:
+        assert len(cell["image"]) == 2 and np.asarray(cell["image"][1])[0, 0].tolist() == [0, 128, 0]
+    for mm in out.non_tensor_batch["multi_modal_inputs"]:
+        assert mm["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
+    check_layout(out, processor, hf_model, schemas)
+    tok, pad = processor.tokenizer, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    green = out.non_tensor_batch["multi_modal_data"][0]["image"][1]
+    prompt_len = out.batch["prompts"].shape[1]
+    for r in range(len(out)):  # the tool turn (mask 0) is what the processor makes of its text and image
+        sent = out.batch["attention_mask"][r, prompt_len:].bool() & (out.batch["response_mask"][r] == 0)
+        turn = out.batch["responses"][r][sent].tolist()
+        once = [t for i, t in enumerate(turn) if t != pad or turn[i - 1] != pad]  # one pad per image
+        text = tok.decode(once)
+        assert "<tool_response>" in text and "a green square" in text and turn.count(pad) == 4
+        assert turn == processor(text=[text], images=[green], return_tensors="pt")["input_ids"][0].tolist()
