@@ -73,6 +73,9 @@ def load_processor(model_cfg: Mapping[str, Any] | Any, tokenizer: Any | None = N
     try:
         from transformers import AutoProcessor, PreTrainedTokenizerBase
 
+        from agentloop.servers.vllm_plugin import install
+
+        install()  # Qwen2-VL without torchvision: an image-only processor (a no-op with torchvision)
         processor = AutoProcessor.from_pretrained(src, trust_remote_code=_trust(model_cfg))
     except Exception as e:  # noqa: BLE001 - a text model with a stray config must still run
         logger.warning("no processor loaded from %s (%s: %s); continuing text-only", src, type(e).__name__, e)

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
 from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import (
     WORKER_EXTENSION,
     OpenWeightUpdate,
@@ -98,6 +99,7 @@ def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool, server_in
     if (rollout.get("server") or {}).get("priority") not in (None, "", "fcfs"):  # the router sends priorities
         args["scheduling_policy"] = "priority"
     args["worker_extension_cls"] = WORKER_EXTENSION  # weight updates without files (weight_sync.py)
+    args.update(engine_arg_defaults(args["model"]))  # Qwen2-VL without torchvision: no videos (vllm_plugin.py)
     extra = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
     extra_dict = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra)
     args.update(extra_dict)  # type: ignore[arg-type]

@@ -133,23 +133,13 @@ def write_processor_files(tokenizer: Any, out_dir: Path) -> None:
 
 def load_vl_processor(path: str | Path) -> Any:
     """The model's ``Qwen2VLProcessor`` (``AutoProcessor``).  Without torchvision (which transformers 5 needs
-    for Qwen2-VL's video processor) an image-only ``Qwen2VLProcessor`` is assembled from the same files
-    instead: tokenizer, image processor (its PIL backend) and chat template; videos then raise."""
+    for Qwen2-VL's video processor) an image-only one (:mod:`agentloop.servers.vllm_plugin`): videos raise."""
     import transformers
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
-    if transformers.utils.is_torchvision_available():
-        return transformers.AutoProcessor.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)  # __init__ insists on a video processor
-    processor.tokenizer = tokenizer
-    processor.image_processor = AutoImageProcessor.from_pretrained(str(path))
-    processor.video_processor = None
-    processor.chat_template = tokenizer.chat_template
-    processor.image_token, processor.video_token = IMAGE_PAD, VIDEO_PAD
-    processor.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    processor.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
-    return processor
+    from agentloop.servers.vllm_plugin import install
+
+    install()
+    return transformers.AutoProcessor.from_pretrained(str(path))
 
 
 def init_vl_model(tokenizer: Any, seed: int = 0) -> Any:

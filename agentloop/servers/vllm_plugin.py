@@ -1,0 +1,132 @@
+"""vLLM general plugin: Qwen2-VL image rollouts where torchvision is not installed.
+
+transformers 5 builds Qwen2-VL's image processor on torchvision by default and its video processor only with
+torchvision, and vLLM's Qwen2-VL support imports ``smart_resize`` from the torchvision module; where torchvision
+cannot be installed (our CPU machines: PyPI has only CUDA-linked builds, which fail against the CPU torch), vLLM
+cannot even inspect a Qwen2-VL checkpoint.  transformers also ships a PIL backend of the same image processor
+(``Qwen2VLImageProcessorPil``, same resizing and patching).  When torchvision is missing, :func:`install`:
+
+1. answers imports of ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` with that PIL module (plus
+   ``Qwen2VLImageProcessor`` naming the PIL class);
+2. makes ``Qwen2VLProcessor.from_pretrained`` (and so ``AutoProcessor``) assemble the processor from the
+   tokenizer, the PIL image processor and the chat template, with a video processor that raises a clear error:
+   images work, videos need torchvision.
+
+With torchvision installed (any GPU machine) it does nothing.  vLLM runs it in each of its processes (the model
+inspection subprocess, the engine core) through the ``vllm.general_plugins`` entry point in ``pyproject.toml``;
+agentloop's own processor loading (:func:`agentloop.tokenizer.load_processor`) calls it too.  Set
+``VLLM_PLUGINS`` to a list without ``agentloop_qwen2_vl`` to keep vLLM from loading it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any, TypedDict
+
+_TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+_QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+_installed = False
+
+
+def torchvision_available() -> bool:
+    from transformers.utils import is_torchvision_available
+
+    return bool(is_torchvision_available())
+
+
+class _PilImageProcessingModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the torchvision image-processing module of Qwen2-VL from its PIL twin."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(name, self) if name == _TORCHVISION_MODULE else None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        pil = importlib.import_module(_PIL_MODULE)
+        module.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+        module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
+
+
+class _NoVideoKwargs(TypedDict, total=False):
+    """No video processing options (there is no video processor)."""
+
+
+class VideosNeedTorchvision(dict):  # type: ignore[type-arg]  # a dict so the processor's repr / to_json work
+    """Stands in for Qwen2-VL's video processor where torchvision is missing: calling it raises."""
+
+    valid_kwargs = _NoVideoKwargs
+    model_input_names: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "this Qwen2-VL processor has no video processor: transformers builds it only with torchvision, which "
+            "is not installed; install a torchvision build matching torch to pass videos (images work without it)"
+        )
+
+
+def image_only_qwen2_vl_processor(cls: Any, path: str, **kwargs: Any) -> Any:
+    """A ``cls`` (``Qwen2VLProcessor``) made of the checkpoint's tokenizer, PIL image processor and chat template;
+    its video processor is :class:`VideosNeedTorchvision`."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from agentloop.multimodal import IMAGE_PAD, VIDEO_PAD
+
+    opts = {k: kwargs[k] for k in ("trust_remote_code", "revision", "local_files_only") if k in kwargs}
+    tokenizer = AutoTokenizer.from_pretrained(path, **opts)
+    processor = cls.__new__(cls)  # __init__ insists on a video processor
+    processor.tokenizer = tokenizer
+    processor.image_processor = AutoImageProcessor.from_pretrained(path, **opts)
+    processor.video_processor = VideosNeedTorchvision()
+    processor.chat_template = getattr(tokenizer, "chat_template", None)
+    processor.image_token, processor.video_token = IMAGE_PAD, VIDEO_PAD
+    processor.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    processor.video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+    return processor
+
+
+def install() -> bool:
+    """Apply both patches when torchvision is missing (idempotent).  True when they are in place."""
+    global _installed
+    if _installed:
+        return True
+    if torchvision_available():
+        return False
+    from transformers import Qwen2VLProcessor
+
+    sys.meta_path.insert(0, _PilImageProcessingModule())
+
+    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        return image_only_qwen2_vl_processor(cls, str(pretrained_model_name_or_path), **kwargs)
+
+    Qwen2VLProcessor.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign,assignment]
+    _installed = True
+    return True
+
+
+def engine_arg_defaults(model_path: str) -> dict[str, Any]:
+    """Engine arguments a Qwen2-VL-family checkpoint needs where torchvision is missing: no video inputs
+    (``limit_mm_per_prompt: {video: 0}``), else vLLM's start-up profiling calls the missing video processor.
+    Empty for every other model, and wherever torchvision is installed."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return {}
+    if model_type not in _QWEN2_VL_TYPES or torchvision_available():
+        return {}
+    return {"limit_mm_per_prompt": {"video": 0}}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point."""
+    install()
