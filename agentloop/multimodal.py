@@ -270,6 +270,12 @@ def engine_prompt(prompt_ids: Sequence[int], image_data: Sequence[Any] | None, v
             "(actor_rollout_ref.model.path, e.g. agentloop.testing.tiny_vl_model.ensure_tiny_vl_model()) or "
             "drop multi_modal_data from the data / tool responses"
         )
+    if video_data and _video_limit(model_config) == 0:
+        raise ConfigError(
+            f"the request has {len(video_data)} video(s) but the engine takes none (limit_mm_per_prompt video 0, "
+            "set where torchvision is missing: transformers builds Qwen2-VL's video processor only with it); install "
+            "a torchvision build matching torch, or drop video_data (docs/multimodal.md)"
+        )
     hf = getattr(model_config, "hf_config", None)
     pads = {t for t in (getattr(hf, "image_token_id", None), getattr(hf, "video_token_id", None)) if t is not None}
     prompt["prompt_token_ids"] = collapse_pads(prompt["prompt_token_ids"], pads)
@@ -280,6 +286,15 @@ def engine_prompt(prompt_ids: Sequence[int], image_data: Sequence[Any] | None, v
         media["video"] = list(video_data)
     prompt["multi_modal_data"] = media
     return TokensPrompt(**prompt)  # type: ignore[typeddict-item]
+
+
+def _video_limit(model_config: Any) -> int | None:
+    """vLLM's videos-per-prompt limit of the served model, None when unknown."""
+    mm = getattr(model_config, "multimodal_config", None)
+    try:
+        return int(mm.get_limit_per_prompt("video")) if mm is not None else None
+    except Exception:  # noqa: BLE001 - another vLLM version: let the engine decide
+        return None
 
 
 def collapse_pads(ids: Sequence[int], pad_ids: set[int]) -> list[int]:

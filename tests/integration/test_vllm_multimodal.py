@@ -195,3 +195,17 @@ def test_tool_images_reach_the_engine_with_exact_tokens(manager, processor, hf_m
         text = tok.decode(once)
         assert "<tool_response>" in text and "a green square" in text and turn.count(pad) == 4
         assert turn == processor(text=[text], images=[green], return_tensors="pt")["input_ids"][0].tolist()
+
+
+def test_without_torchvision_a_video_sample_is_an_error_row_naming_the_fix(manager):
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the engine takes videos")
+    batch = rows_to_batch(rows(["red", "red"]))
+    batch.non_tensor_batch["multi_modal_data"][1] = {"image": batch.non_tensor_batch["multi_modal_data"][1]["image"],
+                                                     "video": [np.zeros((2, 56, 56, 3), dtype=np.uint8)]}
+    out = manager.generate_sequences(batch)
+    assert out.non_tensor_batch["status"][0] != "error", out.non_tensor_batch["error"][0]
+    assert out.non_tensor_batch["status"][1] == "error"
+    assert "install a torchvision build matching torch" in out.non_tensor_batch["error"][1]

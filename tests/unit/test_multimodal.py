@@ -211,6 +211,11 @@ def test_images_for_a_text_only_engine_are_refused_naming_the_fix():
     prompt = engine_prompt([1, 9, 9, 9, 2, 8, 8, 9], [{"bytes": _png()}, _png()], ["frames"], vl_config)
     assert prompt["multi_modal_data"]["image"][0].mode == "RGB" and prompt["multi_modal_data"]["video"] == ["frames"]
     assert prompt["prompt_token_ids"] == [1, 9, 2, 8, 9]  # the engine expands each placeholder itself (as verl)
+    limits = SimpleNamespace(get_limit_per_prompt=lambda m: 0 if m == "video" else 9)
+    no_videos = SimpleNamespace(**vars(vl_config), multimodal_config=limits)
+    with pytest.raises(ConfigError, match="install a torchvision build matching torch, or drop video_data"):
+        engine_prompt([1, 8, 2], None, ["frames"], no_videos)
+    assert engine_prompt([1, 9, 2], [_png()], None, no_videos)["multi_modal_data"]["image"][0].mode == "RGB"
 
 
 def _png() -> bytes:
