@@ -101,6 +101,9 @@ def validate(cfg: AgentLoopConfig) -> None:
         )
     if r.name not in ("vllm", "sglang"):
         raise ConfigError(f"actor_rollout_ref.rollout.name must be 'vllm' or 'sglang', got {r.name!r}")
+    if r.name == "sglang" and (r.get("server") or {}).get("weight_update") == "keep":
+        raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; set it "
+                          "to drain (the default) with rollout.name: sglang")
     path = Path(cfg.model_path)
     if not path.is_dir():
         raise ConfigError(

@@ -304,6 +304,7 @@ TYPE_CHECKS: dict[str, Check] = {
         "server.max_failovers": _OPT_NON_NEG_INT, "server.restart_dead": _BOOL,
         "server.priority": (lambda v: v in (None, "fcfs", "context"), "null (first come, first served) or context"),
         "server.placement_strategy": _one_of("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        "server.weight_update": _one_of("drain", "keep"),
         "trace.backend": (lambda v: v in (None, "jsonl", "mlflow"), "null, jsonl or mlflow (verl's weave / trackio "
                                                           "backends are not available here)"),
         "trace.max_samples_per_step_per_worker": _OPT_POS_INT,

@@ -421,10 +421,12 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
     if all(p.extra_fields.get("global_steps") is not None for p in pieces):
         versions = [int(p.extra_fields["global_steps"]) for p in pieces]
         # a piece cut before its first token sampled nothing with its weights: it does not widen the range
-        sampled = [v for p, v in zip(pieces, versions, strict=True) if p.token_ids] or versions
+        per_token = [p.extra_fields.get("weight_versions") or [v] * len(p.token_ids)  # a piece may span an update
+                     for p, v in zip(pieces, versions, strict=True)]  # (server.weight_update: keep)
+        sampled = [v for vs in per_token for v in vs] or versions
         fields["min_global_steps"] = min(sampled)
         fields["max_global_steps"] = max(sampled)
-        fields["weight_versions"] = [v for p, v in zip(pieces, versions, strict=True) for _ in p.token_ids]
+        fields["weight_versions"] = [v for vs in per_token for v in vs]
     if len(pieces) == 1:
         return last.model_copy(update={"extra_fields": fields})
     log_probs = None if any(p.log_probs is None for p in pieces) else [x for p in pieces for x in p.log_probs or []]

@@ -148,6 +148,9 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
         self.rollout, self.model, self.server_index = rollout, model, server_index
+        if str((rollout.get("server") or {}).get("weight_update") or "drain") != "drain":
+            raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; use "
+                              "drain with rollout.name: sglang")
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
         self.api: SGLangEngineAPI | None = None

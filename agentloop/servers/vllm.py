@@ -142,6 +142,12 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set by start()."""
         self._update: OpenWeightUpdate | None = None
         self._gate = PauseGate()
+        mode = str((rollout.get("server") or {}).get("weight_update") or "drain")
+        if mode not in ("drain", "keep"):
+            raise ServerError(f"actor_rollout_ref.rollout.server.weight_update must be drain or keep, not {mode!r}")
+        self.keep_kv_on_update = mode == "keep"
+        """``server.weight_update: keep``: a weight update freezes the running requests instead of draining them;
+        they go on with the new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
 
     async def start(self) -> dict[str, Any]:
         """Create the engine; returns facts about it (platform, start seconds)."""
@@ -207,6 +213,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         if params.max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
+        if self.keep_kv_on_update:  # a weight update may land mid-generation: follow the tokens as they come
+            return await self._generate_streamed(prompt_ids, sampling_params, request_id, image_data, video_data)
         final, prompt = None, self._prompt(prompt_ids, image_data, video_data)
         async with self._gate.admitted(request_id) as admitted:
             if admitted:
@@ -223,12 +231,35 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
             extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id, params.max_tokens)
             return output.model_copy(update={"extra_fields": extra})
 
+    async def _generate_streamed(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                                 image_data: list[Any] | None, video_data: list[Any] | None) -> TokenOutput:
+        """:meth:`generate` through :meth:`generate_stream`, so each token's weight version is known."""
+        ids: list[int] = []
+        log_probs: list[float] | None = [] if sampling_params.get("logprobs") else None
+        last: TokenDelta | None = None
+        async for delta in self.generate_stream(prompt_ids, sampling_params, request_id, image_data, video_data):
+            ids += delta.token_ids
+            if log_probs is not None:
+                log_probs += delta.log_probs or []
+            last = delta
+        assert last is not None and last.finished
+        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=last.stop_reason or StopReason.STOP,
+                           extra_fields=last.extra_fields)
+
+    def _versioned(self, extra: dict[str, Any], versions: list[int]) -> dict[str, Any]:
+        """``extra`` with the per-token ``weight_versions`` and their range (``server.weight_update: keep``)."""
+        if not self.keep_kv_on_update or not versions:
+            return extra
+        return {**extra, "weight_versions": versions, "min_global_steps": min(versions),
+                "max_global_steps": max(versions)}
+
     async def generate_stream(
         self,
         prompt_ids: list[int],
         sampling_params: dict[str, Any],
         request_id: str,
         image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Like :meth:`generate`, but yields the ids as the engine samples them (the last chunk has
         ``finished=True`` and the stop reason); the ids joined equal what :meth:`generate` returns."""
@@ -241,9 +272,10 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                              stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
             return
         finished = False
+        versions: list[int] = []  # the weights each token was sampled with (a keep-mode update may land between)
         async with self._gate.admitted(request_id) as admitted:
             try:
-                prompt = self._prompt(prompt_ids, image_data)
+                prompt = self._prompt(prompt_ids, image_data, video_data)
                 rank = int(sampling_params.get("priority") or 0)
                 async for out in (self.engine.generate(prompt, params, request_id, priority=rank) if admitted
                                   else _empty()):
@@ -253,16 +285,17 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                     finished = bool(out.finished)
                     reason = completion.finish_reason or "abort"
                     stop = _FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
+                    versions += [self.global_steps] * len(ids)
                     extra = self._gate.extra(self._extra_fields(), stop, request_id, params.max_tokens)
                     yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
-                                     extra_fields=extra if finished else {})
+                                     extra_fields=self._versioned(extra, versions) if finished else {})
             except Exception as e:
                 self._raise_if_dead(e)
                 raise
             if not finished:
                 extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
                 yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
-                                 stop_reason=StopReason.ABORTED, extra_fields=extra)
+                                 stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
 
     async def pause(self) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
@@ -371,7 +404,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         version = self.global_steps + 1 if global_steps is None else int(global_steps)
         self._update = OpenWeightUpdate(version, chosen, time.perf_counter())
         try:
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
+            # drain: running requests finish on the old weights; keep: they are frozen and go on after the update
+            await self.engine.pause_generation(mode="keep" if self.keep_kv_on_update else "wait", clear_cache=False)
             if chosen == "direct":
                 await self.engine.collective_rpc("agentloop_begin_weight_update")
             else:
@@ -405,7 +439,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                 await self.engine.collective_rpc("agentloop_finish_weight_update")
             elif update.tensors:
                 await self._reload_from(update.tmpdir.name)  # type: ignore[union-attr]
-            await self.engine.reset_prefix_cache()
+            if not self.keep_kv_on_update:  # keep: cached prefixes stay in use, as the running requests' KV does
+                await self.engine.reset_prefix_cache()
         except Exception as e:
             await self._abandon_update()
             raise ServerError(f"vLLM server {self.server_index}: applying the weight update failed: {e}") from e

@@ -129,6 +129,7 @@ class _Sim:
         self.hits = self.misses = 0
         self.now = 0.0
         self.stopped = False
+        self.draining: float | None = None  # a weight update waiting for the running requests (its pause seconds)
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -153,25 +154,47 @@ class _Sim:
     def step(self, server: int) -> None:
         node, m = self.nodes[server], self.m
         prefill = 0
-        while node.waiting and len(node.running) < m.max_batch:
+        while node.waiting and len(node.running) < m.max_batch and self.draining is None:
             _, _, index, uncached = heapq.heappop(node.waiting)
             traj = self.trajs[index]
             node.running[index] = traj.turns[traj.turn]
             prefill += uncached
         if not node.running:
             node.busy = False
+            if self.draining is not None and not any(n.running for n in self.nodes):
+                self._apply_update(self.draining, keep_kv=False)
             return
         node.busy = True
         stall, node.stall = node.stall, 0.0
         self.push(self.now + stall + m.step_a + m.step_b * len(node.running) + m.prefill_per_token * prefill,
                   "step", server)
 
-    def weight_update(self, pause_s: float) -> None:
-        """Pause every server and empty the prefix caches (running requests re-prefill their context)."""
+    def weight_update(self, pause_s: float, mode: str = "abort") -> None:
+        """A weight update on every server.  ``abort`` (``manager.pause()`` + partial rollouts): the running
+        requests are cut and re-issued, re-reading their contexts, and the prefix caches are emptied; ``drain``
+        (``manager.update_weights`` alone): new requests wait until every running one has finished, then the
+        update runs and the caches are emptied; ``keep`` (``server.weight_update: keep``): running requests are
+        frozen for the pause and go on with their KV cache, the prefix caches are kept."""
+        if mode == "drain":
+            self.draining = pause_s
+            if not any(n.running for n in self.nodes):
+                self._apply_update(pause_s, keep_kv=False)
+            return
+        self._apply_update(pause_s, keep_kv=mode == "keep")
+        if mode == "abort":
+            for node in self.nodes:
+                node.stall += self.m.prefill_per_token * sum(self.trajs[i].context for i in node.running)
+
+    def _apply_update(self, pause_s: float, keep_kv: bool) -> None:
+        self.draining = None
         for node in self.nodes:
-            node.stall += pause_s + self.m.prefill_per_token * sum(self.trajs[i].context for i in node.running)
-        for traj in self.trajs.values():
-            traj.last_server = None
+            node.stall += pause_s
+        if not keep_kv:
+            for traj in self.trajs.values():
+                traj.last_server = None
+        for server, node in enumerate(self.nodes):
+            if not node.busy and node.waiting:
+                self.step(server)
 
     def run(self) -> None:
         while self.events and not self.stopped:
@@ -228,15 +251,18 @@ def simulate(balancer_factory: Callable[[int], Any], w: Workload | None = None, 
 
 def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
                     servers: int = 8, *, batches: int = 6, in_flight: int | None = None, sync_s: float = 2.0,
-                    max_staleness: int | None = 1,
-                    priority: Callable[[str, int], int] | None = None) -> dict[str, float]:
+                    max_staleness: int | None = 1, priority: Callable[[str, int], int] | None = None,
+                    update: str = "abort") -> dict[str, float]:
     """The Rollouter regime (module docstring): ``batches`` hand-outs of ``w.trajectories`` finished trajectories
     each, ``in_flight`` (default: one batch) running at all times.
 
     ``ratio`` is the mean time per hand-out after the first over the mean work bound of the trajectories handed
     out (their tokens at full batch over the servers); ``first_batch_s`` is the cold start (it fills from empty as a
     synchronous batch does); ``wasted_tokens`` the share of generated tokens thrown away with stale trajectories;
-    ``mean_staleness`` the versions the trajectories handed out lag behind on average."""
+    ``mean_staleness`` the versions the trajectories handed out lag behind on average.  ``update``: how the weight
+    update after each hand-out treats running requests (:meth:`_Sim.weight_update`: abort, drain or keep)."""
+    if update not in ("abort", "drain", "keep"):
+        raise ValueError(f"update must be 'abort', 'drain' or 'keep', not {update!r}")
     w, m = w or Workload(), m or ServerModel()
     batch, in_flight = w.trajectories, in_flight or w.trajectories
     rng = random.Random(w.seed)
@@ -276,7 +302,7 @@ def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None =
                 sim.stopped = True
                 return
             version += 1
-            sim.weight_update(sync_s)
+            sim.weight_update(sync_s, update)
         sim.start_turn(next(source))
 
     sim = _Sim(balancer_factory(servers), w, m, servers, priority, on_done)

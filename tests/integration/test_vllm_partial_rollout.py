@@ -43,11 +43,10 @@ def ray_session() -> Iterator[Any]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server(ray_session: Any) -> Iterator[Any]:
-    """One vLLM CPU server actor started through agentloop's standalone placement."""
+def start_server(weight_update: str = "drain") -> Any:
+    """One vLLM CPU server actor started through agentloop's standalone placement (returns its group)."""
     from agentloop.config import default_config, resolve_config
-    from agentloop.servers.placement import start_standalone_servers, stop_servers
+    from agentloop.servers.placement import start_standalone_servers
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     cfg = default_config()
@@ -62,9 +61,29 @@ def server(ray_session: Any) -> Iterator[Any]:
         "actor_rollout_ref.rollout.max_num_seqs": 4,
         "actor_rollout_ref.rollout.server.num_servers": 1,
         "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.server.weight_update": weight_update,
     }.items():
         OmegaConf.update(cfg, key, value)
-    group = start_standalone_servers(resolve_config(cfg))
+    return start_standalone_servers(resolve_config(cfg))
+
+
+@pytest.fixture(scope="module")
+def server(ray_session: Any) -> Iterator[Any]:
+    from agentloop.servers.placement import stop_servers
+
+    group = start_server()
+    try:
+        yield group.handles[0]
+    finally:
+        stop_servers(group)
+
+
+@pytest.fixture(scope="module")
+def keep_server(ray_session: Any) -> Iterator[Any]:
+    """A second server with ``server.weight_update: keep``."""
+    from agentloop.servers.placement import stop_servers
+
+    group = start_server("keep")
     try:
         yield group.handles[0]
     finally:
@@ -143,5 +162,49 @@ def test_paused_and_resumed_greedy_generation_equals_the_uninterrupted_one(serve
     assert got.stop_reason == "length" and 1 <= got.num_preempted <= len(hits)
     assert gap < LOGPROB_TOLERANCE
     versions = got.extra_fields["weight_versions"]
-    assert len(versions) == N_TOKENS and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    assert len(versions) == N_TOKENS and versions == sorted(versions)
+    assert versions[0] == 0 and versions[-1] == 1
     assert (got.extra_fields["min_global_steps"], got.extra_fields["max_global_steps"]) == (0, 1)
+
+
+def _update_mid_generation(server: Any, ray: Any, name: str) -> tuple[Any, Any, bool, bool]:
+    """Start a greedy generation, open a weight update (same weights) part-way, finish it; returns the reference
+    output, the output that ran across the update, and whether the request was still running when the update
+    opened and when it had finished."""
+    want = ray.get(generate(server, f"{name}-ref"))
+    started = time.perf_counter()
+    ray.get(generate(server, f"{name}-timing"))
+    seconds = time.perf_counter() - started
+
+    async def scenario() -> tuple[Any, bool, bool]:
+        ref = generate(server, f"{name}-across")
+        await asyncio.sleep(0.3 * seconds)
+        await server.begin_weight_update.remote(global_steps=want.extra_fields["global_steps"] + 1)
+        running_at_open = not ray.wait([ref], timeout=0)[0]
+        await server.finish_weight_update.remote()
+        running_at_finish = not ray.wait([ref], timeout=0)[0]
+        return await ref, running_at_open, running_at_finish
+
+    got, at_open, at_finish = asyncio.run(scenario())
+    return want, got, at_open, at_finish
+
+
+def test_a_drain_update_waits_for_the_running_request(server: Any, ray_session: Any) -> None:
+    want, got, running_at_open, _ = _update_mid_generation(server, ray_session, "drain")
+    assert not running_at_open  # begin_weight_update returned only once the request had finished
+    old = want.extra_fields["global_steps"]
+    assert got.token_ids == want.token_ids and got.extra_fields["global_steps"] == old  # all on the old weights
+
+
+def test_a_keep_update_lands_mid_generation_and_each_token_knows_its_weights(keep_server: Any,
+                                                                           ray_session: Any) -> None:
+    want, got, running_at_open, running_at_finish = _update_mid_generation(keep_server, ray_session, "keep")
+    versions = got.extra_fields["weight_versions"]
+    old = want.extra_fields["global_steps"]
+    print(f"\nkeep: {versions.count(old)} tokens on version {old}, {versions.count(old + 1)} on version {old + 1}")
+    assert running_at_open and running_at_finish  # frozen, not drained: it went on after the update
+    assert got.stop_reason == "length" and got.token_ids == want.token_ids  # same weights: same greedy tokens
+    assert len(got.log_probs) == N_TOKENS
+    assert len(versions) == N_TOKENS and versions == sorted(versions)
+    assert versions[0] == old and versions[-1] == old + 1
+    assert (got.extra_fields["min_global_steps"], got.extra_fields["max_global_steps"]) == (old, old + 1)

@@ -81,3 +81,30 @@ def test_the_rollouter_regime_hands_out_batches_before_the_stragglers_finish():
     assert bounded["wasted_tokens"] > 0 and bounded["mean_staleness"] == 0
     with pytest.raises(ValueError, match="batches >= 2"):
         simulate_stream(lambda n: make_balancer(n, seed=0), SMALL, ServerModel(), servers=2, batches=1)
+
+
+def test_weight_update_mode_is_checked_before_any_server_starts(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+
+    def resolve(server):
+        return resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)},
+                                                     "rollout": {"server": server}}, "data": {}})
+
+    assert resolve({}).rollout.server.weight_update == "drain"
+    assert resolve({"weight_update": "keep"}).rollout.server.weight_update == "keep"
+    with pytest.raises(ConfigError, match="server.weight_update"):
+        resolve({"weight_update": "abort"})
+    with pytest.raises(ConfigError, match="keep is implemented for vLLM only"):
+        resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)}, "rollout": {
+            "name": "sglang", "server": {"weight_update": "keep"}}}, "data": {}})
+
+
+def test_in_the_simulator_keeping_kv_across_updates_beats_aborting_which_beats_draining():
+    def ratio(update):
+        return simulate_stream(lambda n: make_balancer(n, seed=0), Workload(trajectories=256, seed=3), ServerModel(),
+                               servers=2, batches=4, max_staleness=None, update=update)["ratio"]
+
+    keep, abort, drain = ratio("keep"), ratio("abort"), ratio("drain")
+    assert keep < abort < drain
+    with pytest.raises(ValueError, match="update must be"):
+        ratio("wait")
