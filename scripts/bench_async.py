@@ -102,8 +102,10 @@ def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
     return time.perf_counter() - t0, rows
 
 
-def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int) -> tuple[float, int, float]:
-    """Returns (wall, rows, engine busy fraction while the in-flight budget was full)."""
+def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
+               after_get: Any = None) -> tuple[float, int, float]:
+    """Returns (wall, rows, engine busy fraction while the in-flight budget was full).  ``after_get()`` runs after
+    each hand-out (a trainer step, e.g. a weight update)."""
     import threading
 
     from agentloop.rollouter import Rollouter
@@ -122,6 +124,8 @@ def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int) -> 
     rows = 0
     while (part := rollouter.get(num_groups=groups)) is not None:
         rows += len(part)
+        if after_get is not None:
+            after_get()
     wall = time.perf_counter() - t0
     done.set()
     watcher.join()

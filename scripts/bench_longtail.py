@@ -12,16 +12,22 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
   request 0 = arrival order): verl's AgentLoopManager step, the batch ends with its slowest sample;
 * ``priority``: the same with ``rollout.server.priority: context`` (longer contexts first);
 * ``rollouter``: a :class:`~agentloop.rollouter.Rollouter` over the same batches with the in-flight budget of one
-  batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over.
+  batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over;
+* with ``--updates``, three more Rollouter passes that load the weights (the same values) into every server after
+  each step, as a trainer does: ``drain`` (``manager.update_weights`` alone: running requests finish first, new
+  ones wait), ``abort`` (``manager.pause()`` around it with ``async_training.partial_rollout``: running requests
+  are cut and resumed, re-reading their contexts) and ``keep`` (``rollout.server.weight_update: keep``: running
+  requests are frozen and go on with their KV cache).
 
 Prints seconds per step (median, range) of each and the ratio verl / each.
 
-    python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
+    python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2] [--updates]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -31,6 +37,25 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_async  # noqa: E402  (TailLoop, make_batches, the passes)
+
+
+def tiny_weights(path: str) -> dict:
+    """The served model's own weights (an update that changes nothing but costs what a real one does)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def update(manager: object, weights: dict, pause: bool) -> None:
+    """One trainer step's weight update; ``pause``: cut the running requests first (they resume after)."""
+    if pause:
+        manager.pause()  # type: ignore[attr-defined]
+    try:
+        manager.update_weights(weights)  # type: ignore[attr-defined]
+    finally:
+        if pause:
+            manager.resume()  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -49,6 +74,8 @@ def main() -> None:
     parser.add_argument("--tool-latency", type=float, default=0.3)
     parser.add_argument("--tool-sigma", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--updates", action="store_true", help="also Rollouter passes with a weight update per "
+                                                                   "step: drain, abort, keep")
     args = parser.parse_args()
     print("workload: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())), flush=True)
 
@@ -76,6 +103,7 @@ def main() -> None:
         "actor_rollout_ref.rollout.server.num_servers": args.servers,
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.server.priority": "context",  # engines in priority mode; the verl pass sends none
+        "async_training.partial_rollout": True,  # only matters where a pass pauses (abort)
     }.items():
         OmegaConf.update(cfg, k, v)
     manager = AgentLoopManager(cfg)
@@ -84,11 +112,19 @@ def main() -> None:
         rows_per_step = args.groups * args.n
         bench_async.sync_pass(manager, batches[:1])  # warm-up
         per_step: dict[str, list[float]] = {"verl": [], "priority": [], "rollouter": []}
+        if args.updates:
+            per_step.update({"drain": [], "abort": [], "keep": []})
+            weights = tiny_weights(str(cfg.actor_rollout_ref.model.path))
         for r in range(args.repeats):
             for mode in per_step:
                 manager.workers.broadcast("set_priority", None if mode == "verl" else "context")
+                ray.get([s.set_weight_update.remote("keep" if mode == "keep" else "drain")
+                         for s in manager.server_handles])
                 time.sleep(1.5)  # let idle engine threads settle
-                if mode == "rollouter":
+                if mode in ("drain", "abort", "keep"):
+                    step = functools.partial(update, manager, weights, pause=mode == "abort")
+                    wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step, step)
+                elif mode == "rollouter":
                     wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step)
                 else:
                     wall, rows = bench_async.sync_pass(manager, batches)

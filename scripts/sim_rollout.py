@@ -7,10 +7,12 @@ least in-flight, verl's algorithm), plain least-in-flight, the shipped balancer 
 (``rollout.server.priority: context``), and an oracle that knows every trajectory's length and gives the longest
 ones a server of their own (what no online router can beat by much: how far the lower bound is from reach).
 
-Rollouter regime (partial rollouts; a batch handed out as soon as that many trajectories finished, the rest carry
-over; a weight update with a pause and emptied prefix caches after each hand-out): unbounded staleness and
-``max_staleness: 1``, with and without context priority.  Ratio = time per hand-out / the work bound of the
-trajectories handed out.
+Rollouter regime (a batch handed out as soon as that many trajectories finished, the rest carry over; a weight
+update after each hand-out): unbounded staleness and ``max_staleness: 1``, with and without context priority, and
+the three ways an update can treat the running requests (``--updates``, default all): ``abort`` (``manager.pause()``
++ partial rollouts: cut, resumed, contexts re-read), ``drain`` (``manager.update_weights`` alone: running requests
+finish first, new ones wait) and ``keep`` (``rollout.server.weight_update: keep``: frozen, then go on with their
+KV cache).  Ratio = time per hand-out / the work bound of the trajectories handed out.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="hand-outs per Rollouter run (the first is the cold "
                                                                 "start and not counted)")
     parser.add_argument("--no-stream", action="store_true", help="only the synchronous batch")
+    parser.add_argument("--updates", nargs="+", default=["abort", "drain", "keep"], choices=["abort", "drain", "keep"])
     args = parser.parse_args()
     w, m = Workload(trajectories=args.trajectories, seed=args.seed), ServerModel()
     shipped: Callable[[int], Any] = lambda n: make_balancer(n, seed=args.seed)  # noqa: E731
@@ -71,17 +74,17 @@ def main() -> None:
                   f"{r['prefix_hit_rate']:>11.0%}   ({time.perf_counter() - t0:.1f}s)")
     if args.no_stream:
         return
-    print(f"\n{'servers':>7}  {'Rollouter, partial rollouts':<44} {'batch s':>10} {'bound s':>8} {'ratio':>6} "
-          f"{'wasted':>7} {'staleness':>9}")
+    print(f"\n{'servers':>7}  {'Rollouter: update, staleness, priority':<44} {'batch s':>10} {'bound s':>8} "
+          f"{'ratio':>6} {'wasted':>7} {'staleness':>9}")
     for servers in args.servers:
-        for staleness in (None, 1):
-            for priority in (None, ContextPriority()):
-                name = f"max_staleness {staleness}, priority {'context' if priority else 'fcfs'}"
-                t0 = time.perf_counter()
-                r = simulate_stream(shipped, w, m, servers, batches=args.batches, max_staleness=staleness,
-                                    priority=priority)
-                print(f"{servers:>7}  {name:<44} {r['batch_s']:>10.1f} {r['work_bound_s']:>8.1f} {r['ratio']:>6.2f} "
-                      f"{r['wasted_tokens']:>7.0%} {r['mean_staleness']:>9.2f}   ({time.perf_counter() - t0:.1f}s)")
+        for update, staleness, priority in [(u, s, p) for u in args.updates for s in (None, 1)
+                                            for p in (None, ContextPriority())]:
+            name = f"{update}, max_staleness {staleness}, priority {'context' if priority else 'fcfs'}"
+            t0 = time.perf_counter()
+            r = simulate_stream(shipped, w, m, servers, batches=args.batches, max_staleness=staleness,
+                                priority=priority, update=update)
+            print(f"{servers:>7}  {name:<44} {r['batch_s']:>10.1f} {r['work_bound_s']:>8.1f} {r['ratio']:>6.2f} "
+                  f"{r['wasted_tokens']:>7.0%} {r['mean_staleness']:>9.2f}   ({time.perf_counter() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         self.keep_kv_on_update = mode == "keep"
         """``server.weight_update: keep``: a weight update freezes the running requests instead of draining them;
         they go on with the new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
+        self._switches: dict[str, list[tuple[int, int]]] = {}  # request -> (tokens so far, version) per switch
+        self._counts_tokens = False  # vLLM exposes per-request token counts (set by start())
 
     async def start(self) -> dict[str, Any]:
         """Create the engine; returns facts about it (platform, start seconds)."""
@@ -170,6 +172,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         self.weight_transport = "direct" if args.get("worker_extension_cls") == WORKER_EXTENSION else "file"
         hf_config = self.engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
         return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid(),
                 "priority": priority, "weight_transport": self.weight_transport}
 
@@ -213,9 +216,10 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
         if params.max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
-        if self.keep_kv_on_update:  # a weight update may land mid-generation: follow the tokens as they come
+        if self.keep_kv_on_update and not self._counts_tokens:  # no token counts at a switch: follow the tokens
             return await self._generate_streamed(prompt_ids, sampling_params, request_id, image_data, video_data)
         final, prompt = None, self._prompt(prompt_ids, image_data, video_data)
+        started_at = self.global_steps
         async with self._gate.admitted(request_id) as admitted:
             if admitted:
                 try:
@@ -229,7 +233,28 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                       TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                   stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields()))
             extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id, params.max_tokens)
+            if self.keep_kv_on_update:
+                extra = self._versioned(extra, self._token_versions(request_id, started_at, len(output.token_ids)))
             return output.model_copy(update={"extra_fields": extra})
+
+    def _token_versions(self, request_id: str, started_at: int, n: int) -> list[int]:
+        """The weight version of each of a finished generation's ``n`` tokens, from the token counts recorded at
+        each keep-mode switch it ran across (:meth:`_record_switch`)."""
+        versions: list[int] = []
+        current = started_at
+        for count, version in self._switches.pop(request_id, []):
+            versions += [current] * max(0, min(count, n) - len(versions))
+            current = version
+        return versions + [current] * (n - len(versions))
+
+    def _record_switch(self, version: int) -> None:
+        """At a keep-mode update, with the engine frozen: how many tokens each running generation has, so
+        :meth:`_token_versions` can tell the old version's tokens from the new one's (FINAL_ONLY outputs carry no
+        per-step record).  Reads vLLM's output processor (the request states it keeps per request)."""
+        for state in list(self.engine.output_processor.request_states.values()):
+            rid = getattr(state, "external_req_id", None) or state.request_id
+            count = int(state.detokenizer.num_output_tokens()) if state.detokenizer is not None else 0
+            self._switches.setdefault(rid, []).append((count, version))
 
     async def _generate_streamed(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                                  image_data: list[Any] | None, video_data: list[Any] | None) -> TokenOutput:
@@ -292,10 +317,21 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
             except Exception as e:
                 self._raise_if_dead(e)
                 raise
+            self._switches.pop(request_id, None)  # streams tag their tokens as they come
             if not finished:
                 extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
                 yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
                                  stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
+
+    async def set_weight_update(self, mode: str) -> None:
+        """Switch ``server.weight_update`` (``drain`` | ``keep``) for later requests and updates; refused while a
+        request runs or an update is open (a request's mode is fixed when it starts)."""
+        if mode not in ("drain", "keep"):
+            raise ServerError(f"weight_update must be drain or keep, not {mode!r}")
+        if self._update is not None or self._gate.in_flight:
+            raise ServerError(f"vLLM server {self.server_index}: cannot switch weight_update while requests run or "
+                              "an update is open")
+        self.keep_kv_on_update = mode == "keep"
 
     async def pause(self) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
@@ -441,6 +477,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                 await self._reload_from(update.tmpdir.name)  # type: ignore[union-attr]
             if not self.keep_kv_on_update:  # keep: cached prefixes stay in use, as the running requests' KV does
                 await self.engine.reset_prefix_cache()
+            elif self._counts_tokens:
+                self._record_switch(update.version)  # the engine is still frozen: the counts are exact
         except Exception as e:
             await self._abandon_update()
             raise ServerError(f"vLLM server {self.server_index}: applying the weight update failed: {e}") from e
