@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from types import ModuleType
@@ -29,21 +30,29 @@ from typing import Any, TypedDict
 
 _TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+_PROCESSOR_MODULE = "transformers.models.qwen2_vl.processing_qwen2_vl"
 _QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _installed = False
 
 
 def torchvision_available() -> bool:
-    from transformers.utils import is_torchvision_available
-
-    return bool(is_torchvision_available())
+    return importlib.util.find_spec("torchvision") is not None
 
 
 class _PilImageProcessingModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves the torchvision image-processing module of Qwen2-VL from its PIL twin."""
+    """Serves the torchvision image-processing module of Qwen2-VL from its PIL twin, and patches the processor
+    module when something imports it (nothing is imported before that: vLLM loads this plugin in every process,
+    text-only ones too)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        return importlib.util.spec_from_loader(name, self) if name == _TORCHVISION_MODULE else None
+        if name == _TORCHVISION_MODULE:
+            return importlib.util.spec_from_loader(name, self)
+        if name == _PROCESSOR_MODULE:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchAfterLoading(spec.loader)
+            return spec
+        return None
 
     def create_module(self, spec: Any) -> None:
         return None
@@ -52,6 +61,29 @@ class _PilImageProcessingModule(importlib.abc.MetaPathFinder, importlib.abc.Load
         pil = importlib.import_module(_PIL_MODULE)
         module.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
         module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
+
+
+class _PatchAfterLoading(importlib.abc.Loader):
+    """Runs the real loader of Qwen2-VL's processor module, then :func:`_patch_processor`."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        _patch_processor(module)
+
+
+def _patch_processor(module: ModuleType) -> None:
+    cls = module.Qwen2VLProcessor
+
+    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        return image_only_qwen2_vl_processor(cls, str(pretrained_model_name_or_path), **kwargs)
+
+    cls.from_pretrained = classmethod(from_pretrained)
 
 
 class _NoVideoKwargs(TypedDict, total=False):
@@ -98,14 +130,9 @@ def install() -> bool:
         return True
     if torchvision_available():
         return False
-    from transformers import Qwen2VLProcessor
-
     sys.meta_path.insert(0, _PilImageProcessingModule())
-
-    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        return image_only_qwen2_vl_processor(cls, str(pretrained_model_name_or_path), **kwargs)
-
-    Qwen2VLProcessor.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign,assignment]
+    if _PROCESSOR_MODULE in sys.modules:  # imported before the plugin: patch it now
+        _patch_processor(sys.modules[_PROCESSOR_MODULE])
     _installed = True
     return True
 
