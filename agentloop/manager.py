@@ -374,8 +374,10 @@ class AgentLoopManager:
         tensors, any device), read once and lazily.  They travel in buckets of about ``bucket_mb`` MiB: each
         bucket is put in the object store once and shared by all servers, the next one is packed while the
         servers load the current one, and the model is never one object.  Sleeping servers are woken first
-        (and left awake).  Requests in flight finish on the old weights; new ones wait until the update is
-        done.  The prefix cache is reset.  ``global_steps`` (default: the previous version + 1; servers start
+        (and left awake).  Requests in flight finish on the old weights and new ones wait until the update is
+        done, and the prefix cache is reset; with ``rollout.server.weight_update: keep`` the requests in flight
+        are frozen instead and go on with the new weights on their KV cache (prefix cache kept; per-token
+        ``weight_versions``; docs/async.md).  ``global_steps`` (default: the previous version + 1; servers start
         at 0) is what every later generation reports as ``extra_fields["global_steps"]`` and trajectories as
         ``min_global_steps`` / ``max_global_steps``.  Protocol and engine path: :mod:`agentloop.servers.weight_sync`.
         """
