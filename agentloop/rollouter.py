@@ -2,7 +2,7 @@
 
 ::
 
-    rollouter = Rollouter(manager, batches, max_inflight=64, max_staleness=1)   # batches: DataProto iterator
+    rollouter = Rollouter(manager, batches, max_staleness=1)   # batches: DataProto iterator; max_inflight: engines full
     rollouter.start()
     for step in range(steps):
         batch = rollouter.get(num_groups=16)          # complete groups (GRPO uid), in completion order
@@ -62,6 +62,14 @@ class _Job:
         return [g for i, g in enumerate(self.groups) if i not in self.finished]
 
 
+def engine_capacity(manager: Any) -> int:
+    """How many requests the manager's engines run at once: servers x ``rollout.max_num_seqs``."""
+    from omegaconf import OmegaConf
+
+    seqs = OmegaConf.select(manager.rollout, "max_num_seqs", default=None) if hasattr(manager, "rollout") else None
+    return max(1, len(manager.server_handles) * int(seqs or 256))
+
+
 class Rollouter:
     """See the module docstring.
 
@@ -70,16 +78,19 @@ class Rollouter:
         prompts: an iterable of prompt batches (DataProto with ``raw_prompt``; repeat them ``n`` times with a
             shared ``uid`` first, e.g. :func:`agentloop.data.repeat_for_rollout`).  Exhausting it ends the
             rollout once everything in flight is done.
-        max_inflight: samples running at once (across all workers).
+        max_inflight: samples running at once (across all workers); None (default): what the engines run at once,
+            servers x ``rollout.max_num_seqs`` (verl's fixed-size budgets leave large deployments idle).
         max_staleness: the most weight versions a group handed out may lag behind (None: unbounded).
         group_by: the column whose equal values form a group (None: every row is a group).
         max_queue: finished groups kept waiting for :meth:`get` before dispatching pauses.
         groups_per_dispatch: groups sent to a worker in one streaming call.
     """
 
-    def __init__(self, manager: Any, prompts: Iterable[DataProto], *, max_inflight: int = 64,
+    def __init__(self, manager: Any, prompts: Iterable[DataProto], *, max_inflight: int | None = None,
                  max_staleness: int | None = None, group_by: str | None = "uid", max_queue: int = 1024,
                  groups_per_dispatch: int = 4) -> None:
+        if max_inflight is None:
+            max_inflight = engine_capacity(manager)
         if max_inflight < 1:
             raise ValueError(f"Rollouter: max_inflight must be >= 1, got {max_inflight}")
         if max_staleness is not None and max_staleness < 0:

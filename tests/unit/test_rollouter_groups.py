@@ -20,3 +20,15 @@ def test_groups_keep_rows_of_a_uid_together_and_drop_the_batch_version():
     assert len(mixed) == 3 and "global_steps" not in mixed.meta_info
     assert batch.meta_info["global_steps"] == 4  # the caller's batch is left as it is
     assert [len(g) for g in _groups(batch, None)] == [1] * 6
+
+
+def test_the_default_in_flight_budget_fills_every_engine():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from agentloop.rollouter import Rollouter
+
+    manager = SimpleNamespace(server_handles=[object()] * 8, rollout=OmegaConf.create({"max_num_seqs": 256}))
+    assert Rollouter(manager, []).max_inflight == 8 * 256  # servers x max_num_seqs, not a fixed 64
+    assert Rollouter(manager, [], max_inflight=5).max_inflight == 5
