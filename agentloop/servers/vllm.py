@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
 from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.inflight_update import InFlightUpdateMixin
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import (
     WORKER_EXTENSION,
@@ -116,7 +117,7 @@ def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
     return [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
 
 
-class VLLMServer(BatchGenerateMixin, GatedServerMixin):
+class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
 
     Args:
@@ -237,47 +238,6 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                 extra = self._versioned(extra, self._token_versions(request_id, started_at, len(output.token_ids)))
             return output.model_copy(update={"extra_fields": extra})
 
-    def _token_versions(self, request_id: str, started_at: int, n: int) -> list[int]:
-        """The weight version of each of a finished generation's ``n`` tokens, from the token counts recorded at
-        each keep-mode switch it ran across (:meth:`_record_switch`)."""
-        versions: list[int] = []
-        current = started_at
-        for count, version in self._switches.pop(request_id, []):
-            versions += [current] * max(0, min(count, n) - len(versions))
-            current = version
-        return versions + [current] * (n - len(versions))
-
-    def _record_switch(self, version: int) -> None:
-        """At a keep-mode update, with the engine frozen: how many tokens each running generation has, so
-        :meth:`_token_versions` can tell the old version's tokens from the new one's (FINAL_ONLY outputs carry no
-        per-step record).  Reads vLLM's output processor (the request states it keeps per request)."""
-        for state in list(self.engine.output_processor.request_states.values()):
-            rid = getattr(state, "external_req_id", None) or state.request_id
-            count = int(state.detokenizer.num_output_tokens()) if state.detokenizer is not None else 0
-            self._switches.setdefault(rid, []).append((count, version))
-
-    async def _generate_streamed(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-                                 image_data: list[Any] | None, video_data: list[Any] | None) -> TokenOutput:
-        """:meth:`generate` through :meth:`generate_stream`, so each token's weight version is known."""
-        ids: list[int] = []
-        log_probs: list[float] | None = [] if sampling_params.get("logprobs") else None
-        last: TokenDelta | None = None
-        async for delta in self.generate_stream(prompt_ids, sampling_params, request_id, image_data, video_data):
-            ids += delta.token_ids
-            if log_probs is not None:
-                log_probs += delta.log_probs or []
-            last = delta
-        assert last is not None and last.finished
-        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=last.stop_reason or StopReason.STOP,
-                           extra_fields=last.extra_fields)
-
-    def _versioned(self, extra: dict[str, Any], versions: list[int]) -> dict[str, Any]:
-        """``extra`` with the per-token ``weight_versions`` and their range (``server.weight_update: keep``)."""
-        if not self.keep_kv_on_update or not versions:
-            return extra
-        return {**extra, "weight_versions": versions, "min_global_steps": min(versions),
-                "max_global_steps": max(versions)}
-
     async def generate_stream(
         self,
         prompt_ids: list[int],
@@ -322,16 +282,6 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin):
                 extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
                 yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
                                  stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
-
-    async def set_weight_update(self, mode: str) -> None:
-        """Switch ``server.weight_update`` (``drain`` | ``keep``) for later requests and updates; refused while a
-        request runs or an update is open (a request's mode is fixed when it starts)."""
-        if mode not in ("drain", "keep"):
-            raise ServerError(f"weight_update must be drain or keep, not {mode!r}")
-        if self._update is not None or self._gate.in_flight:
-            raise ServerError(f"vLLM server {self.server_index}: cannot switch weight_update while requests run or "
-                              "an update is open")
-        self.keep_kv_on_update = mode == "keep"
 
     async def pause(self) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
