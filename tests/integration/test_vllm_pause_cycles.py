@@ -116,3 +116,52 @@ def test_ten_pause_update_resume_cycles_during_a_tool_agent_batch_lose_nothing(m
         sampled = per_token[row][mask[row]].tolist()
         assert sampled == sorted(sampled) and (min(sampled), max(sampled)) == (low[row], high[row])
     assert int(got.batch["rollout_weight_versions"].max()) > 0
+
+
+def test_keep_mode_updates_during_a_batch_change_nothing_but_the_token_versions(manager: Any) -> None:
+    """``server.weight_update: keep``: eight updates (same weights) land while the batch runs, without a pause;
+    the rows equal the uninterrupted ones token for token and a generation running across an update has its
+    tokens tagged with both versions."""
+    import ray
+    from safetensors.torch import load_file
+
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    weights = load_file(str(ensure_tiny_model() / "model.safetensors"))
+    batch = calculator_batch(24)
+    ray.get([s.set_weight_update.remote("keep") for s in manager.server_handles])
+    try:
+        started = time.perf_counter()
+        want = manager.generate_sequences(batch)
+        uninterrupted = time.perf_counter() - started
+        result: dict[str, Any] = {}
+        rollout = threading.Thread(target=lambda: result.update(out=manager.generate_sequences(batch)))
+        rollout.start()
+        versions = []
+        while len(versions) < 8 and rollout.is_alive():
+            time.sleep(uninterrupted / 12)
+            versions.append(manager.update_weights(weights))
+        rollout.join(600)
+    finally:
+        ray.get([s.set_weight_update.remote("drain") for s in manager.server_handles])
+    got = result["out"]
+    assert len(versions) >= 4
+    assert got.non_tensor_batch["status"].tolist() == want.non_tensor_batch["status"].tolist()
+    for key in ("responses", "response_mask"):
+        assert got.batch[key].tolist() == want.batch[key].tolist(), key
+    mask = got.batch["response_mask"].bool()
+    per_token = got.batch["rollout_weight_versions"]
+    spanning = 0
+    for row in range(len(got)):
+        sampled = per_token[row][mask[row]].tolist()
+        assert sampled == sorted(sampled)
+        m = mask[row].tolist()
+        turns: list[list[int]] = []  # the versions of each generation (a run of mask-1 tokens)
+        for i, on in enumerate(m):
+            if on and (i == 0 or not m[i - 1]):
+                turns.append([])
+            if on:
+                turns[-1].append(int(per_token[row][i]))
+        spanning += sum(1 for t in turns if len(set(t)) > 1)
+    print(f"\n{len(versions)} keep-mode updates; {spanning} generations ran across one")
+    assert spanning >= 1  # an update landed mid-generation and the generation went on (not drained, not cut)
