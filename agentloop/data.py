@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,14 +213,61 @@ def repeat_for_rollout(batch: DataProto, n: int, *, uid_key: str = "uid") -> Dat
     return batch.repeat(repeat_times=count, interleave=True) if count > 1 else batch
 
 
-def load_dataset(path: str | Path, prompt_key: str = "prompt", n: int = 1, max_samples: int = -1) -> DataProto:
+_MEDIA_MARK = re.compile(r"(<image>|<video>)")
+
+
+def media_columns(row: dict[str, Any], prompt_key: str = "prompt", image_key: str | None = "images",
+                  video_key: str | None = "videos") -> dict[str, Any]:
+    """A verl multimodal dataset row as agent loops take it (what verl's RLHFDataset does when it reads one):
+    the ``image_key`` / ``video_key`` columns move into ``multi_modal_data`` (``{"image": [...], "video": [...]}``),
+    and a message content that is a string with ``<image>`` / ``<video>`` markers becomes content parts
+    (``{"type": "image"}``, ``{"type": "text", "text": ...}``), one part per marker in order.  Rows without
+    those columns come back unchanged."""
+    images = row.get(image_key) if image_key else None
+    videos = row.get(video_key) if video_key else None
+    if images is None and videos is None:
+        return row
+    out = {k: v for k, v in row.items() if k not in (image_key, video_key)}
+    media = dict(out.get("multi_modal_data") or {})
+    if images is not None:
+        media.setdefault("image", list(images) if isinstance(images, (list, tuple)) else [images])
+    if videos is not None:
+        media.setdefault("video", list(videos) if isinstance(videos, (list, tuple)) else [videos])
+    out["multi_modal_data"] = media
+    prompt = out.get(prompt_key)
+    if isinstance(prompt, list):
+        out[prompt_key] = [_media_parts(m) if isinstance(m, dict) else m for m in prompt]
+    return out
+
+
+def _media_parts(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str) and _MEDIA_MARK.search(content):
+        parts: list[dict[str, Any]] = []
+        for piece in _MEDIA_MARK.split(content):
+            if piece in ("<image>", "<video>"):
+                parts.append({"type": piece[1:-1]})
+            elif piece:
+                parts.append({"type": "text", "text": piece})
+        return {**message, "content": parts}
+    if isinstance(content, list):  # parquet gives every part all the struct's keys: drop the empty ones
+        return {**message, "content": [{k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p
+                                       for p in content]}
+    return message
+
+
+def load_dataset(path: str | Path, prompt_key: str = "prompt", n: int = 1, max_samples: int = -1,
+                 image_key: str | None = "images", video_key: str | None = "videos") -> DataProto:
     """Read a dataset file, check every row's prompt and build the rollout batch.
 
     Anything wrong (missing or unreadable file, no rows, missing prompt column, a prompt that is not a list
-    of ``{role, content}`` messages) raises :class:`DatasetError` naming the file and the row.
+    of ``{role, content}`` messages) raises :class:`DatasetError` naming the file and the row.  verl's
+    multimodal columns (``image_key`` / ``video_key``, ``data.image_key`` / ``data.video_key``) are read as verl
+    reads them (:func:`media_columns`).
     """
     rows, lines = _read(Path(path).expanduser())
     if max_samples and max_samples > 0:
         rows = rows[:max_samples]
+    rows = [media_columns(r, prompt_key, image_key, video_key) for r in rows]
     validate_rows(rows, prompt_key, source=str(path), lines=lines)
     return _build_batch(rows, prompt_key, n)

@@ -80,6 +80,18 @@ def decode_images(images: Sequence[Any], where: str = "image") -> list[Any]:
     return [decode_image(img, f"{where} {i}") for i, img in enumerate(images)]
 
 
+def sample_media(sample: dict[str, Any], kind: str = "image") -> list[Any]:
+    """The images (``kind="video"``: videos) of a sample's ``multi_modal_data`` cell (a list / object array, or
+    one item; key ``image`` or verl's ``images``), else []."""
+    mm = sample.get("multi_modal_data")
+    items = (mm.get(kind) if mm.get(kind) is not None else mm.get(kind + "s")) if isinstance(mm, dict) else None
+    if items is None:
+        return []
+    if isinstance(items, (list, tuple)) or (isinstance(items, np.ndarray) and items.dtype == object):
+        return list(items)
+    return [items]
+
+
 def require_processor(processor: Any, n_images: int, model_hint: str = "") -> None:
     """Raise a :class:`ConfigError` naming the fix when images come but the model has no image processor."""
     if n_images and (processor is None or getattr(processor, "image_processor", None) is None):

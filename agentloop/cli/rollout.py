@@ -151,6 +151,8 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     batch = load_dataset(
         str(cfg.data.train_files), prompt_key=str(cfg.data.prompt_key),
         n=int(cfg.actor_rollout_ref.rollout.n), max_samples=int(cfg.data.max_samples),
+        image_key=OmegaConf.select(cfg, "data.image_key", default="images"),
+        video_key=OmegaConf.select(cfg, "data.video_key", default="videos"),
     )
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -269,9 +269,10 @@ _add(DATA, UNSUPPORTED, "changes which rows or prompts are rolled out (use data.
      })
 _add(DATA, HONOURED, "passed to the chat template by agent loops (self.apply_chat_template_kwargs)",
      {"apply_chat_template_kwargs": {}}, open_keys=("apply_chat_template_kwargs",))
-_add(DATA, UNSUPPORTED, "multimodal dataset columns are not read", {
-    "image_key": "images", "video_key": "videos", "audio_key": "audios", "image_patch_size": 14,
-    "mm_processor_kwargs": {},
+_add(DATA, HONOURED, "multimodal dataset columns, read into multi_modal_data as verl's RLHFDataset does "
+     "(agentloop.data.media_columns)", {"image_key": "images", "video_key": "videos"})
+_add(DATA, UNSUPPORTED, "audio columns and processor options of the dataset are not read", {
+    "audio_key": "audios", "image_patch_size": 14, "mm_processor_kwargs": {},
 }, open_keys=("mm_processor_kwargs",))
 
 SUBTREES: dict[str, Table] = {"actor_rollout_ref.rollout": ROLLOUT, "actor_rollout_ref.model": MODEL, "data": DATA}

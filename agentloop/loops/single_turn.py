@@ -9,6 +9,9 @@ Spec:
    when the engine aborted, else ``stop``.  ``num_turns`` is 2 (user + assistant), as in verl.
 5. ``extra_fields``: ``prompt_truncated``, and the weight version of the call as ``min_global_steps`` /
    ``max_global_steps`` (verl's columns; None when the server reports no version).
+6. Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` is decoded and each image's placeholder
+   expanded as the model's processor renders it (docs/multimodal.md), passed as ``image_data`` and returned as
+   ``multi_modal_data``; ``multi_modal_data["video"]`` is passed through as ``video_data``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from uuid import uuid4
 
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
+from agentloop.multimodal import decode_images, encode_images, sample_media
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
 
 
@@ -32,11 +36,20 @@ class SingleTurnAgentLoop(AgentLoopBase):
         # run_in_executor cost ~5% throughput in scripts/bench_overhead.py).
         prompt_ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True,
                                          **self.apply_chat_template_kwargs)
+        images, videos = sample_media(kwargs), sample_media(kwargs, "video")
+        media: dict[str, Any] = {}
+        if images:
+            if self.processor is not None:  # a vision-language model: pixels decoded, placeholders expanded
+                images = decode_images(images, "sample image")
+                prompt_ids = encode_images(self.processor, prompt_ids, images)
+            media["image_data"] = images
+        if videos:
+            media["video_data"] = videos
         prompt_ids, dropped = fit_prompt(prompt_ids, self.prompt_length, self.prompt_truncation)
 
         start = time.perf_counter()
         output = await self.server_manager.generate(
-            request_id=uuid4().hex, prompt_ids=prompt_ids, sampling_params=sampling_params
+            request_id=uuid4().hex, prompt_ids=prompt_ids, sampling_params=sampling_params, **media
         )
         metrics = AgentLoopMetrics(
             generate_sequences=time.perf_counter() - start, num_preempted=output.num_preempted
@@ -58,6 +71,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_weight_versions=list(versions[: self.response_length]) if versions is not None else None,
             num_turns=2,
             metrics=metrics,
+            multi_modal_data={"image": images} if images else None,
             extra_fields={"prompt_truncated": dropped,
                           "min_global_steps": output.extra_fields.get("min_global_steps"),
                           "max_global_steps": output.extra_fields.get("max_global_steps")},

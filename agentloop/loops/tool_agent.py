@@ -59,7 +59,6 @@ from enum import Enum
 from typing import Any, ClassVar
 from uuid import uuid4
 
-import numpy as np
 from omegaconf import DictConfig
 
 from agentloop.errors import ConfigError
@@ -69,7 +68,7 @@ from agentloop.loops.base import AgentLoopBase, config_values, register, rollout
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots, edited_history
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
-from agentloop.multimodal import decode_images, encode_images
+from agentloop.multimodal import decode_images, encode_images, sample_media
 from agentloop.parsers.base import ToolParser, get_tool_parser
 from agentloop.tokenization import encode_new_turns
 from agentloop.tokenization.incremental import TemplateMismatchError
@@ -190,8 +189,8 @@ class ToolAgentLoop(AgentLoopBase):
     async def run(
         self, sampling_params: dict[str, Any], **kwargs: Any
     ) -> AgentLoopOutput | MultiTrajectoryAgentLoopOutput:
-        data = AgentData(messages=as_messages(kwargs["raw_prompt"]), image_data=self._decoded(_sample_images(kwargs)),
-                         video_data=_sample_images(kwargs, "video") or None)
+        data = AgentData(messages=as_messages(kwargs["raw_prompt"]), image_data=self._decoded(sample_media(kwargs)),
+                         video_data=sample_media(kwargs, "video") or None)
         tools_kwargs = kwargs.get("tools_kwargs") or {}
         self.sampling_params = dict(sampling_params)
         await self._start_interaction(data, kwargs.get("extra_info"))
@@ -431,18 +430,6 @@ def _assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
         ]
     return message
-
-
-def _sample_images(sample: dict[str, Any], kind: str = "image") -> list[Any]:
-    """The images (``kind="video"``: videos) of the sample's ``multi_modal_data`` cell (a list / object array,
-    or one item; key ``image`` or verl's ``images``), else []."""
-    mm = sample.get("multi_modal_data")
-    images = (mm.get(kind) if mm.get(kind) is not None else mm.get(kind + "s")) if isinstance(mm, dict) else None
-    if images is None:
-        return []
-    if isinstance(images, (list, tuple)) or (isinstance(images, np.ndarray) and images.dtype == object):
-        return list(images)
-    return [images]
 
 
 def _track_versions(fields: dict[str, Any], out_fields: dict[str, Any]) -> None:

@@ -191,14 +191,45 @@ def _rows(data: DataProto) -> list[Row]:
     return out
 
 
+def _media_inputs(data: DataProto) -> dict[int, dict[str, Any]]:
+    """Row -> its ``multi_modal_inputs`` (pixel_values, image_grid_thw), for the rows that have images."""
+    cells = data.non_tensor_batch.get("multi_modal_inputs")
+    if cells is None:
+        return {}
+    return {i: dict(c) for i, c in enumerate(cells) if isinstance(c, dict) and c.get("pixel_values") is not None}
+
+
 def recompute(model: Any, data: DataProto, spec: Sampling, result: VerifyResult) -> None:
-    """Steps 3: fill ``result``'s deltas with |rollout - HF| over every compared token."""
+    """Steps 3: fill ``result``'s deltas with |rollout - HF| over every compared token.  Rows with images run one
+    at a time with their ``multi_modal_inputs`` (the model computes its own M-RoPE positions from them)."""
     import torch
 
+    media = _media_inputs(data)
     rows = [r for r in _rows(data) if r.mask.any()]
     result.rows_without_log_probs = sum(1 for r in rows if not r.has_log_probs())
     rows = sorted((r for r in rows if r.has_log_probs()), key=lambda r: len(r.ids))
     deltas: list[np.ndarray] = []
+
+    def compare(r: Row, logits: Any) -> None:
+        pos = np.nonzero(r.mask)[0]
+        at = r.prompt_length + pos  # the token at `at` was predicted by the logits at `at - 1`
+        hf = _log_probs(logits[at - 1], torch.tensor(r.ids)[at], spec).numpy().astype(np.float64)
+        saved = r.log_probs[pos].astype(np.float64)
+        delta = np.abs(hf - saved)
+        deltas.append(delta)
+        result.worst.extend((float(d), r.index, int(k), float(s), float(h))
+                            for d, k, s, h in zip(delta, pos, saved, hf, strict=True))
+        result.worst = sorted(result.worst, reverse=True)[:5]
+
+    image_token = getattr(getattr(model, "config", None), "image_token_id", None)
+    for r in [r for r in rows if r.index in media]:
+        mm, ids = media[r.index], torch.tensor([r.ids])
+        kinds = (ids == image_token).long() if image_token is not None else torch.zeros_like(ids)  # 1: image token
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=kinds,
+                           pixel_values=mm["pixel_values"], image_grid_thw=mm["image_grid_thw"]).logits.float()
+        compare(r, logits[0])
+    rows = [r for r in rows if r.index not in media]
     start = 0
     while start < len(rows):  # batches of rows of similar length (sorted), at most MAX_BATCH_TOKENS padded
         end = start + 1
@@ -214,17 +245,9 @@ def recompute(model: Any, data: DataProto, spec: Sampling, result: VerifyResult)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=attn).logits.float()
         for j, r in enumerate(group):
-            pos = np.nonzero(r.mask)[0]
-            at = r.prompt_length + pos  # the token at `at` was predicted by the logits at `at - 1`
-            hf = _log_probs(logits[j, at - 1], torch.tensor(r.ids)[at], spec).numpy().astype(np.float64)
-            saved = r.log_probs[pos].astype(np.float64)
-            delta = np.abs(hf - saved)
-            deltas.append(delta)
-            result.worst.extend((float(d), r.index, int(k), float(s), float(h))
-                                for d, k, s, h in zip(delta, pos, saved, hf, strict=True))
-            result.worst = sorted(result.worst, reverse=True)[:5]
+            compare(r, logits[j])
         start = end
-    result.rows = len(rows)
+    result.rows = len(deltas)
     result.deltas = np.concatenate(deltas) if deltas else np.zeros(0)
     result.tokens = int(result.deltas.size)
 
@@ -255,11 +278,12 @@ def verify_rollout(output_dir: str | Path, model_path: str, spec: Sampling | Non
     check_model(model_path, data)
     spec = spec or sampling_of(directory)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(Path(model_path).expanduser()), dtype=torch.float32).eval()
+    auto = AutoModelForImageTextToText if _media_inputs(data) else AutoModelForCausalLM  # images: a VL model
+    model = auto.from_pretrained(str(Path(model_path).expanduser()), dtype=torch.float32).eval()
     result = VerifyResult()
     recompute(model, data, spec, result)
     if "messages" in data.non_tensor_batch:

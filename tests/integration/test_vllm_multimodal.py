@@ -209,3 +209,19 @@ def test_without_torchvision_a_video_sample_is_an_error_row_naming_the_fix(manag
     assert out.non_tensor_batch["status"][0] != "error", out.non_tensor_batch["error"][0]
     assert out.non_tensor_batch["status"][1] == "error"
     assert "install a torchvision build matching torch" in out.non_tensor_batch["error"][1]
+
+
+def test_verify_recomputes_image_rows_with_their_pixels(manager, hf_model):
+    """`agentloop verify`'s recompute on image rows: the engine's log-probs equal HF Qwen2-VL's given each row's
+    own pixels (M-RoPE from its grid), and differ once the rows' images are swapped."""
+    from agentloop.report.verify import Sampling, VerifyResult, recompute
+
+    out = manager.generate_sequences(rows_to_batch(rows(["red", "blue"])))
+    result = VerifyResult()
+    recompute(hf_model, out, Sampling(), result)
+    print(f"\nimage rows: {result.rows}, {result.tokens} tokens, max |vLLM - HF| {result.deltas.max():.2e}")
+    assert result.rows == 2 and result.tokens > 0 and result.deltas.max() < 1e-3
+    out.non_tensor_batch["multi_modal_inputs"] = out.non_tensor_batch["multi_modal_inputs"][::-1].copy()
+    swapped = VerifyResult()
+    recompute(hf_model, out, Sampling(), swapped)
+    assert swapped.deltas.max() > 1e-2  # the check sees the pixels: another image, other log-probs

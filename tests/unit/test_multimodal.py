@@ -282,3 +282,49 @@ def test_worker_output_has_verls_multimodal_layout_and_keeps_a_failed_sample(vl)
     assert inputs[0]["image_grid_thw"].tolist() == [[1, 4, 4]] and inputs[1] == {} and inputs[2] == {}
     ids = out.batch["input_ids"][0][out.batch["attention_mask"][0].bool()].tolist()
     assert ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == 4
+
+
+def test_single_turn_agent_renders_and_sends_sample_images_as_tool_agent_does(vl):
+    from agentloop.loops.single_turn import SingleTurnAgentLoop
+
+    cfg = default_config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 256, 16
+    OmegaConf.resolve(cfg)
+    server = ScriptedServer([say(vl.tok, "red")], eos_token_id=vl.tok.convert_tokens_to_ids("<|im_end|>"))
+    image = Image.new("RGB", (56, 56), "red")
+
+    async def go():
+        SingleTurnAgentLoop.init_class(cfg, vl.tok, vl.processor)
+        loop = SingleTurnAgentLoop(cfg, AsyncLLMServerManager([server]), vl.tok, vl.processor)
+        return await loop.run({}, raw_prompt=image_prompt(), multi_modal_data={"image": [{"bytes": _png_of(image)}]})
+
+    out = asyncio.run(go())
+    text = vl.tok.apply_chat_template(image_prompt(), tokenize=False, add_generation_prompt=True)
+    assert out.prompt_ids == vl.processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0].tolist()
+    sent = server.calls[-1]["image_data"]
+    assert len(sent) == 1 and sent[0].mode == "RGB" and np.asarray(sent[0])[0, 0].tolist() == [255, 0, 0]
+    assert out.multi_modal_data is not None and len(out.multi_modal_data["image"]) == 1
+
+
+def _png_of(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_verl_dataset_columns_become_multi_modal_data_and_content_parts():
+    from agentloop.data import media_columns
+
+    row = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "<image>Which?<image>"}],
+           "images": [{"bytes": b"a"}, {"bytes": b"b"}], "data_source": "x"}
+    out = media_columns(row)
+    assert out["multi_modal_data"] == {"image": [{"bytes": b"a"}, {"bytes": b"b"}]} and "images" not in out
+    assert out["prompt"][0] == {"role": "system", "content": "be brief"}
+    assert out["prompt"][1]["content"] == [{"type": "image"}, {"type": "text", "text": "Which?"}, {"type": "image"}]
+    parquet_parts = {"prompt": [{"role": "user", "content": [{"type": "image", "text": None},
+                                                             {"type": "text", "text": "hi"}]}], "images": [b"x"]}
+    assert media_columns(parquet_parts)["prompt"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "hi"}]
+    assert media_columns({"prompt": [], "videos": ["v"]})["multi_modal_data"] == {"video": ["v"]}
+    plain = {"prompt": [{"role": "user", "content": "<image> stays text without an images column"}]}
+    assert media_columns(plain) is plain
+    assert media_columns(row, image_key=None) is row  # data.image_key: null reads no image column
