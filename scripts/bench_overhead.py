@@ -8,6 +8,10 @@ passes alternate between the paths (raw, agentloop, raw, ...) so drift of the ma
 throughputs and the ratio agentloop / raw (goal: >= 0.97).
 
     python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 7] [--compare-unbatched]
+    python scripts/bench_overhead.py --device cuda     # on a GPU: the CUDA build of vLLM, bfloat16, CUDA graphs
+
+On CUDA both engines share the one GPU (``--gpu-memory-utilization`` each); the raw engine and the server
+actor are built from the same ``_engine_args``, so they compile and capture the same graphs.
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ def make_config(model_path: str, args: argparse.Namespace):
         "actor_rollout_ref.model.path": model_path,
         "data.max_prompt_length": 256,
         "data.max_response_length": args.max_tokens,
-        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.rollout.dtype": "float32" if args.device == "cpu" else "bfloat16",
         "actor_rollout_ref.rollout.ignore_eos": True,
         "actor_rollout_ref.rollout.free_cache_engine": False,
         "actor_rollout_ref.rollout.max_num_seqs": args.num_prompts,
         "actor_rollout_ref.rollout.agent.num_workers": args.num_workers,
         "actor_rollout_ref.rollout.server.num_servers": 1,
-        "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.server.device": args.device,
         "actor_rollout_ref.rollout.server.num_cpus_per_server": 1,
     }
+    if args.device == "cuda":
+        overrides["actor_rollout_ref.rollout.gpu_memory_utilization"] = args.gpu_memory_utilization
     for k, v in overrides.items():
         OmegaConf.update(cfg, k, v)
     OmegaConf.resolve(cfg)
@@ -83,8 +89,10 @@ class RawEngine:
         from agentloop.servers.placement import cpu_bind_env
         from agentloop.servers.vllm import _engine_args
 
-        os.environ.update(cpu_bind_env(0, 1))  # the same core binding the server actor gets
         r = cfg.actor_rollout_ref.rollout
+        on_cpu = r.server.device == "cpu"
+        if on_cpu:
+            os.environ.update(cpu_bind_env(0, 1))  # the same core binding the server actor gets
         self.prompts = prompts
         self.params = SamplingParams(  # the raw engine used at its best: no detokenizing, final output only
             max_tokens=int(r.response_length), temperature=1.0, ignore_eos=True, detokenize=False,
@@ -93,7 +101,7 @@ class RawEngine:
         self.loop = asyncio.new_event_loop()
 
         async def build():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(r, cfg.actor_rollout_ref.model, True)))
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(r, cfg.actor_rollout_ref.model, on_cpu)))
 
         self.engine = self.loop.run_until_complete(build())
 
@@ -131,6 +139,9 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=1)
     parser.add_argument("--compare-unbatched", action="store_true",
                         help="also run with rollout.server.batch_calls=false (one Ray call per request)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                        help="per engine on CUDA (the raw engine and the server actor share the GPU)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -148,7 +159,7 @@ def main() -> None:
     prompts = [apply_chat_template(tok, list(m), add_generation_prompt=True) for m in messages]
 
     raw = RawEngine(cfg, prompts)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(num_cpus=2 if args.device == "cpu" else None, include_dashboard=False, logging_level="ERROR")
     ours_path = AgentLoopPath(AgentLoopManager(cfg), batch)
     agentloop_paths = {"AgentLoopManager (1 srv)": ours_path}
     if args.compare_unbatched:
@@ -177,7 +188,8 @@ def main() -> None:
         ray.shutdown()
 
     raw_rates = np.array(rates["raw AsyncLLM"])
-    print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, {args.repeats} timed passes each, alternating")
+    print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, {args.repeats} timed passes each, alternating, "
+          f"device {args.device}")
     print(f"{'path':<28}{'tok/s (median)':>16}{'ratio (median of pairs)':>26}   passes")
     for name, values in rates.items():
         arr = np.array(values)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU verification in one call: what the CUDA machine has, tests/gpu (vLLM CUDA rollout, colocated sleep,
+# SGLang when it is installed) and the overhead benchmark on CUDA.  Logs go to $OUT (or /tmp/gpu_check).
+#
+#   bash scripts/gpu_check.sh            # after `make install EXTRA=gpu` (and EXTRA=sglang for SGLang)
+#
+# Each step has its own time limit and a failing step does not stop the next, so one call gives every
+# result.  The last lines are a summary table.
+set -u
+cd "$(dirname "$0")/.."
+LOGS=${OUT:-/tmp/gpu_check}
+mkdir -p "$LOGS"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+summary=()
+
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$LOGS/$name.log"
+  summary+=("$(printf '%-16s rc=%-4s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOGS/gpu.txt"
+step versions 120 "$PY" -c "
+import importlib, torch
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())
+for m in ('vllm', 'sglang', 'ray', 'transformers'):
+    try:
+        print(m, importlib.import_module(m).__version__)
+    except Exception as e:
+        print(m, 'missing:', type(e).__name__, e)
+"
+step tests_gpu "${TESTS_LIMIT:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs
+step bench_overhead "${BENCH_LIMIT:-300}" "$PY" scripts/bench_overhead.py --device cuda --repeats ${BENCH_REPEATS:-5}
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
+grep -E "passed|failed|skipped" "$LOGS/tests_gpu.log" | tail -n 1
+grep -E "^(raw AsyncLLM|AgentLoopManager|ratio)" "$LOGS/bench_overhead.log"
