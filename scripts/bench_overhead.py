@@ -111,6 +111,12 @@ class RawEngine:
 
     def close(self) -> None:
         self.engine.shutdown()
+        # The engine's output handler is still parked on its queue: cancel it inside the loop before closing
+        # (closing first makes it log "Event loop is closed" at exit).
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
 

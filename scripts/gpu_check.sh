@@ -14,6 +14,8 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 summary=()
+# vLLM's sampler imports FlashInfer unless told not to; a slimmed install (scripts/gpu_stage_offline.py) has none.
+"$PY" -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
 
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2

@@ -2,7 +2,7 @@
 ``CUDA_VISIBLE_DEVICES``) and really releases memory while asleep.  Skipped unless CUDA and the CUDA build of
 vLLM are present.
 
-Not yet run: the session that wrote it had no GPU (docs/concepts.md, "Placement").
+Passed on an H100 (vLLM 0.25.1 CUDA, torch 2.11, 2026-11-26; docs/benchmarks.md, "On a GPU").
 Run on a GPU machine: ``make install EXTRA=gpu && .venv/bin/python -m pytest tests/gpu -q``.
 """
 

@@ -1,5 +1,7 @@
 """The same rollout path on a CUDA vLLM engine. Skipped unless CUDA and the CUDA build of vLLM are present.
 
+Passed on an H100 (vLLM 0.25.1 CUDA, torch 2.11, 2026-11-26; docs/benchmarks.md, "On a GPU").
+
 Run on a GPU machine: ``make install EXTRA=gpu && .venv/bin/python -m pytest tests/gpu -q``.
 """
 
