@@ -103,6 +103,10 @@ def _root_of_slice(rollout: DictConfig) -> dict[str, Any]:
     return {"root": OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}, "data": {}})}
 
 
+def _root_or_wrapped(config: DictConfig) -> dict[str, Any]:
+    return {"root": config} if "actor_rollout_ref" in config else _root_of_slice(config)
+
+
 def trainer_config_of(config: Any) -> DictConfig:
     """The whole trainer-shaped config from what a loop or ``init_class`` was given: verl's
     ``DictConfigWrap``, a trainer-shaped DictConfig, or (agentloop's older form) the rollout slice alone."""
@@ -110,9 +114,7 @@ def trainer_config_of(config: Any) -> DictConfig:
         config = config.config
     if not isinstance(config, DictConfig):
         config = OmegaConf.create(config)
-    if "actor_rollout_ref" in config:
-        return config
-    return config_values(config, "root", _root_of_slice)["root"]  # built once per slice object
+    return config_values(config, "root", _root_or_wrapped)["root"]  # decided (and built) once per config object
 
 
 def rollout_config_of(config: Any) -> DictConfig:
