@@ -101,19 +101,6 @@ def test_tool_agent_masks_tool_turns(manager):
         assert torch.isfinite(lp[mask]).all() and (lp[mask] <= 0).all() and (lp[~mask] == 0).all()
 
 
-def engine_vs_hf(hf, out) -> float:
-    """Largest |engine log-prob - HF fp32 log-prob| over the sampled tokens of every row."""
-    b, worst = out.batch, 0.0
-    for i in range(len(out)):
-        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
-        with torch.no_grad():
-            logits = hf(ids).logits[0].float()
-        n_resp = int(b["response_mask"][i].sum())
-        expected = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0][-n_resp:]
-        worst = max(worst, float((b["rollout_log_probs"][i, :n_resp] - expected).abs().max()))
-    return worst
-
-
 def test_streamed_weight_update_changes_logprobs_as_predicted(manager):
     """After a bucketed update (buckets small enough that fused layers straddle them) the engine's log-probs
     follow an HF fp32 recompute of the new weights, far closer than the old weights' recompute, and every
@@ -121,6 +108,7 @@ def test_streamed_weight_update_changes_logprobs_as_predicted(manager):
     from transformers import AutoModelForCausalLM
 
     from agentloop.data import rows_to_batch
+    from agentloop.testing.hf_check import max_logprob_gap
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     old = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
@@ -138,7 +126,7 @@ def test_streamed_weight_update_changes_logprobs_as_predicted(manager):
     try:
         assert manager.update_weights(iter(new.items()), global_steps=7, bucket_mb=0.02) == 7
         out = manager.generate_sequences(batch)
-        to_new, to_old = engine_vs_hf(new_model, out), engine_vs_hf(old, out)
+        to_new, to_old = max_logprob_gap(new_model, out), max_logprob_gap(old, out)
         bound = 0.5 if DEVICE == "cuda" else 1e-4  # bfloat16 engine vs fp32 reference (old weights: ~20 nats)
         assert to_new <= bound and to_new < 0.1 * to_old, (to_new, to_old)
         nt = out.non_tensor_batch

@@ -132,24 +132,13 @@ def test_every_turn_of_a_request_stays_on_one_server(manager):
     assert {s[0] for s in servers} == {0, 1}, "least-in-flight should use both servers"
 
 
-def hf_logprob_gap(hf: Any, out: Any) -> float:
-    """Largest |engine - HF fp32 recompute| over the sampled tokens of every row of ``out``."""
-    b, worst = out.batch, 0.0
-    for i in range(len(out)):
-        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
-        with torch.no_grad():
-            logits = hf(ids).logits[0].float()
-        n_resp = int(b["response_mask"][i].sum())
-        expected = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0][-n_resp:]
-        worst = max(worst, float((b["rollout_log_probs"][i, :n_resp] - expected).abs().max()))
-    return worst
-
-
 def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
     """Bucketed sync (buckets of ~20 kB, so fused q/k/v and gate/up layers straddle buckets) and the whole-dict
     file sync load the same weights: both match an HF fp32 recompute of the new weights to 1e-5, generate the
     same tokens, and every trajectory carries the version it was generated with."""
     from transformers import AutoModelForCausalLM
+
+    from agentloop.testing.hf_check import max_logprob_gap
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     original = {k: v.clone() for k, v in hf.state_dict().items()}
@@ -166,7 +155,7 @@ def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
         streamed = manager.generate_sequences(batch)
         assert manager._update_weights_whole(new, transport="file") == 42
         whole = manager.generate_sequences(batch)
-        assert hf_logprob_gap(hf, streamed) <= 1e-5 and hf_logprob_gap(hf, whole) <= 1e-5
+        assert max_logprob_gap(hf, streamed) <= 1e-5 and max_logprob_gap(hf, whole) <= 1e-5
         assert torch.equal(streamed.batch["responses"], whole.batch["responses"])
         for out, version in ((streamed, 41), (whole, 42)):
             nt = out.non_tensor_batch
