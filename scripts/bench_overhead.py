@@ -118,6 +118,7 @@ class RawEngine:
             task.cancel()
         self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
+        del self.engine  # its __del__ shuts down again: let it run now, not at interpreter exit
 
 
 class AgentLoopPath:

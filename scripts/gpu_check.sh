@@ -37,9 +37,15 @@ for m in ('vllm', 'sglang', 'ray', 'transformers'):
     except Exception as e:
         print(m, 'missing:', type(e).__name__, e)
 "
-step tests_gpu "${TESTS_LIMIT:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs
-step bench_overhead "${BENCH_LIMIT:-300}" "$PY" scripts/bench_overhead.py --device cuda --repeats ${BENCH_REPEATS:-5}
+[ "${SKIP_TESTS:-0}" = 1 ] || step tests_gpu "${TESTS_LIMIT:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs
+# BENCH_WORKERS="1 4 8": one benchmark per worker count (each ~2.5 min on an H100, engine start-up included)
+for w in ${BENCH_WORKERS:-1}; do
+  step "bench_overhead_w$w" "${BENCH_LIMIT:-300}" "$PY" scripts/bench_overhead.py --device cuda \
+    --repeats "${BENCH_REPEATS:-5}" --num-workers "$w"
+done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 grep -E "passed|failed|skipped" "$LOGS/tests_gpu.log" | tail -n 1
-grep -E "^(raw AsyncLLM|AgentLoopManager|ratio)" "$LOGS/bench_overhead.log"
+for w in ${BENCH_WORKERS:-1}; do
+  echo "workers=$w"; grep -E "^(raw AsyncLLM|AgentLoopManager|ratio|agentloop serial)" "$LOGS/bench_overhead_w$w.log"
+done
