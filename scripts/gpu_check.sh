@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU verification in one call: what the CUDA machine has, tests/gpu (vLLM CUDA rollout, colocated sleep,
-# SGLang when it is installed) and the overhead benchmark on CUDA.  Logs go to $OUT (or /tmp/gpu_check).
+# the training path, SGLang when it is installed) and the overhead benchmark on CUDA.  Logs go to $OUT (or /tmp/gpu_check).
 #
 #   bash scripts/gpu_check.sh            # after `make install EXTRA=gpu` (and EXTRA=sglang for SGLang)
 #
@@ -10,7 +10,8 @@ set -u
 cd "$(dirname "$0")/.."
 LOGS=${OUT:-/tmp/gpu_check}
 mkdir -p "$LOGS"
-PY=${PYTHON:-python3}
+# The project's venv (`make install EXTRA=gpu`) when there is one, else python3 (packages on PYTHONPATH).
+if [ -x .venv/bin/python ]; then PY=${PYTHON:-.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 summary=()
@@ -45,7 +46,7 @@ for w in ${BENCH_WORKERS:-1}; do
 done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
-grep -E "passed|failed|skipped" "$LOGS/tests_gpu.log" | tail -n 1
+grep -E "passed|failed|skipped" "$LOGS/tests_gpu.log" 2>/dev/null | tail -n 1
 for w in ${BENCH_WORKERS:-1}; do
   echo "workers=$w"; grep -E "^(raw AsyncLLM|AgentLoopManager|ratio|agentloop serial)" "$LOGS/bench_overhead_w$w.log"
 done

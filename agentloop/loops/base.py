@@ -112,8 +112,8 @@ def trainer_config_of(config: Any) -> DictConfig:
     ``DictConfigWrap``, a trainer-shaped DictConfig, or (agentloop's older form) the rollout slice alone."""
     if isinstance(config, DictConfigWrap):
         config = config.config
-    if not isinstance(config, DictConfig):
-        config = OmegaConf.create(config)
+    if not isinstance(config, DictConfig):  # a fresh object each call: nothing to remember
+        return _root_or_wrapped(OmegaConf.create(config))["root"]
     return config_values(config, "root", _root_or_wrapped)["root"]  # decided (and built) once per config object
 
 

@@ -23,3 +23,24 @@ def max_logprob_gap(hf_model: Any, out: Any) -> float:
         expected = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0][-n_resp:]
         worst = max(worst, float((b["rollout_log_probs"][i, :n_resp] - expected).abs().max()))
     return worst
+
+
+def perturbed_weights(model: Any, scale: float = 0.05, seed: int = 123) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """New weights for a weight-update test: ``(original, new, updated_model)``.
+
+    ``new`` is every matrix of ``model`` plus ``scale`` x N(0, 1) noise (vectors kept), without ``lm_head.weight``
+    (with tied embeddings the server takes it from the embeddings); ``updated_model`` is a copy of ``model``
+    holding ``new``, for the recompute; ``original`` restores the server afterwards.  ``model`` is unchanged.
+    """
+    import copy
+
+    import torch
+
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(seed)
+    new = {k: v + scale * torch.randn_like(v) if v.dim() > 1 else v
+           for k, v in original.items() if k != "lm_head.weight"}
+    head = new["model.embed_tokens.weight"] if model.config.tie_word_embeddings else original["lm_head.weight"]
+    updated = copy.deepcopy(model)
+    updated.load_state_dict({**new, "lm_head.weight": head})
+    return original, new, updated

@@ -13,7 +13,6 @@ Run on a GPU machine: ``bash scripts/gpu_check.sh`` (or ``python -m pytest tests
 from __future__ import annotations
 
 import os
-import random
 
 import numpy as np
 import pytest
@@ -67,15 +66,9 @@ def manager():
 
 def word_problem_batch(n: int):
     from agentloop.data import rows_to_batch
-    from agentloop.testing.tiny_model import _SYSTEM_PROMPTS, word_problem
+    from agentloop.testing.tiny_model import word_problem_rows
 
-    rng = random.Random(7)
-    rows = []
-    for i in range(n):
-        question, _, _ = word_problem(rng)
-        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[0]}, {"role": "user", "content": question}]
-        rows.append({"prompt": messages, "agent_name": "tool_agent", "extra_info": {"index": i}})
-    batch = rows_to_batch(rows)
+    batch = rows_to_batch(word_problem_rows(n, agent_name="tool_agent", data_source="calculator", seed=3))
     batch.meta_info["validate"] = True  # greedy
     return batch
 
@@ -108,18 +101,11 @@ def test_streamed_weight_update_changes_logprobs_as_predicted(manager):
     from transformers import AutoModelForCausalLM
 
     from agentloop.data import rows_to_batch
-    from agentloop.testing.hf_check import max_logprob_gap
+    from agentloop.testing.hf_check import max_logprob_gap, perturbed_weights
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     old = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
-    new_model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32)
-    original = {k: v.clone() for k, v in old.state_dict().items()}
-    torch.manual_seed(123)
-    new = {k: v + 0.05 * torch.randn_like(v) if v.dim() > 1 else v
-           for k, v in original.items() if k != "lm_head.weight"}  # tied embeddings: loaded from the embeddings
-    new_model.load_state_dict({**new, "lm_head.weight": new["model.embed_tokens.weight"]}
-                              if new_model.config.tie_word_embeddings
-                              else {**new, "lm_head.weight": original["lm_head.weight"]})
+    original, new, new_model = perturbed_weights(old)
     rows = [{"prompt": [{"role": "user", "content": f"Say something about item {i}."}]} for i in range(4)]
     batch = rows_to_batch(rows)
     batch.meta_info["validate"] = True  # greedy

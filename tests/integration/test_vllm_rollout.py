@@ -138,16 +138,9 @@ def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
     same tokens, and every trajectory carries the version it was generated with."""
     from transformers import AutoModelForCausalLM
 
-    from agentloop.testing.hf_check import max_logprob_gap
+    from agentloop.testing.hf_check import max_logprob_gap, perturbed_weights
 
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    original = {k: v.clone() for k, v in hf.state_dict().items()}
-    torch.manual_seed(123)
-    # no lm_head: with tied embeddings the server loads it from the embeddings
-    new = {k: v + 0.05 * torch.randn_like(v) if v.dim() > 1 else v
-           for k, v in original.items() if k != "lm_head.weight"}
-    hf.load_state_dict({**new, "lm_head.weight": new["model.embed_tokens.weight"]} if hf.config.tie_word_embeddings
-                       else {**new, "lm_head.weight": original["lm_head.weight"]})
+    original, new, hf = perturbed_weights(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32))
     batch = make_batch(4, n=1)
     batch.meta_info["validate"] = True  # greedy
     try:
