@@ -4,10 +4,12 @@ The same requests (``--num-prompts`` chat prompts, exactly ``--max-tokens`` new 
 ignored) go (a) straight into a vLLM ``AsyncLLM`` in this process and (b) through
 ``AgentLoopManager.generate_sequences`` with one server actor built from the same engine settings.
 All engines stay up for the whole run; after two full-size warm-up passes each, ``--repeats`` timed
-passes alternate between the paths (raw, agentloop, raw, ...) so drift of the machine hits both alike.  Prints both
+passes alternate between the paths (raw, agentloop, raw, ...) so drift of the machine hits both alike.  Each
+agentloop pass gets prompts it has not seen (a trainer's next step), ``--n`` rows per prompt.  Prints both
 throughputs and the ratio agentloop / raw (goal: >= 0.97).
 
-    python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 7] [--compare-unbatched]
+    python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 7] [--n 1] [--num-workers 1]
+                                     [--compare-unbatched]
     python scripts/bench_overhead.py --device cuda     # on a GPU: the CUDA build of vLLM, bfloat16, CUDA graphs
 
 On CUDA both engines share the one GPU (``--gpu-memory-utilization`` each); the raw engine and the server
@@ -19,10 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import itertools
 import os
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -55,11 +59,14 @@ def make_config(model_path: str, args: argparse.Namespace):
     return cfg
 
 
-def make_batch(n: int):
+def make_batch(n: int, group: int = 1, step: int = 0):
+    """``n`` rows: ``n / group`` distinct prompts, each ``group`` times in a row (GRPO's ``rollout.n``).  The
+    prompts name the step, so every pass renders new text as a trainer's steps do (renders are cached)."""
     from agentloop.data import rows_to_batch
 
     topics = ["the sea", "a cat", "numbers", "rain", "the moon", "bread", "a map", "music"]
-    rows = [{"prompt": [{"role": "user", "content": f"Tell me about {topics[i % 8]} (#{i})."}]} for i in range(n)]
+    rows = [{"prompt": [{"role": "user", "content": f"Tell me about {topics[(i // group) % 8]} "
+                                                    f"(#{i // group}, step {step})."}]} for i in range(n)]
     return rows_to_batch(rows)
 
 
@@ -80,7 +87,7 @@ async def raw_pass(engine, prompts: list[list[int]], params) -> tuple[float, int
 class RawEngine:
     """The raw engine, driven from its own event loop so that its passes can alternate with agentloop's."""
 
-    def __init__(self, cfg, prompts: list[list[int]]) -> None:
+    def __init__(self, cfg, prompts: Callable[[], list[list[int]]]) -> None:
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
@@ -106,7 +113,8 @@ class RawEngine:
         self.engine = self.loop.run_until_complete(build())
 
     def rate(self) -> float:
-        wall, tokens = self.loop.run_until_complete(raw_pass(self.engine, self.prompts, self.params))
+        prompts = self.prompts()  # rendered before the clock starts: the raw engine is given token ids
+        wall, tokens = self.loop.run_until_complete(raw_pass(self.engine, prompts, self.params))
         return tokens / wall
 
     def close(self) -> None:
@@ -126,13 +134,16 @@ class AgentLoopPath:
     the longest engine wait any sample saw (rendering before the first request, postprocessing and
     transfers after the last result)."""
 
-    def __init__(self, manager, batch) -> None:
-        self.manager, self.batch = manager, batch
+    def __init__(self, manager, num_prompts: int, group: int) -> None:
+        self.manager, self.num_prompts, self.group = manager, num_prompts, group
         self.serial_ms: list[float] = []
+        self.step = 0
 
     def rate(self) -> float:
+        self.step += 1
+        batch = make_batch(self.num_prompts, self.group, self.step)
         t0 = time.perf_counter()
-        out = self.manager.generate_sequences(self.batch)
+        out = self.manager.generate_sequences(batch)
         wall = time.perf_counter() - t0
         self.serial_ms.append(1000 * (wall - out.meta_info["timing"]["agent_loop/generate_sequences/max"]))
         return float(out.batch["response_mask"].sum()) / wall
@@ -144,6 +155,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--n", type=int, default=1,
+                        help="rows per distinct prompt (GRPO's rollout.n; the stack renders each distinct prompt once)")
     parser.add_argument("--compare-unbatched", action="store_true",
                         help="also run with rollout.server.batch_calls=false (one Ray call per request)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -160,19 +173,22 @@ def main() -> None:
     from agentloop.tokenizer import load_tokenizer
 
     cfg = make_config(str(ensure_tiny_model()), args)
-    batch = make_batch(args.num_prompts)
     tok = load_tokenizer(cfg.actor_rollout_ref.model)
-    messages = batch.non_tensor_batch["raw_prompt"]
-    prompts = [apply_chat_template(tok, list(m), add_generation_prompt=True) for m in messages]
+    raw_steps = itertools.count(1)
 
-    raw = RawEngine(cfg, prompts)
+    def raw_prompts() -> list[list[int]]:  # the same shape as agentloop's passes: new text each pass
+        messages = make_batch(args.num_prompts, args.n, next(raw_steps)).non_tensor_batch["raw_prompt"]
+        return [apply_chat_template(tok, list(m), add_generation_prompt=True) for m in messages]
+
+    raw = RawEngine(cfg, raw_prompts)
     ray.init(num_cpus=2 if args.device == "cpu" else None, include_dashboard=False, logging_level="ERROR")
-    ours_path = AgentLoopPath(AgentLoopManager(cfg), batch)
+    ours_path = AgentLoopPath(AgentLoopManager(cfg), args.num_prompts, args.n)
     agentloop_paths = {"AgentLoopManager (1 srv)": ours_path}
     if args.compare_unbatched:
         unbatched_cfg = copy.deepcopy(cfg)
         OmegaConf.update(unbatched_cfg, "actor_rollout_ref.rollout.server.batch_calls", False)
-        agentloop_paths["  … batch_calls=false"] = AgentLoopPath(AgentLoopManager(unbatched_cfg), batch)
+        agentloop_paths["  … batch_calls=false"] = AgentLoopPath(AgentLoopManager(unbatched_cfg), args.num_prompts,
+                                                                 args.n)
     paths = {"raw AsyncLLM": raw.rate, **{name: p.rate for name, p in agentloop_paths.items()}}
     rates: dict[str, list[float]] = {name: [] for name in paths}
     try:
@@ -195,8 +211,9 @@ def main() -> None:
         ray.shutdown()
 
     raw_rates = np.array(rates["raw AsyncLLM"])
-    print(f"\n{args.num_prompts} prompts x {args.max_tokens} tokens, {args.repeats} timed passes each, alternating, "
-          f"device {args.device}")
+    print(f"\n{args.num_prompts} prompts ({args.num_prompts // args.n} distinct x n={args.n}) x {args.max_tokens} "
+          f"tokens, {args.repeats} timed passes each, alternating, device {args.device}, "
+          f"{args.num_workers} worker(s)")
     print(f"{'path':<28}{'tok/s (median)':>16}{'ratio (median of pairs)':>26}   passes")
     for name, values in rates.items():
         arr = np.array(values)

@@ -39,10 +39,11 @@ for m in ('vllm', 'sglang', 'ray', 'transformers'):
         print(m, 'missing:', type(e).__name__, e)
 "
 [ "${SKIP_TESTS:-0}" = 1 ] || step tests_gpu "${TESTS_LIMIT:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs
-# BENCH_WORKERS="1 4 8": one benchmark per worker count (each ~2.5 min on an H100, engine start-up included)
+# BENCH_WORKERS="1 4 8": one benchmark per worker count (each ~2.5 min on an H100, engine start-up included);
+# BENCH_N=8: GRPO-shaped batches (each prompt 8 times; the stack renders it once)
 for w in ${BENCH_WORKERS:-1}; do
   step "bench_overhead_w$w" "${BENCH_LIMIT:-300}" "$PY" scripts/bench_overhead.py --device cuda \
-    --repeats "${BENCH_REPEATS:-5}" --num-workers "$w"
+    --repeats "${BENCH_REPEATS:-5}" --num-workers "$w" --n "${BENCH_N:-1}"
 done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"

@@ -7,6 +7,12 @@ behaviour) and the number of dropped tokens is returned so the worker can count 
 
 from __future__ import annotations
 
+import array
+import functools
+import hashlib
+import json
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -40,13 +46,119 @@ def _fast_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+RENDER_CACHE_SIZE = 1024
+"""Distinct renders remembered per tokenizer (0 turns the cache off)."""
+_Key = tuple[Any, int | None, Any]
+_render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] = weakref.WeakKeyDictionary()
+
+
+def clear_render_cache() -> None:
+    """Forget every remembered render (all tokenizers)."""
+    _render_caches.clear()
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+@functools.lru_cache(maxsize=64)
+def _reads_clock(template: str) -> bool:
+    return "strftime" in template
+
+
+_PLAIN_KEY_CHARS = 16384
+
+
+def _plain_key(messages: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The messages and keyword arguments themselves as a key, when they are short plain text: every message
+    a dict of strings (or None), every keyword a str, bool, int or None (its type is part of the key: Jinja
+    renders ``True`` and ``1`` differently although Python finds them equal).  Cheaper than JSON + a digest."""
+    if type(messages) is not list:
+        return None
+    chars = 0
+    parts = []
+    for m in messages:
+        if type(m) is not dict:
+            return None
+        for v in m.values():
+            if type(v) is str:
+                chars += len(v)
+            elif v is not None:
+                return None
+        parts.append(tuple(m.items()))
+    if chars > _PLAIN_KEY_CHARS:
+        return None
+    kw = []
+    for k, v in kwargs.items():
+        t = type(v)
+        if t is not str and t is not bool and t is not int and v is not None:
+            return None
+        kw.append((k, t, v))
+    return tuple(parts), tuple(kw)
+
+
+def _render_key(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> _Key | None:
+    """The cache key of one render: the template in use, the vocabulary size (tokens added since change the
+    ids) and the messages and keyword arguments: themselves when short plain text (:func:`_plain_key`), else
+    a 128-bit BLAKE2 digest of their JSON (small in memory however long the conversation; a collision is as
+    likely as guessing a random 128-bit number).
+
+    None (do not cache) when anything is not plain JSON data (an object's repr could name a different
+    object later), or when the template reads the clock (``strftime_now``: the render changes with the date).
+    """
+    template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if template is not None and not isinstance(template, (str, dict)):
+        return None
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    if template is not None and _reads_clock(template):
+        return None
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = None
+    plain = _plain_key(messages, kwargs)
+    if plain is not None:
+        return template, size, plain
+    try:
+        text = json.dumps([messages, kwargs], ensure_ascii=False, default=_refuse)
+    except (TypeError, ValueError):
+        return None
+    return template, size, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
     """``tokenizer.apply_chat_template(..., tokenize=True)`` returning plain ids on transformers 4 and 5.
 
     With a fast tokenizer the rendered text is encoded by its Rust backend directly (the same call HF
     makes, without ~20 µs of Python around it per prompt); ``tests/unit/test_tokenization_families.py``
-    checks the ids are identical.
+    checks the ids are identical.  Renders are remembered per tokenizer (the last :data:`RENDER_CACHE_SIZE`
+    distinct ones, keyed by the template and the messages): GRPO batches hold every prompt ``rollout.n`` times
+    in a row, and the copies after the first cost a lookup instead of a Jinja render and an encode.
     """
+    key = _render_key(tokenizer, messages, kwargs) if RENDER_CACHE_SIZE > 0 else None
+    cache = None
+    if key is not None:
+        try:
+            cache = _render_caches.get(tokenizer)
+            if cache is None:
+                cache = _render_caches[tokenizer] = OrderedDict()
+        except TypeError:  # not weak-referenceable: no cache
+            cache = None
+        if cache is not None:
+            hit = cache.get(key)
+            if hit is not None:
+                cache.move_to_end(key)
+                return hit.tolist()
+    ids = _render(tokenizer, messages, kwargs)
+    if cache is not None and key is not None:
+        cache[key] = array.array("q", ids)
+        while len(cache) > RENDER_CACHE_SIZE:
+            cache.popitem(last=False)
+    return ids
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
     backend = _fast_backend(tokenizer)
     if backend is not None:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)

@@ -1,0 +1,89 @@
+"""The stack's own CPU time per sample, render cache on vs off, measured in one run (no engine, no Ray).
+
+One ``AgentLoopWorker`` in this process runs ``single_turn_agent`` batches against a zero-latency
+:class:`~agentloop.testing.ScriptedServer` (64-token replies with log-probs) with the tiny model's real
+tokenizer, so everything timed is agentloop's Python: rendering, routing, loop bookkeeping, reward and
+padding into a ``DataProto``.  This is the serial cost that weighs on short GPU batches (docs/benchmarks.md,
+"On a GPU").  Each pass gets prompts it has not seen (a trainer's next step), each repeated ``--n`` times in a
+row as GRPO's ``rollout.n`` repeats them; passes alternate between the render cache on (shipped) and off
+(``RENDER_CACHE_SIZE = 0``: the previous design).
+
+    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=256, help="rows per batch")
+    parser.add_argument("--n", type=int, nargs="+", default=[1, 8], help="rows per distinct prompt (rollout.n)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed passes per setting (after 3 warm-ups)")
+    args = parser.parse_args()
+
+    from omegaconf import OmegaConf
+
+    from agentloop.config import default_config
+    from agentloop.data import rows_to_batch
+    from agentloop.loops import prompt
+    from agentloop.testing import ScriptedServer
+    from agentloop.testing.tiny_model import ensure_tiny_model
+    from agentloop.tokenizer import load_tokenizer
+    from agentloop.worker import AgentLoopWorker
+
+    cfg = default_config()
+    OmegaConf.update(cfg, "actor_rollout_ref.model.path", str(ensure_tiny_model()))
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 128, 64
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.calculate_log_probs", True)
+    OmegaConf.resolve(cfg)
+    tok = load_tokenizer(cfg.actor_rollout_ref.model)
+    eos = tok.eos_token_id
+    server = ScriptedServer(lambda ids, params, rid: [5] * 63 + [eos], eos_token_id=eos)
+    worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server], tokenizer=tok)
+    steps = itertools.count()
+
+    def batch(group: int):
+        step = next(steps)
+        rows = [{"prompt": [{"role": "system", "content": "You are a helpful assistant."},
+                            {"role": "user", "content": f"Step {step}: what is {i // group} plus {i // group + 7}? "
+                                                        "Think step by step."}]} for i in range(args.num_prompts)]
+        return rows_to_batch(rows)
+
+    def one_pass(group: int, cache_size: int) -> float:
+        prompt.RENDER_CACHE_SIZE = cache_size
+        data = batch(group)
+        t0 = time.perf_counter()
+        asyncio.run(worker.generate_sequences(data))
+        return (time.perf_counter() - t0) / args.num_prompts * 1e6
+
+    settings = {"cache on (shipped)": prompt.RENDER_CACHE_SIZE, "cache off (previous)": 0}
+    print(f"{args.num_prompts} rows per batch, single_turn_agent, zero-latency server, µs of agentloop per row "
+          f"(median, interquartile), {args.repeats} alternating passes each")
+    for group in args.n:
+        for _ in range(3):
+            for size in settings.values():
+                one_pass(group, size)
+        times: dict[str, list[float]] = {name: [] for name in settings}
+        for _ in range(args.repeats):
+            for name, size in settings.items():
+                times[name].append(one_pass(group, size))
+        on, off = np.array(times["cache on (shipped)"]), np.array(times["cache off (previous)"])
+        for name, values in times.items():
+            q25, q75 = np.percentile(values, [25, 75])
+            print(f"  n={group:<3} {name:<22} {statistics.median(values):7.0f} µs/row  ({q25:.0f}-{q75:.0f})")
+        pairs = off / on
+        print(f"  n={group:<3} speed-up off/on, paired passes: median {np.median(pairs):.2f} "
+              f"(interquartile {np.percentile(pairs, 25):.2f}-{np.percentile(pairs, 75):.2f})")
+    prompt.RENDER_CACHE_SIZE = settings["cache on (shipped)"]
+
+
+if __name__ == "__main__":
+    main()
