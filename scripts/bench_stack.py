@@ -6,9 +6,10 @@ tokenizer, so everything timed is agentloop's Python: rendering, routing, loop b
 padding into a ``DataProto``.  This is the serial cost that weighs on short GPU batches (docs/benchmarks.md,
 "On a GPU").  Each pass gets prompts it has not seen (a trainer's next step), each repeated ``--n`` times in a
 row as GRPO's ``rollout.n`` repeats them; passes alternate between the render cache on (shipped) and off
-(``RENDER_CACHE_SIZE = 0``: the previous design).
+(``RENDER_CACHE_SIZE = 0``: the previous design).  ``--agent tool_agent``: each row makes one calculator call
+(the real tool) and then answers, so a tool turn's encoding is measured too.
 
-    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15]
+    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent]
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import asyncio
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
+
+TOOLS_YAML = Path(__file__).resolve().parent.parent / "examples" / "calculator_agent" / "tools.yaml"
 
 
 def main() -> None:
@@ -27,6 +31,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256, help="rows per batch")
     parser.add_argument("--n", type=int, nargs="+", default=[1, 8], help="rows per distinct prompt (rollout.n)")
     parser.add_argument("--repeats", type=int, default=15, help="timed passes per setting (after 3 warm-ups)")
+    parser.add_argument("--agent", choices=["single_turn_agent", "tool_agent"], default="single_turn_agent",
+                        help="tool_agent: every row makes one calculator call (a real CalculatorTool), then answers")
     args = parser.parse_args()
 
     from omegaconf import OmegaConf
@@ -43,10 +49,29 @@ def main() -> None:
     OmegaConf.update(cfg, "actor_rollout_ref.model.path", str(ensure_tiny_model()))
     cfg.data.max_prompt_length, cfg.data.max_response_length = 128, 64
     OmegaConf.update(cfg, "actor_rollout_ref.rollout.calculate_log_probs", True)
+    if args.agent == "tool_agent":
+        cfg.data.max_prompt_length, cfg.data.max_response_length = 512, 256
+        for key, value in {"multi_turn.enable": True, "multi_turn.format": "hermes",
+                           "multi_turn.max_assistant_turns": 3, "agent.default_agent_loop": "tool_agent",
+                           "multi_turn.tool_config_path": str(TOOLS_YAML)}.items():
+            OmegaConf.update(cfg, f"actor_rollout_ref.rollout.{key}", value)
     OmegaConf.resolve(cfg)
     tok = load_tokenizer(cfg.actor_rollout_ref.model)
     eos = tok.eos_token_id
-    server = ScriptedServer(lambda ids, params, rid: [5] * 63 + [eos], eos_token_id=eos)
+    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+                      add_special_tokens=False) + [eos]
+    answer = tok.encode("The answer is 5.", add_special_tokens=False) + [eos]
+    called: set[str] = set()
+
+    def reply(ids: list[int], params: dict, request_id: str) -> list[int]:
+        if args.agent == "single_turn_agent":
+            return [5] * 63 + [eos]
+        if request_id in called:  # a tool_agent row keeps its request id across turns
+            return answer
+        called.add(request_id)
+        return call
+
+    server = ScriptedServer(reply, eos_token_id=eos)
     worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server], tokenizer=tok)
     steps = itertools.count()
 
@@ -59,13 +84,20 @@ def main() -> None:
 
     def one_pass(group: int, cache_size: int) -> float:
         prompt.RENDER_CACHE_SIZE = cache_size
+        server.calls.clear()  # the fake records every call: a growing heap would slow later passes' GC
+        called.clear()
         data = batch(group)
         t0 = time.perf_counter()
         asyncio.run(worker.generate_sequences(data))
         return (time.perf_counter() - t0) / args.num_prompts * 1e6
 
+    first = asyncio.run(worker.generate_sequences(batch(1)))  # what is measured is what it claims to be
+    turns = 4 if args.agent == "tool_agent" else 2  # prompt, call, tool result, answer
+    if set(first.non_tensor_batch["status"]) != {"stop"} or set(first.non_tensor_batch["__num_turns__"]) != {turns}:
+        raise SystemExit(f"unexpected rollouts: status {set(first.non_tensor_batch['status'])}, turns "
+                         f"{set(first.non_tensor_batch['__num_turns__'])} (expected stop, {turns})")
     settings = {"cache on (shipped)": prompt.RENDER_CACHE_SIZE, "cache off (previous)": 0}
-    print(f"{args.num_prompts} rows per batch, single_turn_agent, zero-latency server, µs of agentloop per row "
+    print(f"{args.num_prompts} rows per batch, {args.agent}, zero-latency server, µs of agentloop per row "
           f"(median, interquartile), {args.repeats} alternating passes each")
     for group in args.n:
         for _ in range(3):

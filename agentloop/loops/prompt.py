@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from agentloop.errors import DatasetError, PromptTooLongError
+from agentloop.tokenization.fast import fast_backend as _fast_backend
 
 
 def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
@@ -32,18 +33,6 @@ def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
             f"{type(raw_prompt).__name__}: {str(raw_prompt)[:200]}"
         )
     return [dict(m) for m in raw_prompt]
-
-
-def _fast_backend(tokenizer: Any) -> Any | None:
-    """The Rust ``tokenizers.Tokenizer`` behind a fast HF tokenizer, when encoding with it directly gives
-    exactly what ``tokenizer(text, add_special_tokens=False)`` gives: no truncation or padding set on it
-    (HF resets both per call; a direct call would apply leftovers) and no special-token splitting."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode") or getattr(tokenizer, "split_special_tokens", False):
-        return None
-    if getattr(backend, "truncation", None) is not None or getattr(backend, "padding", None) is not None:
-        return None
-    return backend
 
 
 RENDER_CACHE_SIZE = 1024

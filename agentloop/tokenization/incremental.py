@@ -41,10 +41,12 @@ raises when the stub's last turn is re-rendered once the new messages follow it)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from agentloop.errors import AgentLoopError
+from agentloop.tokenization.fast import encode_text
 
 _STUB = "AGENTLOOP_STUB"
 # Reasoning keeps Qwen3-style templates rendering the stub's <think> block whether or not it is last.
@@ -73,7 +75,7 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> st
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(tokenizer, text)
 
 
 def _stub_history(system: dict[str, Any] | None, previous: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -112,13 +114,30 @@ def _assistant_body(tokenizer: Any, message: dict[str, Any], tools: list[dict[st
     return full[len(head):]
 
 
+_separators: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], str]] = weakref.WeakKeyDictionary()
+
+
 def turn_separator(tokenizer: Any, eos_token: str | None = None) -> str:
     """Text the template puts after an assistant turn's end-of-turn token (``"\\n"`` for ChatML, ``""`` for Llama).
 
     ``eos_token`` (default ``tokenizer.eos_token``) is the token the turn ended with; a template that ends
-    tool-call turns with their own token (harmony's ``<|call|>``) is looked up on a tool-call stub.
+    tool-call turns with their own token (harmony's ``<|call|>``) is looked up on a tool-call stub.  Remembered
+    per tokenizer, chat template and token (it is asked on every tool turn and costs two to four renders).
     """
     eos = eos_token or tokenizer.eos_token
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):  # no template of its own, or several by name: not remembered
+        return _find_separator(tokenizer, eos)
+    try:
+        known = _separators.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable
+        return _find_separator(tokenizer, eos)
+    if (template, eos) not in known:
+        known[(template, eos)] = _find_separator(tokenizer, eos)
+    return known[(template, eos)]
+
+
+def _find_separator(tokenizer: Any, eos: str) -> str:
     for stub in (_STUB_REPLY, _STUB_CALL):
         try:
             body = _assistant_body(tokenizer, stub, None, {})
