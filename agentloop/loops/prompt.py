@@ -11,6 +11,7 @@ import array
 import functools
 import hashlib
 import json
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -39,11 +40,13 @@ RENDER_CACHE_SIZE = 1024
 """Distinct renders remembered per tokenizer (0 turns the cache off)."""
 _Key = tuple[Any, int | None, Any]
 _render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] = weakref.WeakKeyDictionary()
+_render_lock = threading.Lock()
 
 
 def clear_render_cache() -> None:
     """Forget every remembered render (all tokenizers)."""
-    _render_caches.clear()
+    with _render_lock:
+        _render_caches.clear()
 
 
 def _refuse(value: Any) -> Any:
@@ -126,21 +129,21 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
     in a row, and the copies after the first cost a lookup instead of a Jinja render and an encode.
     """
     key = _render_key(tokenizer, messages, kwargs) if RENDER_CACHE_SIZE > 0 else None
-    cache = None
-    if key is not None:
+    if key is None:
+        return _render(tokenizer, messages, kwargs)
+    with _render_lock:  # loops may render from threads (the verl helpers use an executor)
         try:
             cache = _render_caches.get(tokenizer)
             if cache is None:
                 cache = _render_caches[tokenizer] = OrderedDict()
         except TypeError:  # not weak-referenceable: no cache
-            cache = None
-        if cache is not None:
-            hit = cache.get(key)
-            if hit is not None:
-                cache.move_to_end(key)
-                return hit.tolist()
+            return _render(tokenizer, messages, kwargs)
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+            return hit.tolist()
     ids = _render(tokenizer, messages, kwargs)
-    if cache is not None and key is not None:
+    with _render_lock:
         cache[key] = array.array("q", ids)
         while len(cache) > RENDER_CACHE_SIZE:
             cache.popitem(last=False)

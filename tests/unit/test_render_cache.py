@@ -127,3 +127,16 @@ def test_long_and_structured_messages_are_remembered_too():
         assert apply_chat_template(tok, long) == FakeTokenizer().apply_chat_template(long)
         apply_chat_template(tok, parts, tools=[{"type": "function", "function": {"name": "calc"}}])
     assert tok.renders == 2
+
+
+def test_renders_from_many_threads_at_once_stay_exact(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentloop.loops import prompt
+
+    monkeypatch.setattr(prompt, "RENDER_CACHE_SIZE", 4)  # constant eviction while threads read and write
+    tok = CountingTokenizer()
+    texts = [f"q{i % 12}" for i in range(2000)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: apply_chat_template(tok, chat(t)), texts))
+    assert got == [FakeTokenizer().apply_chat_template(chat(t)) for t in texts]
