@@ -49,6 +49,7 @@ from agentloop.trace import enabled as trace_enabled
 from agentloop.trace import flush as trace_flush
 from agentloop.trace import set_token_decoder
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
+from agentloop.utils.gcheap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class AgentLoopWorker:
         self._loop_args = (DictConfigWrap(root), self.server_manager, self.tokenizer, self.processor)
         self._loop_kwargs = {"dataset_cls": None, "data_config": DictConfigWrap(root.get("data") or {}),
                              "hf_model_type": self.hf_model_type, "tools": ToolListWrap(self.tools)}
+        self.gc_frozen = freeze_startup_heap(rollout)  # last: everything start-up made stays out of full GCs
 
     def _init_loop_class(self, entry: ResolvedAgentLoop, **extra: Any) -> None:
         """verl's once-per-class set-up; a failure is kept, named, and fails only that loop's samples."""
@@ -209,7 +211,7 @@ class AgentLoopWorker:
     def ready(self) -> dict[str, Any]:
         """Returns once the worker is constructed (tokenizer loaded, loop classes initialised)."""
         return {"pid": os.getpid(), "priority": self.priority, "agent_loops": sorted(self.registry),
-                "init_errors": dict(self.init_errors)}
+                "init_errors": dict(self.init_errors), "gc_frozen": self.gc_frozen}
 
     def attach_gateways(self, gateways: list[Any]) -> None:
         """Give loops that declare ``requires_gateway`` a GatewayManager over these gateway actors."""

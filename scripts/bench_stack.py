@@ -9,17 +9,21 @@ row as GRPO's ``rollout.n`` repeats them; passes alternate between the render ca
 (``RENDER_CACHE_SIZE = 0``: the previous design).  ``--agent tool_agent``: each row makes one calculator call
 (the real tool) and then answers, so a tool turn's encoding is measured too.
 
-    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent]
+``--compare gc``: the start-up heap frozen (what worker and server actors do, ``rollout.gc_freeze``) vs not.
+
+    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent] [--compare gc]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +35,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256, help="rows per batch")
     parser.add_argument("--n", type=int, nargs="+", default=[1, 8], help="rows per distinct prompt (rollout.n)")
     parser.add_argument("--repeats", type=int, default=15, help="timed passes per setting (after 3 warm-ups)")
+    parser.add_argument("--compare", choices=["cache", "gc"], default="cache",
+                        help="cache: render cache on vs off; gc: start-up heap frozen (what worker actors do, "
+                             "rollout.gc_freeze) vs not, cache on")
     parser.add_argument("--agent", choices=["single_turn_agent", "tool_agent"], default="single_turn_agent",
                         help="tool_agent: every row makes one calculator call (a real CalculatorTool), then answers")
     args = parser.parse_args()
@@ -82,8 +89,13 @@ def main() -> None:
                                                         "Think step by step."}]} for i in range(args.num_prompts)]
         return rows_to_batch(rows)
 
-    def one_pass(group: int, cache_size: int) -> float:
-        prompt.RENDER_CACHE_SIZE = cache_size
+    def one_pass(group: int, setting: Any) -> float:
+        if args.compare == "cache":
+            prompt.RENDER_CACHE_SIZE = setting
+        elif setting:
+            gc.freeze()  # O(1): the tracked objects move to the permanent generation
+        else:
+            gc.unfreeze()
         server.calls.clear()  # the fake records every call: a growing heap would slow later passes' GC
         called.clear()
         data = batch(group)
@@ -96,25 +108,32 @@ def main() -> None:
     if set(first.non_tensor_batch["status"]) != {"stop"} or set(first.non_tensor_batch["__num_turns__"]) != {turns}:
         raise SystemExit(f"unexpected rollouts: status {set(first.non_tensor_batch['status'])}, turns "
                          f"{set(first.non_tensor_batch['__num_turns__'])} (expected stop, {turns})")
-    settings = {"cache on (shipped)": prompt.RENDER_CACHE_SIZE, "cache off (previous)": 0}
+    if args.compare == "cache":
+        settings: dict[str, Any] = {"cache on (shipped)": prompt.RENDER_CACHE_SIZE, "cache off (previous)": 0}
+    else:
+        gc.collect()
+        settings = {"heap frozen (actors)": True, "not frozen (previous)": False}
+    shipped, previous = settings
     print(f"{args.num_prompts} rows per batch, {args.agent}, zero-latency server, µs of agentloop per row "
-          f"(median, interquartile), {args.repeats} alternating passes each")
+          f"(median, interquartile, slowest), {args.repeats} alternating passes each")
     for group in args.n:
         for _ in range(3):
-            for size in settings.values():
-                one_pass(group, size)
+            for value in settings.values():
+                one_pass(group, value)
         times: dict[str, list[float]] = {name: [] for name in settings}
         for _ in range(args.repeats):
-            for name, size in settings.items():
-                times[name].append(one_pass(group, size))
-        on, off = np.array(times["cache on (shipped)"]), np.array(times["cache off (previous)"])
+            for name, value in settings.items():
+                times[name].append(one_pass(group, value))
         for name, values in times.items():
             q25, q75 = np.percentile(values, [25, 75])
-            print(f"  n={group:<3} {name:<22} {statistics.median(values):7.0f} µs/row  ({q25:.0f}-{q75:.0f})")
-        pairs = off / on
-        print(f"  n={group:<3} speed-up off/on, paired passes: median {np.median(pairs):.2f} "
+            print(f"  n={group:<3} {name:<22} {statistics.median(values):7.0f} µs/row  ({q25:.0f}-{q75:.0f}, "
+                  f"slowest {max(values):.0f})")
+        pairs = np.array(times[previous]) / np.array(times[shipped])
+        print(f"  n={group:<3} speed-up previous/shipped, paired passes: median {np.median(pairs):.2f} "
               f"(interquartile {np.percentile(pairs, 25):.2f}-{np.percentile(pairs, 75):.2f})")
-    prompt.RENDER_CACHE_SIZE = settings["cache on (shipped)"]
+    if args.compare == "cache":
+        prompt.RENDER_CACHE_SIZE = settings[shipped]
+    gc.unfreeze()
 
 
 if __name__ == "__main__":

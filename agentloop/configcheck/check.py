@@ -281,7 +281,7 @@ TYPE_CHECKS: dict[str, Check] = {
         "dtype": _STR, "gpu_memory_utilization": _FRACTION, "enforce_eager": _BOOL, "free_cache_engine": _BOOL,
         "tensor_model_parallel_size": _POS_INT, "max_model_len": _OPT_POS_INT, "max_num_seqs": _POS_INT,
         "max_num_batched_tokens": _POS_INT, "enable_chunked_prefill": _BOOL, "enable_prefix_caching": _BOOL,
-        "disable_log_stats": _BOOL, "normal_priority": _BOOL,
+        "disable_log_stats": _BOOL, "normal_priority": _BOOL, "gc_freeze": _BOOL,
         "cudagraph_capture_sizes": _OPT_SIZES,
         "engine_kwargs": _MAPPING, "engine_kwargs.vllm": _OPT_MAPPING, "engine_kwargs.sglang": _OPT_MAPPING,
         "val_kwargs": _MAPPING, "val_kwargs.temperature": _TEMP, "val_kwargs.top_p": _TOP_P,

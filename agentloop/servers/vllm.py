@@ -174,8 +174,11 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         hf_config = self.engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
+        from agentloop.utils.gcheap import freeze_startup_heap
+
+        frozen = freeze_startup_heap(self.rollout)  # the actor's start-up objects stay out of full collections
         return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid(),
-                "priority": priority, "weight_transport": self.weight_transport}
+                "priority": priority, "weight_transport": self.weight_transport, "gc_frozen": frozen}
 
     def _sampling_params(self, prompt_len: int, params: dict[str, Any], stream: bool = False) -> Any:
         from vllm import SamplingParams

@@ -198,6 +198,7 @@ def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session
         infos = ray_session.get([w.ready.remote() for w in manager.agent_loop_workers])
         assert len(infos) == 2 and all("tool_agent" in i["agent_loops"] for i in infos)
         assert all(i["priority"].startswith("nice") for i in infos)
+        assert all(i["gc_frozen"] > 10_000 for i in infos)  # start-up heap out of full collections
         from agentloop.data import rows_to_batch
 
         out = manager.generate_sequences(rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 4))
