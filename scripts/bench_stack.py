@@ -1,4 +1,4 @@
-"""The stack's own CPU time per sample, render cache on vs off, measured in one run (no engine, no Ray).
+"""The stack's own CPU time per sample, with and without the render cache (or the GC freeze), in one run.
 
 One ``AgentLoopWorker`` in this process runs ``single_turn_agent`` batches against a zero-latency
 :class:`~agentloop.testing.ScriptedServer` (64-token replies with log-probs) with the tiny model's real
@@ -9,7 +9,7 @@ row as GRPO's ``rollout.n`` repeats them; passes alternate between the render ca
 (``RENDER_CACHE_SIZE = 0``: the previous design).  ``--agent tool_agent``: each row makes one calculator call
 (the real tool) and then answers, so a tool turn's encoding is measured too.
 
-``--compare gc``: the start-up heap frozen (what worker and server actors do, ``rollout.gc_freeze``) vs not.
+``--compare gc``: the start-up heap frozen (what worker and vLLM server actors do, ``rollout.gc_freeze``) vs not.
 
     python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent] [--compare gc]
 """
