@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agentloop.batch_metrics import align_keys, performance_metrics
 from agentloop.config import AgentLoopConfig, resolve_config
-from agentloop.errors import ConfigError
+from agentloop.errors import ConfigError, ServerError
 from agentloop.loops.base import resolve_registry
 from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager
@@ -380,6 +380,9 @@ class AgentLoopManager:
         ``weight_versions``; docs/async.md).  ``global_steps`` (default: the previous version + 1; servers start
         at 0) is what every later generation reports as ``extra_fields["global_steps"]`` and trajectories as
         ``min_global_steps`` / ``max_global_steps``.  Protocol and engine path: :mod:`agentloop.servers.weight_sync`.
+        A server that dies during the update, or gives no answer to one of its steps within
+        ``rollout.server.weight_update_timeout`` seconds, is taken out and restarted and the update goes on with
+        the others (the restarted one loads the weights at the next update; docs/faults.md).
         """
         from agentloop.servers.weight_sync import iter_buckets
 
@@ -388,23 +391,36 @@ class AgentLoopManager:
             self.wake_up()
         self.supervisor.poll(self._weight_version)
         waiting = self.supervisor.awaiting_weights()  # restarted servers: they get the current weights too
-        handles = [h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down]
-        handles += list(waiting.values())
+        targets = {i: h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down}
+        targets.update(waiting)
+        limit = self.rollout.server.get("weight_update_timeout")
+
+        def settle(calls: dict[int, Any], what: str) -> dict[int, Any]:
+            """Results of the servers that answered; the lost ones are restarted and dropped from the update."""
+            results = self.supervisor.settle(calls, float(limit) if limit else None, what)
+            for i in set(calls) - set(results):
+                targets.pop(i, None)
+            if not targets:
+                raise ServerError(f"update_weights to version {version}: no rollout server is left to load the "
+                                  "weights (each died or gave no answer; see the warnings above); they are being "
+                                  "restarted: call update_weights again once manager.recover() reports them up")
+            return results
+
         try:
-            ray.get([s.begin_weight_update.remote(version) for s in handles])
-            loading: list[Any] = []
+            settle({i: h.begin_weight_update.remote(version) for i, h in targets.items()}, "begin_weight_update")
+            loading: dict[int, Any] = {}
             for bucket in iter_buckets(weights, max(1, int(bucket_mb * 2**20))):
                 ref = ray.put(bucket)  # packed while the servers still load the previous bucket
-                ray.get(loading)
-                loading = [s.load_weight_bucket.remote(ref) for s in handles]
+                settle(loading, "load_weight_bucket")
+                loading = {i: h.load_weight_bucket.remote(ref) for i, h in targets.items()}
                 del ref, bucket
-            ray.get(loading)
-            reports = ray.get([s.finish_weight_update.remote() for s in handles])
+            settle(loading, "load_weight_bucket")
+            reports = settle({i: h.finish_weight_update.remote() for i, h in targets.items()}, "finish_weight_update")
         except BaseException:
-            _abort_weight_updates(handles)
+            _abort_weight_updates(list(targets.values()))
             raise
         self._weight_version = version
-        self.supervisor.weights_loaded(list(waiting))
+        self.supervisor.weights_loaded([i for i in waiting if i in targets])
         logger.debug("weights updated to version %d: %s", version, reports)
         return version
 
@@ -443,7 +459,7 @@ def _abort_weight_updates(handles: list[Any]) -> None:
     caller re-raises the one that matters)."""
     for ref in [s.abort_weight_update.remote() for s in handles]:
         try:
-            ray.get(ref)
+            ray.get(ref, timeout=30)
         except Exception as e:  # noqa: BLE001 - best effort while another error propagates
             logger.warning("closing a failed weight update: %s", e)
 

@@ -12,6 +12,8 @@ the manager's side.  :class:`ServerSupervisor`
    :meth:`AgentLoopManager.update_weights` loads the current ones into it.  Putting back means: the handle
    replaces the dead one in the manager, in every worker's router and in the shared balancer (``mark_up``).
 
+A server found dead (or not answering in time) **during a weight update** is handled the same way there
+(:meth:`ServerSupervisor.settle`): the update goes on with the others instead of failing or hanging.
 Servers the manager did not start (an ``llm_client``'s) are marked down but not restarted.
 ``counts`` holds ``server_restarts`` and ``servers_down`` for the batch metrics.
 """
@@ -27,9 +29,16 @@ from typing import Any
 import ray
 
 from agentloop.errors import first_line
+from agentloop.servers.base import ServerDeadError
 from agentloop.servers.placement import ServerGroup
 
 logger = logging.getLogger(__name__)
+
+
+def _why(error: BaseException) -> str:
+    """One line on why a server call failed: the server's own error rather than Ray's wrapper around it."""
+    cause = getattr(error, "cause", None)
+    return first_line(cause if isinstance(cause, BaseException) else error)
 
 
 @dataclass
@@ -86,11 +95,42 @@ class ServerSupervisor:
             try:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 - any failure to answer means the server cannot serve
-                logger.warning("rollout server %d is dead: %s", i, first_line(e))
+                logger.warning("rollout server %d is dead: %s", i, _why(e))
                 dead.append(i)
         for i in dead:
             self._take_out(i)
         return dead
+
+    def settle(self, calls: dict[int, Any], timeout: float | None, what: str) -> dict[int, Any]:
+        """Wait for one call per server (index -> ObjectRef; serving servers and restarted ones awaiting weights)
+        and return the results of those that answered.  A server whose actor or engine died, or that gave no
+        answer within ``timeout`` seconds (None: no limit), is taken out and restarted (as after a batch) and
+        left out of the result; any other error is raised (it is not the server's fault: e.g. a bad tensor)."""
+        if not calls:
+            return {}
+        refs = list(calls.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        finished, results = set(done), {}
+        for i, ref in calls.items():
+            if ref not in finished:
+                self.lose(i, f"no answer to {what} within {timeout:g} s")
+                continue
+            try:
+                results[i] = ray.get(ref)
+            except (ray.exceptions.RayActorError, ServerDeadError) as e:
+                self.lose(i, f"died during {what}: {_why(e)}")
+        return results
+
+    def lose(self, index: int, reason: str) -> None:
+        """Server ``index`` cannot serve (``reason``): out of routing and restarted; a restarted one that was
+        waiting for weights is started again."""
+        logger.warning("rollout server %d %s; it is taken out and restarted", index, reason)
+        if index in self.restarting:
+            ray.kill(self.restarting.pop(index).handle, no_restart=True)
+            if self.can_restart:
+                self._begin_restart(index)
+        elif index not in self.down:
+            self._take_out(index)
 
     def _take_out(self, index: int) -> None:
         self.down.add(index)

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
 from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.enginewatch import EngineWatch
 from agentloop.servers.inflight_update import InFlightUpdateMixin
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import (
@@ -58,6 +59,8 @@ from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
 
+_LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at "
+                    "the next update")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos")
 _FINISH_TO_STOP = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED}
 
@@ -151,6 +154,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         they go on with the new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
         self._switches: dict[str, list[tuple[int, int]]] = {}  # request -> (tokens so far, version) per switch
         self._counts_tokens = False  # vLLM exposes per-request token counts (set by start())
+        self._watch = EngineWatch(self._engine_dead)  # requests vLLM forgets when its engine dies are failed
 
     async def start(self) -> dict[str, Any]:
         """Create the engine; returns facts about it (platform, start seconds)."""
@@ -174,6 +178,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         hf_config = self.engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
+        self._watch.start()
         from agentloop.utils.gcheap import freeze_startup_heap
 
         frozen = freeze_startup_heap(self.rollout)  # the actor's start-up objects stay out of full collections
@@ -226,13 +231,15 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         started_at = self.global_steps
         async with self._gate.admitted(request_id) as admitted:
             if admitted:
-                try:
-                    async for out in self.engine.generate(prompt, params, request_id,
-                                                          priority=int(sampling_params.get("priority") or 0)):
-                        final = out
-                except Exception as e:
-                    self._raise_if_dead(e)
-                    raise
+                with self._watch.request():
+                    try:
+                        async for out in self.engine.generate(prompt, params, request_id,
+                                                              priority=int(sampling_params.get("priority") or 0)):
+                            final = out
+                    except BaseException as e:
+                        if isinstance(e, Exception) or self._watch.cut_by_death(e):
+                            self._raise_if_dead(e)
+                        raise
             output = (self._to_token_output(final, want_logprobs) if final is not None else
                       TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                   stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields()))
@@ -262,29 +269,31 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         finished = False
         versions: list[int] = []  # the weights each token was sampled with (a keep-mode update may land between)
         async with self._gate.admitted(request_id) as admitted:
-            try:
-                prompt = self._prompt(prompt_ids, image_data, video_data)
-                rank = int(sampling_params.get("priority") or 0)
-                async for out in (self.engine.generate(prompt, params, request_id, priority=rank) if admitted
-                                  else _empty()):
-                    completion = out.outputs[0]
-                    ids = list(completion.token_ids)
-                    log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
-                    finished = bool(out.finished)
-                    reason = completion.finish_reason or "abort"
-                    stop = _FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
-                    versions += [self.global_steps] * len(ids)
-                    extra = self._gate.extra(self._extra_fields(), stop, request_id, params.max_tokens)
-                    yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
-                                     extra_fields=self._versioned(extra, versions) if finished else {})
-            except Exception as e:
-                self._raise_if_dead(e)
-                raise
-            self._switches.pop(request_id, None)  # streams tag their tokens as they come
-            if not finished:
-                extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
-                yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
-                                 stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
+            with self._watch.request():  # its task is failed over if the engine dies meanwhile
+                try:
+                    prompt = self._prompt(prompt_ids, image_data, video_data)
+                    rank = int(sampling_params.get("priority") or 0)
+                    async for out in (self.engine.generate(prompt, params, request_id, priority=rank) if admitted
+                                      else _empty()):
+                        completion = out.outputs[0]
+                        ids = list(completion.token_ids)
+                        log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
+                        finished = bool(out.finished)
+                        reason = completion.finish_reason or "abort"
+                        stop = _FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
+                        versions += [self.global_steps] * len(ids)
+                        extra = self._gate.extra(self._extra_fields(), stop, request_id, params.max_tokens)
+                        yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
+                                         extra_fields=self._versioned(extra, versions) if finished else {})
+                except BaseException as e:
+                    if isinstance(e, Exception) or self._watch.cut_by_death(e):
+                        self._raise_if_dead(e)
+                    raise
+                self._switches.pop(request_id, None)  # streams tag their tokens as they come
+                if not finished:
+                    extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
+                    yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
+                                     stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
 
     async def pause(self) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
@@ -308,13 +317,14 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
             await self.engine.resume_generation()
         self._gate.open()
 
-    def _raise_if_dead(self, error: BaseException) -> None:
+    def _raise_if_dead(self, error: BaseException, then: str = "the request is retried on another server and "
+                       "this one restarted") -> None:
         """An engine whose core process died raises vLLM's EngineDeadError for this and every later request:
-        turn it into :class:`ServerDeadError` so the router fails over and the manager restarts this server."""
+        turn it into :class:`ServerDeadError` so the router fails over (or a weight update goes on without this
+        server) and the manager restarts it."""
         if self._engine_dead() or type(error).__name__ == "EngineDeadError":
             raise ServerDeadError(f"vLLM server {self.server_index}: the engine process died ({type(error).__name__}: "
-                                  f"{error}); the request is retried on another server and this one restarted",
-                                  self.server_index) from error
+                                  f"{error}); {then}", self.server_index) from error
 
     def _engine_dead(self) -> bool:
         return bool(self.engine is not None and getattr(self.engine, "errored", False))
@@ -401,6 +411,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
                 self._update.tmpdir = tempfile.TemporaryDirectory(prefix="agentloop-weights-")
         except Exception as e:
             await self.abort_weight_update()
+            self._raise_if_dead(e, _LOST_FOR_UPDATE)
             raise ServerError(f"vLLM server {self.server_index}: could not open a weight update: {e}") from e
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> None:
@@ -414,6 +425,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
                 write_shard(bucket, aliases, update)
         except Exception as e:
             await self.abort_weight_update()
+            self._raise_if_dead(e, _LOST_FOR_UPDATE)
             raise ServerError(f"vLLM server {self.server_index}: loading weights {bucket.names[:3]}... failed: {e}; "
                               "the engine may now mix old and new weights, run the update again") from e
         update.tensors += len(bucket)
@@ -434,6 +446,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
                 self._record_switch(update.version)  # the engine is still frozen: the counts are exact
         except Exception as e:
             await self._abandon_update()
+            self._raise_if_dead(e, _LOST_FOR_UPDATE)
             raise ServerError(f"vLLM server {self.server_index}: applying the weight update failed: {e}") from e
         self.global_steps = update.version
         await self._abandon_update()
@@ -491,7 +504,11 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         if update is not None and update.tmpdir is not None:
             update.tmpdir.cleanup()
         if not self._gate.paused:  # paused: the engine stays paused until resume()
-            await self.engine.resume_generation()
+            try:
+                await self.engine.resume_generation()
+            except Exception:
+                if not self._engine_dead():  # a dead engine cannot resume: the caller reports that instead
+                    raise
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix (KV) cache, e.g. after a weight update made it stale."""
@@ -515,6 +532,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
+        self._watch.stop()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

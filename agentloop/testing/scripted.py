@@ -19,7 +19,8 @@ Reply rules, in order:
    ``max_tokens`` without EOS (an EOS is configured), else ``stop``.  ``logprobs`` truthy → one
    deterministic finite log-probability per token.
 5. After :meth:`kill_engine` every ``generate`` raises :class:`~agentloop.servers.base.ServerDeadError` (as
-   a vLLM server whose engine process died) and :meth:`check_health` raises it too.
+   a vLLM server whose engine process died), and so do :meth:`check_health` and the weight-update steps.
+   :meth:`stall_weight_updates` makes ``begin_weight_update`` never answer (a hung server).
 6. Every reply it builds carries ``extra_fields["global_steps"]``: the weight version, 0 until the first
    update; ``update_weights`` / ``finish_weight_update`` set it (default: previous + 1), as a real server.
 7. ``token_delay`` > 0 hands the reply out one token at a time, ``token_delay`` seconds per token, so an
@@ -106,6 +107,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         self._open_version: int | None = None
         self._pending: dict[str, list[asyncio.Event]] = {}
         self.engine_dead = False
+        self._stalled = False
         self._gate = PauseGate()
 
     @property
@@ -230,6 +232,10 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
             for event in events:
                 event.set()
 
+    def stall_weight_updates(self) -> None:
+        """From now on ``begin_weight_update`` never returns (a server hung inside a weight update)."""
+        self._stalled = True
+
     async def check_health(self) -> dict[str, Any]:
         """Raises ServerDeadError after :meth:`kill_engine`."""
         self._raise_if_dead()
@@ -286,6 +292,9 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
 
     async def begin_weight_update(self, global_steps: int | None = None, **kwargs: Any) -> None:
         """Open a streamed update (a second open one is a ServerError, as on a real server)."""
+        self._raise_if_dead()
+        while self._stalled:
+            await asyncio.sleep(3600)
         if self._open_version is not None:
             raise ServerError(f"{self.name}: a weight update is already open")
         self.lifecycle.append("begin_weight_update")
@@ -294,6 +303,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> None:
         """Record the bucket's names and keep copies of its tensors in :attr:`weights`."""
+        self._raise_if_dead()
         if self._open_version is None:
             raise ServerError(f"{self.name}: load_weight_bucket() without begin_weight_update()")
         self.buckets.append(list(bucket.names))
@@ -301,6 +311,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
 
     async def finish_weight_update(self) -> dict[str, Any]:
         """Publish the version of the open update."""
+        self._raise_if_dead()
         if self._open_version is None:
             raise ServerError(f"{self.name}: finish_weight_update() without begin_weight_update()")
         self.lifecycle.append("finish_weight_update")

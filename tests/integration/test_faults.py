@@ -233,6 +233,62 @@ def test_an_engine_that_dies_inside_its_only_server_is_restarted(ray_session, mo
         manager.shutdown()
 
 
+def test_servers_lost_before_or_during_a_weight_update_do_not_stop_it(ray_session, monkeypatch):
+    """Of three servers, one's engine died and one's actor is gone before update_weights (no batch found them
+    yet), and on the next update a restarted one hangs inside it: each update completes on the servers left,
+    the lost ones are restarted, get the weights at the following update and serve again."""
+    import torch
+
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=3, delay=0.0,
+                           root={"actor_rollout_ref.rollout.server.weight_update_timeout": 2})
+    try:
+        engine_dead, actor_dead, alive = manager.server_handles
+        ray.get(engine_dead.kill_engine.remote())
+        ray.kill(actor_dead)
+        assert manager.update_weights({"w": torch.ones(2)}, global_steps=5) == 5
+        assert ray.get(alive.check_health.remote())["global_steps"] == 5
+        assert ray.get(manager.balancer.stats.remote())["healthy"] == [0, 0, 1]
+        assert wait_until(lambda: manager.recover()["servers_awaiting_weights"] == 2)  # restarted: old weights
+        restarted = manager.supervisor.awaiting_weights()
+        ray.get(restarted[0].stall_weight_updates.remote())  # this one now hangs inside the next update
+        t0 = time.monotonic()
+        assert manager.update_weights({"w": torch.full((2,), 2.0)}, global_steps=6) == 6
+        assert time.monotonic() - t0 < 30  # cut at weight_update_timeout (2 s), not waited for
+        state = manager.recover()
+        assert state["servers_down"] == 1 and manager.server_handles[1] is restarted[1]
+        assert ray.get(manager.server_handles[1].check_health.remote())["global_steps"] == 6
+        assert wait_until(lambda: manager.recover()["servers_awaiting_weights"] == 1)  # the hung one, again
+        assert manager.update_weights({"w": torch.full((2,), 3.0)}, global_steps=7) == 7
+        assert manager.recover()["servers_down"] == 0
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(12)]))
+        assert out.non_tensor_batch["status"].tolist() == ["stop"] * 12
+        assert set(out.non_tensor_batch["max_global_steps"].tolist()) == {7}
+        assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1, 1]
+    finally:
+        manager.shutdown()
+
+
+def test_a_weight_update_with_no_server_left_raises_naming_recover(ray_session, monkeypatch):
+    import torch
+
+    from agentloop.errors import ServerError
+
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
+    try:
+        ray.get(manager.server_handles[0].kill_engine.remote())
+        with pytest.raises(ServerError, match=r"no rollout server is left.*recover\(\)"):
+            manager.update_weights({"w": torch.ones(2)}, global_steps=1)
+        # no version was published, so the restarted server (initial weights) serves again as version 0
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)
+        assert manager.update_weights({"w": torch.ones(2)}, global_steps=2) == 2
+        out = manager.generate_sequences(batch(["a", "b"]))
+        assert out.non_tensor_batch["status"].tolist() == ["stop", "stop"]
+    finally:
+        manager.shutdown()
+
+
 def grouped(texts_per_group: list[list[str]]):
     """Group g's rows share ``group`` g (rows of different groups interleaved on purpose)."""
     from agentloop.data import rows_to_batch

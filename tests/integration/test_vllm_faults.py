@@ -1,7 +1,8 @@
 """Server faults on the real engine (2 vLLM CPU servers, tiny model): an engine process SIGKILLed and a server
-actor killed mid-batch.  Each time every row comes back (the dead server's requests fail over to the other one
-with their tokens), the dead server is restarted in its slot, and after a weight update made the initial weights
-stale, the restarted engine rejoins only once the next update loaded the current weights into it."""
+actor killed mid-batch, and an engine that died between batches when the next weight update starts.  Each time
+every row comes back (the dead server's requests fail over to the other one with their tokens), the update goes
+on without the dead server, the dead server is restarted in its slot, and after a weight update made the initial
+weights stale, the restarted engine rejoins only once the next update loaded the current weights into it."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def manager():
         "actor_rollout_ref.rollout.server.num_servers": 2,
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.rollout.ignore_eos": True,  # every request decodes all 48 tokens: a kill lands mid-request
     }.items():
         OmegaConf.update(cfg, k, v)
     m = AgentLoopManager(cfg)
@@ -58,6 +60,40 @@ def engine_pids(server_pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(server_pid).children(recursive=True)]
 
 
+def kill_engine(pids: list[int], timeout: float = 30.0) -> None:
+    """SIGKILL the engine processes and wait until they are gone."""
+    import psutil
+
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    psutil.wait_procs([p for p in map(_process, pids) if p is not None], timeout=timeout)
+
+
+def _process(pid: int) -> Any:
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def kill_when_busy(manager: Any, server: int, pids: list[int]) -> threading.Thread:
+    """SIGKILL ``server``'s engine as soon as the balancer counts a request in flight on it (a fixed delay
+    raced the batch: the tiny model can finish a whole batch in 0.3 s)."""
+    import ray
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not ray.get(manager.balancer.stats.remote())["in_flight"][server]:
+            time.sleep(0.005)
+        kill_engine(pids)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def faults(out) -> dict[str, float]:
     return {k.rsplit("/", 1)[-1]: v for k, v in out.meta_info["timing"].items() if "/faults/" in k}
 
@@ -76,13 +112,12 @@ def test_a_sigkilled_engine_fails_over_and_its_server_is_restarted(manager):
     server_pid = manager.servers.info[0]["pid"]
     children = engine_pids(server_pid)
     assert children, "the vLLM server should run its engine core in a child process"
-    timer = threading.Timer(0.3, lambda: [os.kill(p, signal.SIGKILL) for p in children])
-    timer.start()
+    killer = kill_when_busy(manager, 0, children)
     out = manager.generate_sequences(make_batch(8))
-    timer.join()
+    killer.join()
     status = out.non_tensor_batch["status"].tolist()
     assert len(out) == 8 and set(status) <= {"stop", "length"}, out.non_tensor_batch["error"].tolist()
-    assert faults(out)["servers_down"] == 1
+    assert faults(out)["server_failovers"] >= 1 and faults(out)["servers_down"] == 1
     old = manager.server_handles[0]
     state = wait_recovered(manager)
     assert state["servers_down"] == 0 and manager.server_handles[0] is not old
@@ -110,4 +145,26 @@ def test_a_killed_server_actor_rejoins_only_with_the_current_weights(manager):
     nxt = manager.generate_sequences(make_batch(8))
     assert set(nxt.non_tensor_batch["max_global_steps"].tolist()) == {8}
     assert set(nxt.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
+    assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
+
+
+def test_an_engine_dead_before_a_weight_update_is_left_out_of_it_and_restarted(manager):
+    """The engine dies between batches (no batch found it yet): update_weights completes on the other server
+    instead of raising the engine's error; the dead one is restarted and rejoins with the next update."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    weights = AutoModelForCausalLM.from_pretrained(manager.config.model.path).state_dict()
+    old = manager.server_handles[0]
+    kill_engine(engine_pids(manager.servers.info[0]["pid"]))
+    assert manager.update_weights(weights, global_steps=9) == 9
+    assert ray.get(manager.server_handles[1].check_health.remote())["global_steps"] == 9
+    state = wait_recovered(manager)
+    assert state["servers_down"] == 1 and state["servers_awaiting_weights"] == 1
+    out = manager.generate_sequences(make_batch(8))  # served by server 1 alone meanwhile
+    assert set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
+    assert manager.update_weights(weights, global_steps=10) == 10
+    assert manager.recover()["servers_down"] == 0 and manager.server_handles[0] is not old
+    nxt = manager.generate_sequences(make_batch(8))
+    assert set(nxt.non_tensor_batch["max_global_steps"].tolist()) == {10}
     assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]

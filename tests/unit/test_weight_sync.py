@@ -157,6 +157,7 @@ def fake_ray(monkeypatch):
 
     monkeypatch.setattr(ray, "put", put)
     monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))  # all answered
     return puts
 
 
@@ -168,6 +169,7 @@ def make_manager(servers: list[ScriptedServer], sleeping: bool = False) -> Agent
     manager = AgentLoopManager.__new__(AgentLoopManager)  # no Ray: only what update_weights touches
     manager.server_handles = [LocalHandle(s) for s in servers]
     manager._sleeping = sleeping
+    manager.rollout = OmegaConf.create({"server": {"weight_update_timeout": 600}})
     manager._sleep_support = [True] * len(servers)
     manager.supervisor = ServerSupervisor(ServerGroup(manager.server_handles, None, "cpu", []), None, lambda i, h: None)
     return manager
