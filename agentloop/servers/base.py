@@ -17,6 +17,10 @@ from agentloop.errors import ServerError
 from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
+LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at the "
+                   "next update")
+"""How a :class:`ServerDeadError` raised by a weight-update step ends (the manager's side: ServerSupervisor)."""
+
 
 class ServerDeadError(ServerError):
     """A server can serve nothing more: its actor died, or its engine process did (the actor lives on).

@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ConfigError, ServerError
-from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.base import LOST_FOR_UPDATE, BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket, iter_buckets
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -201,11 +201,11 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
         return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=_FINISH_TO_STOP.get(finish, StopReason.STOP),
                            extra_fields=self._extra_fields())
 
-    def _raise_if_dead(self, error: BaseException) -> None:
+    def _raise_if_dead(self, error: BaseException | None,
+                       then: str = "the request is retried on another server and this one restarted") -> None:
         if self._engine_dead():
-            raise ServerDeadError(f"SGLang server {self.server_index}: the engine's processes died "
-                                  f"({type(error).__name__}: {error}); the request is retried on another server and "
-                                  "this one restarted",
+            why = f" ({type(error).__name__}: {error})" if error is not None else ""
+            raise ServerDeadError(f"SGLang server {self.server_index}: the engine's processes died{why}; {then}",
                                   self.server_index) from error
 
     def _engine_dead(self) -> bool:
@@ -351,6 +351,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
         if transport not in ("auto", "direct"):
             raise ServerError(f"SGLang server {self.server_index}: weight transport {transport!r} is not available "
                               "(SGLang loads tensors directly: use 'auto' or 'direct')")
+        self._raise_if_dead(None, LOST_FOR_UPDATE)
         version = self.global_steps + 1 if global_steps is None else int(global_steps)
         self._update = {"version": version, "tensors": 0, "bytes": 0, "started": time.perf_counter()}
         self._weights_open.clear()
@@ -366,6 +367,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
             await self._require().load_tensors(list(bucket.tensors()))
         except Exception as e:
             await self.abort_weight_update()
+            self._raise_if_dead(e, LOST_FOR_UPDATE)
             raise ServerError(f"SGLang server {self.server_index}: loading weights {bucket.names[:3]}... failed: "
                               f"{e}; run the update again") from e
         self._update["tensors"] += len(bucket)
@@ -379,6 +381,9 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
                               "update; call begin_weight_update() first")
         try:
             await self._require().flush_cache()
+        except Exception as e:
+            self._raise_if_dead(e, LOST_FOR_UPDATE)
+            raise
         finally:
             self._update = None
             self._weights_open.set()

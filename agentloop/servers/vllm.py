@@ -41,7 +41,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.base import (
+    LOST_FOR_UPDATE,
+    BatchGenerateMixin,
+    GatedServerMixin,
+    PauseGate,
+    ServerDeadError,
+)
 from agentloop.servers.enginewatch import EngineWatch
 from agentloop.servers.inflight_update import InFlightUpdateMixin
 from agentloop.servers.vllm_plugin import engine_arg_defaults
@@ -59,8 +65,6 @@ from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
 
-_LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at "
-                    "the next update")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos")
 _FINISH_TO_STOP = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED}
 
@@ -411,7 +415,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
                 self._update.tmpdir = tempfile.TemporaryDirectory(prefix="agentloop-weights-")
         except Exception as e:
             await self.abort_weight_update()
-            self._raise_if_dead(e, _LOST_FOR_UPDATE)
+            self._raise_if_dead(e, LOST_FOR_UPDATE)
             raise ServerError(f"vLLM server {self.server_index}: could not open a weight update: {e}") from e
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> None:
@@ -425,7 +429,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
                 write_shard(bucket, aliases, update)
         except Exception as e:
             await self.abort_weight_update()
-            self._raise_if_dead(e, _LOST_FOR_UPDATE)
+            self._raise_if_dead(e, LOST_FOR_UPDATE)
             raise ServerError(f"vLLM server {self.server_index}: loading weights {bucket.names[:3]}... failed: {e}; "
                               "the engine may now mix old and new weights, run the update again") from e
         update.tensors += len(bucket)
@@ -446,7 +450,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
                 self._record_switch(update.version)  # the engine is still frozen: the counts are exact
         except Exception as e:
             await self._abandon_update()
-            self._raise_if_dead(e, _LOST_FOR_UPDATE)
+            self._raise_if_dead(e, LOST_FOR_UPDATE)
             raise ServerError(f"vLLM server {self.server_index}: applying the weight update failed: {e}") from e
         self.global_steps = update.version
         await self._abandon_update()

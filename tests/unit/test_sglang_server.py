@@ -20,6 +20,7 @@ from agentloop.errors import ConfigError, ServerError
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.servers.base import ServerDeadError
 from agentloop.servers.sglang import SGLangEngineAPI, SGLangServer, engine_kwargs
+from agentloop.servers.weight_sync import iter_buckets
 from agentloop.types import StopReason
 
 SGLANG_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -274,6 +275,26 @@ def test_a_dead_engine_process_is_a_server_dead_error() -> None:
         engine.children = [2 ** 22 + 12345]  # no such process
         with pytest.raises(ServerDeadError):
             await server.check_health()
+
+    run(go())
+
+
+def test_a_weight_update_on_a_dead_engine_is_a_server_dead_error_the_manager_routes_around() -> None:
+    async def go() -> None:
+        engine = FakeEngine()
+        server = await started(engine)
+        await server.begin_weight_update(1)
+
+        async def died(tensors: Any) -> None:
+            engine.children = [2 ** 22 + 12345]  # the engine dies while loading (no such process)
+            raise RuntimeError("connection reset")
+
+        server.api.load_tensors = died
+        with pytest.raises(ServerDeadError, match="update goes on without this server"):
+            await server.load_weight_bucket(next(iter_buckets({"w": torch.ones(2)}, bucket_bytes=1 << 20)))
+        with pytest.raises(ServerDeadError):  # and the next update does not even open
+            await server.begin_weight_update(2)
+        assert server.global_steps == 0
 
     run(go())
 
