@@ -402,8 +402,8 @@ class AgentLoopManager:
                 targets.pop(i, None)
             if not targets:
                 raise ServerError(f"update_weights to version {version}: no rollout server is left to load the "
-                                  "weights (each died or gave no answer; see the warnings above); they are being "
-                                  "restarted: call update_weights again once manager.recover() reports them up")
+                                  "weights (each died or gave no answer; see the warnings above); call "
+                                  "update_weights again once manager.recover() reports servers up again")
             return results
 
         try:

@@ -122,9 +122,9 @@ class ServerSupervisor:
         return results
 
     def lose(self, index: int, reason: str) -> None:
-        """Server ``index`` cannot serve (``reason``): out of routing and restarted; a restarted one that was
-        waiting for weights is started again."""
-        logger.warning("rollout server %d %s; it is taken out and restarted", index, reason)
+        """Server ``index`` cannot serve (``reason``): out of routing and restarted where this manager can
+        (:meth:`_take_out`); a restarted one that was waiting for weights is started again."""
+        logger.warning("rollout server %d %s; it is taken out of routing", index, reason)
         if index in self.restarting:
             ray.kill(self.restarting.pop(index).handle, no_restart=True)
             if self.can_restart:
