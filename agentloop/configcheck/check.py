@@ -303,6 +303,7 @@ TYPE_CHECKS: dict[str, Check] = {
         "agent.restart_preempted": _BOOL, "agent.record_timing": _OPT_BOOL,
         "server.max_failovers": _OPT_NON_NEG_INT, "server.restart_dead": _BOOL,
         "server.weight_update_timeout": _OPT_POS_NUM,
+        "server.stall_timeout": _OPT_POS_NUM,
         "server.priority": (lambda v: v in (None, "fcfs", "context"), "null (first come, first served) or context"),
         "server.placement_strategy": _one_of("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         "server.weight_update": _one_of("drain", "keep"),

@@ -193,7 +193,7 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "agent.batch_timeout": None, "agent.max_sample_retries": 1, "agent.restart_preempted": False,
     "agent.record_timing": None,
     "server.max_failovers": None,
-    "server.restart_dead": True, "server.weight_update_timeout": 600,
+    "server.restart_dead": True, "server.weight_update_timeout": 600, "server.stall_timeout": 300,
     "server.num_servers": None, "server.num_cpus_per_server": 1, "server.device": "auto",
     "server.max_cache_size": 10000, "server.batch_calls": True, "server.priority": None,
     "server.placement_strategy": "PACK", "server.weight_update": "drain",

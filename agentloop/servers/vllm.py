@@ -30,6 +30,7 @@ may run in between.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -48,7 +49,7 @@ from agentloop.servers.base import (
     PauseGate,
     ServerDeadError,
 )
-from agentloop.servers.enginewatch import EngineWatch
+from agentloop.servers.enginewatch import EngineWatch, engine_progress, kill_engine_processes
 from agentloop.servers.inflight_update import InFlightUpdateMixin
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import (
@@ -158,7 +159,12 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         they go on with the new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
         self._switches: dict[str, list[tuple[int, int]]] = {}  # request -> (tokens so far, version) per switch
         self._counts_tokens = False  # vLLM exposes per-request token counts (set by start())
-        self._watch = EngineWatch(self._engine_dead)  # requests vLLM forgets when its engine dies are failed
+        stall = (rollout.get("server") or {}).get("stall_timeout")
+        self._watch = EngineWatch(  # requests of an engine that died or hung are failed over (enginewatch.py)
+            self._engine_dead, progress=lambda: engine_progress(self.engine),
+            stall_timeout=float(stall) if stall is not None else None,
+            holding=lambda: self._update is not None or self._gate.paused or self._sleeping,
+            on_stall=lambda why: kill_engine_processes())
 
     async def start(self) -> dict[str, Any]:
         """Create the engine; returns facts about it (platform, start seconds)."""
@@ -327,18 +333,23 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         turn it into :class:`ServerDeadError` so the router fails over (or a weight update goes on without this
         server) and the manager restarts it."""
         if self._engine_dead() or type(error).__name__ == "EngineDeadError":
-            raise ServerDeadError(f"vLLM server {self.server_index}: the engine process died ({type(error).__name__}: "
-                                  f"{error}); {then}", self.server_index) from error
+            cause = "" if isinstance(error, asyncio.CancelledError) else f" ({type(error).__name__}: {error})"
+            raise ServerDeadError(f"vLLM server {self.server_index}: {self._death()}{cause}; {then}",
+                                  self.server_index) from error
 
     def _engine_dead(self) -> bool:
-        return bool(self.engine is not None and getattr(self.engine, "errored", False))
+        return self._watch.stalled is not None or bool(self.engine is not None and getattr(self.engine, "errored",
+                                                                                           False))
+
+    def _death(self) -> str:
+        return self._watch.stalled or "the engine process died"
 
     async def check_health(self) -> dict[str, Any]:
         """Raises :class:`ServerDeadError` when the engine died; else returns the server's facts."""
         if self.engine is None:
             raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
         if self._engine_dead():
-            raise ServerDeadError(f"vLLM server {self.server_index}: the engine process died", self.server_index)
+            raise ServerDeadError(f"vLLM server {self.server_index}: {self._death()}", self.server_index)
         await self.engine.check_health()
         return {"server_index": self.server_index, "global_steps": self.global_steps, "pid": os.getpid()}
 

@@ -1,11 +1,13 @@
-"""Server faults on the real engine (2 vLLM CPU servers, tiny model): an engine process SIGKILLed and a server
-actor killed mid-batch, and an engine that died between batches when the next weight update starts.  Each time
-every row comes back (the dead server's requests fail over to the other one with their tokens), the update goes
-on without the dead server, the dead server is restarted in its slot, and after a weight update made the initial
-weights stale, the restarted engine rejoins only once the next update loaded the current weights into it."""
+"""Server faults on the real engine (2 vLLM CPU servers, tiny model): an engine process SIGKILLed, an engine
+that hangs (SIGSTOP) and a server actor killed mid-batch, and an engine that died between batches when the next
+weight update starts.  Each time every row comes back (the dead or hung server's requests fail over to the other
+one with their tokens), the update goes on without the dead server, the dead server is restarted in its slot, and
+after a weight update made the initial weights stale, the restarted engine rejoins only once the next update
+loaded the current weights into it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -38,6 +40,7 @@ def manager():
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.ignore_eos": True,  # every request decodes all 48 tokens: a kill lands mid-request
+        "actor_rollout_ref.rollout.server.stall_timeout": 5,  # a hung engine is found in seconds, not 5 minutes
     }.items():
         OmegaConf.update(cfg, k, v)
     m = AgentLoopManager(cfg)
@@ -78,16 +81,20 @@ def _process(pid: int) -> Any:
         return None
 
 
-def kill_when_busy(manager: Any, server: int, pids: list[int]) -> threading.Thread:
-    """SIGKILL ``server``'s engine as soon as the balancer counts a request in flight on it (a fixed delay
-    raced the batch: the tiny model can finish a whole batch in 0.3 s)."""
+def kill_when_busy(manager: Any, server: int, pids: list[int], sig: int = signal.SIGKILL) -> threading.Thread:
+    """SIGKILL (or send ``sig`` to) ``server``'s engine as soon as the balancer counts a request in flight on it
+    (a fixed delay raced the batch: the tiny model can finish a whole batch in 0.3 s)."""
     import ray
 
     def run() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not ray.get(manager.balancer.stats.remote())["in_flight"][server]:
             time.sleep(0.005)
-        kill_engine(pids)
+        if sig == signal.SIGKILL:
+            kill_engine(pids)
+        else:
+            for pid in pids:
+                os.kill(pid, sig)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -125,6 +132,38 @@ def test_a_sigkilled_engine_fails_over_and_its_server_is_restarted(manager):
     assert set(nxt.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
     assert faults(nxt)["servers_restarted"] == 1
     assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
+
+
+def test_a_hung_engine_is_killed_its_requests_fail_over_and_its_server_is_restarted(manager):
+    """The engine stops making progress while alive (its processes SIGSTOPped mid-batch, as a hung collective
+    would leave it): after ``server.stall_timeout`` (5 s here) its requests fail over, its processes are killed
+    and the server is restarted; without the stall watch this batch never returned."""
+    import psutil
+    import ray
+
+    children = engine_pids(manager.servers.info[0]["pid"])
+    stopper = kill_when_busy(manager, 0, children, sig=signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out = manager.generate_sequences(make_batch(8))
+        took = time.monotonic() - t0
+        stopper.join()
+        status = out.non_tensor_batch["status"].tolist()
+        assert len(out) == 8 and set(status) <= {"stop", "length"}, out.non_tensor_batch["error"].tolist()
+        assert faults(out)["server_failovers"] >= 1 and faults(out)["servers_down"] == 1
+        assert took < 120, took
+        gone = psutil.wait_procs([p for p in map(_process, children) if p is not None], timeout=30)[1]
+        assert not gone, f"the hung engine's processes were left running: {gone}"
+        old = manager.server_handles[0]
+        state = wait_recovered(manager)
+        assert state["servers_down"] == 0 and manager.server_handles[0] is not old
+        nxt = manager.generate_sequences(make_batch(8))
+        assert set(nxt.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
+        assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
+    finally:
+        for pid in children:  # never leave stopped processes behind a failed assertion
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_killed_server_actor_rejoins_only_with_the_current_weights(manager):

@@ -87,3 +87,81 @@ def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
     got = asyncio.run(main())
     assert got[0] == (0, "done")
     assert all(isinstance(r, ServerDeadError) for _, r in got[1:])
+
+
+class HangingServer(ForgetfulServer):
+    """An engine that is alive but may stop making progress (a hung collective, a stopped process)."""
+
+    def __init__(self, stall_timeout: float | None = 0.1) -> None:
+        super().__init__()
+        self.tokens = 0
+        self.held = False
+        self.stopped: list[str] = []
+        self.watch = EngineWatch(lambda: self.dead, interval=0.01, progress=lambda: self.tokens,
+                                 stall_timeout=stall_timeout, holding=lambda: self.held,
+                                 on_stall=self.stopped.append)
+
+    async def advance(self, seconds: float) -> None:
+        """The engine samples a token every 10 ms for ``seconds``."""
+        for _ in range(int(seconds / 0.01)):
+            self.tokens += 1
+            await asyncio.sleep(0.01)
+
+
+def test_an_engine_without_progress_is_taken_for_hung_and_its_requests_fail_over():
+    async def main() -> None:
+        server = HangingServer(stall_timeout=0.1)
+        server.watch.start()
+        stuck = asyncio.ensure_future(server.generate())
+        await server.advance(0.3)  # slower than the timeout in all, but progressing: not hung
+        assert not stuck.done() and server.watch.stalled is None
+        with pytest.raises(ServerDeadError):
+            await asyncio.wait_for(stuck, 2.0)  # progress stopped: cut after ~0.1 s
+        assert server.watch.stalled is not None and "no progress" in server.watch.stalled
+        assert server.stopped == [server.watch.stalled]  # the hung engine is stopped once
+        server.watch.stop()
+
+    asyncio.run(main())
+
+
+def test_no_stall_without_running_requests_while_held_or_when_disabled():
+    async def main() -> None:
+        idle = HangingServer(stall_timeout=0.05)
+        idle.watch.start()
+        await asyncio.sleep(0.2)  # nothing running: an idle engine makes no progress and is fine
+        assert idle.watch.stalled is None
+
+        held = HangingServer(stall_timeout=0.05)
+        held.held = True  # paused / a weight update open: the server itself holds its requests
+        held.watch.start()
+        waiting = asyncio.ensure_future(held.generate())
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and held.watch.stalled is None
+        held.held = False  # released, and still no progress: now it is a hang
+        with pytest.raises(ServerDeadError):
+            await asyncio.wait_for(waiting, 2.0)
+
+        off = HangingServer(stall_timeout=None)  # rollout.server.stall_timeout: null
+        off.watch.start()
+        forever = asyncio.ensure_future(off.generate())
+        await asyncio.sleep(0.2)
+        assert not forever.done() and off.watch.stalled is None
+        forever.cancel()
+        for s in (idle, held, off):
+            s.watch.stop()
+
+    asyncio.run(main())
+
+
+def test_engine_progress_reads_vllm_request_states():
+    from types import SimpleNamespace
+
+    from agentloop.servers.enginewatch import engine_progress
+
+    def state(n: int) -> SimpleNamespace:
+        return SimpleNamespace(detokenizer=SimpleNamespace(num_output_tokens=lambda: n))
+
+    engine = SimpleNamespace(output_processor=SimpleNamespace(request_states={"a": state(3), "b": state(5)}))
+    assert engine_progress(engine) == (2, 8)
+    assert engine_progress(SimpleNamespace()) is None  # a vLLM without it: no stall detection
+    assert engine_progress(None) is None
