@@ -279,7 +279,16 @@ class AgentLoopManager:
 
     def clear_kv_cache(self) -> None:
         """Drop every server's prefix (KV) cache, e.g. after a weight update made it stale."""
-        ray.get([s.clear_kv_cache.remote() for s in self.server_handles])
+        self._each_server("clear_kv_cache")
+
+    def _each_server(self, method: str, only: list[bool] | None = None) -> dict[int, Any]:
+        """Call ``method`` (no arguments) on every serving server (where ``only[i]``) and return the answers by
+        index.  A server that died, or gives no answer within ``server.weight_update_timeout`` seconds, is taken
+        out of routing and restarted, as during :meth:`update_weights`, instead of failing the caller."""
+        limit = self.rollout.server.get("weight_update_timeout")
+        calls = {i: getattr(h, method).remote() for i, h in enumerate(self.server_handles)
+                 if i not in self.supervisor.down and (only is None or only[i])}
+        return self.supervisor.settle(calls, float(limit) if limit is not None else None, method)
 
     def engine_busy_seconds(self) -> list[float]:
         """Per server: seconds it had at least one request in its engine since it started (a restarted server
@@ -297,11 +306,12 @@ class AgentLoopManager:
     def start_profile(self, **kwargs: Any) -> None:
         """Start the engines' profilers (vLLM's torch profiler needs ``VLLM_TORCH_PROFILER_DIR``; a logged
         no-op where the engine has none)."""
-        ray.get([s.start_profile.remote(**kwargs) for s in self.server_handles])
+        ray.get([s.start_profile.remote(**kwargs) for i, s in enumerate(self.server_handles)
+                 if i not in self.supervisor.down])
 
     def stop_profile(self) -> None:
         """Stop the engines' profilers and write their traces."""
-        ray.get([s.stop_profile.remote() for s in self.server_handles])
+        self._each_server("stop_profile")
 
     def start_gateways(self) -> list[Any]:
         """Start the OpenAI gateway actors (``rollout.gateway``) and hand them to the workers.
@@ -321,13 +331,11 @@ class AgentLoopManager:
         With ``async_training.partial_rollout: true`` the routers re-issue each cut request after the resume with
         its tokens so far, so agent loops see one uninterrupted generation (docs/concepts.md, "Pause, resume and
         partial rollouts"); otherwise cut requests end ``aborted``.  Returns how many requests were cut."""
-        live = [h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down]
-        return int(sum(ray.get([s.pause.remote() for s in live])))
+        return int(sum(self._each_server("pause").values()))
 
     def resume(self) -> None:
         """Let the servers run the held and re-issued requests again (after :meth:`pause`)."""
-        live = [h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down]
-        ray.get([s.resume.remote() for s in live])
+        self._each_server("resume")
 
     @property
     def can_sleep(self) -> bool:
@@ -344,8 +352,7 @@ class AgentLoopManager:
     def wake_up(self) -> None:
         """Wake the servers :meth:`sleep` put to sleep, re-acquiring their memory (no-op when none sleeps)."""
         if self._sleeping:
-            ray.get([s.wake_up.remote() for s, able in zip(self.server_handles, self._sleep_support, strict=True)
-                     if able])
+            self._each_server("wake_up", only=self._sleep_support)
             self._sleeping = False
 
     def sleep(self) -> None:
@@ -359,9 +366,8 @@ class AgentLoopManager:
             log("AgentLoopManager.sleep: %d of %d servers cannot sleep (%s engine%s); sleep/wake_up leave them "
                 "running and their memory held", self._sleep_support.count(False), len(self._sleep_support),
                 self.servers.device, "" if self.servers.device != "cuda" else ", free_cache_engine=false")
-        able = [s for s, ok in zip(self.server_handles, self._sleep_support, strict=True) if ok]
-        if able:
-            ray.get([s.sleep.remote() for s in able])
+        if any(self._sleep_support):
+            self._each_server("sleep", only=self._sleep_support)
             self._sleeping = True
 
     _weight_version: int = 0

@@ -36,7 +36,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -315,7 +315,11 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         n = self._gate.close()
         # The engine's own pause aborts what runs (their final outputs carry the tokens so far) and queues any
         # request already past the gate but not yet in the engine, so nothing runs until resume().
-        await self.engine.pause_generation(mode="abort", clear_cache=False)
+        try:
+            await self._engine_call(self.engine.pause_generation(mode="abort", clear_cache=False), "pause")
+        except ServerDeadError:
+            self._gate.open()  # nothing is held on a dead engine: its requests fail over
+            raise
         return n
 
     async def resume(self) -> None:
@@ -324,7 +328,11 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         if not self._gate.paused:
             return
         if self._update is None and self.engine is not None:
-            await self.engine.resume_generation()
+            try:
+                await self._engine_call(self.engine.resume_generation(), "resume")
+            except ServerDeadError:
+                self._gate.open()  # the held requests go on, find the engine dead and fail over
+                raise
         self._gate.open()
 
     def _raise_if_dead(self, error: BaseException, then: str = "the request is retried on another server and "
@@ -336,6 +344,15 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
             cause = "" if isinstance(error, asyncio.CancelledError) else f" ({type(error).__name__}: {error})"
             raise ServerDeadError(f"vLLM server {self.server_index}: {self._death()}{cause}; {then}",
                                   self.server_index) from error
+
+    async def _engine_call(self, call: Awaitable[Any], what: str) -> Any:
+        """Await an engine call of a server-wide operation; a dead engine's error becomes ServerDeadError, so the
+        manager goes on without this server and restarts it (supervisor.settle) instead of failing its caller."""
+        try:
+            return await call
+        except Exception as e:
+            self._raise_if_dead(e, then=f"{what} goes on without this server, which is restarted")
+            raise
 
     def _engine_dead(self) -> bool:
         return self._watch.stalled is not None or bool(self.engine is not None and getattr(self.engine, "errored",
@@ -382,7 +399,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
             logger.info("server %d: wake_up is a no-op (sleep mode unsupported on this platform)", self.server_index)
             return
         if self._sleeping:
-            await self.engine.wake_up()
+            await self._engine_call(self.engine.wake_up(), "wake_up")
             self._sleeping = False
 
     async def sleep(self) -> None:
@@ -390,8 +407,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         if not self.supports_sleep:
             logger.info("server %d: sleep is a no-op (sleep mode unsupported on this platform)", self.server_index)
             return
-        await self.engine.reset_prefix_cache()
-        await self.engine.sleep(level=1)
+        await self._engine_call(self.engine.reset_prefix_cache(), "sleep")
+        await self._engine_call(self.engine.sleep(level=1), "sleep")
         self._sleeping = True
 
     async def set_global_steps(self, global_steps: int) -> None:
@@ -527,7 +544,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix (KV) cache, e.g. after a weight update made it stale."""
-        await self.engine.reset_prefix_cache()
+        await self._engine_call(self.engine.reset_prefix_cache(), "clear_kv_cache")
 
     async def start_profile(self, **kwargs: Any) -> None:
         """Start vLLM's torch profiler (it needs ``VLLM_TORCH_PROFILER_DIR`` set for the server; a logged no-op

@@ -251,7 +251,9 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
 
     async def pause(self) -> int:
         """Cut every call in flight (rule 8) and hold new ones until :meth:`resume`; returns how many calls were
-        in flight (0 when already paused)."""
+        in flight (0 when already paused).  Raises ServerDeadError after :meth:`kill_engine`, as every
+        server-wide call below does (a vLLM server's dead engine)."""
+        self._raise_if_dead()
         self.lifecycle.append("pause")
         n = self._gate.close()
         for events in self._pending.values():
@@ -265,17 +267,20 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         return self._gate.paused
 
     async def resume(self) -> None:
-        """Let held and new calls run again."""
+        """Let held and new calls run again (they fail over when the engine died: then this raises too)."""
         self.lifecycle.append("resume")
         self._gate.open()
+        self._raise_if_dead()
 
     async def wake_up(self) -> None:
         """Count the call (nothing to re-acquire)."""
+        self._raise_if_dead()
         self.counts["wake_up"] += 1
         self.lifecycle.append("wake_up")
 
     async def sleep(self) -> None:
         """Count the call (nothing to release)."""
+        self._raise_if_dead()
         self.counts["sleep"] += 1
         self.lifecycle.append("sleep")
 
@@ -326,6 +331,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
 
     async def clear_kv_cache(self) -> None:
         """No cache to clear; the call is counted."""
+        self._raise_if_dead()
         self.counts["clear_kv_cache"] += 1
 
     async def start_profile(self, **kwargs: Any) -> None:

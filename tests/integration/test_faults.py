@@ -289,6 +289,37 @@ def test_a_weight_update_with_no_server_left_raises_naming_recover(ray_session, 
         manager.shutdown()
 
 
+def test_a_dead_server_does_not_fail_pause_resume_sleep_wake_up_or_clear_kv_cache(ray_session, monkeypatch):
+    """A trainer's per-step calls (pause/resume around an update, sleep/wake_up around a colocated step,
+    clear_kv_cache) go on past a server whose actor or engine died since the last batch: it is taken out of
+    routing and restarted, as in a batch or an update, instead of the call raising into the training loop."""
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=3, delay=0.0)
+    try:
+        assert all(manager._sleep_support)  # the scripted servers "can sleep"
+        ray.kill(manager.server_handles[0])  # an actor gone
+        ray.get(manager.server_handles[1].kill_engine.remote())  # an engine dead inside a live actor
+        assert manager.pause() == 0
+        assert manager.recover()["servers_down"] == 2  # found by the pause, restarting
+        manager.resume()
+        manager.sleep()
+        assert manager.sleeping
+        manager.wake_up()
+        manager.clear_kv_cache()
+        assert ray.get(manager.server_handles[2].check_health.remote())
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)  # both back (version 0: no weights due)
+        ray.get(manager.server_handles[2].kill_engine.remote())
+        manager.sleep()  # the third dies while the others serve: found here
+        manager.wake_up()
+        assert manager.recover()["servers_down"] == 1
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(6)]))
+        assert out.non_tensor_batch["status"].tolist() == ["stop"] * 6
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)
+        assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1, 1]
+    finally:
+        manager.shutdown()
+
+
 def grouped(texts_per_group: list[list[str]]):
     """Group g's rows share ``group`` g (rows of different groups interleaved on purpose)."""
     from agentloop.data import rows_to_batch

@@ -207,3 +207,25 @@ def test_an_engine_dead_before_a_weight_update_is_left_out_of_it_and_restarted(m
     nxt = manager.generate_sequences(make_batch(8))
     assert set(nxt.non_tensor_batch["max_global_steps"].tolist()) == {10}
     assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
+
+
+def test_pause_resume_and_clear_kv_cache_go_on_past_a_dead_engine(manager):
+    """The calls a trainer makes between batches do not raise vLLM's EngineDeadError into the training loop:
+    the server whose engine died is taken out and restarted, the others are paused, resumed and cleared."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    kill_engine(engine_pids(manager.servers.info[1]["pid"]))
+    assert manager.pause() == 0
+    assert manager.recover()["servers_down"] == 1
+    manager.resume()
+    manager.clear_kv_cache()
+    out = manager.generate_sequences(make_batch(4))  # server 0 alone meanwhile
+    assert set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
+    state = wait_recovered(manager)
+    weights = AutoModelForCausalLM.from_pretrained(manager.config.model.path).state_dict()
+    version = manager.update_weights(weights, global_steps=manager._weight_version + 1)  # rejoins with them
+    assert state["servers_awaiting_weights"] == 1 and manager.recover()["servers_down"] == 0
+    nxt = manager.generate_sequences(make_batch(8))
+    assert set(nxt.non_tensor_batch["max_global_steps"].tolist()) == {version}
+    assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
