@@ -147,9 +147,15 @@ def engine_progress(engine: Any) -> tuple[int, int] | None:
 
 def kill_engine_processes() -> list[int]:
     """SIGKILL every process this one started (a vLLM server actor's engine core and its workers), so a hung
-    engine frees its memory and its server reads as dead; returns their pids."""
+    engine frees its memory and its server reads as dead; returns their pids.  Only inside a Ray actor (every
+    server the manager starts is its own actor, whose only children are its engine's): a server built in some
+    other process kills nothing and is only marked hung."""
     import psutil
+    import ray
 
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        logger.error("the hung engine's processes are left running: this server is not a Ray actor of its own")
+        return []
     children = psutil.Process(os.getpid()).children(recursive=True)
     for child in children:
         with contextlib.suppress(psutil.Error):

@@ -165,3 +165,18 @@ def test_engine_progress_reads_vllm_request_states():
     assert engine_progress(engine) == (2, 8)
     assert engine_progress(SimpleNamespace()) is None  # a vLLM without it: no stall detection
     assert engine_progress(None) is None
+
+
+def test_outside_a_ray_actor_a_hung_engine_kills_none_of_the_callers_processes():
+    import subprocess
+    import sys
+
+    from agentloop.servers.enginewatch import kill_engine_processes
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert kill_engine_processes() == []
+        assert child.poll() is None  # still running: not a server actor's engine
+    finally:
+        child.kill()
+        child.wait()
