@@ -20,6 +20,8 @@ from agentloop.types import StopReason, TokenDelta, TokenOutput
 LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at the "
                    "next update")
 """How a :class:`ServerDeadError` raised by a weight-update step ends (the manager's side: ServerSupervisor)."""
+GOES_ON_WITHOUT = "{} goes on without this server, which is restarted"
+"""How a :class:`ServerDeadError` raised by a server-wide call (pause, sleep, ...) ends: ``.format(call)``."""
 
 
 class ServerDeadError(ServerError):

@@ -24,13 +24,20 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ConfigError, ServerError
-from agentloop.servers.base import LOST_FOR_UPDATE, BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.base import (
+    GOES_ON_WITHOUT,
+    LOST_FOR_UPDATE,
+    BatchGenerateMixin,
+    GatedServerMixin,
+    PauseGate,
+    ServerDeadError,
+)
 from agentloop.servers.weight_sync import WeightBucket, iter_buckets
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -300,9 +307,15 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
         api = self._require()
         if self._gate.paused:
             return 0
+        self._raise_if_dead(None, GOES_ON_WITHOUT.format("pause"))
         running = list(self._gate.in_flight)
         n = self._gate.close()
-        await asyncio.gather(*(api.abort(rid) for rid in running))
+        try:
+            await asyncio.gather(*(api.abort(rid) for rid in running))
+        except Exception as e:
+            self._gate.open()
+            self._raise_if_dead(e, GOES_ON_WITHOUT.format("pause"))
+            raise
         return n
 
     async def resume(self) -> None:
@@ -323,7 +336,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
                         self.server_index)
             return
         if self._sleeping:
-            await self._require().resume_memory()
+            await self._engine_call(self._require().resume_memory, "wake_up")
             self._sleeping = False
 
     async def sleep(self) -> None:
@@ -332,8 +345,8 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
             logger.info("server %d: sleep is a no-op (SGLang started without enable_memory_saver)", self.server_index)
             return
         if not self._sleeping:
-            await self._require().flush_cache()
-            await self._require().release_memory()
+            await self._engine_call(self._require().flush_cache, "sleep")
+            await self._engine_call(self._require().release_memory, "sleep")
             self._sleeping = True
 
     async def set_global_steps(self, global_steps: int) -> None:
@@ -406,7 +419,18 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix (radix) cache."""
-        await self._require().flush_cache()
+        await self._engine_call(self._require().flush_cache, "clear_kv_cache")
+
+    async def _engine_call(self, call: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """A server-wide engine call: refused at once when the engine's processes died (a call to a dead
+        scheduler may never be answered), and a failure it meets then is a ServerDeadError, so the manager goes
+        on without this server and restarts it instead of failing its caller."""
+        self._raise_if_dead(None, GOES_ON_WITHOUT.format(what))
+        try:
+            return await call()
+        except Exception as e:
+            self._raise_if_dead(e, GOES_ON_WITHOUT.format(what))
+            raise
 
     async def start_profile(self, **kwargs: Any) -> None:
         """Not wired for SGLang yet: a logged no-op."""

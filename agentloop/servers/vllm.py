@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
 from agentloop.servers.base import (
+    GOES_ON_WITHOUT,
     LOST_FOR_UPDATE,
     BatchGenerateMixin,
     GatedServerMixin,
@@ -351,7 +352,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin):
         try:
             return await call
         except Exception as e:
-            self._raise_if_dead(e, then=f"{what} goes on without this server, which is restarted")
+            self._raise_if_dead(e, then=GOES_ON_WITHOUT.format(what))
             raise
 
     def _engine_dead(self) -> bool:

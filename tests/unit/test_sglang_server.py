@@ -299,6 +299,28 @@ def test_a_weight_update_on_a_dead_engine_is_a_server_dead_error_the_manager_rou
     run(go())
 
 
+def test_server_wide_calls_on_a_dead_engine_are_server_dead_errors_not_hangs() -> None:
+    """pause / sleep / wake_up / clear_kv_cache on an engine whose processes died raise ServerDeadError at once
+    (the manager then goes on without the server and restarts it) instead of waiting on a dead scheduler."""
+    async def go() -> None:
+        async def never() -> None:  # a call to a dead scheduler is never answered
+            await asyncio.sleep(3600)
+
+        asleep, awake = FakeEngine(), FakeEngine()
+        servers = [await started(asleep), await started(awake)]
+        await servers[0].sleep()
+        for engine, server in zip((asleep, awake), servers, strict=True):
+            engine.children = [2 ** 22 + 12345]  # no such process
+            server.api.resume_memory = server.api.flush_cache = server.api.release_memory = never
+        calls = [servers[0].wake_up, servers[1].sleep, servers[1].clear_kv_cache, servers[1].pause]
+        for call in calls:
+            with pytest.raises(ServerDeadError, match="goes on without this server"):
+                await asyncio.wait_for(call(), 5)
+        assert not servers[1]._gate.paused  # a refused pause holds nothing
+
+    run(go())
+
+
 def test_engine_kwargs_follow_verl_keys_and_engine_kwargs_sglang_wins() -> None:
     kw = engine_kwargs(rollout(server={"priority": "context"}, engine_kwargs={"sglang": {"attention_backend": "fa3",
                                                                                          "mem_fraction_static": 0.3}}),
