@@ -143,7 +143,9 @@ class AgentLoopManager:
         self.server_handles[index] = handle
         self.workers.broadcast("replace_server", index, handle)
         if self.gateways:
-            ray.get([g.replace_server.remote(index, handle) for g in self.gateways])
+            from agentloop.gateway.actor import tell_gateways
+
+            tell_gateways(self.gateways, index, handle)
 
     def _wait_for_workers(self) -> None:
         """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing (it was
@@ -232,11 +234,23 @@ class AgentLoopManager:
         names = check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
         if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
             self.start_gateways()
+        elif self.gateways:
+            self._replace_dead_gateways()
         if self.rollout.free_cache_engine:
             self.wake_up()
         self.supervisor.poll(self._weight_version)
         self.grow_sticky_cache(2 * len(prompts))
         return prompts
+
+    def _replace_dead_gateways(self) -> None:
+        """Gateway actors that died are replaced before the batch, and the workers given the new set."""
+        from agentloop.gateway.actor import replace_dead_gateways
+
+        replaced = replace_dead_gateways(self.gateways, self.rollout, self.config.model, self.server_handles,
+                                         self.balancer)
+        if replaced:
+            self.workers.broadcast("attach_gateways", self.gateways, remember=True)
+            self._gateway_restarts += replaced
 
     def grow_sticky_cache(self, entries: int) -> None:
         """Make the shared balancer keep at least ``entries`` request-id -> server bindings (one actor call, only
@@ -249,13 +263,15 @@ class AgentLoopManager:
 
     def _fault_metrics(self, failovers: int) -> dict[str, float]:
         """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""
-        counts = {**self.workers.fault_counts, "servers_restarted": self.supervisor.counts["server_restarts"]}
+        counts = {**self.workers.fault_counts, "servers_restarted": self.supervisor.counts["server_restarts"],
+                  "gateways_replaced": self._gateway_restarts}
         before, self._fault_totals = self._fault_totals, dict(counts)
         metrics = {k: v - before.get(k, 0) for k, v in counts.items()}  # the counts are cumulative
         metrics.update(server_failovers=failovers, servers_down=len(self.supervisor.down))
         return {f"agent_loop/faults/{k}": float(v) for k, v in metrics.items()}
 
     _fault_totals: dict[str, int] = {}
+    _gateway_restarts: int = 0
 
     def recover(self, timeout: float = 0.0) -> dict[str, int]:
         """Put back restarted servers and replacement workers that finished starting, waiting up to ``timeout``
@@ -282,13 +298,8 @@ class AgentLoopManager:
         self._each_server("clear_kv_cache")
 
     def _each_server(self, method: str, only: list[bool] | None = None) -> dict[int, Any]:
-        """Call ``method`` (no arguments) on every serving server (where ``only[i]``) and return the answers by
-        index.  A server that died, or gives no answer within ``server.weight_update_timeout`` seconds, is taken
-        out of routing and restarted, as during :meth:`update_weights`, instead of failing the caller."""
-        limit = self.rollout.server.get("weight_update_timeout")
-        calls = {i: getattr(h, method).remote() for i, h in enumerate(self.server_handles)
-                 if i not in self.supervisor.down and (only is None or only[i])}
-        return self.supervisor.settle(calls, float(limit) if limit is not None else None, method)
+        """``method`` on every serving server; a dead or silent one is restarted, not raised (supervisor.each)."""
+        return self.supervisor.each(method, self.rollout.server.get("weight_update_timeout"), only)
 
     def engine_busy_seconds(self) -> list[float]:
         """Per server: seconds it had at least one request in its engine since it started (a restarted server

@@ -10,13 +10,14 @@ active sessions, reserving the slot before any await so concurrent opens spread 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import Any
 
 from omegaconf import DictConfig
 
-from agentloop.errors import ConfigError
+from agentloop.errors import ConfigError, ServerError, first_line
 from agentloop.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
@@ -151,21 +152,33 @@ class GatewayManager:
             raise ConfigError("GatewayManager needs at least one gateway (rollout.gateway.num_gateways >= 1)")
         self.gateways = list(gateways)
         self.active = [0] * len(self.gateways)
+        self.dead: set[int] = set()
+        """Gateways whose actor died: no new session goes there (the manager replaces them before a batch)."""
         self._where: dict[str, int] = {}
 
     async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
                              sampling_params: dict[str, Any] | None = None) -> SessionHandle:
-        """Open a session on the gateway with the fewest active sessions."""
-        i = min(range(len(self.gateways)), key=lambda k: self.active[k])
-        self.active[i] += 1  # reserved before the await, so concurrent opens spread out
-        try:
-            handle: SessionHandle = await _maybe_remote(self.gateways[i], "create_session", session_id, metadata,
-                                                        sampling_params)
-        except BaseException:
-            self.active[i] -= 1
-            raise
-        self._where[handle.session_id] = i
-        return handle
+        """Open a session on the live gateway with the fewest active sessions (a gateway whose actor died is
+        left out and the session opened on another)."""
+        while True:
+            live = [k for k in range(len(self.gateways)) if k not in self.dead]
+            if not live:
+                raise ServerError(f"all {len(self.gateways)} gateway actor(s) died; the AgentLoopManager starts new "
+                                  "ones before its next batch")
+            i = min(live, key=lambda k: self.active[k])
+            self.active[i] += 1  # reserved before the await, so concurrent opens spread out
+            try:
+                handle: SessionHandle = await _maybe_remote(self.gateways[i], "create_session", session_id,
+                                                            metadata, sampling_params)
+            except BaseException as e:
+                self.active[i] -= 1
+                if not _actor_gone(e):
+                    raise
+                self.dead.add(i)
+                logger.warning("gateway %d died (%s); its new sessions go to the others", i, first_line(e))
+                continue
+            self._where[handle.session_id] = i
+            return handle
 
     async def finalize(self, session_id: str, longest_only: bool = False) -> dict[str, Any]:
         """Close a session and free its slot; returns trajectories and reward info."""
@@ -194,12 +207,58 @@ class GatewayManager:
         return self._where[session_id]
 
 
-def start_gateways(rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None
-                   ) -> list[Any]:
-    """Start ``rollout.gateway.num_gateways`` GatewayActor actors and their HTTP servers."""
+def _actor_gone(error: BaseException) -> bool:
+    """Whether ``error`` says the actor called is gone (died, killed, its node lost)."""
+    import ray.exceptions
+
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictConfig, server_handles: list[Any],
+                          balancer: Any = None, timeout: float = 30.0) -> int:
+    """Look at every gateway actor; start a new one in place of each that died (``gateways`` is changed in
+    place).  Returns how many were replaced; a gateway slow to answer is left (it may be busy)."""
     import ray
 
-    n = int((rollout.get("gateway") or {}).get("num_gateways", 1))
+    refs = [g.num_sessions.remote() for g in gateways]
+    dead = []
+    for i, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - only a gone actor is replaced
+            if _actor_gone(e):
+                logger.warning("gateway %d died (%s); starting a new one in its place", i, first_line(e))
+                dead.append(i)
+            else:
+                logger.warning("gateway %d did not answer (%s); left as it is", i, first_line(e))
+    if dead:
+        for i, fresh in zip(dead, start_gateways(rollout, model, server_handles, balancer, n=len(dead)),
+                            strict=True):
+            with contextlib.suppress(Exception):
+                ray.kill(gateways[i], no_restart=True)
+            gateways[i] = fresh
+    return len(dead)
+
+
+def tell_gateways(gateways: list[Any], index: int, handle: Any) -> None:
+    """Hand restarted server ``index`` to every gateway; a dead gateway is skipped (its replacement starts
+    with the current servers)."""
+    import ray
+
+    for gateway, ref in [(g, g.replace_server.remote(index, handle)) for g in gateways]:
+        try:
+            ray.get(ref, timeout=30)
+        except Exception as e:  # noqa: BLE001 - a gateway's fault must not stop a server's return
+            logger.warning("gateway %s was not told about restarted server %d: %s", gateway, index, first_line(e))
+
+
+def start_gateways(rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
+                   n: int | None = None) -> list[Any]:
+    """Start ``n`` (default ``rollout.gateway.num_gateways``) GatewayActor actors and their HTTP servers."""
+    import ray
+
+    if n is None:
+        n = int((rollout.get("gateway") or {}).get("num_gateways", 1))
     if n < 1:
         raise ConfigError(f"rollout.gateway.num_gateways must be >= 1 when a loop needs the gateway, got {n}")
     cls = ray.remote(GatewayActor)

@@ -121,6 +121,14 @@ class ServerSupervisor:
                 self.lose(i, f"died during {what}: {_why(e)}")
         return results
 
+    def each(self, method: str, timeout: float | None, only: list[bool] | None = None) -> dict[int, Any]:
+        """Call ``method`` (no arguments) on every serving server (where ``only[i]``) and return the answers by
+        index.  A server that died, or gives no answer within ``timeout`` seconds, is taken out of routing and
+        restarted (:meth:`settle`) instead of failing the caller (pause, resume, sleep, wake_up, ...)."""
+        calls = {i: getattr(h, method).remote() for i, h in enumerate(self.group.handles)
+                 if i not in self.down and (only is None or only[i])}
+        return self.settle(calls, float(timeout) if timeout is not None else None, method)
+
     def lose(self, index: int, reason: str) -> None:
         """Server ``index`` cannot serve (``reason``): out of routing and restarted where this manager can
         (:meth:`_take_out`); a restarted one that was waiting for weights is started again."""

@@ -39,6 +39,15 @@ class BlockingLoop(AgentLoopBase):
         return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids))
 
 
+async def one_call_agent(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> float:
+    """An external agent: one chat completion through its session's gateway."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=raw_prompt)
+    return 1.0
+
+
 class SleepyLoop(AgentLoopBase):
     """Sleeps the number of seconds its prompt says (``sleep 0.5``) before one generation."""
 
@@ -75,10 +84,12 @@ def ray_session():
     import ray
     import ray.cloudpickle
 
+    from agentloop.gateway.framework import register_agent_runner
     from agentloop.loops.base import _agent_loop_registry
 
     register("blocking_probe")(BlockingLoop)
     register("sleepy_probe")(SleepyLoop)
+    register_agent_runner("gateway_probe")(one_call_agent)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
@@ -86,6 +97,7 @@ def ray_session():
     ray.shutdown()
     _agent_loop_registry.pop("blocking_probe", None)
     _agent_loop_registry.pop("sleepy_probe", None)
+    _agent_loop_registry.pop("gateway_probe", None)
 
 
 def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_workers: int = 2,
@@ -316,6 +328,33 @@ def test_a_dead_server_does_not_fail_pause_resume_sleep_wake_up_or_clear_kv_cach
         assert out.non_tensor_batch["status"].tolist() == ["stop"] * 6
         assert wait_until(lambda: manager.recover()["servers_down"] == 0)
         assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1, 1]
+    finally:
+        manager.shutdown()
+
+
+def test_a_dead_gateway_is_replaced_before_the_next_batch(ray_session, monkeypatch):
+    """External agents' gateway actors: one killed between batches is replaced before the next (the workers get
+    the new set), and a restarted server is put back even while a gateway it must be told about is dead."""
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=2, delay=0.0,
+                           root={"actor_rollout_ref.rollout.gateway.num_gateways": 2})
+    try:
+        ok = {"stop", "length"}
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(4)], agent_name="gateway_probe"))
+        assert set(out.non_tensor_batch["status"].tolist()) <= ok, out.non_tensor_batch["error"].tolist()
+        first = list(manager.gateways)
+        ray.kill(first[0])
+        ray.kill(manager.server_handles[0])
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(6)], agent_name="gateway_probe"))
+        assert set(out.non_tensor_batch["status"].tolist()) <= ok, out.non_tensor_batch["error"].tolist()
+        assert faults(out)["gateways_replaced"] == 1 and faults(out)["servers_down"] == 1
+        assert manager.gateways[0] is not first[0] and manager.gateways[1] is first[1]
+        ray.kill(first[1])  # dead when the restarted server is handed to the gateways
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(6)], agent_name="gateway_probe"))
+        assert set(out.non_tensor_batch["status"].tolist()) <= ok, out.non_tensor_batch["error"].tolist()
+        assert faults(out)["gateways_replaced"] == 1 and faults(out)["servers_restarted"] == 1
+        assert ray.get(manager.balancer.stats.remote())["healthy"] == [1, 1]
     finally:
         manager.shutdown()
 

@@ -55,6 +55,38 @@ def test_sessions_spread_over_gateways_by_least_active():
     assert again.session_id.startswith("a-")  # the freed slot is the least active one
 
 
+class DeadGateway:
+    """A gateway whose actor died: every call raises Ray's actor error."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def create_session(self, *args: Any) -> SessionHandle:
+        import ray.exceptions
+
+        self.calls += 1
+        raise ray.exceptions.ActorDiedError()
+
+
+def test_a_dead_gateway_gets_no_more_sessions_and_all_dead_says_what_happens():
+    from agentloop.errors import ServerError
+
+    dead, live = DeadGateway(), SlowGateway("b")
+    manager = GatewayManager([dead, live])
+
+    async def go() -> list[SessionHandle]:
+        return list(await asyncio.gather(*(manager.create_session() for _ in range(4))))
+
+    handles = asyncio.run(go())
+    assert all(h.session_id.startswith("b-") for h in handles) and live.opened == 4
+    assert manager.dead == {0} and dead.calls <= 4 and manager.active == [0, 4]
+    asyncio.run(manager.create_session())
+    assert dead.calls <= 4  # marked dead: not tried again
+    lonely = GatewayManager([DeadGateway()])
+    with pytest.raises(ServerError, match="gateway actor.*died.*before its next batch"):
+        asyncio.run(lonely.create_session())
+
+
 def test_continuations_stick_to_the_server_of_their_conversation(tokenizer):
     policy = FakePolicy(tokenizer)
     servers = [ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id, name=f"s{i}") for i in range(2)]
