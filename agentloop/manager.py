@@ -17,6 +17,7 @@ Usage from a trainer::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -461,7 +462,8 @@ class AgentLoopManager:
             for restart in self.supervisor.restarting.values():
                 ray.kill(restart.handle)
         if self.gateways:
-            ray.get([g.shutdown.remote() for g in self.gateways])
+            with contextlib.suppress(Exception):  # best effort (a gateway may have died); all are killed next
+                ray.get([g.shutdown.remote() for g in self.gateways], timeout=30)
             for g in self.gateways:
                 ray.kill(g)
             self.gateways = []

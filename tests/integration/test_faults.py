@@ -145,6 +145,22 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
     return False
 
 
+def kill_and_wait(actor: Any, method: str, timeout: float = 30.0) -> None:
+    """ray.kill the actor and wait until a call to it fails (the kill itself is asynchronous)."""
+    import ray
+    import ray.exceptions
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(getattr(actor, method).remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{actor} still answers {timeout} s after ray.kill")
+
+
 def faults(out) -> dict[str, float]:
     return {k.rsplit("/", 1)[-1]: v for k, v in out.meta_info["timing"].items() if "/faults/" in k}
 
@@ -309,7 +325,7 @@ def test_a_dead_server_does_not_fail_pause_resume_sleep_wake_up_or_clear_kv_cach
     manager = make_manager(ray, monkeypatch, num_servers=3, delay=0.0)
     try:
         assert all(manager._sleep_support)  # the scripted servers "can sleep"
-        ray.kill(manager.server_handles[0])  # an actor gone
+        kill_and_wait(manager.server_handles[0], "check_health")  # an actor gone
         ray.get(manager.server_handles[1].kill_engine.remote())  # an engine dead inside a live actor
         assert manager.pause() == 0
         assert manager.recover()["servers_down"] == 2  # found by the pause, restarting
@@ -343,13 +359,13 @@ def test_a_dead_gateway_is_replaced_before_the_next_batch(ray_session, monkeypat
         out = manager.generate_sequences(batch([f"q{i}" for i in range(4)], agent_name="gateway_probe"))
         assert set(out.non_tensor_batch["status"].tolist()) <= ok, out.non_tensor_batch["error"].tolist()
         first = list(manager.gateways)
-        ray.kill(first[0])
-        ray.kill(manager.server_handles[0])
+        kill_and_wait(first[0], "num_sessions")  # ray.kill returns before the actor is gone
+        kill_and_wait(manager.server_handles[0], "check_health")
         out = manager.generate_sequences(batch([f"q{i}" for i in range(6)], agent_name="gateway_probe"))
         assert set(out.non_tensor_batch["status"].tolist()) <= ok, out.non_tensor_batch["error"].tolist()
         assert faults(out)["gateways_replaced"] == 1 and faults(out)["servers_down"] == 1
         assert manager.gateways[0] is not first[0] and manager.gateways[1] is first[1]
-        ray.kill(first[1])  # dead when the restarted server is handed to the gateways
+        kill_and_wait(first[1], "num_sessions")  # dead when the restarted server is handed to the gateways
         assert wait_until(lambda: manager.recover()["servers_down"] == 0)
         out = manager.generate_sequences(batch([f"q{i}" for i in range(6)], agent_name="gateway_probe"))
         assert set(out.non_tensor_batch["status"].tolist()) <= ok, out.non_tensor_batch["error"].tolist()
