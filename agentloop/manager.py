@@ -298,9 +298,9 @@ class AgentLoopManager:
         """Drop every server's prefix (KV) cache, e.g. after a weight update made it stale."""
         self._each_server("clear_kv_cache")
 
-    def _each_server(self, method: str, only: list[bool] | None = None) -> dict[int, Any]:
+    def _each_server(self, method: str, only: list[bool] | None = None, **kwargs: Any) -> dict[int, Any]:
         """``method`` on every serving server; a dead or silent one is restarted, not raised (supervisor.each)."""
-        return self.supervisor.each(method, self.rollout.server.get("weight_update_timeout"), only)
+        return self.supervisor.each(method, self.rollout.server.get("weight_update_timeout"), only, **kwargs)
 
     def engine_busy_seconds(self) -> list[float]:
         """Per server: seconds it had at least one request in its engine since it started (a restarted server
@@ -318,8 +318,7 @@ class AgentLoopManager:
     def start_profile(self, **kwargs: Any) -> None:
         """Start the engines' profilers (vLLM's torch profiler needs ``VLLM_TORCH_PROFILER_DIR``; a logged
         no-op where the engine has none)."""
-        ray.get([s.start_profile.remote(**kwargs) for i, s in enumerate(self.server_handles)
-                 if i not in self.supervisor.down])
+        self._each_server("start_profile", **kwargs)
 
     def stop_profile(self) -> None:
         """Stop the engines' profilers and write their traces."""

@@ -121,11 +121,12 @@ class ServerSupervisor:
                 self.lose(i, f"died during {what}: {_why(e)}")
         return results
 
-    def each(self, method: str, timeout: float | None, only: list[bool] | None = None) -> dict[int, Any]:
-        """Call ``method`` (no arguments) on every serving server (where ``only[i]``) and return the answers by
-        index.  A server that died, or gives no answer within ``timeout`` seconds, is taken out of routing and
-        restarted (:meth:`settle`) instead of failing the caller (pause, resume, sleep, wake_up, ...)."""
-        calls = {i: getattr(h, method).remote() for i, h in enumerate(self.group.handles)
+    def each(self, method: str, timeout: float | None, only: list[bool] | None = None,
+             **kwargs: Any) -> dict[int, Any]:
+        """Call ``method(**kwargs)`` on every serving server (where ``only[i]``) and return the answers by index.
+        A server that died, or gives no answer within ``timeout`` seconds, is taken out of routing and restarted
+        (:meth:`settle`) instead of failing the caller (pause, resume, sleep, wake_up, ...)."""
+        calls = {i: getattr(h, method).remote(**kwargs) for i, h in enumerate(self.group.handles)
                  if i not in self.down and (only is None or only[i])}
         return self.settle(calls, float(timeout) if timeout is not None else None, method)
 
