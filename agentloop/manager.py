@@ -104,6 +104,7 @@ class AgentLoopManager:
             spawn=self._spawn_worker, num_workers=int(agent.num_workers), error_rows=self._error_rows,
             balancer=self.balancer, max_sample_retries=int(agent.get("max_sample_retries", 1)),
             batch_timeout=float(timeout) if timeout else None,
+            tick=self._watch_servers if self._owns_servers and self.rollout.server.get("stall_timeout") else None,
         )
         self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
                                            restart=bool(self.rollout.server.get("restart_dead", True)))
@@ -138,6 +139,10 @@ class AgentLoopManager:
         return error_batch(chunk, status, message, rollout=self.rollout,
                            pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
                            default_agent=str(self.rollout.agent.default_agent_loop))
+
+    def _watch_servers(self) -> None:
+        """Every few seconds of a batch: a server whose actor stopped answering is killed and restarted."""
+        self.supervisor.watch(float(self.rollout.server.stall_timeout))
 
     def _swap_server(self, index: int, handle: Any) -> None:
         """A restarted server replaces server ``index`` for every worker (and later workers)."""
@@ -265,7 +270,7 @@ class AgentLoopManager:
     def _fault_metrics(self, failovers: int) -> dict[str, float]:
         """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""
         counts = {**self.workers.fault_counts, "servers_restarted": self.supervisor.counts["server_restarts"],
-                  "gateways_replaced": self._gateway_restarts}
+                  "servers_hung": self.supervisor.counts["servers_hung"], "gateways_replaced": self._gateway_restarts}
         before, self._fault_totals = self._fault_totals, dict(counts)
         metrics = {k: v - before.get(k, 0) for k, v in counts.items()}  # the counts are cumulative
         metrics.update(server_failovers=failovers, servers_down=len(self.supervisor.down))
@@ -414,7 +419,7 @@ class AgentLoopManager:
 
         def settle(calls: dict[int, Any], what: str) -> dict[int, Any]:
             """Results of the servers that answered; the lost ones are restarted and dropped from the update."""
-            results = self.supervisor.settle(calls, float(limit) if limit else None, what)
+            results = self.supervisor.settle(calls, float(limit) if limit else None, what, dict(targets))
             for i in set(calls) - set(results):
                 targets.pop(i, None)
             if not targets:
@@ -423,6 +428,7 @@ class AgentLoopManager:
                                   "update_weights again once manager.recover() reports servers up again")
             return results
 
+        self.supervisor.updating = True
         try:
             settle({i: h.begin_weight_update.remote(version) for i, h in targets.items()}, "begin_weight_update")
             loading: dict[int, Any] = {}
@@ -436,6 +442,8 @@ class AgentLoopManager:
         except BaseException:
             _abort_weight_updates(list(targets.values()))
             raise
+        finally:
+            self.supervisor.updating = False
         self._weight_version = version
         self.supervisor.weights_loaded([i for i in waiting if i in targets])
         logger.debug("weights updated to version %d: %s", version, reports)

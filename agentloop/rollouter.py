@@ -191,8 +191,12 @@ class Rollouter:
         return sum(len(g) for job in list(self._jobs.values()) for g in job.unfinished())
 
     def _run(self) -> None:
+        look, pool = time.monotonic(), self.manager.workers  # the manager's look for hung servers, as in a batch
         try:
             while not self._stop.is_set():
+                if pool.tick is not None and time.monotonic() >= look:
+                    pool.tick()
+                    look = time.monotonic() + pool.tick_s
                 self._fill()
                 if not self._jobs:
                     with self._lock:  # done once every finished group was handed out (none re-queued by get)

@@ -79,6 +79,9 @@ class WorkerPool:
     chunks_per_worker: int = 2
     """:meth:`run` cuts a batch into this many row ranges per live worker (a dead worker's unfinished ranges
     are spread over the survivors)."""
+    tick: Callable[[], Any] | None = None
+    """Called every ``tick_s`` seconds while a batch streams (the manager's look for hung servers)."""
+    tick_s: float = 5.0
     on_ready: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     """Calls made on every worker that joins later (e.g. ``attach_gateways``), in order."""
     slots: list[_Slot] = field(default_factory=list)
@@ -142,9 +145,17 @@ class WorkerPool:
             if groups:
                 self._open_stream(batch, bounds, groups, slot, 0, deadline, streams)
         try:
+            next_tick = time.monotonic() + self.tick_s
             while streams:
-                wait = None if deadline is None else max(0.0, deadline + self.batch_grace_s - time.monotonic())
-                ready, _ = ray.wait(list(streams), num_returns=1, timeout=wait)
+                now = time.monotonic()
+                if self.tick is not None and now >= next_tick:
+                    self.tick()
+                    now, next_tick = time.monotonic(), time.monotonic() + self.tick_s
+                end = None if deadline is None else deadline + self.batch_grace_s
+                waits = [t - now for t in (end, next_tick if self.tick is not None else None) if t is not None]
+                ready, _ = ray.wait(list(streams), num_returns=1, timeout=max(0.0, min(waits)) if waits else None)
+                if not ready and (end is None or time.monotonic() < end):
+                    continue  # time for a tick
                 if not ready:  # hung past the deadline: their groups come back as timeout rows
                     for gen, (groups, slot, _) in list(streams.items()):
                         why = f"agent.batch_timeout={self.batch_timeout}s + {self.batch_grace_s}s"

@@ -4,7 +4,10 @@ The router fails requests over the moment a server dies (:mod:`agentloop.routing
 the manager's side.  :class:`ServerSupervisor`
 
 1. **finds** dead servers after every batch: each server's ``check_health`` (a dead actor, or a live actor
-   whose engine process died, raises), plus the ones the routers marked down;
+   whose engine process died, raises), plus the ones the routers marked down; and **hung** ones during a
+   batch (:meth:`ServerSupervisor.watch`): a server whose actor has not answered a health probe for
+   ``rollout.server.stall_timeout`` seconds (its event loop is blocked, so its own engine watch cannot run
+   either) is killed, so its running requests fail over at once, and restarted;
 2. **restarts** each in its own placement slot (same bundle / node, same config): the old actor is shut down
    and killed, a new one is created and its ``start`` runs in the background while batches go on;
 3. **puts it back** once started: at version 0 (no weight update yet) at once; after weight updates, the
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +74,15 @@ class ServerSupervisor:
     health_timeout_s: float = 30.0
     down: set[int] = field(default_factory=set)
     restarting: dict[int, _Restart] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"server_restarts": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"server_restarts": 0, "servers_hung": 0})
+    _probes: dict[int, tuple[Any, Any, float]] = field(default_factory=dict)
+    """:meth:`watch`'s health probes in flight: index -> (the handle probed, the pending call, when sent)."""
+    updating: bool = False
+    """True while ``update_weights`` runs (the manager sets it): :meth:`watch` then stays out of the way."""
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    """Held while ``down`` / ``restarting`` change: the Rollouter's thread (:meth:`poll`, :meth:`watch`) and the
+    trainer's (``update_weights``, ``pause``, ...) both use the supervisor.  Not held while waiting for servers'
+    answers (only a dying server's own shutdown, at most 10 s)."""
 
     @property
     def can_restart(self) -> bool:
@@ -77,9 +90,10 @@ class ServerSupervisor:
 
     def check(self) -> list[int]:
         """Probe every serving server; newly dead ones are marked down (and restarts begun).  Returns them."""
-        handles = self.group.handles
-        probe = {i: h.check_health.remote() for i, h in enumerate(handles)
-                 if i not in self.down and i not in self.restarting}
+        with self._lock:
+            probe = {i: h.check_health.remote() for i, h in enumerate(self.group.handles)
+                     if i not in self.down and i not in self.restarting}
+            self._probes.clear()  # the watch's probes belong to the batch that just ended
         if not probe:
             return []
         refs = list(probe.values())
@@ -97,28 +111,80 @@ class ServerSupervisor:
             except Exception as e:  # noqa: BLE001 - any failure to answer means the server cannot serve
                 logger.warning("rollout server %d is dead: %s", i, _why(e))
                 dead.append(i)
-        for i in dead:
-            self._take_out(i)
+        with self._lock:
+            dead = [i for i in dead if i not in self.down and i not in self.restarting]
+            for i in dead:
+                self._take_out(i)
         return dead
 
-    def settle(self, calls: dict[int, Any], timeout: float | None, what: str) -> dict[int, Any]:
+    def watch(self, hang_s: float) -> list[int]:
+        """A look at the serving servers while a batch runs (the manager calls it every few seconds; it never
+        waits).  Each server has at most one ``check_health`` probe in flight.  A server whose probe is still
+        unanswered after ``hang_s`` seconds is hung: its actor's event loop is blocked (a health check is an
+        instant answer otherwise).  It is killed, so the requests it holds fail over at once instead of holding
+        the batch, and restarted where this manager can.  A probe that says the server died takes it out
+        early (the routers already avoid it).  Returns the servers taken out.  Skipped (returns []) during a
+        weight update (its own ``weight_update_timeout`` applies) and while another thread is changing the
+        servers, so the Rollouter's thread never waits on it."""
+        if self.updating or not self._lock.acquire(blocking=False):
+            return []
+        try:
+            return self._watch(hang_s)
+        finally:
+            self._lock.release()
+
+    def _watch(self, hang_s: float) -> list[int]:
+        now = time.monotonic()
+        for i, handle in enumerate(self.group.handles):
+            probe = self._probes.get(i)
+            if i in self.down or i in self.restarting:
+                self._probes.pop(i, None)
+            elif probe is None or probe[0] is not handle:
+                self._probes[i] = (handle, handle.check_health.remote(), now)
+        if not self._probes:
+            return []
+        refs = [ref for _, ref, _ in self._probes.values()]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        lost: dict[int, str] = {}
+        for i, (_, ref, sent) in list(self._probes.items()):
+            if ref in done:
+                del self._probes[i]
+                try:
+                    ray.get(ref)
+                except (ray.exceptions.RayActorError, ServerDeadError) as e:
+                    lost[i] = f"failed a health check: {_why(e)}"
+                except Exception:  # noqa: BLE001, S110 - not a death; the check after the batch reports it
+                    pass
+            elif now - sent >= hang_s:
+                del self._probes[i]
+                lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
+                           "event loop is blocked")
+                self.counts["servers_hung"] += 1
+        for i, reason in lost.items():
+            self.lose(i, reason, hung=reason.startswith("did not answer"))
+        return list(lost)
+
+    def settle(self, calls: dict[int, Any], timeout: float | None, what: str,
+               handles: dict[int, Any] | None = None) -> dict[int, Any]:
         """Wait for one call per server (index -> ObjectRef; serving servers and restarted ones awaiting weights)
         and return the results of those that answered.  A server whose actor or engine died, or that gave no
         answer within ``timeout`` seconds (None: no limit), is taken out and restarted (as after a batch) and
-        left out of the result; any other error is raised (it is not the server's fault: e.g. a bad tensor)."""
+        left out of the result; any other error is raised (it is not the server's fault: e.g. a bad tensor).
+        ``handles``: the actor each call went to, so a server another thread already replaced is left alone."""
         if not calls:
             return {}
         refs = list(calls.values())
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         finished, results = set(done), {}
         for i, ref in calls.items():
+            handle = (handles or {}).get(i)
             if ref not in finished:
-                self.lose(i, f"no answer to {what} within {timeout:g} s")
+                self.lose(i, f"no answer to {what} within {timeout:g} s", handle=handle)
                 continue
             try:
                 results[i] = ray.get(ref)
             except (ray.exceptions.RayActorError, ServerDeadError) as e:
-                self.lose(i, f"died during {what}: {_why(e)}")
+                self.lose(i, f"died during {what}: {_why(e)}", handle=handle)
         return results
 
     def each(self, method: str, timeout: float | None, only: list[bool] | None = None,
@@ -126,36 +192,49 @@ class ServerSupervisor:
         """Call ``method(**kwargs)`` on every serving server (where ``only[i]``) and return the answers by index.
         A server that died, or gives no answer within ``timeout`` seconds, is taken out of routing and restarted
         (:meth:`settle`) instead of failing the caller (pause, resume, sleep, wake_up, ...)."""
-        calls = {i: getattr(h, method).remote(**kwargs) for i, h in enumerate(self.group.handles)
-                 if i not in self.down and (only is None or only[i])}
-        return self.settle(calls, float(timeout) if timeout is not None else None, method)
+        with self._lock:
+            handles = {i: h for i, h in enumerate(self.group.handles)
+                       if i not in self.down and (only is None or only[i])}
+        calls = {i: getattr(h, method).remote(**kwargs) for i, h in handles.items()}
+        return self.settle(calls, float(timeout) if timeout is not None else None, method, handles)
 
-    def lose(self, index: int, reason: str) -> None:
+    def lose(self, index: int, reason: str, hung: bool = False, handle: Any = None) -> None:
         """Server ``index`` cannot serve (``reason``): out of routing and restarted where this manager can
-        (:meth:`_take_out`); a restarted one that was waiting for weights is started again."""
-        logger.warning("rollout server %d %s; it is taken out of routing", index, reason)
-        if index in self.restarting:
-            ray.kill(self.restarting.pop(index).handle, no_restart=True)
-            if self.can_restart:
-                self._begin_restart(index)
-        elif index not in self.down:
-            self._take_out(index)
+        (:meth:`_take_out`); a restarted one that was waiting for weights is started again.  ``hung``: its actor
+        does not answer; it is killed without asking it to shut down, even where it is not restarted.
+        ``handle``: the actor found failing; nothing is done when it was already replaced (by another thread)."""
+        with self._lock:
+            current = self.restarting[index].handle if index in self.restarting else self.group.handles[index]
+            if handle is not None and handle is not current:
+                return
+            logger.warning("rollout server %d %s; it is taken out of routing", index, reason)
+            if index in self.restarting:
+                ray.kill(self.restarting.pop(index).handle, no_restart=True)
+                if self.can_restart:
+                    self._begin_restart(index)
+            elif index not in self.down:
+                self._take_out(index, hung)
 
-    def _take_out(self, index: int) -> None:
+    def _take_out(self, index: int, hung: bool = False) -> None:
         self.down.add(index)
         if self.balancer is not None:
             ray.get(self.balancer.mark_down.remote(index))
         if self.can_restart:
-            self._begin_restart(index)
+            self._begin_restart(index, polite=not hung)
+        elif hung:  # its requests would wait on it forever: killed, they fail over
+            ray.kill(self.group.handles[index], no_restart=True)
+            logger.error("rollout server %d hung and was killed; it cannot be restarted by this manager and stays "
+                         "out of routing", index)
         else:
             logger.error("rollout server %d is dead and cannot be restarted by this manager (%s servers%s); "
                          "it stays out of routing", index, self.group.placement,
                          "" if self.restart else ", rollout.server.restart_dead=false")
 
-    def _begin_restart(self, index: int) -> None:
+    def _begin_restart(self, index: int, polite: bool = True) -> None:
         old = self.group.handles[index]
-        with contextlib.suppress(Exception):  # it is dead or dying; killing it is what matters
-            ray.get(old.shutdown.remote(), timeout=10)
+        if polite:  # a hung actor cannot run its shutdown; a dead or dying one may free its engine first
+            with contextlib.suppress(Exception):  # it is dead or dying; killing it is what matters
+                ray.get(old.shutdown.remote(), timeout=10)
         ray.kill(old, no_restart=True)
         handle = self.group.relaunch(index)
         self.restarting[index] = _Restart(handle, handle.start.remote())
@@ -165,13 +244,20 @@ class ServerSupervisor:
     def poll(self, weight_version: int, wait_s: float = 0.0) -> list[int]:
         """Put back restarted servers that finished starting (those needing weights wait for an update);
         returns the indices put back.  ``wait_s``: wait that long for pending starts (0: just look)."""
-        pending = {r.started: i for i, r in self.restarting.items() if not r.needs_weights}
+        with self._lock:
+            pending = {r.started: i for i, r in self.restarting.items() if not r.needs_weights}
         if not pending:
             return []
         done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+        with self._lock:
+            return self._started(weight_version, [(pending[ref], ref) for ref in done])
+
+    def _started(self, weight_version: int, done: list[tuple[int, Any]]) -> list[int]:
         back = []
-        for ref in done:
-            i = pending[ref]
+        for i, ref in done:
+            restart = self.restarting.get(i)
+            if restart is None or restart.started is not ref or restart.needs_weights:
+                continue  # another thread got there first (put it back, lost it again)
             try:
                 info = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a failed restart is retried at the next check
@@ -183,7 +269,7 @@ class ServerSupervisor:
             if self.group.slots and i < len(self.group.info):
                 self.group.info[i] = {**(info or {}), **self.group.slots[i].facts}
             if weight_version > 0:
-                self.restarting[i].needs_weights = True
+                restart.needs_weights = True
                 logger.warning("rollout server %d restarted with the initial weights; it rejoins after the next "
                                "update_weights (now at version %d)", i, weight_version)
                 continue

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -231,6 +232,11 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         for events in self._pending.values():
             for event in events:
                 event.set()
+
+    async def freeze(self, seconds: float) -> None:
+        """Block this actor's event loop for ``seconds`` (a synchronous sleep inside it): nothing it holds
+        or is sent answers meanwhile, health checks included (a server actor hung in its own code)."""
+        time.sleep(seconds)
 
     def stall_weight_updates(self) -> None:
         """From now on ``begin_weight_update`` never returns (a server hung inside a weight update)."""

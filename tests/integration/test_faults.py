@@ -244,6 +244,34 @@ def test_a_server_killed_mid_batch_fails_over_and_is_restarted(ray_session, monk
         manager.shutdown()
 
 
+def test_a_server_whose_event_loop_hangs_is_killed_its_requests_fail_over_and_it_is_restarted(ray_session,
+                                                                                                  monkeypatch):
+    """The server actor itself stops answering (its event loop blocked for minutes): before, its requests held
+    the batch until the loop woke up (or forever); now the mid-batch health look kills it after
+    server.stall_timeout seconds, its requests fail over and it is restarted."""
+    ray = ray_session
+    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0, root={
+        "actor_rollout_ref.rollout.server.stall_timeout": 2})
+    manager.workers.tick_s = 0.2
+    try:
+        hung = manager.server_handles[0]
+        timer = later(0.3, lambda: hung.freeze.remote(600))
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
+        timer.join()
+        assert out.non_tensor_batch["status"].tolist() == ["stop"] * 8  # the hung server's requests moved
+        f = faults(out)
+        assert f["servers_hung"] == 1 and f["server_failovers"] >= 1 and f["servers_down"] == 1
+        with pytest.raises(ray.exceptions.RayActorError):  # killed, not left blocking a process
+            ray.get(hung.check_health.remote(), timeout=30)
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)
+        nxt = manager.generate_sequences(batch([f"n{i}" for i in range(8)]))
+        assert nxt.non_tensor_batch["status"].tolist() == ["stop"] * 8
+        assert faults(nxt)["servers_restarted"] == 1 and faults(nxt)["servers_hung"] == 0
+        assert manager.server_handles[0] is not hung
+    finally:
+        manager.shutdown()
+
+
 def test_an_engine_that_dies_inside_its_only_server_is_restarted(ray_session, monkeypatch):
     ray = ray_session
     manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
@@ -473,6 +501,28 @@ def test_rollouter_bounds_staleness_across_weight_updates(ray_session, monkeypat
         m = rollouter.metrics()
         assert m["rollouter/groups_rerun_stale"] > 0 and set(m["rollouter/staleness"]) == {0}
         rollouter.stop()
+    finally:
+        manager.shutdown()
+
+
+def test_rollouter_kills_a_server_whose_event_loop_hangs_and_hands_out_every_group(ray_session, monkeypatch):
+    from agentloop.rollouter import Rollouter
+
+    manager = make_manager(ray_session, monkeypatch, num_servers=2, delay=0.5, root={
+        "actor_rollout_ref.rollout.server.stall_timeout": 2})
+    manager.workers.tick_s = 0.2
+    try:
+        hung = manager.server_handles[0]
+        rollouter = Rollouter(manager, prompt_batches(2, 4, 2, 0.1), max_inflight=8).start()
+        hung.freeze.remote(600)
+        handed = [p for p in iter(lambda: rollouter.get(num_groups=2), None)]
+        assert sum(len(p) for p in handed) == 16
+        assert all(set(p.non_tensor_batch["status"].tolist()) == {"stop"} for p in handed)
+        assert manager.supervisor.counts["servers_hung"] == 1
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(hung.check_health.remote(), timeout=30)
+        rollouter.stop()
+        assert wait_until(lambda: manager.recover()["servers_down"] == 0)
     finally:
         manager.shutdown()
 

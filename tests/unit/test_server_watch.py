@@ -1,0 +1,175 @@
+"""ServerSupervisor.watch: the mid-batch look for server actors that stopped answering (Ray faked out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import ray
+
+import agentloop.servers.supervisor as supervisor_module
+from agentloop.servers.base import ServerDeadError
+from agentloop.servers.placement import ServerGroup
+from agentloop.servers.supervisor import ServerSupervisor
+
+
+@dataclass(eq=False)
+class Ref:
+    """A pending call: ``answer`` is None while it runs, else the value (or exception) it ends with."""
+
+    method: str
+    answer: Any = None
+
+
+@dataclass
+class Method:
+    server: FakeServer
+    name: str
+
+    def remote(self, *args: Any, **kwargs: Any) -> Ref:
+        ref = Ref(self.name)
+        self.server.sent.append(ref)
+        if not self.server.hung:
+            ref.answer = self.server.reply
+        return ref
+
+
+@dataclass(eq=False)
+class FakeServer:
+    name: str
+    hung: bool = False
+    reply: Any = "ok"
+    sent: list[Ref] = field(default_factory=list)
+
+    def __getattr__(self, method: str) -> Method:
+        return Method(self, method)
+
+
+@dataclass
+class Group(ServerGroup):
+    can: bool = True
+    relaunched: list[int] = field(default_factory=list)
+
+    @property
+    def restartable(self) -> bool:
+        return self.can
+
+    def relaunch(self, index: int) -> Any:
+        self.relaunched.append(index)
+        return FakeServer(f"restarted{index}")
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    killed: list[Any] = []
+
+    def get(ref: Ref, timeout: float | None = None) -> Any:
+        if ref.answer is None:
+            raise TimeoutError("no answer")
+        if isinstance(ref.answer, BaseException):
+            raise ref.answer
+        return ref.answer
+
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
+        [r for r in refs if r.answer is not None], [r for r in refs if r.answer is None]))
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    return now, killed
+
+
+def make(servers: list[FakeServer], *, restart: bool = True) -> tuple[ServerSupervisor, Group]:
+    group = Group(list(servers), None, "cpu", [], can=restart)
+    return ServerSupervisor(group, None, lambda i, h: None), group
+
+
+def test_a_server_that_answers_its_probes_is_left_alone_however_long_the_batch(clock):
+    now, killed = clock
+    servers = [FakeServer("a"), FakeServer("b")]
+    sup, group = make(servers)
+    for _ in range(10):
+        assert sup.watch(hang_s=5) == []
+        now[0] += 3
+    assert not killed and not sup.down and not group.relaunched
+    assert all(len(s.sent) == 10 and {r.method for r in s.sent} == {"check_health"} for s in servers)  # one per look
+
+
+def test_a_probe_unanswered_for_the_hang_time_kills_and_restarts_the_server_without_asking_it(clock):
+    now, killed = clock
+    servers = [FakeServer("a"), FakeServer("b", hung=True)]
+    sup, group = make(servers)
+    assert sup.watch(hang_s=5) == []
+    now[0] += 4.9
+    assert sup.watch(hang_s=5) == []  # not yet
+    assert len(servers[1].sent) == 1  # one probe in flight at a time, not one per look
+    now[0] += 0.1
+    assert sup.watch(hang_s=5) == [1]
+    assert sup.down == {1} and sup.counts["servers_hung"] == 1
+    assert killed == [servers[1]] and group.relaunched == [1] and 1 in sup.restarting
+    assert [r.method for r in servers[1].sent] == ["check_health"]  # no shutdown sent to a hung actor
+    now[0] += 60
+    assert sup.watch(hang_s=5) == []  # restarting: not probed
+
+
+def test_a_hung_server_that_cannot_be_restarted_is_still_killed_so_its_requests_fail_over(clock):
+    now, killed = clock
+    servers = [FakeServer("a", hung=True)]
+    sup, group = make(servers, restart=False)
+    sup.watch(hang_s=1)
+    now[0] += 1
+    assert sup.watch(hang_s=1) == [0]
+    assert killed == [servers[0]] and sup.down == {0} and not group.relaunched
+
+
+def test_a_probe_that_says_the_engine_died_takes_the_server_out_at_once(clock):
+    _, killed = clock
+    servers = [FakeServer("a", reply=ServerDeadError("a: the engine process died"))]
+    sup, group = make(servers)
+    assert sup.watch(hang_s=300) == [0]
+    assert sup.counts["servers_hung"] == 0 and group.relaunched == [0]
+    assert [r.method for r in servers[0].sent] == ["check_health", "shutdown"]  # a live actor is asked first
+
+
+def test_another_error_is_left_to_the_check_after_the_batch(clock):
+    servers = [FakeServer("a", reply=ValueError("odd"))]
+    sup, _ = make(servers)
+    assert sup.watch(hang_s=300) == [] and not sup.down
+
+
+def test_the_check_after_a_batch_forgets_the_batchs_probes(clock):
+    now, killed = clock
+    servers = [FakeServer("a", hung=True)]
+    sup, _ = make(servers)
+    sup.watch(hang_s=5)
+    servers[0].hung = False
+    servers[0].sent[0].answer = "ok"  # it answered in the end
+    sup.check()
+    now[0] += 600  # a long trainer step between batches
+    assert sup.watch(hang_s=5) == [] and not killed
+
+
+def test_a_failure_of_an_actor_already_replaced_does_not_restart_its_replacement(clock):
+    """The Rollouter's thread took a hung server out; the trainer's pause() then sees its call to the old actor
+    fail.  The replacement, still starting, must not be killed and started again."""
+    now, killed = clock
+    servers = [FakeServer("a", hung=True), FakeServer("b")]
+    sup, group = make(servers)
+    sup.watch(hang_s=1)
+    now[0] += 1
+    assert sup.watch(hang_s=1) == [0]
+    replacement = sup.restarting[0].handle
+    sup.lose(0, "died during pause: actor died", handle=servers[0])
+    assert sup.restarting[0].handle is replacement and group.relaunched == [0] and killed == [servers[0]]
+    sup.lose(0, "died during begin_weight_update", handle=replacement)  # the replacement itself failing counts
+    assert group.relaunched == [0, 0] and replacement in killed
+
+
+def test_the_watch_stays_out_of_a_weight_update(clock):
+    now, killed = clock
+    sup, _ = make([FakeServer("a", hung=True)])
+    sup.updating = True
+    sup.watch(hang_s=1)
+    now[0] += 10
+    assert sup.watch(hang_s=1) == [] and not killed and not sup.down
