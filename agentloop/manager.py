@@ -105,6 +105,7 @@ class AgentLoopManager:
             balancer=self.balancer, max_sample_retries=int(agent.get("max_sample_retries", 1)),
             batch_timeout=float(timeout) if timeout else None,
             tick=self._watch_servers if self._owns_servers and self.rollout.server.get("stall_timeout") else None,
+            hang_s=float(agent.stall_timeout) if agent.get("stall_timeout") else None,
         )
         self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
                                            restart=bool(self.rollout.server.get("restart_dead", True)))

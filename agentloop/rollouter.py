@@ -191,11 +191,11 @@ class Rollouter:
         return sum(len(g) for job in list(self._jobs.values()) for g in job.unfinished())
 
     def _run(self) -> None:
-        look, pool = time.monotonic(), self.manager.workers  # the manager's look for hung servers, as in a batch
+        look, pool = time.monotonic(), self.manager.workers  # the look for hung workers and servers, as in a batch
         try:
             while not self._stop.is_set():
-                if pool.tick is not None and time.monotonic() >= look:
-                    pool.tick()
+                if time.monotonic() >= look:
+                    pool.look([job.slot for job in self._jobs.values()])
                     look = time.monotonic() + pool.tick_s
                 self._fill()
                 if not self._jobs:
@@ -256,7 +256,7 @@ class Rollouter:
             return
         except ray.exceptions.RayActorError as e:
             del self._jobs[gen]
-            self.manager.workers._replace(job.slot, f"died while streaming: {e}".splitlines()[0])
+            self.manager.workers._replace(job.slot, f"died while streaming: {job.slot.hung or e}".splitlines()[0])
             self._requeue(job, "groups_rerun_fault")
             return
         job.finished.add(local)

@@ -213,6 +213,10 @@ class AgentLoopWorker:
         return {"pid": os.getpid(), "priority": self.priority, "agent_loops": sorted(self.registry),
                 "init_errors": dict(self.init_errors), "gc_frozen": self.gc_frozen}
 
+    async def ping(self) -> bool:
+        """Answered by this worker's event loop: the pool's mid-batch look for a loop something blocks."""
+        return True
+
     def attach_gateways(self, gateways: list[Any]) -> None:
         """Give loops that declare ``requires_gateway`` a GatewayManager over these gateway actors."""
         from agentloop.gateway.actor import GatewayManager

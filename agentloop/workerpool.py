@@ -8,9 +8,11 @@ waits for them with ``ray.wait``, so one worker's fault never costs the others' 
   back as an ``error`` row naming the fault).  The dead worker's in-flight slots in the shared balancer are
   released, and a replacement actor is started at once, in the background: it joins the pool at the next
   batch that finds it ready.
-* **A worker hangs** (its event loop is blocked, so even ``sample_timeout`` cannot fire): with
-  ``agent.batch_timeout`` set, each worker cancels its own samples still running at the deadline (they
-  come back as ``timeout`` rows); a worker that has not answered ``batch_grace_s`` after the deadline
+* **A worker hangs** (its event loop is blocked, so even ``sample_timeout`` cannot fire): every few seconds
+  of a batch each streaming worker gets a ``ping``; one that leaves it unanswered for ``agent.stall_timeout``
+  seconds is killed, and handled as a dead worker (its samples re-run, or ``error`` rows saying it hung).
+  With ``agent.batch_timeout`` set, each worker also cancels its own samples still running at the deadline
+  (they come back as ``timeout`` rows); a worker that has not answered ``batch_grace_s`` after the deadline
   is killed and replaced, and its samples come back as ``timeout`` rows (no retry: the deadline passed).
 
 The rows come back in the batch's order whatever happened.  ``fault_counts`` says what was done.
@@ -50,6 +52,8 @@ class _Slot:
     """The pending ``ready()`` call of a worker still starting; None once it is serving."""
     dead: bool = False
     """Its replacement failed to start too: the slot is given up."""
+    hung: str = ""
+    """Why :meth:`WorkerPool.watch_workers` killed it (its death then reads as that)."""
 
 
 @dataclass
@@ -82,6 +86,9 @@ class WorkerPool:
     tick: Callable[[], Any] | None = None
     """Called every ``tick_s`` seconds while a batch streams (the manager's look for hung servers)."""
     tick_s: float = 5.0
+    hang_s: float | None = None
+    """``agent.stall_timeout``: a streaming worker that leaves a ping unanswered this long is killed."""
+    _probes: dict[int, tuple[Any, Any, float]] = field(default_factory=dict)
     on_ready: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     """Calls made on every worker that joins later (e.g. ``attach_gateways``), in order."""
     slots: list[_Slot] = field(default_factory=list)
@@ -145,14 +152,14 @@ class WorkerPool:
             if groups:
                 self._open_stream(batch, bounds, groups, slot, 0, deadline, streams)
         try:
-            next_tick = time.monotonic() + self.tick_s
+            next_tick, looks = time.monotonic() + self.tick_s, self.tick is not None or self.hang_s is not None
             while streams:
                 now = time.monotonic()
-                if self.tick is not None and now >= next_tick:
-                    self.tick()
+                if looks and now >= next_tick:
+                    self.look([slot for _, slot, _ in streams.values()])
                     now, next_tick = time.monotonic(), time.monotonic() + self.tick_s
                 end = None if deadline is None else deadline + self.batch_grace_s
-                waits = [t - now for t in (end, next_tick if self.tick is not None else None) if t is not None]
+                waits = [t - now for t in (end, next_tick if looks else None) if t is not None]
                 ready, _ = ray.wait(list(streams), num_returns=1, timeout=max(0.0, min(waits)) if waits else None)
                 if not ready and (end is None or time.monotonic() < end):
                     continue  # time for a tick
@@ -181,9 +188,10 @@ class WorkerPool:
                     continue
                 except ray.exceptions.RayActorError as e:
                     del streams[gen]
-                    self._replace(slot, f"died while streaming groups {groups[:5]}...: {first_line(e)}")
+                    why = slot.hung or first_line(e)
+                    self._replace(slot, f"died while streaming groups {groups[:5]}...: {why}")
                     left = [g for g in groups if g not in sent]
-                    yield from self._restream(batch, bounds, left, attempt, first_line(e), deadline, streams, sent)
+                    yield from self._restream(batch, bounds, left, attempt, why, deadline, streams, sent)
                     continue
                 sent.add(groups[local])
                 yield groups[local], rows
@@ -225,6 +233,43 @@ class WorkerPool:
             share = groups[round(i * len(groups) / n):round((i + 1) * len(groups) / n)]
             self._open_stream(batch, bounds, share, slot, attempt + 1, deadline, streams)
 
+    def look(self, slots: list[_Slot]) -> None:
+        """The periodic look while samples run: hung workers among ``slots`` (:meth:`watch_workers`), then the
+        manager's :attr:`tick` (hung servers)."""
+        if self.hang_s is not None:
+            self.watch_workers(slots)
+        if self.tick is not None:
+            self.tick()
+
+    def watch_workers(self, slots: list[_Slot]) -> list[_Slot]:
+        """Ping each worker in ``slots`` (one ping in flight per worker; never waits).  A worker whose ping is
+        unanswered after ``hang_s`` seconds has a blocked event loop (a loop or tool running blocking code):
+        it is killed, so its streams end with an actor error and the caller re-runs its samples as for a dead
+        worker.  Returns the workers killed."""
+        now, hang_s = time.monotonic(), float(self.hang_s or 0)
+        watched = {s.index: s for s in slots if s.ready is None and not s.dead and not s.hung}
+        for index in [i for i in self._probes if i not in watched]:
+            del self._probes[index]
+        for index, slot in watched.items():
+            if index not in self._probes or self._probes[index][0] is not slot.handle:
+                self._probes[index] = (slot.handle, slot.handle.ping.remote(), now)
+        refs = [ref for _, ref, _ in self._probes.values()]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        killed = []
+        for index, (_, ref, sent) in list(self._probes.items()):
+            if ref in done:
+                del self._probes[index]  # answered (or died: the stream reports that); a new ping next look
+            elif now - sent >= hang_s:
+                del self._probes[index]
+                slot = watched[index]
+                slot.hung = (f"hung: a ping went unanswered for {hang_s:g} s (agent.stall_timeout), so its event "
+                             "loop is blocked (a loop or tool running blocking code? run it in a thread)")
+                logger.warning("agent-loop worker %d %s; killing it", index, slot.hung)
+                ray.kill(slot.handle, no_restart=True)
+                self.fault_counts["workers_hung"] += 1
+                killed.append(slot)
+        return killed
+
     # ----------------------------------------------------------------------------------------------
     def _replace(self, slot: _Slot, reason: str) -> None:
         """Kill a dead or hung worker, release its balancer slots and start its replacement (not awaited)."""
@@ -235,7 +280,7 @@ class WorkerPool:
         ray.kill(slot.handle, no_restart=True)
         if self.balancer is not None:
             self.balancer.release_owner.remote(slot.worker_id)
-        slot.worker_id = uuid.uuid4().hex
+        slot.worker_id, slot.hung = uuid.uuid4().hex, ""
         slot.handle = self.spawn(slot.index, slot.worker_id)
         slot.ready = slot.handle.ready.remote()
         self.fault_counts["worker_restarts"] += 1

@@ -300,6 +300,7 @@ TYPE_CHECKS: dict[str, Check] = {
         "agent.strict_config": _OPT_BOOL,
         "agent.max_failure_fraction": _OPT_UNIT, "server": _MAPPING, "gateway": _MAPPING,
         "agent.batch_timeout": _OPT_POS_NUM, "agent.max_sample_retries": _NON_NEG_INT,
+        "agent.stall_timeout": _OPT_POS_NUM,
         "agent.restart_preempted": _BOOL, "agent.record_timing": _OPT_BOOL,
         "server.max_failovers": _OPT_NON_NEG_INT, "server.restart_dead": _BOOL,
         "server.weight_update_timeout": _OPT_POS_NUM,

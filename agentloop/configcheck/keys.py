@@ -191,7 +191,7 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "agent.prompt_truncation": "left", "agent.sample_timeout": None, "agent.strict_config": None,
     "agent.max_failure_fraction": 0.5,
     "agent.batch_timeout": None, "agent.max_sample_retries": 1, "agent.restart_preempted": False,
-    "agent.record_timing": None,
+    "agent.record_timing": None, "agent.stall_timeout": 300,
     "server.max_failovers": None,
     "server.restart_dead": True, "server.weight_update_timeout": 600, "server.stall_timeout": 300,
     "server.num_servers": None, "server.num_cpus_per_server": 1, "server.device": "auto",

@@ -221,6 +221,27 @@ def test_a_worker_whose_event_loop_hangs_is_cut_at_the_batch_deadline(ray_sessio
         manager.shutdown()
 
 
+def test_a_worker_whose_event_loop_hangs_is_killed_without_a_batch_deadline(ray_session, monkeypatch):
+    """No agent.batch_timeout (the default): before, a loop blocking its worker held the batch until it woke up.
+    Now the worker is killed after agent.stall_timeout without answering a ping; its samples are re-run (the
+    blocking one hangs its second worker too, then its rows are errors that say so) and the rest are fine."""
+    ray = ray_session
+    monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "600")
+    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0, stall_timeout=2)
+    manager.workers.tick_s = 0.2
+    try:
+        out = manager.generate_sequences(batch(["block", "a", "b", "c"], agent_name="blocking_probe"))
+        assert out.non_tensor_batch["status"].tolist() == ["error", "error", "stop", "stop"]
+        assert all("hung: a ping went unanswered for 2 s (agent.stall_timeout)" in e and "retries were used" in e
+                   for e in out.non_tensor_batch["error"].tolist()[:2])
+        assert faults(out)["workers_hung"] == 2 and faults(out)["sample_retries"] == 2
+        assert wait_until(lambda: len(manager.agent_loop_workers) == 2)
+        nxt = manager.generate_sequences(batch(["x", "y", "z", "w"], agent_name="blocking_probe"))
+        assert nxt.non_tensor_batch["status"].tolist() == ["stop"] * 4
+    finally:
+        manager.shutdown()
+
+
 def test_a_server_killed_mid_batch_fails_over_and_is_restarted(ray_session, monkeypatch):
     ray = ray_session
     manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0)

@@ -1,4 +1,4 @@
-"""ServerSupervisor.watch: the mid-batch look for server actors that stopped answering (Ray faked out)."""
+"""Mid-batch looks for hung actors: ServerSupervisor.watch and WorkerPool.watch_workers (Ray faked out)."""
 
 from __future__ import annotations
 
@@ -173,3 +173,23 @@ def test_the_watch_stays_out_of_a_weight_update(clock):
     sup.watch(hang_s=1)
     now[0] += 10
     assert sup.watch(hang_s=1) == [] and not killed and not sup.down
+
+
+def test_a_worker_that_leaves_a_ping_unanswered_is_killed_and_says_why(clock):
+    from agentloop.workerpool import WorkerPool, _Slot
+
+    now, killed = clock
+    pool = WorkerPool(spawn=lambda i, w: None, num_workers=3, error_rows=lambda *a: None, hang_s=3)
+    fine, blocked, starting = FakeServer("w0"), FakeServer("w1", hung=True), FakeServer("w2", hung=True)
+    slots = [_Slot(0, fine, "a"), _Slot(1, blocked, "b"), _Slot(2, starting, "c", ready=Ref("ready"))]
+    assert pool.watch_workers(slots) == []
+    now[0] += 2.9
+    assert pool.watch_workers(slots) == []
+    now[0] += 0.1
+    assert pool.watch_workers(slots) == [slots[1]]
+    assert killed == [blocked] and pool.fault_counts["workers_hung"] == 1
+    assert "unanswered for 3 s (agent.stall_timeout)" in slots[1].hung
+    assert [r.method for r in blocked.sent] == ["ping"] and starting.sent == []  # one ping; a starting one: none
+    assert len(fine.sent) == 3
+    now[0] += 60
+    assert pool.watch_workers(slots) == []  # already killed: not killed again before it is replaced
