@@ -45,6 +45,7 @@ import numpy as np
 import ray
 import ray.exceptions
 
+from agentloop.batch_metrics import align_keys
 from agentloop.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,9 @@ class Rollouter:
             raise RuntimeError(f"the rollouter's thread failed: {self._error!r}") from self._error
         if not parts:
             return None
-        out = DataProto.concat(parts) if len(parts) > 1 else parts[0]
+        # groups padded apart may differ in columns (a group whose samples all failed has no version or reward
+        # columns; loops add their own fields): aligned as generate_sequences aligns its workers' chunks
+        out = DataProto.concat(align_keys(parts)) if len(parts) > 1 else parts[0]
         out.meta_info["rollouter"] = self.metrics()
         return out
 

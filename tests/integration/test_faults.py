@@ -39,6 +39,13 @@ class BlockingLoop(AgentLoopBase):
         return AgentLoopOutput(prompt_ids=ids, response_ids=out.token_ids, response_mask=[1] * len(out.token_ids))
 
 
+class ExplodingLoop(AgentLoopBase):
+    """Raises before generating anything: its samples are error rows without the columns generation adds."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        raise RuntimeError("the tool exploded")
+
+
 async def one_call_agent(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> float:
     """An external agent: one chat completion through its session's gateway."""
     import openai
@@ -89,6 +96,7 @@ def ray_session():
 
     register("blocking_probe")(BlockingLoop)
     register("sleepy_probe")(SleepyLoop)
+    register("exploding_probe")(ExplodingLoop)
     register_agent_runner("gateway_probe")(one_call_agent)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -97,6 +105,7 @@ def ray_session():
     ray.shutdown()
     _agent_loop_registry.pop("blocking_probe", None)
     _agent_loop_registry.pop("sleepy_probe", None)
+    _agent_loop_registry.pop("exploding_probe", None)
     _agent_loop_registry.pop("gateway_probe", None)
 
 
@@ -501,6 +510,32 @@ def test_rollouter_hands_out_every_group_once_within_its_inflight_budget(ray_ses
         m = rollouter.metrics()
         assert m["rollouter/groups_handed_out"] == 12 and m["rollouter/staleness"] == {0: 12}
         rollouter.stop()
+    finally:
+        manager.shutdown()
+
+
+def test_rollouter_hands_out_failed_groups_together_with_good_ones(ray_session, monkeypatch):
+    """A group whose samples all failed lacks columns the others have (versions, prompt_truncated): get() used
+    to raise DataProtoError into the training loop when it handed both out together."""
+    from agentloop.data import repeat_for_rollout, rows_to_batch
+    from agentloop.rollouter import Rollouter
+
+    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0)
+    try:
+        rows = [{"prompt": [{"role": "user", "content": "sleep 0.1"}], "agent_name": name, "extra_info": {"index": i}}
+                for i, name in enumerate(["sleepy_probe", "exploding_probe", "single_turn_agent"])]
+        rollouter = Rollouter(manager, [repeat_for_rollout(rows_to_batch(rows), 2)], max_inflight=8,
+                              groups_per_dispatch=1)
+        out = rollouter.get(num_groups=3)
+        rollouter.stop()
+        by_loop = dict(zip(out.non_tensor_batch["agent_name"].tolist(), out.non_tensor_batch["status"].tolist(),
+                           strict=True))
+        assert len(out) == 6 and by_loop == {"sleepy_probe": "stop", "exploding_probe": "error",
+                                             "single_turn_agent": "stop"}
+        failed = out.non_tensor_batch["agent_name"] == "exploding_probe"
+        assert all("the tool exploded" in e for e in out.non_tensor_batch["error"][failed].tolist())
+        assert out.batch["response_mask"][failed].sum() == 0  # nothing to learn from
+        assert all(v is None for v in out.non_tensor_batch["min_global_steps"][failed].tolist())  # not invented
     finally:
         manager.shutdown()
 
