@@ -46,7 +46,9 @@ import ray
 import ray.exceptions
 
 from agentloop.batch_metrics import align_keys
+from agentloop.errors import first_line
 from agentloop.protocol import DataProto
+from agentloop.types import RolloutStatus
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +118,11 @@ class Rollouter:
         self._busy_at_start: list[float] = []
         self._started_at = 0.0
         self.counts = {"groups_dispatched": 0, "groups_done": 0, "groups_handed_out": 0, "groups_rerun_stale": 0,
-                       "groups_rerun_fault": 0,
+                       "groups_rerun_fault": 0, "groups_failed_fault": 0,
                        "dispatches_cancelled_stale": 0}
         self.staleness: collections.Counter[int] = collections.Counter()
+        self._fault_reruns: dict[int, int] = {}
+        """id(group) -> times it was rolled out again because its worker died (:meth:`_rerun_or_fail`)."""
 
     # ---------------------------------------------------------------------------------------------- trainer side
     def start(self) -> Rollouter:
@@ -259,10 +263,12 @@ class Rollouter:
             return
         except ray.exceptions.RayActorError as e:
             del self._jobs[gen]
-            self.manager.workers._replace(job.slot, f"died while streaming: {job.slot.hung or e}".splitlines()[0])
-            self._requeue(job, "groups_rerun_fault")
+            why = first_line(job.slot.hung or e)
+            self.manager.workers._replace(job.slot, f"died while streaming: {why}")
+            self._rerun_or_fail(job, why)
             return
         job.finished.add(local)
+        self._fault_reruns.pop(id(job.groups[local]), None)
         rows.meta_info.pop("faults", None)
         staleness = self._staleness(rows, job.version)
         if self.max_staleness is not None and staleness > self.max_staleness:
@@ -289,6 +295,26 @@ class Rollouter:
                 del self._jobs[gen]
                 self.counts["dispatches_cancelled_stale"] += 1
                 self._requeue(job, "groups_rerun_stale")
+
+    def _rerun_or_fail(self, job: _Job, why: str) -> None:
+        """A dead worker's unfinished groups are rolled out again, each at most ``agent.max_sample_retries`` times
+        (as in a synchronous batch); after that they are handed out as ``error`` rows, so a sample that kills
+        or hangs every worker it runs on cannot cycle forever, taking its neighbours down each time."""
+        limit, again = self.manager.workers.max_sample_retries, []
+        for group in job.unfinished():
+            reruns = self._fault_reruns.pop(id(group), 0)
+            if reruns < limit:
+                self._fault_reruns[id(group)] = reruns + 1
+                again.append(group)
+                continue
+            self.counts["groups_failed_fault"] += 1
+            rows = self.manager._error_rows(group, RolloutStatus.ERROR, f"the agent-loop worker running this sample "
+                                            f"died ({why}) and agent.max_sample_retries={limit} retries were used")
+            with self._lock:
+                self._unconsumed += 1
+            self._ready.put((group, rows))
+        self.counts["groups_rerun_fault"] += len(again)
+        self._todo.extendleft(reversed(again))
 
     def _requeue(self, job: _Job, reason: str) -> None:
         left = job.unfinished()

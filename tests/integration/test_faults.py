@@ -326,8 +326,10 @@ def test_servers_lost_before_or_during_a_weight_update_do_not_stop_it(ray_sessio
     import torch
 
     ray = ray_session
+    # 5 s: long enough for a live server's answer while two replacement actors start beside it on 2 busy cores
+    # (CI once saw 2 s pass), short enough to show the hung one is cut, not waited for
     manager = make_manager(ray, monkeypatch, num_servers=3, delay=0.0,
-                           root={"actor_rollout_ref.rollout.server.weight_update_timeout": 2})
+                           root={"actor_rollout_ref.rollout.server.weight_update_timeout": 5})
     try:
         engine_dead, actor_dead, alive = manager.server_handles
         ray.get(engine_dead.kill_engine.remote())
@@ -340,7 +342,7 @@ def test_servers_lost_before_or_during_a_weight_update_do_not_stop_it(ray_sessio
         ray.get(restarted[0].stall_weight_updates.remote())  # this one now hangs inside the next update
         t0 = time.monotonic()
         assert manager.update_weights({"w": torch.full((2,), 2.0)}, global_steps=6) == 6
-        assert time.monotonic() - t0 < 30  # cut at weight_update_timeout (2 s), not waited for
+        assert time.monotonic() - t0 < 30  # cut at weight_update_timeout (5 s), not waited for
         state = manager.recover()
         assert state["servers_down"] == 1 and manager.server_handles[1] is restarted[1]
         assert ray.get(manager.server_handles[1].check_health.remote())["global_steps"] == 6
@@ -536,6 +538,34 @@ def test_rollouter_hands_out_failed_groups_together_with_good_ones(ray_session, 
         assert all("the tool exploded" in e for e in out.non_tensor_batch["error"][failed].tolist())
         assert out.batch["response_mask"][failed].sum() == 0  # nothing to learn from
         assert all(v is None for v in out.non_tensor_batch["min_global_steps"][failed].tolist())  # not invented
+    finally:
+        manager.shutdown()
+
+
+def test_rollouter_gives_up_on_a_sample_that_hangs_every_worker_it_runs_on(ray_session, monkeypatch):
+    """Before, a group whose worker died was rolled out again with no limit: a sample that blocks its worker's
+    event loop would have killed a worker every agent.stall_timeout, forever.  Now, after max_sample_retries, it is
+    handed out as error rows saying why, and the rollout ends."""
+    from agentloop.data import repeat_for_rollout, rows_to_batch
+    from agentloop.rollouter import Rollouter
+
+    monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "600")
+    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0, stall_timeout=2)
+    manager.workers.tick_s = 0.2
+    try:
+        rows = [{"prompt": [{"role": "user", "content": text}], "agent_name": "blocking_probe",
+                 "extra_info": {"index": i}} for i, text in enumerate(["block", "a"])]  # on two workers
+        rollouter = Rollouter(manager, [repeat_for_rollout(rows_to_batch(rows), 1)], max_inflight=8,
+                              groups_per_dispatch=1)
+        handed = [p for p in iter(lambda: rollouter.get(num_groups=1, timeout=120), None)]
+        rollouter.stop()
+        status = {int(p.non_tensor_batch["index"][0]): p.non_tensor_batch["status"][0] for p in handed}
+        assert status == {0: "error", 1: "stop"}
+        error = next(p for p in handed if p.non_tensor_batch["index"][0] == 0).non_tensor_batch["error"][0]
+        assert "hung: a ping went unanswered for 2 s" in error and "max_sample_retries=1 retries were used" in error
+        m = rollouter.metrics()
+        assert m["rollouter/groups_rerun_fault"] == 1 and m["rollouter/groups_failed_fault"] == 1
+        assert manager.workers.fault_counts["workers_hung"] == 2  # its first worker, then the one it was re-run on
     finally:
         manager.shutdown()
 
