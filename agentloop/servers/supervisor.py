@@ -145,23 +145,23 @@ class ServerSupervisor:
             return []
         refs = [ref for _, ref, _ in self._probes.values()]
         done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        lost: dict[int, str] = {}
+        lost: dict[int, tuple[str, bool]] = {}  # index -> (why, hung)
         for i, (_, ref, sent) in list(self._probes.items()):
             if ref in done:
                 del self._probes[i]
                 try:
                     ray.get(ref)
                 except (ray.exceptions.RayActorError, ServerDeadError) as e:
-                    lost[i] = f"failed a health check: {_why(e)}"
+                    lost[i] = (f"failed a health check: {_why(e)}", False)
                 except Exception:  # noqa: BLE001, S110 - not a death; the check after the batch reports it
                     pass
             elif now - sent >= hang_s:
                 del self._probes[i]
                 lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
-                           "event loop is blocked")
+                           "event loop is blocked", True)
                 self.counts["servers_hung"] += 1
-        for i, reason in lost.items():
-            self.lose(i, reason, hung=reason.startswith("did not answer"))
+        for i, (reason, hung) in lost.items():
+            self.lose(i, reason, hung=hung)
         return list(lost)
 
     def settle(self, calls: dict[int, Any], timeout: float | None, what: str,
