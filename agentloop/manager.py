@@ -31,8 +31,9 @@ from omegaconf import DictConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agentloop.batch_metrics import align_keys, performance_metrics
+from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, resolve_config
-from agentloop.errors import ConfigError, ServerError
+from agentloop.errors import ServerError
 from agentloop.loops.base import resolve_registry
 from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager
@@ -41,6 +42,7 @@ from agentloop.servers.colocated import start_colocated_servers
 from agentloop.servers.placement import ServerGroup, sleep_support, start_standalone_servers, stop_servers
 from agentloop.servers.supervisor import ServerSupervisor
 from agentloop.types import RolloutStatus
+from agentloop.utils.hangwatch import HangWatch
 from agentloop.worker import AgentLoopWorker, check_batch, error_batch
 from agentloop.workerpool import WorkerPool
 
@@ -76,8 +78,8 @@ class AgentLoopManager:
         self.rollout = self.config.rollout
         if isinstance(worker_group, AsyncLLMServerManager):  # verl 0.9: AgentLoopManager(config, llm_client)
             llm_client, worker_group = worker_group, None
-        _check_verl_arguments(worker_group, rollout_resource_pool, rm_resource_pool, teacher_client,
-                              reward_loop_worker_handles, llm_client)
+        check_verl_arguments(worker_group, rollout_resource_pool, rm_resource_pool, teacher_client,
+                             reward_loop_worker_handles, llm_client)
         self.registry = resolve_registry(self.rollout.agent.agent_loop_config_path)
         if not ray.is_initialized():
             ray.init()
@@ -98,13 +100,14 @@ class AgentLoopManager:
             if len(self.server_handles) > 1 else None
         )
         self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
+        self._gateway_hangs: HangWatch[int] = HangWatch()
         agent = self.rollout.agent
         timeout = agent.get("batch_timeout")
         self.workers = WorkerPool(
             spawn=self._spawn_worker, num_workers=int(agent.num_workers), error_rows=self._error_rows,
             balancer=self.balancer, max_sample_retries=int(agent.get("max_sample_retries", 1)),
             batch_timeout=float(timeout) if timeout else None,
-            tick=self._watch_servers if self._owns_servers and self.rollout.server.get("stall_timeout") else None,
+            tick=self._watch if self.rollout.server.get("stall_timeout") else None,
             hang_s=float(agent.stall_timeout) if agent.get("stall_timeout") else None,
         )
         self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
@@ -141,9 +144,16 @@ class AgentLoopManager:
                            pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
                            default_agent=str(self.rollout.agent.default_agent_loop))
 
-    def _watch_servers(self) -> None:
-        """Every few seconds of a batch: a server whose actor stopped answering is killed and restarted."""
-        self.supervisor.watch(float(self.rollout.server.stall_timeout))
+    def _watch(self) -> None:
+        """Every few seconds of a batch: a server or gateway whose actor stopped answering is killed (and
+        restarted, or replaced before the next batch)."""
+        hang_s = float(self.rollout.server.stall_timeout)
+        if self._owns_servers:
+            self.supervisor.watch(hang_s)
+        if self.gateways:
+            from agentloop.gateway.actor import kill_hung_gateways
+
+            self._gateways_hung += len(kill_hung_gateways(self.gateways, self._gateway_hangs, hang_s))
 
     def _swap_server(self, index: int, handle: Any) -> None:
         """A restarted server replaces server ``index`` for every worker (and later workers)."""
@@ -253,6 +263,7 @@ class AgentLoopManager:
         """Gateway actors that died are replaced before the batch, and the workers given the new set."""
         from agentloop.gateway.actor import replace_dead_gateways
 
+        self._gateway_hangs.forget()  # the look's probes belong to the batch that ended
         replaced = replace_dead_gateways(self.gateways, self.rollout, self.config.model, self.server_handles,
                                          self.balancer)
         if replaced:
@@ -271,7 +282,8 @@ class AgentLoopManager:
     def _fault_metrics(self, failovers: int) -> dict[str, float]:
         """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""
         counts = {**self.workers.fault_counts, "servers_restarted": self.supervisor.counts["server_restarts"],
-                  "servers_hung": self.supervisor.counts["servers_hung"], "gateways_replaced": self._gateway_restarts}
+                  "servers_hung": self.supervisor.counts["servers_hung"], "gateways_replaced": self._gateway_restarts,
+                  "gateways_hung": self._gateways_hung}
         before, self._fault_totals = self._fault_totals, dict(counts)
         metrics = {k: v - before.get(k, 0) for k, v in counts.items()}  # the counts are cumulative
         metrics.update(server_failovers=failovers, servers_down=len(self.supervisor.down))
@@ -279,6 +291,7 @@ class AgentLoopManager:
 
     _fault_totals: dict[str, int] = {}
     _gateway_restarts: int = 0
+    _gateways_hung: int = 0
 
     def recover(self, timeout: float = 0.0) -> dict[str, int]:
         """Put back restarted servers and replacement workers that finished starting, waiting up to ``timeout``
@@ -489,25 +502,3 @@ def _abort_weight_updates(handles: list[Any]) -> None:
             ray.get(ref, timeout=30)
         except Exception as e:  # noqa: BLE001 - best effort while another error propagates
             logger.warning("closing a failed weight update: %s", e)
-
-
-def _check_verl_arguments(worker_group: Any, rollout_pool: Any, rm_pool: Any, teacher: Any, reward_workers: Any,
-                          llm_client: Any = None) -> None:
-    """verl's constructor arguments agentloop does not use: warn, or refuse what would change the result.
-
-    ``worker_group`` is used (colocated placement) unless an ``llm_client`` brings its own servers;
-    ``rollout_resource_pool`` only together with it (the workers' bundles)."""
-    if teacher is not None or reward_workers is not None:
-        raise ConfigError("AgentLoopManager: teacher_client (online distillation) and reward_loop_worker_handles "
-                          "(verl's reward loop) are not supported; score trajectories with "
-                          "custom_reward_function.{path,name} (run by the workers) or reward_score in the agent loop "
-                          "— see docs/concepts.md (Rewards)")
-    if llm_client is not None and (worker_group is not None or rollout_pool is not None):
-        logger.warning("AgentLoopManager: worker_group / rollout_resource_pool given together with an llm_client; "
-                       "the client's servers are used as they are, so nothing is placed on the trainer's workers")
-    elif rollout_pool is not None and worker_group is None:
-        logger.warning("AgentLoopManager: rollout_resource_pool given without a worker_group; servers are placed "
-                       "standalone (pass the trainer's worker_group to colocate them with its workers)")
-    if rm_pool is not None:
-        logger.warning("AgentLoopManager: rm_resource_pool given but agentloop starts no reward-model servers; "
-                       "it is unused (rewards come from the agent loop's reward_score)")

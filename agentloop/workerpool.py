@@ -34,6 +34,7 @@ import ray.exceptions
 from agentloop.errors import ConfigError, first_line
 from agentloop.protocol import DataProto
 from agentloop.types import RolloutStatus
+from agentloop.utils.hangwatch import HangWatch
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class WorkerPool:
     tick_s: float = 5.0
     hang_s: float | None = None
     """``agent.stall_timeout``: a streaming worker that leaves a ping unanswered this long is killed."""
-    _probes: dict[int, tuple[Any, Any, float]] = field(default_factory=dict)
+    _hangs: HangWatch[int] = field(default_factory=HangWatch, repr=False)
     on_ready: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     """Calls made on every worker that joins later (e.g. ``attach_gateways``), in order."""
     slots: list[_Slot] = field(default_factory=list)
@@ -246,29 +247,17 @@ class WorkerPool:
         unanswered after ``hang_s`` seconds has a blocked event loop (a loop or tool running blocking code):
         it is killed, so its streams end with an actor error and the caller re-runs its samples as for a dead
         worker.  Returns the workers killed."""
-        now, hang_s = time.monotonic(), float(self.hang_s or 0)
+        hang_s = float(self.hang_s or 0)
         watched = {s.index: s for s in slots if s.ready is None and not s.dead and not s.hung}
-        for index in [i for i in self._probes if i not in watched]:
-            del self._probes[index]
-        for index, slot in watched.items():
-            if index not in self._probes or self._probes[index][0] is not slot.handle:
-                self._probes[index] = (slot.handle, slot.handle.ping.remote(), now)
-        refs = [ref for _, ref, _ in self._probes.values()]
-        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
-        killed = []
-        for index, (_, ref, sent) in list(self._probes.items()):
-            if ref in done:
-                del self._probes[index]  # answered (or died: the stream reports that); a new ping next look
-            elif now - sent >= hang_s:
-                del self._probes[index]
-                slot = watched[index]
-                slot.hung = (f"hung: a ping went unanswered for {hang_s:g} s (agent.stall_timeout), so its event "
-                             "loop is blocked (a loop or tool running blocking code? run it in a thread)")
-                logger.warning("agent-loop worker %d %s; killing it", index, slot.hung)
-                ray.kill(slot.handle, no_restart=True)
-                self.fault_counts["workers_hung"] += 1
-                killed.append(slot)
-        return killed
+        hung, _ = self._hangs.look({i: s.handle for i, s in watched.items()}, lambda h: h.ping.remote(), hang_s)
+        for index in hung:  # a death is left to the stream, which reports it
+            slot = watched[index]
+            slot.hung = (f"hung: a ping went unanswered for {hang_s:g} s (agent.stall_timeout), so its event "
+                         "loop is blocked (a loop or tool running blocking code? run it in a thread)")
+            logger.warning("agent-loop worker %d %s; killing it", slot.index, slot.hung)
+            ray.kill(slot.handle, no_restart=True)
+            self.fault_counts["workers_hung"] += 1
+        return [watched[i] for i in hung]
 
     # ----------------------------------------------------------------------------------------------
     def _replace(self, slot: _Slot, reason: str) -> None:

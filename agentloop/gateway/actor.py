@@ -22,6 +22,7 @@ from agentloop.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
 from agentloop.routing.tail import make_priority
+from agentloop.utils.hangwatch import HangWatch
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,21 @@ def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictC
                 ray.kill(gateways[i], no_restart=True)
             gateways[i] = fresh
     return len(dead)
+
+
+def kill_hung_gateways(gateways: list[Any], watch: HangWatch[int], hang_s: float) -> list[int]:
+    """A look while a batch runs: a gateway actor that leaves a probe unanswered for ``hang_s`` seconds has a
+    blocked event loop (its sessions' HTTP calls hang with it) and is killed.  The sessions open on it end as
+    ``error`` rows, new sessions go to the other gateways, and it is replaced before the next batch
+    (:func:`replace_dead_gateways`).  Returns the gateways killed."""
+    import ray
+
+    hung, _ = watch.look(dict(enumerate(gateways)), lambda g: g.num_sessions.remote(), hang_s)
+    for i in hung:
+        logger.warning("gateway %d did not answer for %g s (rollout.server.stall_timeout): its event loop is blocked; "
+                       "killing it (its sessions end as error rows, it is replaced before the next batch)", i, hang_s)
+        ray.kill(gateways[i], no_restart=True)
+    return hung
 
 
 def tell_gateways(gateways: list[Any], index: int, handle: Any) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ import ray
 from agentloop.errors import first_line
 from agentloop.servers.base import ServerDeadError
 from agentloop.servers.placement import ServerGroup
+from agentloop.utils.hangwatch import HangWatch
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class ServerSupervisor:
     down: set[int] = field(default_factory=set)
     restarting: dict[int, _Restart] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: {"server_restarts": 0, "servers_hung": 0})
-    _probes: dict[int, tuple[Any, Any, float]] = field(default_factory=dict)
-    """:meth:`watch`'s health probes in flight: index -> (the handle probed, the pending call, when sent)."""
+    _hangs: HangWatch[int] = field(default_factory=HangWatch, repr=False)
+    """:meth:`watch`'s health probes in flight."""
     updating: bool = False
     """True while ``update_weights`` runs (the manager sets it): :meth:`watch` then stays out of the way."""
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -93,7 +93,7 @@ class ServerSupervisor:
         with self._lock:
             probe = {i: h.check_health.remote() for i, h in enumerate(self.group.handles)
                      if i not in self.down and i not in self.restarting}
-            self._probes.clear()  # the watch's probes belong to the batch that just ended
+            self._hangs.forget()  # the watch's probes belong to the batch that just ended
         if not probe:
             return []
         refs = list(probe.values())
@@ -134,34 +134,22 @@ class ServerSupervisor:
             self._lock.release()
 
     def _watch(self, hang_s: float) -> list[int]:
-        now = time.monotonic()
-        for i, handle in enumerate(self.group.handles):
-            probe = self._probes.get(i)
-            if i in self.down or i in self.restarting:
-                self._probes.pop(i, None)
-            elif probe is None or probe[0] is not handle:
-                self._probes[i] = (handle, handle.check_health.remote(), now)
-        if not self._probes:
-            return []
-        refs = [ref for _, ref, _ in self._probes.values()]
-        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        serving = {i: h for i, h in enumerate(self.group.handles) if i not in self.down and i not in self.restarting}
+        hung, answered = self._hangs.look(serving, lambda h: h.check_health.remote(), hang_s)
         lost: dict[int, tuple[str, bool]] = {}  # index -> (why, hung)
-        for i, (_, ref, sent) in list(self._probes.items()):
-            if ref in done:
-                del self._probes[i]
-                try:
-                    ray.get(ref)
-                except (ray.exceptions.RayActorError, ServerDeadError) as e:
-                    lost[i] = (f"failed a health check: {_why(e)}", False)
-                except Exception:  # noqa: BLE001, S110 - not a death; the check after the batch reports it
-                    pass
-            elif now - sent >= hang_s:
-                del self._probes[i]
-                lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
-                           "event loop is blocked", True)
-                self.counts["servers_hung"] += 1
-        for i, (reason, hung) in lost.items():
-            self.lose(i, reason, hung=hung)
+        for i, ref in answered.items():
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ServerDeadError) as e:
+                lost[i] = (f"failed a health check: {_why(e)}", False)
+            except Exception:  # noqa: BLE001, S110 - not a death; the check after the batch reports it
+                pass
+        for i in hung:
+            lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
+                            "event loop is blocked", True)
+            self.counts["servers_hung"] += 1
+        for i, (reason, hung_) in lost.items():
+            self.lose(i, reason, hung=hung_)
         return list(lost)
 
     def settle(self, calls: dict[int, Any], timeout: float | None, what: str,

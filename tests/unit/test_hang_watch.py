@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import ray
 
-import agentloop.servers.supervisor as supervisor_module
+import agentloop.utils.hangwatch as hangwatch_module
 from agentloop.servers.base import ServerDeadError
 from agentloop.servers.placement import ServerGroup
 from agentloop.servers.supervisor import ServerSupervisor
@@ -72,7 +72,7 @@ def clock(monkeypatch):
             raise ref.answer
         return ref.answer
 
-    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(hangwatch_module.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
         [r for r in refs if r.answer is not None], [r for r in refs if r.answer is None]))
     monkeypatch.setattr(ray, "get", get)
@@ -193,3 +193,16 @@ def test_a_worker_that_leaves_a_ping_unanswered_is_killed_and_says_why(clock):
     assert len(fine.sent) == 3
     now[0] += 60
     assert pool.watch_workers(slots) == []  # already killed: not killed again before it is replaced
+
+
+def test_a_gateway_that_stops_answering_is_killed_so_its_sessions_end(clock):
+    from agentloop.gateway.actor import kill_hung_gateways
+    from agentloop.utils.hangwatch import HangWatch
+
+    now, killed = clock
+    gateways = [FakeServer("g0"), FakeServer("g1", hung=True)]
+    watch: HangWatch[int] = HangWatch()
+    assert kill_hung_gateways(gateways, watch, 5) == []
+    now[0] += 5
+    assert kill_hung_gateways(gateways, watch, 5) == [1]
+    assert killed == [gateways[1]] and {r.method for g in gateways for r in g.sent} == {"num_sessions"}
