@@ -222,10 +222,15 @@ def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictC
     import ray
 
     refs = [g.num_sessions.remote() for g in gateways]
+    answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])  # one wait for all, not one each
     dead = []
     for i, ref in enumerate(refs):
+        if ref not in answered:
+            logger.warning("gateway %d did not answer within %g s; left as it is (killed if it stays silent for "
+                           "rollout.server.stall_timeout while a batch runs)", i, timeout)
+            continue
         try:
-            ray.get(ref, timeout=timeout)
+            ray.get(ref)
         except Exception as e:  # noqa: BLE001 - only a gone actor is replaced
             if _actor_gone(e):
                 logger.warning("gateway %d died (%s); starting a new one in its place", i, first_line(e))
