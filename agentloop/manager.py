@@ -263,7 +263,6 @@ class AgentLoopManager:
         """Gateway actors that died are replaced before the batch, and the workers given the new set."""
         from agentloop.gateway.actor import replace_dead_gateways
 
-        self._gateway_hangs.forget()  # the look's probes belong to the batch that ended
         replaced = replace_dead_gateways(self.gateways, self.rollout, self.config.model, self.server_handles,
                                          self.balancer)
         if replaced:

@@ -21,8 +21,9 @@ were generated with (``min_global_steps``).  With ``max_staleness`` set, a group
 finishes or when :meth:`Rollouter.get` would hand it out is dropped and its prompts rolled out again, and a
 dispatch still running when the weights have moved more than
 ``max_staleness`` versions past the version it started at is cancelled (its engine requests aborted) and its
-unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A dead worker's unfinished groups
-are rolled out again too (the worker is replaced, as in :mod:`agentloop.workerpool`).
+unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A dead (or hung, killed) worker's
+unfinished groups are rolled out again too, each at most ``agent.max_sample_retries`` times, then handed out as
+``error`` rows (the worker is replaced, as in :mod:`agentloop.workerpool`).
 
 :meth:`Rollouter.metrics` reports queue lengths, samples in flight, the staleness histogram of the groups
 handed out, groups re-run for staleness or faults, and the engine-busy fraction: the share of wall time since

@@ -85,7 +85,7 @@ class WorkerPool:
     """:meth:`run` cuts a batch into this many row ranges per live worker (a dead worker's unfinished ranges
     are spread over the survivors)."""
     tick: Callable[[], Any] | None = None
-    """Called every ``tick_s`` seconds while a batch streams (the manager's look for hung servers)."""
+    """Called every ``tick_s`` seconds while a batch streams (the manager's look for hung servers and gateways)."""
     tick_s: float = 5.0
     hang_s: float | None = None
     """``agent.stall_timeout``: a streaming worker that leaves a ping unanswered this long is killed."""
@@ -158,7 +158,8 @@ class WorkerPool:
                 now = time.monotonic()
                 if looks and now >= next_tick:
                     self.look([slot for _, slot, _ in streams.values()])
-                    now, next_tick = time.monotonic(), time.monotonic() + self.tick_s
+                    now = time.monotonic()
+                    next_tick = now + self.tick_s
                 end = None if deadline is None else deadline + self.batch_grace_s
                 waits = [t - now for t in (end, next_tick if looks else None) if t is not None]
                 ready, _ = ray.wait(list(streams), num_returns=1, timeout=max(0.0, min(waits)) if waits else None)
@@ -236,7 +237,7 @@ class WorkerPool:
 
     def look(self, slots: list[_Slot]) -> None:
         """The periodic look while samples run: hung workers among ``slots`` (:meth:`watch_workers`), then the
-        manager's :attr:`tick` (hung servers)."""
+        manager's :attr:`tick` (hung servers and gateways)."""
         if self.hang_s is not None:
             self.watch_workers(slots)
         if self.tick is not None:

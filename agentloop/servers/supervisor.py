@@ -93,7 +93,6 @@ class ServerSupervisor:
         with self._lock:
             probe = {i: h.check_health.remote() for i, h in enumerate(self.group.handles)
                      if i not in self.down and i not in self.restarting}
-            self._hangs.forget()  # the watch's probes belong to the batch that just ended
         if not probe:
             return []
         refs = list(probe.values())
@@ -148,8 +147,8 @@ class ServerSupervisor:
             lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
                             "event loop is blocked", True)
             self.counts["servers_hung"] += 1
-        for i, (reason, hung_) in lost.items():
-            self.lose(i, reason, hung=hung_)
+        for i, (reason, is_hung) in lost.items():
+            self.lose(i, reason, hung=is_hung)
         return list(lost)
 
     def settle(self, calls: dict[int, Any], timeout: float | None, what: str,

@@ -2,7 +2,9 @@
 
 An asyncio actor answers a trivial call at once unless its event loop is blocked (a synchronous call that never
 returns, a deadlock).  :class:`HangWatch` keeps at most one such probe in flight per actor and, at each look,
-reports the actors whose probe has gone unanswered for ``hang_s`` seconds.  Used while batches run for rollout
+reports the actors whose probe has gone unanswered for ``hang_s`` seconds.  A probe still in flight when a batch
+ends is judged at the next batch's first look: answered by then, it counts as answered; still unanswered, the
+actor has been blocked all that time.  Used while batches run for rollout
 servers (:class:`agentloop.servers.supervisor.ServerSupervisor`), agent-loop workers
 (:class:`agentloop.workerpool.WorkerPool`) and gateways (:mod:`agentloop.gateway.actor`).
 """
@@ -50,7 +52,3 @@ class HangWatch(Generic[K]):
                 hung.append(key)
                 del self._probes[key]
         return hung, answered
-
-    def forget(self) -> None:
-        """Drop every probe (a batch ended: time between batches does not count)."""
-        self._probes.clear()
