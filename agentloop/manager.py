@@ -153,7 +153,8 @@ class AgentLoopManager:
         if self.gateways:
             from agentloop.gateway.actor import kill_hung_gateways
 
-            self._gateways_hung += len(kill_hung_gateways(self.gateways, self._gateway_hangs, hang_s))
+            self._gateways_hung += len(kill_hung_gateways(
+                self.gateways, self._gateway_hangs, hang_s, tell=functools.partial(self.workers.tell, "gateway_lost")))
 
     def _swap_server(self, index: int, handle: Any) -> None:
         """A restarted server replaces server ``index`` for every worker (and later workers)."""

@@ -26,7 +26,7 @@ import os
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +50,9 @@ from agentloop.trace import flush as trace_flush
 from agentloop.trace import set_token_decoder
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
 from agentloop.utils.gcheap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from agentloop.gateway.actor import GatewayManager
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +180,7 @@ class AgentLoopWorker:
         self.init_errors: dict[str, str] = {}
         for entry in self.registry.values():
             self._init_loop_class(entry)
+        self._gateways: GatewayManager | None = None
         if gateways:
             self.attach_gateways(gateways)
         timeout = rollout.agent.get("sample_timeout")
@@ -225,6 +229,13 @@ class AgentLoopWorker:
         for entry in self.registry.values():
             if entry.cls.requires_gateway:
                 self._init_loop_class(entry, gateway_manager=manager)
+        self._gateways = manager
+
+    def gateway_lost(self, index: int, reason: str) -> None:
+        """The manager is killing gateway ``index`` (e.g. it hung): the rows of this worker's sessions on it say
+        ``reason``."""
+        if self._gateways is not None:
+            self._gateways.lost(index, reason)
 
     def replace_server(self, index: int, handle: Any) -> None:
         """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead server)."""

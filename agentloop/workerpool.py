@@ -123,6 +123,12 @@ class WorkerPool:
             self.on_ready.append((method, args))
         ray.get([getattr(h, method).remote(*args) for h in self.handles])
 
+    def tell(self, method: str, *args: Any, timeout: float = 5.0) -> None:
+        """Call ``method(*args)`` on every serving worker, waiting at most ``timeout`` seconds and ignoring
+        failures (a note for the workers, sent from the mid-batch look, which must not wait on a hung worker)."""
+        ray.wait([getattr(h, method).remote(*args) for h in self.handles], num_returns=len(self.handles),
+                 timeout=timeout)
+
     # ----------------------------------------------------------------------------------------------
     def run(self, batch: DataProto) -> list[DataProto]:
         """Roll ``batch`` out over the workers; returns the outputs of contiguous row ranges in row order.

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig
@@ -155,7 +156,23 @@ class GatewayManager:
         self.active = [0] * len(self.gateways)
         self.dead: set[int] = set()
         """Gateways whose actor died: no new session goes there (the manager replaces them before a batch)."""
+        self.why: dict[int, str] = {}
+        """Why the manager killed a gateway (e.g. it hung): said in the errors of the sessions that were on it."""
         self._where: dict[str, int] = {}
+
+    def lost(self, index: int, reason: str) -> None:
+        """The manager is about to kill gateway ``index`` for ``reason``: no new session goes there, and calls
+        for the sessions on it fail with an error that says why (not only that the actor died)."""
+        self.dead.add(index)
+        self.why[index] = reason
+
+    async def _call(self, index: int, method: str, *args: Any) -> Any:
+        try:
+            return await _maybe_remote(self.gateways[index], method, *args)
+        except Exception as e:
+            if index in self.why and _actor_gone(e):
+                raise ServerError(f"gateway {index} {self.why[index]}") from e
+            raise
 
     async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
                              sampling_params: dict[str, Any] | None = None) -> SessionHandle:
@@ -185,22 +202,22 @@ class GatewayManager:
         """Close a session and free its slot; returns trajectories and reward info."""
         i = self._gateway_of(session_id)
         try:
-            return await _maybe_remote(self.gateways[i], "finalize", session_id, longest_only)
+            return await self._call(i, "finalize", session_id, longest_only)
         finally:
             self._where.pop(session_id, None)
             self.active[i] -= 1
 
     async def abort(self, session_id: str) -> dict[str, Any]:
         """Abort a session's in-flight requests (finalize it afterwards)."""
-        return await _maybe_remote(self.gateways[self._gateway_of(session_id)], "abort", session_id)
+        return await self._call(self._gateway_of(session_id), "abort", session_id)
 
     async def complete(self, session_id: str, reward_info: dict[str, Any] | None = None) -> dict[str, Any]:
         """Mark a session complete."""
-        return await _maybe_remote(self.gateways[self._gateway_of(session_id)], "complete", session_id, reward_info)
+        return await self._call(self._gateway_of(session_id), "complete", session_id, reward_info)
 
     async def get_state(self, session_id: str) -> dict[str, Any]:
         """A session's state and counters."""
-        return await _maybe_remote(self.gateways[self._gateway_of(session_id)], "get_state", session_id)
+        return await self._call(self._gateway_of(session_id), "get_state", session_id)
 
     def _gateway_of(self, session_id: str) -> int:
         if session_id not in self._where:
@@ -246,17 +263,22 @@ def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictC
     return len(dead)
 
 
-def kill_hung_gateways(gateways: list[Any], watch: HangWatch[int], hang_s: float) -> list[int]:
+def kill_hung_gateways(gateways: list[Any], watch: HangWatch[int], hang_s: float,
+                       tell: Callable[[int, str], Any] | None = None) -> list[int]:
     """A look while a batch runs: a gateway actor that leaves a probe unanswered for ``hang_s`` seconds has a
     blocked event loop (its sessions' HTTP calls hang with it) and is killed.  The sessions open on it end as
     ``error`` rows, new sessions go to the other gateways, and it is replaced before the next batch
-    (:func:`replace_dead_gateways`).  Returns the gateways killed."""
+    (:func:`replace_dead_gateways`).  ``tell(index, reason)`` runs before each kill (the manager tells the
+    workers, whose rows then say the gateway hung).  Returns the gateways killed."""
     import ray
 
     hung, _ = watch.look(dict(enumerate(gateways)), lambda g: g.num_sessions.remote(), hang_s)
     for i in hung:
         logger.warning("gateway %d did not answer for %g s (rollout.server.stall_timeout): its event loop is blocked; "
                        "killing it (its sessions end as error rows, it is replaced before the next batch)", i, hang_s)
+        if tell is not None:
+            tell(i, f"hung: it left a probe unanswered for {hang_s:g} s (rollout.server.stall_timeout) and was "
+                    "killed; it is replaced before the next batch")
         ray.kill(gateways[i], no_restart=True)
     return hung
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,7 +201,50 @@ def test_a_gateway_that_stops_answering_is_killed_so_its_sessions_end(clock):
     now, killed = clock
     gateways = [FakeServer("g0"), FakeServer("g1", hung=True)]
     watch: HangWatch[int] = HangWatch()
-    assert kill_hung_gateways(gateways, watch, 5) == []
+    told: list[tuple[int, str, int]] = []
+
+    def tell(index: int, reason: str) -> None:
+        told.append((index, reason, len(killed)))
+
+    assert kill_hung_gateways(gateways, watch, 5, tell=tell) == [] and told == []
     now[0] += 5
-    assert kill_hung_gateways(gateways, watch, 5) == [1]
+    assert kill_hung_gateways(gateways, watch, 5, tell=tell) == [1]
     assert killed == [gateways[1]] and {r.method for g in gateways for r in g.sent} == {"num_sessions"}
+    # the workers hear why before the kill, so the rows of the sessions on it can say so
+    assert [(i, n) for i, _, n in told] == [(1, 0)] and "hung" in told[0][1] and "stall_timeout" in told[0][1]
+
+
+def test_sessions_on_a_gateway_killed_as_hung_fail_with_the_reason():
+    """GatewayManager: calls for sessions on a gateway the manager killed say why, not only that the actor
+    died; a gateway that merely died still raises Ray's error, and no new session is opened on either."""
+    from ray.exceptions import RayActorError
+
+    from agentloop.errors import ServerError
+    from agentloop.gateway.actor import GatewayManager
+
+    class Gone:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.opened = 0
+
+        async def create_session(self, session_id=None, metadata=None, sampling_params=None):
+            self.opened += 1
+            return type("Handle", (), {"session_id": f"{self.name}-{self.opened}"})()
+
+        async def finalize(self, session_id, longest_only=False):
+            raise RayActorError()
+
+        abort = complete = finalize
+
+    async def scenario() -> None:
+        gm = GatewayManager([Gone("a"), Gone("b")])
+        first, second = await gm.create_session(), await gm.create_session()
+        gm.lost(0, "hung: it left a probe unanswered for 5 s (rollout.server.stall_timeout) and was killed")
+        with pytest.raises(ServerError, match="gateway 0 hung: .*stall_timeout"):
+            await gm.abort(first.session_id)
+        with pytest.raises(RayActorError):
+            await gm.finalize(second.session_id)
+        third = await gm.create_session()
+        assert third.session_id.startswith("b-") and gm.gateways[0].opened == 1
+
+    asyncio.run(scenario())
