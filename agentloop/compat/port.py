@@ -132,6 +132,18 @@ class _Source:
         return self.offset(self.tokens[first].start), self.offset(self.tokens[last].end)
 
 
+def _common_parent(module: str, names: list[ast.alias]) -> str | None:
+    """The agentloop package ``P`` when every name of ``from <module> import a, b`` is a verl module that is
+    ``P.a``, ``P.b`` in agentloop (so ``from P import a, b`` binds the same modules); else None."""
+    parents = set()
+    for alias in names:
+        moved = map_module(f"{module}.{alias.name}") if alias.name != "*" else None
+        if moved is None or not moved.endswith(f".{alias.name}"):
+            return None
+        parents.add(moved[: -len(alias.name) - 1])
+    return parents.pop() if len(parents) == 1 else None
+
+
 class _Porter:
     """One pass over one file: collects edits and issues (see the module docstring)."""
 
@@ -165,6 +177,8 @@ class _Porter:
         first = self.src.token_index(node) + 1  # the token after ``from``
         _, last, _ = self.src.dotted(first)
         target = map_module(module)
+        if target is None:  # ``from verl.utils import tensordict_utils``: each name a module that moved to one package
+            target = _common_parent(module, node.names)
         problems = [p for alias in node.names if (p := self._submodule_problem(module, target, alias))]
         if problems or target is None:
             for problem in problems or [unknown_module_message(module)]:

@@ -132,6 +132,12 @@ def test_submodule_from_import_gives_replacement():
     assert "import agentloop.loops.tool_agent as tool_agent_loop" in result.issues[0].message
     # a submodule that keeps its place relative to its package needs nothing
     assert _port("from verl import protocol\n").text == "from agentloop import protocol\n"
+    # a package verl has no mirror of, whose imported modules all moved under one agentloop package (verl's
+    # own DataProto tests import tensordict_utils this way)
+    ported = _port("from verl.utils import tensordict_utils as tu\n")
+    assert ported.text == "from agentloop.utils import tensordict_utils as tu\n" and not ported.issues
+    mixed = _port("from verl.utils import tensordict_utils, no_such_module\n")
+    assert mixed.text == "from verl.utils import tensordict_utils, no_such_module\n" and mixed.issues
 
 
 def test_idempotent():
