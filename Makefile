@@ -32,8 +32,8 @@ demo: install
 	$(VENV)/bin/agentloop rollout --config examples/quickstart/config.yaml \
 	  actor_rollout_ref.model.path=$$($(PY) scripts/make_tiny_model.py --quiet)
 
-# GRPO on the calculator task (examples/grpo_calculator): ~3 min on 2 cores, after a one-time build of its
-# weaker starting checkpoint (~2 min). Prints the reward per step; writes outputs/grpo_calculator/reward_curve.png.
+# GRPO on the calculator task (examples/grpo_calculator): ~3 min on 2 cores (its weaker starting checkpoint ships in
+# agentloop/assets). Prints the reward per step; writes outputs/grpo_calculator/reward_curve.png.
 grpo: install
 	$(PY) examples/grpo_calculator/train.py
 

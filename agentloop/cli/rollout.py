@@ -1,14 +1,17 @@
 """``agentloop rollout``: roll out a dataset with AgentLoopManager and write the results.
 
-    agentloop rollout [--config FILE.yaml] key=value ...
+    agentloop rollout [--config FILE.yaml ...] key=value ...
 
-The config is ``agentloop/configs/rollout.yaml`` merged with ``--config`` (if given) and then the
-Hydra-style overrides.  Writes to ``output_dir``:
+The config is ``agentloop/configs/rollout.yaml`` merged with each ``--config`` (if given, in order) and then
+the Hydra-style overrides.  Writes to ``output_dir``:
 
 * ``rollout.dataproto`` — the padded DataProto (``DataProto.load_from_disk``);
 * ``trajectories.jsonl`` — one line per trajectory: decoded prompt and response, num_turns, status,
-  lengths;
-* ``summary.json`` — wall time, throughput, length / turn / status statistics, ``failed_rows``.
+  lengths, reward;
+* ``summary.json`` — wall time, reward, throughput (sampled tokens and all response tokens), length / turn /
+  status statistics, ``failed_rows``.
+
+A ``report.html`` and ``report/`` left in ``output_dir`` by an earlier run are removed (they described that run).
 
 Exit codes: 0 done; 1 an unexpected exception (traceback printed); 2 bad input — any agentloop error
 (config, dataset, model path, ...) printed as one line ``agentloop: error: <message and fix>``, found before
@@ -40,17 +43,19 @@ if TYPE_CHECKING:  # torch / Ray are imported only once the input checks passed
     from agentloop.protocol import DataProto
 
 
-def build_config(config_file: str | None, overrides: list[str]) -> DictConfig:
-    """Defaults ← ``config_file`` ← ``key=value`` overrides (OmegaConf dotlist syntax, ``+`` prefix allowed)."""
+def build_config(config_file: str | list[str] | None, overrides: list[str]) -> DictConfig:
+    """Defaults ← each ``config_file`` in order ← ``key=value`` overrides (OmegaConf dotlist syntax, ``+`` prefix
+    allowed).  Several files layer: e.g. a task config, then ``agentloop/configs/cpu_train.yaml``."""
     cfg: Any = default_config()
-    if config_file:
-        path = Path(config_file).expanduser()
+    files = [config_file] if isinstance(config_file, str) else list(config_file or [])
+    for name in files:
+        path = Path(name).expanduser()
         if not path.is_file():
-            raise ConfigError(f"--config {config_file!r} does not exist: pass the path of a YAML config file")
+            raise ConfigError(f"--config {name!r} does not exist: pass the path of a YAML config file")
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
         except Exception as e:  # noqa: BLE001 - yaml and OmegaConf raise many types
-            raise ConfigError(f"--config {config_file!r} is not a valid YAML config ({_first_line(e)})") from e
+            raise ConfigError(f"--config {name!r} is not a valid YAML config ({_first_line(e)})") from e
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value (e.g. actor_rollout_ref.rollout.temperature=0.7), "
@@ -74,11 +79,15 @@ def _decode(tokenizer: Any, ids: np.ndarray, mask: np.ndarray) -> str:
 
 
 def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
-    """One JSON line per row: decoded text, lengths, turns, status, error."""
+    """One JSON line per row: decoded text, lengths, turns, status, error, reward (its ``rm_scores`` summed; null
+    without a reward)."""
     b = _tensors(output)
     p_len = b["prompts"].shape[1]
     attn = b["attention_mask"].numpy()
     nt = output.non_tensor_batch
+    from agentloop.cli.summary import row_scores
+
+    scores = row_scores(output)
     with path.open("w") as f:
         for i in range(len(output)):
             p_mask, r_mask = attn[i, :p_len], attn[i, p_len:]
@@ -93,6 +102,7 @@ def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
                 "num_turns": int(nt["__num_turns__"][i]),
                 "status": str(nt["status"][i]),
                 "error": nt["error"][i],
+                "reward": None if scores is None or not np.isfinite(scores[i]) else float(scores[i]),
             }
             f.write(json.dumps(row) + "\n")
 
@@ -118,11 +128,20 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
     statuses: dict[str, int] = {}
     for s in output.non_tensor_batch["status"].tolist():
         statuses[str(s)] = statuses.get(str(s), 0) + 1
+    sampled = int(b["response_mask"].sum())
+    from agentloop.cli.summary import row_scores
+
+    scores = row_scores(output)
+    scored = scores[np.isfinite(scores)] if scores is not None else np.zeros(0)
     return {
         "num_samples": num_samples,
         "num_trajectories": len(output),
         "wall_time_s": round(wall, 3),
-        "response_tokens": int(resp.sum()),
+        "reward": ({"mean": float(scored.mean()), "min": float(scored.min()), "max": float(scored.max()),
+                    "rows_scored": len(scored)} if len(scored) else None),
+        "sampled_tokens": sampled,  # the tokens the policy sampled (response_mask 1): the console's tok/s
+        "sampled_tokens_per_s": round(sampled / wall, 1) if wall > 0 else None,
+        "response_tokens": int(resp.sum()),  # all response tokens, tool results and other inserted turns included
         "response_tokens_per_s": round(float(resp.sum()) / wall, 1) if wall > 0 else None,
         "prompt_length": {"mean": float(prompt.mean()), "max": int(prompt.max())},
         "response_length": {"mean": float(resp.mean()), "min": int(resp.min()), "max": int(resp.max())},
@@ -156,6 +175,7 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     )
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_report(out_dir)
     if OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.record_timing") is None:  # for `agentloop report`
         OmegaConf.update(cfg, "actor_rollout_ref.rollout.agent.record_timing", True, force_add=True)
     OmegaConf.save(cfg, out_dir / "config.yaml")  # `agentloop verify` reads the sampling settings from it
@@ -179,11 +199,35 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
         print(f"\n--- trajectory {n + 1} (row {row}) ---\n" + render_trajectory(output, row, tokenizer, colour))
     logs = "" if verbose else ", rollout.log"
     print(f"\noutputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json, config.yaml{logs}}}")
-    print(f"next: agentloop report {out_dir}    agentloop verify {out_dir} --model "
-          f"{cfg.actor_rollout_ref.model.path}")
+    cli = _cli_name()
+    print(f"next: {cli} report {out_dir}    {cli} verify {out_dir} --model {cfg.actor_rollout_ref.model.path}")
     if verdict.message:
         print(f"agentloop: error: {verdict.message}", file=sys.stderr)
     return verdict.exit_code
+
+
+def _remove_stale_report(out_dir: Path) -> None:
+    """An earlier run's ``agentloop report`` output describes that run, not the one about to be written."""
+    import shutil
+
+    if (out_dir / "report.html").is_file():
+        (out_dir / "report.html").unlink()
+        shutil.rmtree(out_dir / "report", ignore_errors=True)
+
+
+def _cli_name() -> str:
+    """How to call this CLI again: ``agentloop`` when it is on PATH, else its path (e.g. ``.venv/bin/agentloop``
+    in a virtualenv that is not activated)."""
+    import os
+    import shutil
+
+    beside = Path(sys.executable).parent / "agentloop"
+    if shutil.which("agentloop") or not beside.is_file():
+        return "agentloop"
+    try:
+        return os.path.relpath(beside)
+    except ValueError:
+        return str(beside)
 
 
 def _quiet_ray(log_file: Path) -> None:
@@ -280,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Exit codes: 0 done; 1 unexpected exception; 2 bad input (config, dataset, model path); "
         "3 more than rollout.agent.max_failure_fraction of the rows failed (outputs are still written).",
     )
-    ro.add_argument("--config", help="YAML merged over the defaults before the overrides")
+    ro.add_argument("--config", action="append", metavar="FILE.yaml",
+                    help="YAML merged over the defaults before the overrides; repeat it to layer several, in order")
     ro.add_argument("--show", type=int, default=2, help="trajectories to print at the end (default 2)")
     ro.add_argument("--verbose", action="store_true",
                     help="show the engine's and Ray's logs on the console (default: <output_dir>/rollout.log)")

@@ -26,7 +26,9 @@ def use_colour(stream: Any = None) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
 
 
-def _scores(output: DataProto) -> np.ndarray | None:
+def row_scores(output: DataProto) -> np.ndarray | None:
+    """Each row's reward (its ``rm_scores`` summed; NaN where ``reward_valid`` says it has none), or None without
+    ``rm_scores``."""
     batch = output.batch
     if batch is None or "rm_scores" not in set(batch.keys()):
         return None
@@ -63,7 +65,7 @@ def summary_rows(output: DataProto, wall: float, num_samples: int) -> list[tuple
     for status in nt["status"].tolist():
         statuses[str(status)] = statuses.get(str(status), 0) + 1
     rows = [("samples", str(num_samples)), ("trajectories", str(len(output)))]
-    scores = _scores(output)
+    scores = row_scores(output)
     if scores is not None and np.isfinite(scores).any():
         rows.append(("mean reward", f"{np.nanmean(scores):.3f} ({int(np.isfinite(scores).sum())} rows scored)"))
     rows += [
@@ -108,7 +110,7 @@ def render_trajectory(output: DataProto, row: int, tokenizer: Any, colour: bool 
         else:
             lines.append(f"{tag} {text}")
         start = end
-    scores = _scores(output)
+    scores = row_scores(output)
     reward = "" if scores is None or not np.isfinite(scores[row]) else f", reward {scores[row]:g}"
     status = output.non_tensor_batch["status"][row]
     lines.append(f"{_DIM if colour else ''}status {status}{reward}; [model] = sampled by the policy (mask 1), "
@@ -120,7 +122,7 @@ def pick_rows(output: DataProto, count: int) -> list[int]:
     """Up to ``count`` rows worth showing: rows with a tool call first (the interesting ones), one per prompt
     (``uid``), preferring rewards not seen yet (a right and a wrong answer), then the rest."""
     tools = _tool_turns(output)
-    scores = _scores(output)
+    scores = row_scores(output)
     uids = output.non_tensor_batch.get("uid")
     order = [i for i in range(len(output)) if tools[i] > 0] + [i for i in range(len(output)) if tools[i] == 0]
     picked: list[int] = []

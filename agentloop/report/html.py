@@ -42,7 +42,7 @@ def summary_rows(table: RolloutTable, summary: dict[str, Any]) -> dict[str, Any]
         rows["mean tool calls"] = round(float(table.tool_calls.mean()), 2)
     if table.reward is not None and not np.isnan(table.reward).all():
         rows["mean reward"] = round(float(np.nanmean(table.reward)), 4)
-    for key in ("wall_time_s", "response_tokens_per_s"):
+    for key in ("wall_time_s", "sampled_tokens_per_s", "response_tokens_per_s"):
         if key in summary:
             rows[key.replace("_", " ")] = summary[key]
     return rows
