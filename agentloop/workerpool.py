@@ -126,8 +126,9 @@ class WorkerPool:
     def tell(self, method: str, *args: Any, timeout: float = 5.0) -> None:
         """Call ``method(*args)`` on every serving worker, waiting at most ``timeout`` seconds and ignoring
         failures (a note for the workers, sent from the mid-batch look, which must not wait on a hung worker)."""
-        ray.wait([getattr(h, method).remote(*args) for h in self.handles], num_returns=len(self.handles),
-                 timeout=timeout)
+        refs = [getattr(h, method).remote(*args) for h in self.handles]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
 
     # ----------------------------------------------------------------------------------------------
     def run(self, batch: DataProto) -> list[DataProto]:
