@@ -21,6 +21,9 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
       without it is a :class:`DatasetError`.
     * A non-tensor column missing from a chunk (an extra field only some loops set, ``prompt_truncated``
       absent from a chunk whose samples all failed) is None on that chunk's rows.
+    * ``meta_info["timing"]``, when the parts' differ (each part of ``generate_sequences_stream`` has its own),
+      is removed from every part: it described one part, not the whole (read it from each part first);
+      ``DataProto.concat`` refuses differing ``meta_info`` values.
     """
     keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]  # TensorDict: `in` is not key lookup
     with_scores = [p.batch["rm_scores"] for p, ks in zip(parts, keys, strict=True)
@@ -45,6 +48,10 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
     for p in parts:
         for k in non_tensor_keys - set(p.non_tensor_batch):
             p.non_tensor_batch[k] = np.full(len(p), None, dtype=object)
+    timings = [p.meta_info.get("timing") for p in parts]
+    if any(t != timings[0] for t in timings[1:]):
+        for p in parts:
+            p.meta_info.pop("timing", None)
     return parts
 
 

@@ -195,3 +195,19 @@ def test_align_keys_builds_reward_columns_by_the_rule_and_never_zero_fills() -> 
     with_lp, without_lp = run(three_outputs(), calculate_log_probs=True), run(three_outputs())
     with pytest.raises(DatasetError, match=r"worker chunk 1 of 2 lacks the tensor column\(s\) \['rollout_log_probs'\]"):
         align_keys([with_lp, without_lp])
+
+
+def test_stream_parts_with_their_own_timing_concatenate() -> None:
+    """docs/async.md: `DataProto.concat(align_keys(parts))` joins `generate_sequences_stream` parts, each of which
+    carries its own `meta_info["timing"]` (before, concat refused the differing values)."""
+    from agentloop.manager import align_keys
+    from agentloop.protocol import DataProto
+
+    a, b = run(three_outputs()), run(three_outputs())
+    a.meta_info["timing"], b.meta_info["timing"] = {"agent_loop/wall": 1.0}, {"agent_loop/wall": 2.5}
+    out = DataProto.concat(align_keys([a, b]))
+    assert len(out) == 6 and "timing" not in out.meta_info  # one part's timing would misdescribe the whole
+    same = [run(three_outputs()), run(three_outputs())]
+    for p in same:
+        p.meta_info["timing"] = {"agent_loop/wall": 1.0}
+    assert DataProto.concat(align_keys(same)).meta_info["timing"] == {"agent_loop/wall": 1.0}
