@@ -70,6 +70,7 @@ from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
 from agentloop.multimodal import decode_images, encode_images, sample_media
 from agentloop.parsers.base import ToolParser, get_tool_parser
+from agentloop.rewards.loader import RewardFunctionConfig
 from agentloop.tokenization import encode_new_turns
 from agentloop.tokenization.incremental import TemplateMismatchError
 from agentloop.tools import registry as tool_registry
@@ -143,6 +144,7 @@ class ToolAgentLoop(AgentLoopBase):
     runner: ClassVar[ToolRunner | None] = None
     interactions: ClassVar[dict[str, BaseInteraction]] = {}
     interaction_config_path: ClassVar[str | None] = None
+    reward_function_set: ClassVar[bool] = False
 
     init_class_takes_tools: ClassVar[bool] = True
 
@@ -164,6 +166,9 @@ class ToolAgentLoop(AgentLoopBase):
         path = mt.get("interaction_config_path")
         cls.interactions = initialize_interactions_from_config(path) if path else {}
         cls.interaction_config_path = str(path) if path else None
+        # verl's tool_agent leaves the reward to custom_reward_function; the interaction's score is ours, for
+        # runs without one (a loop's own reward_score would win over the function: agentloop.rewards.scoring)
+        cls.reward_function_set = RewardFunctionConfig.from_config(config).path is not None
         ContextSettings.from_config(mt)  # a wrong context_window / max_context_edits fails here, once per worker
         workers = mt.get("tool_max_workers")
         configure_tool_executor(str(mt.get("tool_executor") or "thread"),
@@ -207,7 +212,11 @@ class ToolAgentLoop(AgentLoopBase):
                 else:
                     state = await self._interacting(data)
             if data.interaction is not None:
-                data.reward_score = await data.interaction.calculate_score(data.interaction_id)  # type: ignore[arg-type]
+                score = await data.interaction.calculate_score(data.interaction_id)  # type: ignore[arg-type]
+                if self.reward_function_set:  # the function scores the trajectory, as in verl; the score is kept
+                    data.counters["interaction_score"] = score
+                else:
+                    data.reward_score = score
         finally:
             if data.interaction is not None:
                 await data.interaction.finalize_interaction(data.interaction_id)  # type: ignore[arg-type]

@@ -2,19 +2,20 @@
 
 The rule for a single-trajectory sample's ``reward_score``:
 
-1. With ``custom_reward_function.path`` set, the function's score, and only that: the loop's own
-   ``reward_score`` is replaced.  The function is not called on rollouts that did not finish (status
-   ``error`` / ``timeout`` / ``aborted``); a call that raises, exceeds ``timeout`` or returns something
+1. The loop's own ``reward_score`` when it set one (a custom loop's, a gateway session's posted or returned
+   reward; ``tool_agent``'s interaction ``calculate_score`` when no function is configured): verl's rule, whose
+   worker calls the reward function only for a trajectory without a score.
+2. Otherwise, with ``custom_reward_function.path`` set, the function's score.  With a function configured, a
+   rollout that did not finish (status ``error`` / ``timeout`` / ``aborted``) has no reward (the function is
+   not called, a score the loop set is not used); a call that raises, exceeds ``timeout`` or returns something
    that is not a finite number (or a dict with a numeric ``"score"``) gives no score, and the message goes
-   to ``reward_error``.
-2. Otherwise the loop's own ``reward_score`` (e.g. ``tool_agent``'s interaction ``calculate_score``), or
-   none.
+   to ``reward_error``.  Without either, none.
 3. ``add_tool_rewards: true`` adds the sum of ``extra_fields["tool_rewards"]`` (the tools' step rewards) to
    that score; a finished trajectory with no score from 1 or 2 (and no function configured) scores the sum
    alone.  A row whose function call failed stays without a score.
 
-A sample with k > 1 trajectories (an episode, :mod:`agentloop.rewards.episode`): the function of rule 1 is
-called on the final (last) trajectory only; its score (else the final trajectory's own ``reward_score``) is the
+A sample with k > 1 trajectories (an episode, :mod:`agentloop.rewards.episode`): the final (last)
+trajectory's own ``reward_score``, else the function of rule 2 called on the final trajectory only, is the
 episode reward ``E``, and trajectory ``i`` gets ``share_i * E`` by ``multi_turn.reward_to`` (all: 1, last: 0
 except the final, discounted: ``gamma ** (k - 1 - i)``), plus what it earned itself: the ``reward_score`` the
 loop set on a non-final trajectory and, with rule 3, its own tool rewards.  When a function is configured and
@@ -136,12 +137,12 @@ class TrajectoryScorer:
         return trajectories
 
     async def _outcome(self, final: AgentLoopOutput, sample: Mapping[str, Any]) -> tuple[float | None, str | None]:
-        """The episode reward before tool rewards: the function's score of the final trajectory (its extra info
-        recorded on it), else the loop's own ``reward_score``; and the error when the call failed."""
-        if self.fn is None:
-            return final.reward_score, None
-        if final.status in UNFINISHED:
+        """The episode reward before tool rewards: the final trajectory's own ``reward_score``, else the function's
+        score of it (its extra info recorded on it); and the error when the call failed."""
+        if self.fn is not None and final.status in UNFINISHED:
             return None, None
+        if final.reward_score is not None or self.fn is None:
+            return final.reward_score, None
         start = time.perf_counter()
         score, info, error = await self._call(final, sample)
         final.metrics = final.metrics.model_copy(update={"compute_score": time.perf_counter() - start})

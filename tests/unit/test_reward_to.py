@@ -123,7 +123,10 @@ def test_bad_config_values_fail_with_the_key():
 # through the worker: rm_scores / reward_valid rows
 # ----------------------------------------------------------------------------------------------------------
 class ThreeSnapshots(AgentLoopBase):
-    """Three trajectories; the loop scores the final one 1.0 (e.g. an interaction's calculate_score)."""
+    """Three trajectories; the loop scores the final one 1.0 (e.g. an interaction's calculate_score), or leaves
+    the scoring to the reward function (``final_score`` None)."""
+
+    final_score: float | None = 1.0
 
     async def run(self, sampling_params, **kwargs):
         ids = self.tokenizer.apply_chat_template(kwargs["raw_prompt"], add_generation_prompt=True)
@@ -132,11 +135,16 @@ class ThreeSnapshots(AgentLoopBase):
             o = await self.server_manager.generate(request_id=f"{kwargs['uid']}-{j}", prompt_ids=ids,
                                                    sampling_params=sampling_params)
             outs.append(AgentLoopOutput(prompt_ids=ids, response_ids=o.token_ids,
-                                        response_mask=[1] * len(o.token_ids), reward_score=1.0 if j == 2 else None))
+                                        response_mask=[1] * len(o.token_ids),
+                                        reward_score=self.final_score if j == 2 else None))
         return outs
 
 
-def run_worker(reward_to: str, reward: dict[str, Any] | None = None) -> DataProto:
+class ThreeUnscored(ThreeSnapshots):
+    final_score = None
+
+
+def run_worker(reward_to: str, reward: dict[str, Any] | None = None, loop: type = ThreeSnapshots) -> DataProto:
     cfg = default_config()
     cfg.data.max_prompt_length = 64
     cfg.data.max_response_length = 16
@@ -146,7 +154,7 @@ def run_worker(reward_to: str, reward: dict[str, Any] | None = None) -> DataProt
         cfg.custom_reward_function = OmegaConf.merge(cfg.custom_reward_function, reward)
     OmegaConf.resolve(cfg)
     registry = resolve_registry()
-    registry["three"] = ResolvedAgentLoop(name="three", cls=ThreeSnapshots)
+    registry["three"] = ResolvedAgentLoop(name="three", cls=loop)
     server = ScriptedServer(lambda ids, params, rid: [*TOK.encode("The answer is 4."), IM_END], eos_token_id=IM_END)
     worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
                              registry=registry, tokenizer=TOK, trainer_config=cfg)
@@ -168,10 +176,16 @@ def test_worker_rows_follow_multi_turn_reward_to(mode, expected):
 
 
 def test_worker_with_a_custom_function_calls_it_once_per_episode():
-    out = run_worker("last", {"path": "test_reward_to", "name": "episode_score"})
+    out = run_worker("last", {"path": "test_reward_to", "name": "episode_score"}, loop=ThreeUnscored)
     assert out.batch["rm_scores"].sum(-1).tolist() == [0.0, 0.0, 4.0] * 2
     assert len(CALLS) == 2  # one per sample, not one per trajectory
     assert out.non_tensor_batch["acc"].tolist() == [1.0] * 6
+
+
+def test_an_episode_the_loop_scored_keeps_its_score_over_the_function():
+    """verl's rule: the worker calls the reward function only for a trajectory without a score of its own."""
+    out = run_worker("last", {"path": "test_reward_to", "name": "episode_score"})
+    assert out.batch["rm_scores"].sum(-1).tolist() == [0.0, 0.0, 1.0] * 2 and CALLS == []
 
 
 def test_worker_start_rejects_a_bad_reward_to():

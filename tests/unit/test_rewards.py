@@ -233,12 +233,13 @@ def test_config_block_follows_verl():
     assert RewardFunctionConfig.from_config({"custom_reward_function": {"timeout": 0}}).timeout is None
 
 
-def test_unfinished_rollouts_are_not_scored_and_loop_scores_are_replaced():
+def test_unfinished_rollouts_are_not_scored_and_loop_scores_win_as_in_verl():
     worker = make_worker({"path": "test_rewards", "name": "recording_score"}, registry=scored_registry())
     out = run(worker.generate_sequences(make_batch(["fail", "ok"], truths=["4", "5"], agent="scored")))
-    # the configured function replaces the loop's own 1.0; the failed sample is never scored
-    assert scores(out) == [0.0, 0.0] and out.batch["reward_valid"].tolist() == [0, 1]
-    assert len(CALLS) == 1 and "status 'error'" in out.non_tensor_batch["reward_error"][0]
+    # verl's rule: the loop's own 1.0 wins and the function is not called for it; the failed sample has no
+    # reward even though its loop would have set one (a function is configured: unfinished rows are not scored)
+    assert scores(out) == [0.0, 1.0] and out.batch["reward_valid"].tolist() == [0, 1]
+    assert CALLS == [] and "status 'error'" in out.non_tensor_batch["reward_error"][0]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,7 +264,8 @@ def test_add_tool_rewards_rule():
     assert _score(add, _out(1.0, [0.5, 0.25])) == [1.75]  # on: added to the loop's score
     assert _score(add, _out(None, [0.5, 0.25]), _out(None)) == [0.75, 0.0]  # no outcome source: the sum alone
     assert _score(add, _out(None, [1.0], status=RolloutStatus.ERROR)) == [None]  # a failed rollout earns nothing
-    assert _score(with_fn, _out(0.0, [0.5])) == [1.5]  # function score (1.0) + tools
+    assert _score(with_fn, _out(None, [0.5])) == [1.5]  # function score (1.0) + tools
+    assert _score(with_fn, _out(0.0, [0.5])) == [0.5]  # the loop's own score wins over the function (verl), + tools
     bad = _out(1.0, ["x"])
     assert _score(add, bad) == [None] and "tool_rewards" in bad.extra_fields["reward_error"]
     assert TrajectoryScorer(plain, TOK).configured is False and TrajectoryScorer(add, TOK).configured

@@ -160,7 +160,7 @@ def test_generation_asks_only_for_the_remaining_budget(tool_yaml):
 
 
 def run_with_interaction(tmp_path, tool_yaml, script, truth="5", max_attempts=2, max_user_turns=None, name="grader",
-                         configured=True):
+                         configured=True, reward_function=None):
     inter = tmp_path / "interactions.yaml"
     inter.write_text("interaction:\n  - name: grader\n"
                      "    class_name: agentloop.interactions.answer_check.AnswerCheckInteraction\n"
@@ -173,11 +173,12 @@ def run_with_interaction(tmp_path, tool_yaml, script, truth="5", max_attempts=2,
     rollout.multi_turn.tool_config_path = tool_yaml
     rollout.multi_turn.interaction_config_path = str(inter) if configured else None
     rollout.multi_turn.max_user_turns = max_user_turns
+    cfg.custom_reward_function.path = reward_function
     server = ScriptedServer(script, eos_token_id=IM_END)
 
     async def go():
-        ToolAgentLoop.init_class(rollout, TOK)
-        loop = ToolAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
+        ToolAgentLoop.init_class(cfg, TOK)
+        loop = ToolAgentLoop(cfg, AsyncLLMServerManager([server]), TOK)
         extra = {"interaction_kwargs": {"name": name, "ground_truth": truth}}
         return await loop.run({}, raw_prompt=[{"role": "user", "content": "2 + 3?"}], extra_info=extra)
 
@@ -190,6 +191,15 @@ def test_interaction_asks_again_then_scores(tmp_path, tool_yaml):
     assert out.extra_fields["turn_scores"] == [0.0, 1.0]
     assert "not right" in tool_text(out) and len(server.calls) == 2
     assert out.num_turns == 4  # prompt + 2 assistant + 1 user reply
+
+
+def test_interaction_score_leaves_the_reward_to_a_configured_function_as_in_verl(tmp_path, tool_yaml):
+    """verl's tool_agent never sets reward_score, so verl's worker scores it with custom_reward_function; with a
+    function configured ours does the same (the interaction's score is kept beside it), else it is the reward."""
+    out, _ = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 6."), say("The answer is 5.")],
+                                  reward_function="agentloop.rewards.calculator")
+    assert out.reward_score is None and out.extra_fields["interaction_score"] == 1.0
+    assert out.extra_fields["turn_scores"] == [0.0, 1.0]
 
 
 def test_interaction_gives_up_after_max_attempts(tmp_path, tool_yaml):
