@@ -19,21 +19,6 @@ AGENTLOOP = Path(sys.executable).parent / "agentloop"
 STARTED = ("Started a local Ray instance", "ray.init", "Traceback", "AgentLoopManager", "vLLM", "INFO")
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
-@pytest.fixture
-def dataset(tmp_path):
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(3)))
-    return path
-
-
 def run_cli(*args: str, module: bool = False) -> subprocess.CompletedProcess[str]:
     """The installed ``agentloop`` command (or ``python -m agentloop.cli.rollout``) in a fresh process."""
     cmd = [sys.executable, "-m", "agentloop.cli.rollout"] if module else [str(AGENTLOOP)]

@@ -18,21 +18,6 @@ from agentloop.errors import ConfigError
 from agentloop.protocol import DataProto
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
-@pytest.fixture
-def dataset(tmp_path):
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(3)))
-    return path
-
-
 def fake_generate(cfg, batch, log_file=None):
     """Three rows of 4 response tokens: the middle two are a tool result (mask 0); rewards 1, 0 and none."""
     n = len(batch)

@@ -15,14 +15,6 @@ from agentloop.data import load_dataset, repeat_for_rollout, rows_to_batch
 from agentloop.errors import ConfigError, DatasetError
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
 def test_trainer_shaped_and_rollout_only_configs_give_same_slices(model_dir):
     trainer = OmegaConf.create({"actor_rollout_ref": {"model": {"path": str(model_dir)},
                                                       "rollout": {"temperature": 0.5}},

@@ -24,14 +24,6 @@ def _fresh_warnings():
     reset_warnings()
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
 def trainer(model_dir, rollout=None, model=None, data=None):
     return {"actor_rollout_ref": {"model": {"path": str(model_dir), **(model or {})}, "rollout": rollout or {}},
             "data": data or {}}
