@@ -145,7 +145,7 @@ class ServerSupervisor:
                 pass
         for i in hung:
             lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
-                            "event loop is blocked", True)
+                       "event loop is blocked", True)
             self.counts["servers_hung"] += 1
         for i, (reason, is_hung) in lost.items():
             self.lose(i, reason, hung=is_hung)
