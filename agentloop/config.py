@@ -86,9 +86,20 @@ def resolve_config(config: DictConfig | dict[str, Any], model_path: str | None =
     check_keys(raw, root, defaults)
     check_load_format(root)
     fill_verl_defaults(root)  # verl loops read verl keys agentloop itself has no use for
+    _resolve_weight_update(root)
     cfg = AgentLoopConfig(rollout=root.actor_rollout_ref.rollout, model=root.actor_rollout_ref.model, root=root)
     validate(cfg)
     return cfg
+
+
+def _resolve_weight_update(root: DictConfig) -> None:
+    """``rollout.server.weight_update: null`` becomes ``abort`` (verl's fully-async default, ``partial_rollout:
+    true``), or ``drain`` where ``async_training.partial_rollout`` is false: without partial rollouts verl's
+    parameter sync waits for the running requests instead of cutting them."""
+    server = root.actor_rollout_ref.rollout.server
+    if server.get("weight_update") is None:
+        partial = OmegaConf.select(root, "async_training.partial_rollout", default=None)
+        server.weight_update = "drain" if partial is False else "abort"
 
 
 def validate(cfg: AgentLoopConfig) -> None:
@@ -103,7 +114,7 @@ def validate(cfg: AgentLoopConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.name must be 'vllm' or 'sglang', got {r.name!r}")
     if r.name == "sglang" and (r.get("server") or {}).get("weight_update") == "keep":
         raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; set it "
-                          "to drain (the default) with rollout.name: sglang")
+                          "to abort (the default) or drain with rollout.name: sglang")
     path = Path(cfg.model_path)
     if not path.is_dir():
         raise ConfigError(

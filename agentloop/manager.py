@@ -33,8 +33,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from agentloop.batch_metrics import align_keys, performance_metrics
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, resolve_config
-from agentloop.errors import ServerError
 from agentloop.loops.base import resolve_registry
+from agentloop.manager_weights import WeightUpdateMixin
 from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.routing.balancer_actor import create_global_balancer
@@ -49,7 +49,7 @@ from agentloop.workerpool import WorkerPool
 logger = logging.getLogger(__name__)
 
 
-class AgentLoopManager:
+class AgentLoopManager(WeightUpdateMixin):
     """Owns the rollout servers and agent-loop workers.
 
     Args (verl's, 0.6–0.9):
@@ -361,11 +361,16 @@ class AgentLoopManager:
         With ``async_training.partial_rollout: true`` the routers re-issue each cut request after the resume with
         its tokens so far, so agent loops see one uninterrupted generation (docs/concepts.md, "Pause, resume and
         partial rollouts"); otherwise cut requests end ``aborted``.  Returns how many requests were cut."""
+        self._paused = True
         return int(sum(self._each_server("pause").values()))
 
     def resume(self) -> None:
         """Let the servers run the held and re-issued requests again (after :meth:`pause`)."""
         self._each_server("resume")
+        self._paused = False
+
+    _paused = False
+    """Between :meth:`pause` and :meth:`resume`."""
 
     @property
     def can_sleep(self) -> bool:
@@ -400,81 +405,6 @@ class AgentLoopManager:
             self._each_server("sleep", only=self._sleep_support)
             self._sleeping = True
 
-    _weight_version: int = 0
-    """The version the servers serve (0 until the first :meth:`update_weights`)."""
-
-    def update_weights(self, weights: Any, *, global_steps: int | None = None, bucket_mb: float = 512) -> int:
-        """Load new policy weights into every server; returns the new weight version.
-
-        ``weights``: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full, unsharded
-        tensors, any device), read once and lazily.  They travel in buckets of about ``bucket_mb`` MiB: each
-        bucket is put in the object store once and shared by all servers, the next one is packed while the
-        servers load the current one, and the model is never one object.  Sleeping servers are woken first
-        (and left awake).  Requests in flight finish on the old weights and new ones wait until the update is
-        done, and the prefix cache is reset; with ``rollout.server.weight_update: keep`` the requests in flight
-        are frozen instead and go on with the new weights on their KV cache (prefix cache kept; per-token
-        ``weight_versions``; docs/async.md).  ``global_steps`` (default: the previous version + 1; servers start
-        at 0) is what every later generation reports as ``extra_fields["global_steps"]`` and trajectories as
-        ``min_global_steps`` / ``max_global_steps``.  Protocol and engine path: :mod:`agentloop.servers.weight_sync`.
-        A server that dies during the update, or gives no answer to one of its steps within
-        ``rollout.server.weight_update_timeout`` seconds, is taken out and restarted and the update goes on with
-        the others (the restarted one loads the weights at the next update; docs/faults.md).
-        """
-        from agentloop.servers.weight_sync import iter_buckets
-
-        version = self._weight_version + 1 if global_steps is None else int(global_steps)
-        if self.sleeping:
-            self.wake_up()
-        self.supervisor.poll(self._weight_version)
-        waiting = self.supervisor.awaiting_weights()  # restarted servers: they get the current weights too
-        targets = {i: h for i, h in enumerate(self.server_handles) if i not in self.supervisor.down}
-        targets.update(waiting)
-        limit = self.rollout.server.get("weight_update_timeout")
-
-        def settle(calls: dict[int, Any], what: str) -> dict[int, Any]:
-            """Results of the servers that answered; the lost ones are restarted and dropped from the update."""
-            results = self.supervisor.settle(calls, float(limit) if limit else None, what, dict(targets))
-            for i in set(calls) - set(results):
-                targets.pop(i, None)
-            if not targets:
-                raise ServerError(f"update_weights to version {version}: no rollout server is left to load the "
-                                  "weights (each died or gave no answer; see the warnings above); call "
-                                  "update_weights again once manager.recover() reports servers up again")
-            return results
-
-        self.supervisor.updating = True
-        try:
-            settle({i: h.begin_weight_update.remote(version) for i, h in targets.items()}, "begin_weight_update")
-            loading: dict[int, Any] = {}
-            for bucket in iter_buckets(weights, max(1, int(bucket_mb * 2**20))):
-                ref = ray.put(bucket)  # packed while the servers still load the previous bucket
-                settle(loading, "load_weight_bucket")
-                loading = {i: h.load_weight_bucket.remote(ref) for i, h in targets.items()}
-                del ref, bucket
-            settle(loading, "load_weight_bucket")
-            reports = settle({i: h.finish_weight_update.remote() for i, h in targets.items()}, "finish_weight_update")
-        except BaseException:
-            _abort_weight_updates(list(targets.values()))
-            raise
-        finally:
-            self.supervisor.updating = False
-        self._weight_version = version
-        self.supervisor.weights_loaded([i for i in waiting if i in targets])
-        logger.debug("weights updated to version %d: %s", version, reports)
-        return version
-
-    def _update_weights_whole(self, named_tensors: dict[str, Any], *, global_steps: int | None = None,
-                              transport: str = "file") -> int:
-        """The pre-streaming path, kept for benchmarks and as an escape hatch: the whole dict is one object,
-        each server loads it as one bucket (``transport="file"``: through a temporary safetensors file)."""
-        version = self._weight_version + 1 if global_steps is None else int(global_steps)
-        if self.sleeping:
-            self.wake_up()
-        ref = ray.put(named_tensors)
-        ray.get([s.update_weights.remote(ref, version, transport=transport) for s in self.server_handles])
-        self._weight_version = version
-        return version
-
     def shutdown(self) -> None:
         """Stop workers, balancer and engines, and release their resources."""
         if hasattr(self, "workers"):
@@ -492,13 +422,3 @@ class AgentLoopManager:
             ray.kill(self.balancer)
         if self._owns_servers:
             stop_servers(self.servers)
-
-
-def _abort_weight_updates(handles: list[Any]) -> None:
-    """Close whatever weight update is still open on each server, so none stays paused (errors ignored: the
-    caller re-raises the one that matters)."""
-    for ref in [s.abort_weight_update.remote() for s in handles]:
-        try:
-            ray.get(ref, timeout=30)
-        except Exception as e:  # noqa: BLE001 - best effort while another error propagates
-            logger.warning("closing a failed weight update: %s", e)

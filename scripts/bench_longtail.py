@@ -13,11 +13,10 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
 * ``priority``: the same with ``rollout.server.priority: context`` (longer contexts first);
 * ``rollouter``: a :class:`~agentloop.rollouter.Rollouter` over the same batches with the in-flight budget of one
   batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over;
-* with ``--updates``, three more Rollouter passes that load the weights (the same values) into every server after
-  each step, as a trainer does: ``drain`` (``manager.update_weights`` alone: running requests finish first, new
-  ones wait), ``abort`` (``manager.pause()`` around it with ``async_training.partial_rollout``: running requests
-  are cut and resumed, re-reading their contexts) and ``keep`` (``rollout.server.weight_update: keep``: running
-  requests are frozen and go on with their KV cache).
+* with ``--updates``, three more Rollouter passes that load the weights (the same values) into every server with
+  ``manager.update_weights`` after each step, as a trainer does, under each ``rollout.server.weight_update``:
+  ``abort`` (the default: running requests are cut and resumed, re-reading their contexts), ``drain`` (running
+  requests finish first, new ones wait) and ``keep`` (running requests are frozen and go on with their KV cache).
 
 Prints seconds per step (median, range) of each and the ratio verl / each.
 
@@ -47,15 +46,9 @@ def tiny_weights(path: str) -> dict:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
-def update(manager: object, weights: dict, pause: bool) -> None:
-    """One trainer step's weight update; ``pause``: cut the running requests first (they resume after)."""
-    if pause:
-        manager.pause()  # type: ignore[attr-defined]
-    try:
-        manager.update_weights(weights)  # type: ignore[attr-defined]
-    finally:
-        if pause:
-            manager.resume()  # type: ignore[attr-defined]
+def update(manager: object, weights: dict) -> None:
+    """One trainer step's weight update (what it does to running requests: the manager's weight_update mode)."""
+    manager.update_weights(weights)  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -103,7 +96,6 @@ def main() -> None:
         "actor_rollout_ref.rollout.server.num_servers": args.servers,
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.server.priority": "context",  # engines in priority mode; the verl pass sends none
-        "async_training.partial_rollout": True,  # only matters where a pass pauses (abort)
     }.items():
         OmegaConf.update(cfg, k, v)
     manager = AgentLoopManager(cfg)
@@ -118,11 +110,10 @@ def main() -> None:
         for r in range(args.repeats):
             for mode in per_step:
                 manager.workers.broadcast("set_priority", None if mode == "verl" else "context")
-                ray.get([s.set_weight_update.remote("keep" if mode == "keep" else "drain")
-                         for s in manager.server_handles])
+                manager.set_weight_update(mode if mode in ("drain", "keep") else "abort")
                 time.sleep(1.5)  # let idle engine threads settle
                 if mode in ("drain", "abort", "keep"):
-                    step = functools.partial(update, manager, weights, pause=mode == "abort")
+                    step = functools.partial(update, manager, weights)
                     wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step, step)
                 elif mode == "rollouter":
                     wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step)

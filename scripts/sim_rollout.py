@@ -9,10 +9,11 @@ ones a server of their own (what no online router can beat by much: how far the 
 
 Rollouter regime (a batch handed out as soon as that many trajectories finished, the rest carry over; a weight
 update after each hand-out): unbounded staleness and ``max_staleness: 1``, with and without context priority, and
-the three ways an update can treat the running requests (``--updates``, default all): ``abort`` (``manager.pause()``
-+ partial rollouts: cut, resumed, contexts re-read), ``drain`` (``manager.update_weights`` alone: running requests
-finish first, new ones wait) and ``keep`` (``rollout.server.weight_update: keep``: frozen, then go on with their
-KV cache).  Ratio = time per hand-out / the work bound of the trajectories handed out.
+the three ways an update can treat the running requests (``rollout.server.weight_update``; ``--updates``, default
+all): ``abort`` (the default: cut, resumed, contexts re-read), ``drain`` (running requests finish first, new ones
+wait) and ``keep`` (frozen, then go on with their KV cache).  Ratio = time per hand-out / the work bound of the
+trajectories handed out (their tokens at full batch, their prompts and tool results prefilled once, the update's
+pause); "decode" = against their tokens alone (the bound before prefill was counted).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main() -> None:
     w, m = Workload(trajectories=args.trajectories, seed=args.seed), ServerModel()
     shipped: Callable[[int], Any] = lambda n: make_balancer(n, seed=args.seed)  # noqa: E731
     print(f"{'servers':>7}  {'synchronous batch':<44} {'makespan s':>10} {'bound s':>8} {'ratio':>6} "
-          f"{'prefix hits':>11}")
+          f"{'decode':>6} {'prefix hits':>11}")
     for servers in args.servers:
         rows: list[tuple[str, Callable[[int], Any], Any]] = [
             ("sticky + least in-flight (shipped, verl's)", shipped, None),
@@ -70,12 +71,12 @@ def main() -> None:
         for name, factory, priority in rows:
             t0 = time.perf_counter()
             r = simulate(factory, w, m, servers, priority=priority)
-            print(f"{servers:>7}  {name:<44} {r['makespan_s']:>10.1f} {r['lower_bound_s']:>8.1f} {r['ratio']:>6.2f} "
-                  f"{r['prefix_hit_rate']:>11.0%}   ({time.perf_counter() - t0:.1f}s)")
+            print(f"{servers:>7}  {name:<44} {r['makespan_s']:>10.1f} {r['lower_bound_s']:>8.1f} {r['ratio']:>6.3f} "
+                  f"{r['decode_ratio']:>6.3f} {r['prefix_hit_rate']:>11.0%}   ({time.perf_counter() - t0:.1f}s)")
     if args.no_stream:
         return
     print(f"\n{'servers':>7}  {'Rollouter: update, staleness, priority':<44} {'batch s':>10} {'bound s':>8} "
-          f"{'ratio':>6} {'wasted':>7} {'staleness':>9}")
+          f"{'ratio':>6} {'decode':>6} {'wasted':>7} {'staleness':>9}")
     for servers in args.servers:
         for update, staleness, priority in [(u, s, p) for u in args.updates for s in (None, 1)
                                             for p in (None, ContextPriority())]:
@@ -83,8 +84,9 @@ def main() -> None:
             t0 = time.perf_counter()
             r = simulate_stream(shipped, w, m, servers, batches=args.batches, max_staleness=staleness,
                                 priority=priority, update=update)
-            print(f"{servers:>7}  {name:<44} {r['batch_s']:>10.1f} {r['work_bound_s']:>8.1f} {r['ratio']:>6.2f} "
-                  f"{r['wasted_tokens']:>7.0%} {r['mean_staleness']:>9.2f}   ({time.perf_counter() - t0:.1f}s)")
+            print(f"{servers:>7}  {name:<44} {r['batch_s']:>10.1f} {r['work_bound_s']:>8.1f} {r['ratio']:>6.3f} "
+                  f"{r['decode_ratio']:>6.3f} {r['wasted_tokens']:>7.0%} {r['mean_staleness']:>9.2f}   "
+                  f"({time.perf_counter() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

@@ -307,7 +307,7 @@ TYPE_CHECKS: dict[str, Check] = {
         "server.stall_timeout": _OPT_POS_NUM,
         "server.priority": (lambda v: v in (None, "fcfs", "context"), "null (first come, first served) or context"),
         "server.placement_strategy": _one_of("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-        "server.weight_update": _one_of("drain", "keep"),
+        "server.weight_update": (lambda v: v in (None, "abort", "drain", "keep"), "null, abort, drain or keep"),
         "trace.backend": (lambda v: v in (None, "jsonl", "mlflow"), "null, jsonl or mlflow (verl's weave / trackio "
                                                           "backends are not available here)"),
         "trace.max_samples_per_step_per_worker": _OPT_POS_INT,

@@ -16,7 +16,9 @@ restarts the dead server and swaps it back in with :meth:`AsyncLLMServerManager.
 Partial rollouts (``partial_rollout=True``, config ``async_training.partial_rollout``): a generation that a
 server :meth:`~agentloop.servers.base.LLMServer.pause` interrupted is sent again, once the server resumes, with
 the prompt plus the tokens generated so far and the rest of its ``max_tokens``; the pieces are joined so the agent
-loop sees one call (see :meth:`AsyncLLMServerManager.generate`).  Without it such a call returns ``aborted``.
+loop sees one call (see :meth:`AsyncLLMServerManager.generate`).  Without it such a call returns ``aborted``,
+except when a weight update cut it (``rollout.server.weight_update: abort``, the default): that one is always
+resumed.
 """
 
 from __future__ import annotations
@@ -188,18 +190,18 @@ class AsyncLLMServerManager:
             if video_data and "video_data" in str(e):
                 raise NotImplementedError(f"the server does not take video_data ({e}); serve with vLLM") from e
             raise
-        while self.restart_preempted and output.extra_fields.get("preempted_by_pause"):
+        while (self.restart_preempted and output.extra_fields.get("preempted_by_pause")
+               and not output.extra_fields.get("cut_by_update")):
             self.num_restarts += 1
             output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
         pieces = [output]
-        while self.partial_rollout and output.extra_fields.get("preempted_by_pause"):
+        while self._resumes(output.extra_fields):
             generated = [t for piece in pieces for t in piece.token_ids]
             limit = pieces[0].extra_fields.get("max_tokens") or sampling_params.get("max_tokens")
             params = dict(sampling_params)
             if limit is not None:
                 if int(limit) - len(generated) <= 0:  # cut after its last allowed token: nothing is left
-                    extra = {k: v for k, v in output.extra_fields.items() if k not in ("preempted_by_pause",
-                                                                                          "max_tokens")}
+                    extra = {k: v for k, v in output.extra_fields.items() if k not in _CUT_KEYS}
                     pieces[-1] = output.model_copy(update={"stop_reason": StopReason.LENGTH, "extra_fields": extra})
                     break
                 params["max_tokens"] = int(limit) - len(generated)
@@ -209,9 +211,15 @@ class AsyncLLMServerManager:
             output, server = await self._generate_once(request_id, key, list(prompt_ids) + generated, params,
                                                        media)
             pieces.append(output)
-        if self.partial_rollout:
+        if self.partial_rollout or len(pieces) > 1:
             output = _join(pieces)
         return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
+
+    def _resumes(self, fields: dict[str, Any]) -> bool:
+        """Whether a piece a server pause cut goes on after the resume: with ``partial_rollout``, or when a weight
+        update cut it (``cut_by_update``: ``server.weight_update: abort``, resumed whatever ``partial_rollout``
+        says, as verl's fully-async parameter sync does)."""
+        return bool(fields.get("preempted_by_pause")) and (self.partial_rollout or bool(fields.get("cut_by_update")))
 
     async def _generate_once(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
                              media: dict[str, Any]) -> tuple[TokenOutput, int]:
@@ -296,14 +304,14 @@ class AsyncLLMServerManager:
                 return
             version = final.extra_fields.get("global_steps")
             pieces.append((None if version is None else int(version), len(generated) - before + len(final.token_ids)))
-            extra = {k: v for k, v in final.extra_fields.items() if k not in ("preempted_by_pause", "max_tokens")}
+            extra = {k: v for k, v in final.extra_fields.items() if k not in _CUT_KEYS}
             if len(pieces) > 1:
                 extra["num_preempted"] = len(pieces) - 1
                 known = [(v, n) for v, n in pieces if v is not None]
                 sampled = [v for v, n in known if n] or [v for v, _ in known]  # a piece cut before any token
                 if sampled:                                                     # does not widen the range
                     extra.update(min_global_steps=min(sampled), max_global_steps=max(sampled))
-            if not (self.partial_rollout and final.extra_fields.get("preempted_by_pause")):
+            if not self._resumes(final.extra_fields):
                 yield final.model_copy(update={"extra_fields": extra if len(pieces) > 1 else final.extra_fields})
                 return
             generated += final.token_ids
@@ -418,6 +426,7 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
     fields = dict(last.extra_fields)
     if not fields.get("preempted_by_pause"):
         fields.pop("max_tokens", None)
+        fields.pop("cut_by_update", None)
     if all(p.extra_fields.get("global_steps") is not None for p in pieces):
         versions = [int(p.extra_fields["global_steps"]) for p in pieces]
         # a piece cut before its first token sampled nothing with its weights: it does not widen the range
@@ -434,6 +443,9 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
         "token_ids": [t for p in pieces for t in p.token_ids], "log_probs": log_probs,
         "num_preempted": len(pieces) - 1, "extra_fields": fields})
 
+
+_CUT_KEYS = ("preempted_by_pause", "cut_by_update", "max_tokens")
+"""The tags a pause puts on a cut piece for the router; never passed on once the router has handled it."""
 
 LLMServerClient = AsyncLLMServerManager
 """verl 0.9's name for the router client agent loops receive as ``server_manager``."""

@@ -75,12 +75,14 @@ class LLMServer(Protocol):
         """Abort an in-flight request; its ``generate`` returns with ``stop_reason='aborted'``."""
         ...
 
-    async def pause(self) -> int:
+    async def pause(self, for_update: bool = False) -> int:
         """Abort every in-flight request and hold new ``generate`` calls until :meth:`resume`; returns how many
         requests were in flight.  Each aborted call returns the tokens and log-probs sampled before the abort,
         ``stop_reason='aborted'``, ``extra_fields["preempted_by_pause"] = True`` and ``extra_fields["max_tokens"]``
-        (the limit it ran under), so the router can resume it (``partial_rollout``).  A weight update may run
-        while paused; held calls still wait for :meth:`resume`.  Pausing a paused server returns 0."""
+        (the limit it ran under), so the router can resume it (``partial_rollout``).  ``for_update`` (a weight
+        update with ``server.weight_update: abort``) also tags them ``cut_by_update``: the router resumes those
+        whatever ``partial_rollout`` says.  A weight update may run while paused; held calls still wait for
+        :meth:`resume`.  Pausing a paused server returns 0."""
         ...
 
     async def resume(self) -> None:
@@ -204,6 +206,8 @@ class PauseGate:
         """Request ids admitted and not finished -> how many calls use the id."""
         self._waiting: dict[str, int] = {}
         self._preempted: set[str] = set()
+        self._for_update: set[str] = set()
+        """Of the preempted, those a weight update cut (``server.weight_update: abort``)."""
         self._dropped: set[str] = set()
         self._busy_total = 0.0
         self._busy_since: float | None = None
@@ -241,17 +245,20 @@ class PauseGate:
             _count(self.in_flight, request_id, -1)
             if request_id not in self.in_flight:
                 self._preempted.discard(request_id)
+                self._for_update.discard(request_id)
             if not self.in_flight and self._busy_since is not None:
                 self._busy_total += time.monotonic() - self._busy_since
                 self._busy_since = None
 
-    def close(self) -> int:
-        """Hold new requests and mark the in-flight ones preempted; returns how many calls were in flight
-        (0 when already closed)."""
+    def close(self, for_update: bool = False) -> int:
+        """Hold new requests and mark the in-flight ones preempted (``for_update``: by a weight update); returns
+        how many calls were in flight (0 when already closed)."""
         if not self._open.is_set():
             return 0
         self._open.clear()
         self._preempted |= set(self.in_flight)
+        if for_update:
+            self._for_update |= set(self.in_flight)
         return sum(self.in_flight.values())
 
     def open(self) -> None:
@@ -261,6 +268,7 @@ class PauseGate:
     def caller_abort(self, request_id: str) -> None:
         """The caller aborted ``request_id``: not a preemption; if it is held, it must not run."""
         self._preempted.discard(request_id)
+        self._for_update.discard(request_id)
         if request_id in self._waiting:
             self._dropped.add(request_id)
 
@@ -271,6 +279,8 @@ class PauseGate:
         if stop_reason != StopReason.ABORTED or request_id not in self._preempted:
             return extra_fields
         extra = {**extra_fields, "preempted_by_pause": True}
+        if request_id in self._for_update:
+            extra["cut_by_update"] = True
         if max_tokens is not None:
             extra["max_tokens"] = int(max_tokens)
         return extra

@@ -1,6 +1,9 @@
 """``rollout.server.weight_update``: what a weight update does to the requests running on a vLLM server.
 
-``drain`` (default): vLLM ``pause_generation(mode="wait")``: running requests finish on the old weights, new ones
+``abort`` (default; verl's fully-async ``partial_rollout``): the manager pauses the servers first
+(:meth:`~agentloop.manager.AgentLoopManager.update_weights`), which cuts the running requests; the routers re-issue
+them after the update with their tokens so far; on the server the update then runs as a drain with nothing left to
+drain.  ``drain``: vLLM ``pause_generation(mode="wait")``: running requests finish on the old weights, new ones
 wait, the prefix cache is reset.  ``keep`` (PipelineRL's in-flight update): ``pause_generation(mode="keep")``
 freezes the running requests, the weights change, and they go on with the new weights on the KV cache the old
 ones computed (prefix cache kept).  Each token's version is then known from the token counts recorded at every
@@ -14,6 +17,8 @@ from typing import Any
 
 from agentloop.errors import ServerError
 from agentloop.types import StopReason, TokenDelta, TokenOutput
+
+WEIGHT_UPDATE_MODES = ("abort", "drain", "keep")
 
 
 class InFlightUpdateMixin:
@@ -29,10 +34,11 @@ class InFlightUpdateMixin:
     generate_stream: Any
 
     async def set_weight_update(self, mode: str) -> None:
-        """Switch ``server.weight_update`` (``drain`` | ``keep``) for later requests and updates; refused while a
-        request runs or an update is open (a request's mode is fixed when it starts)."""
-        if mode not in ("drain", "keep"):
-            raise ServerError(f"weight_update must be drain or keep, not {mode!r}")
+        """Switch ``server.weight_update`` (``abort`` | ``drain`` | ``keep``; abort and drain are the same here, the
+        manager pauses first for abort) for later requests and updates; refused while a request runs or an update is
+        open (a request's mode is fixed when it starts)."""
+        if mode not in WEIGHT_UPDATE_MODES:
+            raise ServerError(f"weight_update must be one of {', '.join(WEIGHT_UPDATE_MODES)}, not {mode!r}")
         if self._update is not None or self._gate.in_flight:
             raise ServerError(f"vLLM server {self.server_index}: cannot switch weight_update while requests run or "
                               "an update is open")

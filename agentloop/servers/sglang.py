@@ -155,9 +155,9 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
         self.rollout, self.model, self.server_index = rollout, model, server_index
-        if str((rollout.get("server") or {}).get("weight_update") or "drain") != "drain":
+        if str((rollout.get("server") or {}).get("weight_update") or "abort") not in ("abort", "drain"):
             raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; use "
-                              "drain with rollout.name: sglang")
+                              "abort (the default) or drain with rollout.name: sglang")
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
         self.api: SGLangEngineAPI | None = None
@@ -301,7 +301,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
         self._gate.caller_abort(request_id)
         await self._require().abort(request_id)
 
-    async def pause(self) -> int:
+    async def pause(self, for_update: bool = False) -> int:
         """Abort what runs (each returns its tokens so far, tagged for the router to resume) and hold new
         requests until :meth:`resume`; the prefix cache is kept."""
         api = self._require()
@@ -309,7 +309,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
             return 0
         self._raise_if_dead(None, GOES_ON_WITHOUT.format("pause"))
         running = list(self._gate.in_flight)
-        n = self._gate.close()
+        n = self._gate.close(for_update)
         try:
             await asyncio.gather(*(api.abort(rid) for rid in running))
         except Exception as e:

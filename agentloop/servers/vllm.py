@@ -48,7 +48,7 @@ from agentloop.servers.base import (
     ServerDeadError,
 )
 from agentloop.servers.enginewatch import EngineWatch, engine_progress, kill_engine_processes
-from agentloop.servers.inflight_update import InFlightUpdateMixin
+from agentloop.servers.inflight_update import WEIGHT_UPDATE_MODES, InFlightUpdateMixin
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.vllm_weights import VLLMWeightUpdateMixin
 from agentloop.servers.weight_sync import (
@@ -144,9 +144,10 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
         """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set by start()."""
         self._update: OpenWeightUpdate | None = None
         self._gate = PauseGate()
-        mode = str((rollout.get("server") or {}).get("weight_update") or "drain")
-        if mode not in ("drain", "keep"):
-            raise ServerError(f"actor_rollout_ref.rollout.server.weight_update must be drain or keep, not {mode!r}")
+        mode = str((rollout.get("server") or {}).get("weight_update") or "abort")
+        if mode not in WEIGHT_UPDATE_MODES:
+            raise ServerError(f"actor_rollout_ref.rollout.server.weight_update must be one of "
+                              f"{', '.join(WEIGHT_UPDATE_MODES)}, not {mode!r}")
         self.keep_kv_on_update = mode == "keep"
         """``server.weight_update: keep``: a weight update freezes the running requests instead of draining them;
         they go on with the new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
@@ -298,14 +299,14 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
                     yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
                                      stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
 
-    async def pause(self) -> int:
+    async def pause(self, for_update: bool = False) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
         :meth:`agentloop.servers.base.LLMServer.pause`); the KV cache is kept."""
         if self.engine is None:
             raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
         if self._gate.paused:
             return 0
-        n = self._gate.close()
+        n = self._gate.close(for_update)
         # The engine's own pause aborts what runs (their final outputs carry the tokens so far) and queues any
         # request already past the gate but not yet in the engine, so nothing runs until resume().
         try:

@@ -255,13 +255,14 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         for event in self._pending.pop(request_id, []):
             event.set()
 
-    async def pause(self) -> int:
+    async def pause(self, for_update: bool = False) -> int:
         """Cut every call in flight (rule 8) and hold new ones until :meth:`resume`; returns how many calls were
-        in flight (0 when already paused).  Raises ServerDeadError after :meth:`kill_engine`, as every
+        in flight (0 when already paused; ``for_update``: cut by a weight update, tagged ``cut_by_update``).
+        Raises ServerDeadError after :meth:`kill_engine`, as every
         server-wide call below does (a vLLM server's dead engine)."""
         self._raise_if_dead()
         self.lifecycle.append("pause")
-        n = self._gate.close()
+        n = self._gate.close(for_update)
         for events in self._pending.values():
             for event in events:
                 event.set()
@@ -277,6 +278,13 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         self.lifecycle.append("resume")
         self._gate.open()
         self._raise_if_dead()
+
+    weight_update = "drain"
+    """``server.weight_update`` as :meth:`set_weight_update` last set it (the fake behaves the same in every mode)."""
+
+    async def set_weight_update(self, mode: str) -> None:
+        """Record the mode, as a vLLM server switches it."""
+        self.weight_update = mode
 
     async def wake_up(self) -> None:
         """Count the call (nothing to re-acquire)."""

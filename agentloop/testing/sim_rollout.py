@@ -14,13 +14,17 @@ Two regimes:
 * :func:`simulate` — one synchronous batch (``AgentLoopManager.generate_sequences``, verl's trainer step): all
   trajectories start at once and the batch ends with the last one.  Returns the makespan and its lower bound
   (the longest trajectory alone on an idle server, or all the work spread over the servers at full batch,
-  whichever is larger).
+  whichever is larger).  "The work" is what every schedule must do: each token decoded at full batch and each
+  prompt and tool result prefilled once; ``decode_bound_s`` / ``decode_ratio`` leave the prefill out (the bound
+  reported before 2026-11-27, which no schedule could reach even in principle).
 * :func:`simulate_stream` — the :class:`~agentloop.rollouter.Rollouter` with partial rollouts: ``in_flight``
   trajectories run at all times, a batch is handed out as soon as ``batch`` trajectories have finished (the
   unfinished ones carry over into later batches), and each hand-out is followed by a weight update that pauses
   every server for ``sync_s`` seconds and empties the prefix caches.  Trajectories whose weights moved more than
   ``max_staleness`` versions while they ran are dropped when they finish and rolled out again (their work is
-  wasted).  Returns the mean time per batch after the first (steady state) against the per-batch work bound.
+  wasted).  Returns the mean time per batch after the first (steady state) against the per-batch work bound:
+  the work of the trajectories handed out plus the update's pause (one per hand-out).  A re-prefill after an
+  update is not in the bound: whether it is needed depends on the schedule (``keep`` needs none).
 
 ``python scripts/sim_rollout.py`` prints a table.
 """
@@ -102,18 +106,31 @@ def make_trajectories(w: Workload) -> list[_Trajectory]:
     return [_trajectory(rng, w, i) for i in range(w.trajectories)]
 
 
-def _alone(t: _Trajectory, m: ServerModel) -> float:
-    return sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools)
+def _prefill_s(t: _Trajectory, w: Workload, m: ServerModel) -> float:
+    """Prefill every schedule pays for ``t``: its prompt and each tool result, once (a turn landing on its previous
+    server reads only the new tokens; any other placement, or an update that empties the cache, reads more)."""
+    return (w.prompt_tokens + w.tool_tokens * (len(t.turns) - 1)) * m.prefill_per_token
 
 
-def _work(trajs: list[_Trajectory], m: ServerModel, servers: int) -> float:
-    """All the trajectories' tokens at full batch, spread over the servers."""
+def _alone(t: _Trajectory, w: Workload, m: ServerModel) -> float:
+    return sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) + _prefill_s(t, w, m)
+
+
+def _decode_work(trajs: list[_Trajectory], m: ServerModel, servers: int) -> float:
+    """All the trajectories' tokens decoded at full batch, spread over the servers (the bound before prefill was
+    counted; reported as ``decode_bound_s`` for comparison)."""
     return sum(sum(t.turns) for t in trajs) * (m.step_b + m.step_a / m.max_batch) / servers
 
 
+def _work(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int) -> float:
+    """The work every schedule must do, spread over the servers: each token decoded at full batch, each prompt and
+    tool result prefilled once."""
+    return _decode_work(trajs, m, servers) + sum(_prefill_s(t, w, m) for t in trajs) / servers
+
+
 def lower_bound(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int) -> float:
-    """max(longest trajectory alone on an idle server, all tokens at full batch spread over the servers)."""
-    return max(max(_alone(t, m) for t in trajs), _work(trajs, m, servers))
+    """max(longest trajectory alone on an idle server, all the work at full batch spread over the servers)."""
+    return max(max(_alone(t, w, m) for t in trajs), _work(trajs, w, m, servers))
 
 
 class _Sim:
@@ -246,7 +263,10 @@ def simulate(balancer_factory: Callable[[int], Any], w: Workload | None = None, 
         sim.start_turn(traj)
     sim.run()
     bound = lower_bound(trajs, w, m, servers)
-    return {"makespan_s": sim.now, "lower_bound_s": bound, "ratio": sim.now / bound, **sim.result()}
+    decode = max(max(sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) for t in trajs),
+                 _decode_work(trajs, m, servers))
+    return {"makespan_s": sim.now, "lower_bound_s": bound, "ratio": sim.now / bound, "decode_bound_s": decode,
+            "decode_ratio": sim.now / decode, **sim.result()}
 
 
 def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
@@ -257,10 +277,12 @@ def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None =
     each, ``in_flight`` (default: one batch) running at all times.
 
     ``ratio`` is the mean time per hand-out after the first over the mean work bound of the trajectories handed
-    out (their tokens at full batch over the servers); ``first_batch_s`` is the cold start (it fills from empty as a
-    synchronous batch does); ``wasted_tokens`` the share of generated tokens thrown away with stale trajectories;
-    ``mean_staleness`` the versions the trajectories handed out lag behind on average.  ``update``: how the weight
-    update after each hand-out treats running requests (:meth:`_Sim.weight_update`: abort, drain or keep)."""
+    out (their tokens at full batch and their prompts and tool results prefilled once, over the servers, plus
+    ``sync_s``; ``decode_ratio``: against their tokens alone); ``first_batch_s`` is the cold start (it fills from
+    empty as a synchronous batch does); ``wasted_tokens`` the share of generated tokens thrown away with stale
+    trajectories; ``mean_staleness`` the versions the trajectories handed out lag behind on average.  ``update``:
+    how the weight update after each hand-out treats running requests (:meth:`_Sim.weight_update`: abort, drain or
+    keep)."""
     if update not in ("abort", "drain", "keep"):
         raise ValueError(f"update must be 'abort', 'drain' or 'keep', not {update!r}")
     w, m = w or Workload(), m or ServerModel()
@@ -313,8 +335,10 @@ def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None =
         raise ValueError("simulate_stream needs batches >= 2 (the first hand-out is the cold start)")
     steady = times[-1] - times[0]
     per_token = (m.step_b + m.step_a / m.max_batch) / servers
-    bound = statistics.mean(_work(h, m, servers) for h in handed[1:])
-    return {"batch_s": steady / (len(times) - 1), "first_batch_s": times[0], "work_bound_s": bound,
-            "ratio": steady / (len(times) - 1) / bound,
+    bound = statistics.mean(_work(h, w, m, servers) for h in handed[1:]) + sync_s  # one update per hand-out
+    decode = statistics.mean(_decode_work(h, m, servers) for h in handed[1:])
+    per_batch = steady / (len(times) - 1)
+    return {"batch_s": per_batch, "first_batch_s": times[0], "work_bound_s": bound, "ratio": per_batch / bound,
+            "decode_bound_s": decode, "decode_ratio": per_batch / decode,
             "utilisation": (generated[-1] - generated[0]) * per_token / steady, "wasted_tokens": wasted / max(1, total),
             "mean_staleness": statistics.mean(lags), **sim.result()}

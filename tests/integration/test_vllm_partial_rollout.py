@@ -167,6 +167,34 @@ def test_paused_and_resumed_greedy_generation_equals_the_uninterrupted_one(serve
     assert (got.extra_fields["min_global_steps"], got.extra_fields["max_global_steps"]) == (0, 1)
 
 
+def test_a_generation_cut_by_an_abort_update_resumes_without_partial_rollout(server: Any, ray_session: Any) -> None:
+    """``server.weight_update: abort`` as the manager runs it (pause for the update, update, resume) through a
+    router without ``partial_rollout``: the cut generation goes on from its tokens so far on the new version and
+    equals the uninterrupted one."""
+    from agentloop.routing.manager import AsyncLLMServerManager
+
+    async def scenario() -> tuple[Any, Any, int]:
+        manager = AsyncLLMServerManager([server], partial_rollout=False)
+        started = time.perf_counter()
+        want = await manager.generate("abort-ref", prompt_ids=PROMPT, sampling_params=PARAMS)
+        seconds = time.perf_counter() - started
+        task = asyncio.ensure_future(manager.generate("abort-cut", prompt_ids=PROMPT, sampling_params=PARAMS))
+        await asyncio.sleep(0.4 * seconds)
+        cut = await server.pause.remote(for_update=True)
+        version = want.extra_fields["global_steps"] + 1
+        await server.begin_weight_update.remote(global_steps=version)
+        await server.finish_weight_update.remote()
+        await server.resume.remote()
+        return want, await task, cut
+
+    want, got, cut = asyncio.run(scenario())
+    assert cut == 1 and got.num_preempted == 1
+    assert got.token_ids == want.token_ids and got.stop_reason == "length"
+    old, versions = want.extra_fields["global_steps"], got.extra_fields["weight_versions"]
+    assert versions[0] == old and versions[-1] == old + 1 and versions == sorted(versions)
+    assert not {"preempted_by_pause", "cut_by_update"} & set(got.extra_fields)
+
+
 def _update_mid_generation(server: Any, ray: Any, name: str) -> tuple[Any, Any, bool, bool]:
     """Start a greedy generation, open a weight update (same weights) part-way, finish it; returns the reference
     output, the output that ran across the update, and whether the request was still running when the update

@@ -66,18 +66,22 @@ def calculator_batch(n: int) -> Any:
     return rows_to_batch(word_problem_rows(n, agent_name="tool_agent", data_source="calculator", seed=3))
 
 
-def test_ten_pause_update_resume_cycles_during_a_tool_agent_batch_lose_nothing(manager: Any) -> None:
+@pytest.fixture(scope="module")
+def reference(manager: Any) -> tuple[Any, Any, float, Any]:
+    """The 24-row batch, its uninterrupted rows, the seconds they took (warm engine) and the model's weights."""
     from safetensors.torch import load_file
 
     from agentloop.testing.tiny_model import ensure_tiny_model
 
-    weights = load_file(str(ensure_tiny_model() / "model.safetensors"))
     batch = calculator_batch(24)
     manager.generate_sequences(calculator_batch(4))  # warm-up, so the timing below is of a warm engine
     started = time.perf_counter()
     want = manager.generate_sequences(batch)
-    uninterrupted = time.perf_counter() - started
+    return batch, want, time.perf_counter() - started, load_file(str(ensure_tiny_model() / "model.safetensors"))
 
+
+def test_ten_pause_update_resume_cycles_during_a_tool_agent_batch_lose_nothing(manager: Any, reference: Any) -> None:
+    batch, want, uninterrupted, weights = reference
     result: dict[str, Any] = {}
     rollout = threading.Thread(target=lambda: result.update(out=manager.generate_sequences(batch)))
     rollout.start()
@@ -118,22 +122,11 @@ def test_ten_pause_update_resume_cycles_during_a_tool_agent_batch_lose_nothing(m
     assert int(got.batch["rollout_weight_versions"].max()) > 0
 
 
-def test_keep_mode_updates_during_a_batch_change_nothing_but_the_token_versions(manager: Any) -> None:
-    """``server.weight_update: keep``: eight updates (same weights) land while the batch runs, without a pause;
-    the rows equal the uninterrupted ones token for token and a generation running across an update has its
-    tokens tagged with both versions."""
-    import ray
-    from safetensors.torch import load_file
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    weights = load_file(str(ensure_tiny_model() / "model.safetensors"))
-    batch = calculator_batch(24)
-    ray.get([s.set_weight_update.remote("keep") for s in manager.server_handles])
+def updates_during_the_batch(manager: Any, reference: Any, mode: str) -> tuple[Any, list[int]]:
+    """The batch again while ``manager.update_weights`` (same weights) runs eight times under ``mode``, alone."""
+    batch, _, uninterrupted, weights = reference
+    manager.set_weight_update(mode)
     try:
-        started = time.perf_counter()
-        want = manager.generate_sequences(batch)
-        uninterrupted = time.perf_counter() - started
         result: dict[str, Any] = {}
         rollout = threading.Thread(target=lambda: result.update(out=manager.generate_sequences(batch)))
         rollout.start()
@@ -143,12 +136,27 @@ def test_keep_mode_updates_during_a_batch_change_nothing_but_the_token_versions(
             versions.append(manager.update_weights(weights))
         rollout.join(600)
     finally:
-        ray.get([s.set_weight_update.remote("drain") for s in manager.server_handles])
-    got = result["out"]
+        manager.set_weight_update("abort")
+    return result["out"], versions
+
+
+def test_default_abort_updates_during_a_batch_resume_every_cut_generation(manager: Any, reference: Any) -> None:
+    """``server.weight_update: abort`` (the default): ``update_weights`` alone, eight times while the batch runs,
+    cuts the generations in flight and they go on after it (verl's fully-async parameter sync); the rows equal
+    the uninterrupted ones token for token and some generations ran across an update."""
+    assert manager.rollout.server.weight_update == "abort"
+    want = reference[1]
+    got, versions = updates_during_the_batch(manager, reference, "abort")
     assert len(versions) >= 4
     assert got.non_tensor_batch["status"].tolist() == want.non_tensor_batch["status"].tolist()
+    assert not ({"error", "timeout", "aborted"} & set(got.non_tensor_batch["status"].tolist()))
     for key in ("responses", "response_mask"):
         assert got.batch[key].tolist() == want.batch[key].tolist(), key
+    assert spanning_generations(got) >= 1
+
+
+def spanning_generations(got: Any) -> int:
+    """Generations (runs of mask-1 tokens) whose tokens carry more than one weight version."""
     mask = got.batch["response_mask"].bool()
     per_token = got.batch["rollout_weight_versions"]
     spanning = 0
@@ -163,5 +171,19 @@ def test_keep_mode_updates_during_a_batch_change_nothing_but_the_token_versions(
             if on:
                 turns[-1].append(int(per_token[row][i]))
         spanning += sum(1 for t in turns if len(set(t)) > 1)
+    return spanning
+
+
+def test_keep_mode_updates_during_a_batch_change_nothing_but_the_token_versions(manager: Any, reference: Any) -> None:
+    """``server.weight_update: keep``: eight updates (same weights) land while the batch runs, without a pause;
+    the rows equal the uninterrupted ones token for token and a generation running across an update has its
+    tokens tagged with both versions."""
+    want = reference[1]
+    got, versions = updates_during_the_batch(manager, reference, "keep")
+    assert len(versions) >= 4
+    assert got.non_tensor_batch["status"].tolist() == want.non_tensor_batch["status"].tolist()
+    for key in ("responses", "response_mask"):
+        assert got.batch[key].tolist() == want.batch[key].tolist(), key
+    spanning = spanning_generations(got)
     print(f"\n{len(versions)} keep-mode updates; {spanning} generations ran across one")
     assert spanning >= 1  # an update landed mid-generation and the generation went on (not drained, not cut)

@@ -246,6 +246,64 @@ async def test_without_either_option_a_cut_generation_ends_aborted_with_its_toke
 
 
 @run
+async def test_a_generation_a_weight_update_cut_is_resumed_even_without_partial_rollout() -> None:
+    """``server.weight_update: abort`` (the default): the manager's pause for an update tags what it cuts, and the
+    router resumes those pieces whatever ``partial_rollout`` and ``restart_preempted`` say (verl's fully-async
+    parameter sync); a pause of the caller's own still ends the generation aborted."""
+    want = await uninterrupted(PARAMS)
+    for restart in (False, True):
+        server = counting_server("fake")
+        manager = AsyncLLMServerManager([server], partial_rollout=False, restart_preempted=restart)
+        task = asyncio.ensure_future(manager.generate("r", prompt_ids=PROMPT, sampling_params=PARAMS))
+        await started(server, 1)
+        assert await server.pause(for_update=True) == 1
+        await server.update_weights({}, global_steps=2)
+        await server.resume()
+        out = await task
+
+        assert out.token_ids == want.token_ids and out.log_probs == want.log_probs
+        assert out.stop_reason == StopReason.LENGTH and out.num_preempted == 1
+        assert manager.num_resumes == 1 and manager.num_restarts == 0
+        cut = len(server.calls[1]["prompt_ids"]) - len(PROMPT)
+        assert 0 < cut < 30 and server.calls[1]["sampling_params"]["max_tokens"] == 30 - cut
+        assert out.extra_fields["weight_versions"] == [0] * cut + [2] * (30 - cut)
+        assert not {"preempted_by_pause", "cut_by_update", "max_tokens"} & set(out.extra_fields)
+
+    manager = AsyncLLMServerManager([server], partial_rollout=False)
+    task = asyncio.ensure_future(manager.generate("own", prompt_ids=PROMPT, sampling_params=PARAMS))
+    await started(server, 3)
+    await server.pause()
+    out = await task
+    await server.resume()
+    assert out.stop_reason == StopReason.ABORTED and "cut_by_update" not in out.extra_fields
+
+
+@run
+async def test_a_stream_a_weight_update_cut_goes_on_without_partial_rollout() -> None:
+    want = await uninterrupted(PARAMS)
+    server = counting_server("fake")
+    manager = AsyncLLMServerManager([server], partial_rollout=False)
+
+    async def consume() -> tuple[list[int], Any]:
+        ids, last = [], None
+        async for delta in manager.generate_stream("s", prompt_ids=PROMPT, sampling_params=PARAMS):
+            ids += delta.token_ids
+            last = delta if delta.finished else last
+        return ids, last
+
+    task = asyncio.ensure_future(consume())
+    await started(server, 1)
+    await server.pause(for_update=True)
+    await server.update_weights({}, global_steps=4)
+    await server.resume()
+    ids, last = await task
+    assert ids == want.token_ids and last.stop_reason == StopReason.LENGTH
+    assert last.extra_fields["num_preempted"] == 1
+    assert (last.extra_fields["min_global_steps"], last.extra_fields["max_global_steps"]) == (0, 4)
+    assert not {"preempted_by_pause", "cut_by_update"} & set(last.extra_fields)
+
+
+@run
 async def test_a_stream_cut_by_pauses_goes_on_after_the_resume_as_one_stream() -> None:
     want = await uninterrupted(PARAMS)
     (server,), manager = make()

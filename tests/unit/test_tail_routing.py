@@ -86,14 +86,20 @@ def test_the_rollouter_regime_hands_out_batches_before_the_stragglers_finish():
 def test_weight_update_mode_is_checked_before_any_server_starts(tmp_path):
     (tmp_path / "config.json").write_text("{}")
 
-    def resolve(server):
+    def resolve(server, **root):
         return resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)},
-                                                     "rollout": {"server": server}}, "data": {}})
+                                                     "rollout": {"server": server}}, "data": {}, **root})
 
-    assert resolve({}).rollout.server.weight_update == "drain"
-    assert resolve({"weight_update": "keep"}).rollout.server.weight_update == "keep"
+    # default: abort, verl's fully-async partial rollout; without partial rollouts (verl's key set false) drain
+    assert resolve({}).rollout.server.weight_update == "abort"
+    assert resolve({}, async_training={"partial_rollout": True}).rollout.server.weight_update == "abort"
+    assert resolve({}, async_training={"partial_rollout": False}).rollout.server.weight_update == "drain"
+    assert resolve({"weight_update": "abort"}, async_training={"partial_rollout": False}
+                   ).rollout.server.weight_update == "abort"  # said outright: kept
+    for mode in ("drain", "keep"):
+        assert resolve({"weight_update": mode}).rollout.server.weight_update == mode
     with pytest.raises(ConfigError, match="server.weight_update"):
-        resolve({"weight_update": "abort"})
+        resolve({"weight_update": "wait"})
     with pytest.raises(ConfigError, match="keep is implemented for vLLM only"):
         resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)}, "rollout": {
             "name": "sglang", "server": {"weight_update": "keep"}}}, "data": {}})

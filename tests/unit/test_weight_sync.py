@@ -165,11 +165,12 @@ from agentloop.servers.placement import ServerGroup  # noqa: E402
 from agentloop.servers.supervisor import ServerSupervisor  # noqa: E402
 
 
-def make_manager(servers: list[ScriptedServer], sleeping: bool = False) -> AgentLoopManager:
+def make_manager(servers: list[ScriptedServer], sleeping: bool = False, mode: str = "drain") -> AgentLoopManager:
     manager = AgentLoopManager.__new__(AgentLoopManager)  # no Ray: only what update_weights touches
     manager.server_handles = [LocalHandle(s) for s in servers]
     manager._sleeping = sleeping
-    manager.rollout = OmegaConf.create({"server": {"weight_update_timeout": 600}})
+    manager.rollout = OmegaConf.create({"name": "vllm",
+                                        "server": {"weight_update_timeout": 600, "weight_update": mode}})
     manager._sleep_support = [True] * len(servers)
     manager.supervisor = ServerSupervisor(ServerGroup(manager.server_handles, None, "cpu", []), None, lambda i, h: None)
     return manager
@@ -231,6 +232,39 @@ def test_a_server_that_cannot_open_the_update_leaves_none_open(fake_ray):
     with pytest.raises(ServerError, match="engine gone"):
         make_manager([good, bad]).update_weights(small_tensors(1))
     assert good.lifecycle == ["begin_weight_update", "abort_weight_update"] and good.global_steps == 0
+
+
+def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fails(fake_ray):
+    servers = [ScriptedServer(), ScriptedServer()]
+    manager = make_manager(servers, mode="abort")
+    assert manager.update_weights(small_tensors(2)) == 1
+    for s in servers:
+        assert s.lifecycle == ["pause", "begin_weight_update", "finish_weight_update", "resume"] and not s.paused
+
+    async def broken(bucket: WeightBucket) -> None:
+        raise ServerError("no such parameter")
+
+    servers[1].load_weight_bucket = broken  # type: ignore[method-assign]
+    with pytest.raises(ServerError, match="no such parameter"):
+        manager.update_weights(small_tensors(1))
+    assert servers[0].lifecycle[-2:] == servers[1].lifecycle[-2:] == ["abort_weight_update", "resume"]
+    assert not any(s.paused for s in servers)  # a failed update never leaves the servers holding requests
+
+
+def test_an_update_inside_the_callers_own_pause_leaves_the_resume_to_the_caller(fake_ray):
+    server = ScriptedServer()
+    manager = make_manager([server], mode="abort")
+    manager.pause()
+    manager.update_weights(small_tensors(1))
+    assert server.lifecycle == ["pause", "begin_weight_update", "finish_weight_update"] and server.paused
+    manager.resume()
+    assert not server.paused
+    manager.set_weight_update("drain")
+    assert server.weight_update == "drain"
+    manager.update_weights(small_tensors(1))
+    assert server.lifecycle[-2:] == ["begin_weight_update", "finish_weight_update"]  # drain: no pause
+    with pytest.raises(ValueError, match="abort, drain, keep"):
+        manager.set_weight_update("wait")
 
 
 def test_whole_dict_path_kept_for_comparison(fake_ray):
