@@ -243,13 +243,14 @@ async def test_without_either_option_a_cut_generation_ends_aborted_with_its_toke
     await server.resume()
     assert out.stop_reason == StopReason.ABORTED and 0 < len(out.token_ids) < 30
     assert len(server.calls) == 1 and manager.num_restarts == 0
+    assert "cut_by_update" not in out.extra_fields  # the caller's own pause: not resumed as an update's cut is
 
 
 @run
 async def test_a_generation_a_weight_update_cut_is_resumed_even_without_partial_rollout() -> None:
     """``server.weight_update: abort`` (the default): the manager's pause for an update tags what it cuts, and the
     router resumes those pieces whatever ``partial_rollout`` and ``restart_preempted`` say (verl's fully-async
-    parameter sync); a pause of the caller's own still ends the generation aborted."""
+    parameter sync); a pause of the caller's own still ends the generation aborted (the test above)."""
     want = await uninterrupted(PARAMS)
     for restart in (False, True):
         server = counting_server("fake")
@@ -268,14 +269,6 @@ async def test_a_generation_a_weight_update_cut_is_resumed_even_without_partial_
         assert 0 < cut < 30 and server.calls[1]["sampling_params"]["max_tokens"] == 30 - cut
         assert out.extra_fields["weight_versions"] == [0] * cut + [2] * (30 - cut)
         assert not {"preempted_by_pause", "cut_by_update", "max_tokens"} & set(out.extra_fields)
-
-    manager = AsyncLLMServerManager([server], partial_rollout=False)
-    task = asyncio.ensure_future(manager.generate("own", prompt_ids=PROMPT, sampling_params=PARAMS))
-    await started(server, 3)
-    await server.pause()
-    out = await task
-    await server.resume()
-    assert out.stop_reason == StopReason.ABORTED and "cut_by_update" not in out.extra_fields
 
 
 @run
