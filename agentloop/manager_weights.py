@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from agentloop.errors import ServerError
+from agentloop.errors import ServerError, first_line
 
 logger = logging.getLogger("agentloop.manager")
 
@@ -54,10 +54,17 @@ class WeightUpdateMixin:
             self.wake_up()
         if self.rollout.server.get("weight_update") != "abort" or self._paused:  # paused by the caller: theirs
             return self._load_weights(weights, version, bucket_mb)                # to resume
-        self._each_server("pause", for_update=True)  # cut what runs: re-issued after the resume
         try:
+            try:
+                self._each_server("pause", for_update=True)  # cut what runs: re-issued after the resume
+            except Exception as e:  # noqa: BLE001 - not a dead server (those are restarted): say what to do
+                raise ServerError(
+                    f"update_weights could not pause the servers for the update (rollout.server.weight_update: "
+                    f"abort): {first_line(e)}. A server class of your own needs pause(for_update=...) "
+                    "(agentloop.servers.base.LLMServer); or set actor_rollout_ref.rollout.server.weight_update: "
+                    "drain") from e
             return self._load_weights(weights, version, bucket_mb)
-        finally:
+        finally:  # also after a failed pause or load: no server is left holding requests
             self._each_server("resume")
 
     def set_weight_update(self, mode: str) -> None:

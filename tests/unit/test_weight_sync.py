@@ -251,6 +251,18 @@ def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fai
     assert not any(s.paused for s in servers)  # a failed update never leaves the servers holding requests
 
 
+def test_a_server_whose_pause_takes_no_for_update_gets_a_clear_error_and_none_stays_paused(fake_ray):
+    class OldProtocol(ScriptedServer):
+        async def pause(self) -> int:  # type: ignore[override]  # a server class written before for_update
+            return await super().pause()
+
+    good, old = ScriptedServer(), OldProtocol()
+    manager = make_manager([good, old], mode="abort")
+    with pytest.raises(ServerError, match=r"pause\(for_update=\.\.\.\).*weight_update: drain"):
+        manager.update_weights(small_tensors(1))
+    assert good.lifecycle == ["pause", "resume"] and not good.paused and good.global_steps == 0
+
+
 def test_an_update_inside_the_callers_own_pause_leaves_the_resume_to_the_caller(fake_ray):
     server = ScriptedServer()
     manager = make_manager([server], mode="abort")
