@@ -46,11 +46,6 @@ def tiny_weights(path: str) -> dict:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
-def update(manager: object, weights: dict) -> None:
-    """One trainer step's weight update (what it does to running requests: the manager's weight_update mode)."""
-    manager.update_weights(weights)  # type: ignore[attr-defined]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--servers", type=int, default=2)
@@ -113,7 +108,7 @@ def main() -> None:
                 manager.set_weight_update(mode if mode in ("drain", "keep") else "abort")
                 time.sleep(1.5)  # let idle engine threads settle
                 if mode in ("drain", "abort", "keep"):
-                    step = functools.partial(update, manager, weights)
+                    step = functools.partial(manager.update_weights, weights)  # under the mode set above
                     wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step, step)
                 elif mode == "rollouter":
                     wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step)

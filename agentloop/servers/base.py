@@ -205,9 +205,8 @@ class PauseGate:
         self.in_flight: dict[str, int] = {}
         """Request ids admitted and not finished -> how many calls use the id."""
         self._waiting: dict[str, int] = {}
-        self._preempted: set[str] = set()
-        self._for_update: set[str] = set()
-        """Of the preempted, those a weight update cut (``server.weight_update: abort``)."""
+        self._preempted: dict[str, bool] = {}
+        """Request ids a pause cut -> whether it was a weight update's (``server.weight_update: abort``)."""
         self._dropped: set[str] = set()
         self._busy_total = 0.0
         self._busy_since: float | None = None
@@ -244,8 +243,7 @@ class PauseGate:
         finally:
             _count(self.in_flight, request_id, -1)
             if request_id not in self.in_flight:
-                self._preempted.discard(request_id)
-                self._for_update.discard(request_id)
+                self._preempted.pop(request_id, None)
             if not self.in_flight and self._busy_since is not None:
                 self._busy_total += time.monotonic() - self._busy_since
                 self._busy_since = None
@@ -256,9 +254,7 @@ class PauseGate:
         if not self._open.is_set():
             return 0
         self._open.clear()
-        self._preempted |= set(self.in_flight)
-        if for_update:
-            self._for_update |= set(self.in_flight)
+        self._preempted.update(dict.fromkeys(self.in_flight, for_update))
         return sum(self.in_flight.values())
 
     def open(self) -> None:
@@ -267,8 +263,7 @@ class PauseGate:
 
     def caller_abort(self, request_id: str) -> None:
         """The caller aborted ``request_id``: not a preemption; if it is held, it must not run."""
-        self._preempted.discard(request_id)
-        self._for_update.discard(request_id)
+        self._preempted.pop(request_id, None)
         if request_id in self._waiting:
             self._dropped.add(request_id)
 
@@ -279,7 +274,7 @@ class PauseGate:
         if stop_reason != StopReason.ABORTED or request_id not in self._preempted:
             return extra_fields
         extra = {**extra_fields, "preempted_by_pause": True}
-        if request_id in self._for_update:
+        if self._preempted[request_id]:
             extra["cut_by_update"] = True
         if max_tokens is not None:
             extra["max_tokens"] = int(max_tokens)

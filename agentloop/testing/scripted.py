@@ -279,7 +279,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         self._gate.open()
         self._raise_if_dead()
 
-    weight_update = "drain"
+    weight_update = "abort"
     """``server.weight_update`` as :meth:`set_weight_update` last set it (the fake behaves the same in every mode)."""
 
     async def set_weight_update(self, mode: str) -> None:

@@ -112,25 +112,20 @@ def _prefill_s(t: _Trajectory, w: Workload, m: ServerModel) -> float:
     return (w.prompt_tokens + w.tool_tokens * (len(t.turns) - 1)) * m.prefill_per_token
 
 
-def _alone(t: _Trajectory, w: Workload, m: ServerModel) -> float:
-    return sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) + _prefill_s(t, w, m)
+def _alone(t: _Trajectory, w: Workload, m: ServerModel, prefill: bool = True) -> float:
+    return sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) + (_prefill_s(t, w, m) if prefill else 0.0)
 
 
-def _decode_work(trajs: list[_Trajectory], m: ServerModel, servers: int) -> float:
-    """All the trajectories' tokens decoded at full batch, spread over the servers (the bound before prefill was
-    counted; reported as ``decode_bound_s`` for comparison)."""
-    return sum(sum(t.turns) for t in trajs) * (m.step_b + m.step_a / m.max_batch) / servers
-
-
-def _work(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int) -> float:
+def _work(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int, prefill: bool = True) -> float:
     """The work every schedule must do, spread over the servers: each token decoded at full batch, each prompt and
-    tool result prefilled once."""
-    return _decode_work(trajs, m, servers) + sum(_prefill_s(t, w, m) for t in trajs) / servers
+    tool result prefilled once (``prefill=False``: the tokens alone, the bound reported before 2026-11-27)."""
+    decode = sum(sum(t.turns) for t in trajs) * (m.step_b + m.step_a / m.max_batch)
+    return (decode + (sum(_prefill_s(t, w, m) for t in trajs) if prefill else 0.0)) / servers
 
 
-def lower_bound(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int) -> float:
+def lower_bound(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int, prefill: bool = True) -> float:
     """max(longest trajectory alone on an idle server, all the work at full batch spread over the servers)."""
-    return max(max(_alone(t, w, m) for t in trajs), _work(trajs, w, m, servers))
+    return max(max(_alone(t, w, m, prefill) for t in trajs), _work(trajs, w, m, servers, prefill))
 
 
 class _Sim:
@@ -262,9 +257,7 @@ def simulate(balancer_factory: Callable[[int], Any], w: Workload | None = None, 
     for traj in trajs:
         sim.start_turn(traj)
     sim.run()
-    bound = lower_bound(trajs, w, m, servers)
-    decode = max(max(sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) for t in trajs),
-                 _decode_work(trajs, m, servers))
+    bound, decode = lower_bound(trajs, w, m, servers), lower_bound(trajs, w, m, servers, prefill=False)
     return {"makespan_s": sim.now, "lower_bound_s": bound, "ratio": sim.now / bound, "decode_bound_s": decode,
             "decode_ratio": sim.now / decode, **sim.result()}
 
@@ -336,7 +329,7 @@ def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None =
     steady = times[-1] - times[0]
     per_token = (m.step_b + m.step_a / m.max_batch) / servers
     bound = statistics.mean(_work(h, w, m, servers) for h in handed[1:]) + sync_s  # one update per hand-out
-    decode = statistics.mean(_decode_work(h, m, servers) for h in handed[1:])
+    decode = statistics.mean(_work(h, w, m, servers, prefill=False) for h in handed[1:])
     per_batch = steady / (len(times) - 1)
     return {"batch_s": per_batch, "first_batch_s": times[0], "work_bound_s": bound, "ratio": per_batch / bound,
             "decode_bound_s": decode, "decode_ratio": per_batch / decode,

@@ -122,9 +122,10 @@ def test_ten_pause_update_resume_cycles_during_a_tool_agent_batch_lose_nothing(m
     assert int(got.batch["rollout_weight_versions"].max()) > 0
 
 
-def updates_during_the_batch(manager: Any, reference: Any, mode: str) -> tuple[Any, list[int]]:
-    """The batch again while ``manager.update_weights`` (same weights) runs eight times under ``mode``, alone."""
-    batch, _, uninterrupted, weights = reference
+def updates_during_the_batch(manager: Any, reference: Any, mode: str) -> Any:
+    """The batch again while ``manager.update_weights`` (same weights) runs eight times under ``mode``, alone;
+    checks that at least four landed and that the rows equal the uninterrupted ones token for token."""
+    batch, want, uninterrupted, weights = reference
     manager.set_weight_update(mode)
     try:
         result: dict[str, Any] = {}
@@ -137,7 +138,14 @@ def updates_during_the_batch(manager: Any, reference: Any, mode: str) -> tuple[A
         rollout.join(600)
     finally:
         manager.set_weight_update("abort")
-    return result["out"], versions
+    got = result["out"]
+    assert len(versions) >= 4
+    assert got.non_tensor_batch["status"].tolist() == want.non_tensor_batch["status"].tolist()
+    assert not ({"error", "timeout", "aborted"} & set(got.non_tensor_batch["status"].tolist()))
+    for key in ("responses", "response_mask"):
+        assert got.batch[key].tolist() == want.batch[key].tolist(), key
+    print(f"\n{mode}: {len(versions)} updates; {spanning_generations(got)} generations ran across one")
+    return got
 
 
 def test_default_abort_updates_during_a_batch_resume_every_cut_generation(manager: Any, reference: Any) -> None:
@@ -145,13 +153,7 @@ def test_default_abort_updates_during_a_batch_resume_every_cut_generation(manage
     cuts the generations in flight and they go on after it (verl's fully-async parameter sync); the rows equal
     the uninterrupted ones token for token and some generations ran across an update."""
     assert manager.rollout.server.weight_update == "abort"
-    want = reference[1]
-    got, versions = updates_during_the_batch(manager, reference, "abort")
-    assert len(versions) >= 4
-    assert got.non_tensor_batch["status"].tolist() == want.non_tensor_batch["status"].tolist()
-    assert not ({"error", "timeout", "aborted"} & set(got.non_tensor_batch["status"].tolist()))
-    for key in ("responses", "response_mask"):
-        assert got.batch[key].tolist() == want.batch[key].tolist(), key
+    got = updates_during_the_batch(manager, reference, "abort")
     assert spanning_generations(got) >= 1
 
 
@@ -178,12 +180,5 @@ def test_keep_mode_updates_during_a_batch_change_nothing_but_the_token_versions(
     """``server.weight_update: keep``: eight updates (same weights) land while the batch runs, without a pause;
     the rows equal the uninterrupted ones token for token and a generation running across an update has its
     tokens tagged with both versions."""
-    want = reference[1]
-    got, versions = updates_during_the_batch(manager, reference, "keep")
-    assert len(versions) >= 4
-    assert got.non_tensor_batch["status"].tolist() == want.non_tensor_batch["status"].tolist()
-    for key in ("responses", "response_mask"):
-        assert got.batch[key].tolist() == want.batch[key].tolist(), key
-    spanning = spanning_generations(got)
-    print(f"\n{len(versions)} keep-mode updates; {spanning} generations ran across one")
-    assert spanning >= 1  # an update landed mid-generation and the generation went on (not drained, not cut)
+    got = updates_during_the_batch(manager, reference, "keep")
+    assert spanning_generations(got) >= 1  # an update landed mid-generation, which went on (not drained, not cut)
