@@ -1,43 +1,12 @@
 """Scoring trajectories when they end: verl's custom reward function, called by the worker.
 
-The rule for a single-trajectory sample's ``reward_score``:
-
-1. The loop's own ``reward_score`` when it set one (a custom loop's, a gateway session's posted or returned
-   reward; ``tool_agent``'s interaction ``calculate_score`` when no function is configured): verl's rule, whose
-   worker calls the reward function only for a trajectory without a score.
-2. Otherwise, with ``custom_reward_function.path`` set, the function's score.  With a function configured, a
-   rollout that did not finish (status ``error`` / ``timeout`` / ``aborted``) has no reward (the function is
-   not called, a score the loop set is not used); a call that raises, exceeds ``timeout`` or returns something
-   that is not a finite number (or a dict with a numeric ``"score"``) gives no score, and the message goes
-   to ``reward_error``.  Without either, none.
-3. ``add_tool_rewards: true`` adds the sum of ``extra_fields["tool_rewards"]`` (the tools' step rewards) to
-   that score; a finished trajectory with no score from 1 or 2 (and no function configured) scores the sum
-   alone.  A row whose function call failed stays without a score.
-
-A sample with k > 1 trajectories (an episode, :mod:`agentloop.rewards.episode`): the final (last)
-trajectory's own ``reward_score``, else the function of rule 2 called on the final trajectory only, is the
-episode reward ``E``, and trajectory ``i`` gets ``share_i * E`` by ``multi_turn.reward_to`` (all: 1, last: 0
-except the final, discounted: ``gamma ** (k - 1 - i)``), plus what it earned itself: the ``reward_score`` the
-loop set on a non-final trajectory and, with rule 3, its own tool rewards.  When a function is configured and
-the episode has no reward (the final trajectory's call failed or it did not finish), no trajectory of the
-episode gets one (``reward_error`` says why); without a function and without ``E``, each trajectory keeps
-only its own score.  A non-final trajectory gets a copy of the final one's ``reward_extra_info`` (it describes
-the episode).  For k = 1 this is the rule above.
-
-``BaseTool.calc_reward`` is not called: the tool runner creates and releases a tool instance around every
-call, so the instance is gone when the trajectory ends; its reward is the call's step reward, which is in
-``tool_rewards``.
-
-The call is verl's: ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=,
-**reward_kwargs)`` where ``solution_str`` is the response the trainer sees (its first
-``response_length`` ids) decoded with ``skip_special_tokens=True``, ``ground_truth`` is
-``reward_model["ground_truth"]`` of the sample (None when absent), and ``extra_info`` is a copy of the
-sample's ``extra_info`` updated with the trajectory's ``extra_fields``, ``num_turns`` and
-``rollout_reward_scores`` (as verl's reward manager does).  A coroutine function is awaited; a plain one runs
-in a thread of the worker's reward pool, never on the event loop (past its timeout it keeps its thread
-until it returns: Python cannot stop a thread).  A float result is recorded as ``{"acc": score}`` and a dict
-result as itself in ``extra_fields["reward_extra_info"]`` (verl's reward extra info); the seconds spent go
-to ``metrics.compute_score``.
+:class:`TrajectoryScorer` sets each trajectory's ``reward_score`` by the rule of docs/concepts.md#rewards
+(the loop's own score, else ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=,
+**reward_kwargs)``, plus the tools' step rewards with ``add_tool_rewards``); a sample with several
+trajectories shares the final trajectory's reward by ``multi_turn.reward_to``
+(docs/context.md#rewards-across-trajectories).  A scorer that raises, times out or returns no finite
+score never fails the batch: the row gets no score and the message in ``extra_fields["reward_error"]``.
+Plain functions run in a thread pool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -65,7 +34,7 @@ Outcome = tuple[float | None, dict[str, Any] | None, str | None]
 
 
 class TrajectoryScorer:
-    """Applies the module's rule to the trajectories of one sample; one per worker.
+    """Applies the reward rule (docs/concepts.md#rewards) to the trajectories of one sample; one per worker.
 
     Args:
         config: the ``custom_reward_function`` block; its function is imported here (once).
@@ -104,7 +73,7 @@ class TrajectoryScorer:
     async def score(self, outputs: list[AgentLoopOutput] | MultiTrajectoryAgentLoopOutput,
                     sample: Mapping[str, Any]) -> list[AgentLoopOutput]:
         """Set ``reward_score`` (and ``reward_error`` / ``reward_extra_info`` / ``metrics.compute_score``) on
-        each of a sample's trajectories (one episode, final last), in place, by the module's rule; returns
+        each of a sample's trajectories (one episode, final last), in place, by the reward rule; returns
         them.  An episode's own ``reward_to`` / ``reward_gamma`` win over the config's.  Never raises for a
         scorer's failure."""
         episode = outputs if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else None
@@ -202,7 +171,7 @@ class TrajectoryScorer:
         return self.fn(**self._arguments(output, sample, self._decode(output)))
 
     def _arguments(self, output: AgentLoopOutput, sample: Mapping[str, Any], solution: str) -> dict[str, Any]:
-        """verl's reward-manager arguments (see the module docstring); ``reward_kwargs`` win."""
+        """verl's reward-manager arguments (docs/concepts.md#rewards); ``reward_kwargs`` win."""
         given = sample.get("extra_info")
         extra = dict(given) if isinstance(given, Mapping) else {}
         extra.update((k, v) for k, v in output.extra_fields.items() if k not in _OWN_KEYS)
