@@ -8,11 +8,12 @@
   to the spans recorded inside it and records the block itself as a span called ``name`` (the parent of
   those spans, like verl's mlflow backend does); ``trace=False`` records nothing inside it.
 * ``RolloutTraceConfig.init(project_name, experiment_name, backend, token2text,
-  max_samples_per_step_per_worker)``: verl's per-process singleton.  Supported backends: None (off) and
-  ``"jsonl"``, written to ``path=`` or ``$AGENTLOOP_TRACE_PATH`` or
-  ``rollout_traces/<project>/<experiment>.jsonl``.  verl's ``weave``, ``mlflow`` and ``trackio`` backends
-  raise a ConfigError.  With ``token2text`` on, outputs with ``prompt_ids`` / ``response_ids`` (or
-  ``token_ids``) also get ``prompt_text`` / ``response_text``, decoded with the instance's ``tokenizer``.
+  max_samples_per_step_per_worker)``: verl's per-process singleton.  Backends: None (off); ``"jsonl"``,
+  written to ``path=`` or ``$AGENTLOOP_TRACE_PATH`` or ``rollout_traces/<project>/<experiment>.jsonl``;
+  ``"mlflow"``, traces in the MLflow experiment ``project_name`` at ``$MLFLOW_TRACKING_URI`` (else
+  ``rollout_traces/mlflow.db``; a ConfigError when MLflow is not installed).  verl's ``weave`` and
+  ``trackio`` raise a ConfigError.  With ``token2text`` on, outputs with ``prompt_ids`` / ``response_ids``
+  (or ``token_ids``) also get ``prompt_text`` / ``response_text``, decoded with the instance's ``tokenizer``.
 """
 
 from __future__ import annotations
@@ -83,12 +84,16 @@ class RolloutTraceConfig:
         Args:
             project_name: verl's trace project; part of the default JSONL path.
             experiment_name: attached to every span as ``experiment_name``; part of the default path.
-            backend: None / ``"none"`` (off) or ``"jsonl"``.
+            backend: None / ``"none"`` (off), ``"jsonl"`` or ``"mlflow"``.
             token2text: add decoded ``prompt_text`` / ``response_text`` to traced outputs.
             max_samples_per_step_per_worker: how many samples per step a worker traces
                 (see :func:`select_traced_rows`); None traces all.
             path: the JSONL file (agentloop extension); default ``$AGENTLOOP_TRACE_PATH`` or
                 ``rollout_traces/<project_name>/<experiment_name>.jsonl``.
+
+        Raises:
+            ConfigError: an unsupported backend (verl's ``weave`` / ``trackio``), a negative
+                ``max_samples_per_step_per_worker``, or ``mlflow`` without MLflow installed.
         """
         config = cls.get_instance()
         if config._initialized:
@@ -125,7 +130,7 @@ class RolloutTraceConfig:
 
     @classmethod
     def get_backend(cls) -> str | None:
-        """``"jsonl"`` or None."""
+        """``"jsonl"``, ``"mlflow"`` or None."""
         return cls.get_instance().backend
 
     @classmethod

@@ -1,54 +1,14 @@
 """ToolAgentLoop: multi-turn generation with tool calls, registered as ``tool_agent``.
 
-Spec (config ``actor_rollout_ref.rollout.multi_turn``, verl's keys):
+Generate, parse tool calls, run the tools (:mod:`agentloop.loops.tool_calls`), append the tool turn exactly as
+the chat template renders it, and repeat until the model stops, a turn cap (``multi_turn.max_assistant_turns`` /
+``max_user_turns``) or the ``response_length`` budget; an interaction (``multi_turn.interaction_config_path``)
+can reply instead of ending.  ``run`` returns an :class:`AgentLoopOutput` whose ``status`` says why it ended,
+or a :class:`MultiTrajectoryAgentLoopOutput` when the context was edited (:mod:`agentloop.loops.context`).
+Tool failures, parse errors and budget cuts are counted in ``extra_fields``, never raised.
 
-* Budgets: the response (everything after the prompt: sampled tokens and tool turns) never exceeds
-  ``response_length``; each generation asks for at most the remaining budget.  ``max_assistant_turns``
-  and ``max_user_turns`` (tool turns count as user turns, as in verl) cap the turns; null = no cap.
-* Tokens: sampled ids are kept exactly; tool turns are appended with
-  :func:`agentloop.tokenization.encode_new_turns`, so the sequence equals a full chat-template render
-  of the conversation.  Mask 1 on sampled tokens, 0 on tool turns; logprobs 0.0 on tool tokens.
-* Tools: see :mod:`agentloop.loops.tool_calls` (errors become tool messages; nothing is dropped silently;
-  ``tool_timeout`` bounds every tool kind unless the tool sets its own timeout; sync tool code runs in the
-  pool of ``tool_executor`` / ``tool_max_workers``, see :mod:`agentloop.tools.executor`).
-* Stop precedence after a generation: ``aborted`` (engine) > ``length`` (budget spent or engine hit
-  max_tokens) > no tool call → ``stop`` > ``max_turns`` (assistant cap) > run the tools.  After the tool
-  turn: a turn must leave at least one token of the budget for the next generation; a tool turn that does
-  not fit has its texts cut shorter (the largest ``max_tool_response_length``-style character limit that
-  fits, same ``tool_response_truncate_side``, counted in ``num_budget_truncations``); if even one character
-  per text does not fit, ``length`` (the turn is not appended, as in verl; an interaction's user turn is
-  never cut) > ``max_turns`` (user cap) > generate again.
-* Interactions: only when ``multi_turn.interaction_config_path`` is set (verl's rule: a dataset that carries
-  ``extra_info.interaction_kwargs`` runs without one otherwise) and the sample has ``interaction_kwargs``
-  (``name`` picks the interaction, default ``interaction_agent``), an assistant turn without tool calls goes
-  to INTERACTING instead of ending: the interaction replies (a user turn, mask 0, counted as a user turn) or ends the
-  conversation; its per-turn scores land in ``extra_fields["turn_scores"]`` and its
-  ``calculate_score`` in ``reward_score``.  ``finalize_interaction`` is always called.
-* ``num_turns`` = user turns + assistant turns + 1 (verl).  ``extra_fields``: ``tool_rewards``,
-  ``turn_scores``, ``num_tool_calls``, ``num_tool_errors``, ``num_parse_errors``, ``num_dropped_calls``,
-  ``num_tool_timeouts``, ``num_budget_truncations``, ``min_global_steps`` / ``max_global_steps`` (the lowest
-  and highest weight version over all generation turns; None when the server reports none); with
-  ``multi_turn.return_messages`` also ``messages`` (the conversation).
-
-* Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` (if any) starts the trajectory's
-  image list; images returned by a tool are rendered as ``{"type": "image"}`` parts of its tool message
-  and appended to the list when that tool turn is appended.  Every generation passes the list so far as
-  ``image_data`` (None while it is empty), and the output carries it as ``multi_modal_data["image"]``
-  (None when the trajectory has no images).  With the model's processor (a vision-language model), images
-  are decoded to RGB PIL images (one that cannot be decoded ends the sample with status ``error``) and each
-  image's placeholder in the rendered prompt / tool turn is expanded to its token count, exactly as the
-  processor renders it (:mod:`agentloop.multimodal`); without a processor they are passed on untouched and
-  the engine refuses images for a text-only model.  ``multi_modal_data["video"]`` is passed through as
-  ``video_data`` (expanded by the engine; docs/multimodal.md).
-
-* Context edits (:mod:`agentloop.loops.context`): when the next context is not the conversation so far plus
-  the new turn (a tool asked for an edit, ``multi_turn.context_window`` slid, or the chat template re-renders
-  the previous turn), the trajectory is closed as a snapshot and a new one starts from a full render of the
-  edited conversation; ``run`` then returns a ``MultiTrajectoryAgentLoopOutput`` (final trajectory last).
-  Turn caps count over the whole episode; ``response_length``, ``num_turns`` and the ``extra_fields`` counters
-  are per trajectory (tool rewards and turn scores stay on the trajectory whose turn earned them); the
-  interaction's score goes on the final trajectory.  Every row has ``num_context_edits``, ``context_edit`` and
-  ``context_edits_capped``.
+Spec (budgets, stop precedence, interactions, counters, images, context edits):
+docs/tools.md#the-tool_agent-loop.
 """
 
 from __future__ import annotations

@@ -11,51 +11,12 @@
             unit: Celsius or Fahrenheit.
         \"\"\"
 
-The decorator returns a :class:`FunctionTool` *subclass* named after the function, so a YAML tool file
-loads it like any other tool (``class_name: mypkg.tools.get_weather``) and ``get_weather()`` builds an
-instance.  The original function stays reachable as ``get_weather.fn``.  verl's decorator forms work too:
-``@function_tool("web_search")`` (a positional name) and ``schema=`` (an ``OpenAIFunctionToolSchema`` or
-dict used as is, no inference); unlike verl's, the decorated name is the tool class, not the function.
-
-Schema inference (:mod:`agentloop.tools.schema_inference`, checked at decoration time; anything else
-raises :class:`~agentloop.errors.ConfigError` naming the function and the parameter):
-
-* ``str`` → string, ``int`` → integer, ``float`` → number, ``bool`` → boolean, ``dict`` / ``dict[K, V]`` →
-  object, ``list`` / ``list[X]`` → array (with ``items`` inferred from ``X``), ``Literal[...]`` → ``enum``
-  (with the values' type), a union of the scalar types above → a list of types.
-* ``Optional[X]`` / ``X | None`` makes a parameter optional; so does a default value.  Every other
-  parameter is ``required``.
-* The docstring's first paragraph is the description (``description=`` overrides it); a Google-style
-  ``Args:`` section gives the parameter descriptions.
-* Every parameter needs an annotation; ``*args``, ``**kwargs`` and positional-only parameters are refused.
-
-Calling: the model's arguments are passed as keyword arguments (unknown or missing ones are reported
-to the model as an error).  Async functions are awaited; sync ones run in the process's tool executor
-(:mod:`agentloop.tools.executor`: a thread pool, or a process pool with ``multi_turn.tool_executor:
-process``), never in the event loop.  ``timeout=`` (overridable by the YAML ``config: {timeout: ...}``)
-bounds one call and, when set, wins over the agent loop's ``multi_turn.tool_timeout`` (which applies
-otherwise); when it fires the ``asyncio.TimeoutError`` propagates, so the agent loop's tool runner reports
-and counts it as a timeout (a sync function's thread or process cannot be interrupted and runs on in the
-background).
-
-Return values, as :meth:`FunctionTool.execute` (our loops) turns them into (response, reward, metrics):
-
-* ``str`` → the tool message text, step reward 0.0;
-* :class:`~agentloop.tools.schemas.ToolResponse` → as is (text and/or images), step reward 0.0;
-* a tuple ``(response,)``, ``(response, reward)`` or ``(response, reward, metrics)`` → that response
-  (``str`` or ``ToolResponse``), that step reward (a real number; None means 0.0) and those metrics (a
-  dict; None means ``{}``);
-* anything else JSON-serialisable (numbers, lists, dicts, ``None``) → its JSON text, step reward 0.0.
-
-verl's API on top: :meth:`FunctionTool.call` returns the function's raw value and
-:func:`normalize_function_tool_return` turns it into the triple with verl 0.9.1's rules (``dict`` → JSON,
-any other non-string value → ``str(value)``, rewards not type-checked), which is what verl's agent loop does
-with function tools.  Every decorated function is registered by tool name in :data:`FUNCTION_TOOL_REGISTRY`
-(the latest wins); :func:`load_function_tools_from_path` runs a Python file (verl's ``function_tool_path``)
-and returns the tools it defines.
-
-Exceptions raised by the function propagate; the tool runner turns them into an error message.
-Per-sample state (``create_kwargs``) is not passed to functions: subclass BaseTool for that.
+The decorator returns a :class:`FunctionTool` subclass named after the function (a YAML tool file loads it
+by ``class_name``; ``get_weather.fn`` is the function), with the OpenAI schema inferred from the type hints and
+docstring, and registers it in :data:`FUNCTION_TOOL_REGISTRY`.  Raises :class:`~agentloop.errors.ConfigError`
+at decoration time for a parameter it cannot describe.  Async functions are awaited; sync ones run in the
+tool executor.  Spec (verl's decorator forms, schema inference, timeouts, return values):
+docs/tools.md#function-tools.
 """
 
 from __future__ import annotations
@@ -158,7 +119,7 @@ class FunctionTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
-        """Call the function; see the module docstring for how return values become the triple."""
+        """Call the function; docs/tools.md#function-tools says how return values become the triple."""
         return _to_triple(await self.call(parameters), self.name)
 
 

@@ -1,4 +1,4 @@
-"""Rollout tracing: one recorder API, with ``none`` and ``jsonl`` backends.
+"""Rollout tracing: one recorder API, with ``none``, ``jsonl`` and ``mlflow`` backends (docs/tracing.md).
 
     from agentloop import trace
 
