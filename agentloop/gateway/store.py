@@ -1,47 +1,11 @@
 """Branch-aware trajectory store of one gateway session: a prefix trie over canonicalised messages.
 
-An external agent sends the whole message list on every chat request; the store finds the longest
-branch the request continues, encodes only the new suffix, and records the engine's sampled ids
-exactly, so every root-to-leaf path is a token-exact RL trajectory.
-
-Canonical messages (:func:`canonical_message`): ``role``; ``content`` (``None`` == ``""``; a list of
-text parts == the joined string; image parts kept as markers that name the image); ``name``;
-``tool_calls`` as ``(function name, arguments)`` with the arguments parsed as JSON (``{"a": 1}`` ==
-``{"a":1}``; unparsable ones compared as stripped strings), call ids ignored.  ``tool_call_id`` is
-ignored.  The tools list is canonicalised with ``json.dumps(sort_keys=True)`` (:func:`canonical_tools`).
-
-The trie alternates two kinds of nodes (segments, not single messages: hermes-like templates group
-consecutive tool messages, so one message's rendering is not prefix-stable):
-
-* :class:`ContextNode`: a maximal run of messages the policy did not sample (system / user / tool, and
-  assistant messages from the client that match no sampled node); its ids end with the generation
-  prompt.  The root's children and a sampled node's children are context nodes, keyed by
-  ``(canonical tools, canonical messages)``.
-* :class:`SampledNode`: one assistant turn the engine generated: ids as sampled, logprobs, the message
-  returned to the client, ``finish_reason``.  A context node's children are sampled nodes: siblings
-  are several samples of one context (best-of-n, concurrent requests).
-
-:meth:`SessionStore.prepare` walks from the root and takes the deepest path whose context runs and
-sampled assistant turns equal the request's messages (the request must end with a non-assistant
-message; :class:`StoreError` otherwise).  The remaining messages form a context node under the deepest
-matched sampled node (or the root): an existing equal one is reused without encoding, else only those
-messages are encoded: a full render at the root; after a sampled node, the end-of-turn token first when
-the sample did not end with one (``finish_reason`` length; mask 0), then
-:func:`~agentloop.tokenization.incremental.encode_new_turns` per run of non-assistant messages, and a
-client-sent assistant turn as the template's text for it plus its end-of-turn token (as
-:func:`~agentloop.tokenization.incremental.check_incremental` replays it).  When the template cannot be
-encoded incrementally (:class:`TemplateMismatchError`) the request falls back to a full render at the
-root (a new tree).  Reserving is synchronous, so concurrent asyncio requests cannot interleave in it;
-:meth:`~SessionStore.commit` always adds a new sibling, :meth:`~SessionStore.release` drops a context node
-that nothing sampled from and nothing waits on.
-
-:meth:`SessionStore.trajectories` returns one :class:`Trajectory` per sampled node without sampled
-descendants, in creation order of these leaves: prompt = the first context node's ids, response =
-everything after it, mask 1 on sampled ids and 0 on context ids, logprobs aligned (0.0 on context
-tokens; ``None`` when any sampled turn on the path has none).  A trajectory always ends with a sampled id
-(context after the last one, e.g. before an empty generation, is dropped), so a reward placed on its last
-token lands on a token the policy sampled; its ``finish_reason`` is ``length`` when a later request on
-that branch found no budget left (:meth:`SessionStore.release_spent`).  The store is not thread-safe.
+An external agent sends the whole message list on every chat request; :meth:`SessionStore.prepare` finds the
+longest branch the request continues and encodes only the new suffix (raises :class:`StoreError` for a
+request it cannot place), :meth:`~SessionStore.commit` records the engine's sampled ids exactly, and
+:meth:`~SessionStore.trajectories` returns every root-to-leaf path as a token-exact RL trajectory (mask 1 on
+sampled ids, ending with a sampled id).  Not thread-safe (one asyncio loop).  Spec (canonical messages,
+node kinds, placement, fallbacks): docs/gateway.md#the-trie.
 """
 
 from __future__ import annotations
@@ -126,7 +90,7 @@ def _canonical_tool_calls(calls: Any) -> tuple[tuple[Any, tuple[str, str]], ...]
 
 
 def canonical_message(msg: dict[str, Any]) -> Canon:
-    """Hashable form of an OpenAI message: ``(role, content, name, tool_calls)`` (see the module docstring)."""
+    """Hashable form of an OpenAI message: ``(role, content, name, tool_calls)`` (docs/gateway.md#the-trie)."""
     return (msg.get("role"), _canonical_content(msg.get("content")), msg.get("name") or None,
             _canonical_tool_calls(msg.get("tool_calls")))
 
@@ -207,7 +171,7 @@ class Trajectory:
 
 # ---- the store ---------------------------------------------------------------------------------------
 class SessionStore:
-    """The prefix trie of one session (see the module docstring).
+    """The prefix trie of one session (docs/gateway.md#the-trie).
 
     Args:
         tokenizer: the served model's tokenizer (``apply_chat_template``, ``encode``).
@@ -373,7 +337,7 @@ class SessionStore:
 
     def _encode_after(self, parent: SampledNode, messages: list[dict[str, Any]], start: int,
                       tools: list[dict[str, Any]] | None) -> list[int]:
-        """Ids of ``messages[start:]`` after the sampled turn ``parent`` (see the module docstring)."""
+        """Ids of ``messages[start:]`` after the sampled turn ``parent`` (docs/gateway.md#the-trie)."""
         system = messages[0] if messages[0].get("role") == "system" else None
         ids: list[int] = []
         stop = self._stop_by_id.get(parent.ids[-1]) if parent.ids else None
