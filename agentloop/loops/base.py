@@ -221,7 +221,11 @@ LOOP_CONTRACT_KWARGS = frozenset({"dataset_cls", "data_config", "tools", "hf_mod
 
 @dataclass
 class ResolvedAgentLoop:
-    """A registry entry with its class imported: build instances with :meth:`create`."""
+    """A registry entry with its class imported: ``name``, ``cls`` and the YAML entry's extra ``kwargs``.
+
+    The worker calls ``cls.init_class`` once per worker, then builds one instance per sample as
+    ``cls(*loop_args, **kwargs)`` (verl's constructor contract).
+    """
 
     name: str
     cls: type[AgentLoopBase]
