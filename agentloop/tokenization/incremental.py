@@ -1,42 +1,11 @@
 """Exact incremental encoding of non-assistant turns (tool results, user / interaction turns).
 
-The policy's sampled ids are kept as they are; a new turn appended after them must make the running
-sequence equal to what the chat template renders for the whole conversation.  We never re-render the
-history: the new turn's ids are the *difference* between two renders of a stand-in conversation,
-
-    delta = render(stub + new, add_generation_prompt) - render(stub)
-
-plus the template's separator after an assistant turn's end token (ChatML's ``\\n`` after
-``<|im_end|>``, the classic trap: the engine stops *at* ``<|im_end|>``, the template writes ``\\n`` after
-it; Llama 3 and harmony write nothing).  The stub is ``[system?, user, previous]`` where ``previous`` is
-the assistant turn the new messages follow (a placeholder when not given).  :func:`check_incremental`
-replays a conversation turn by turn and compares the result with a full render, token for token.
-
-End-of-turn tokens.  The sampled turn ends with the token the engine stopped on: ``eos_token`` by default,
-or one of several (``end_of_turn``), e.g. harmony's ``<|call|>`` after a tool call and ``<|return|>`` after
-a final answer.  The separator is looked up for the token the previous turn actually ended with.
-
-What is exact, and what cannot be (the families of :mod:`agentloop.tokenization.templates`):
-
-* ChatML / hermes (Qwen2.5): every conversation — tool rounds, parallel calls, user follow-ups.
-* Llama 3.x JSON tools: every conversation, provided assistant text has no leading or trailing whitespace
-  (the template trims it, so a sample ending in ``"\\n"`` is re-rendered without it) and tool-call turns
-  carry no text (the template drops it).  The checker reports both.
-* Qwen3: tool rounds within one user query, when every non-final assistant turn has non-empty
-  reasoning.  Not exact: a new *user* turn (reasoning before the last user query is dropped from the
-  history), a non-final turn with empty reasoning (its ``<think>\\n\\n</think>`` block is rendered only on
-  the last message), and therefore any multi-turn rollout with ``enable_thinking=False`` (the empty block
-  the generation prompt inserted disappears from the history).
-* harmony (gpt-oss): tool rounds, user turns after a final answer.  Not exact: the analysis (chain of
-  thought) of a tool-call turn once a later final answer exists, and the analysis of a final answer once
-  anything follows it — the template drops both.  With OpenAI's own template a final answer's sampled
-  ``<|return|>`` also becomes ``<|end|>`` in the history (see :mod:`agentloop.tokenization.templates`).
-  :func:`encode_new_turns` needs ``previous`` (the tool-calling turn) for tool results: the tool name is
-  taken from it.
-
-A template that is not prefix-stable is caught, with the reason, by :func:`check_incremental` (it first
-verifies that every intermediate render is a prefix of the full one) and by :func:`encode_new_turns` (it
-raises when the stub's last turn is re-rendered once the new messages follow it).
+:func:`encode_new_turns` returns the ids of new messages appended after the policy's sampled ids (never
+re-tokenized), so the running sequence equals the chat template's full render: the difference of two
+renders of a stand-in conversation plus the separator after the end-of-turn token the sample ended with.
+:func:`check_incremental` replays a conversation turn by turn and compares with a full render.  Both raise
+:class:`TemplateMismatchError` (with the reason) when the template is not prefix-stable.  Spec (the
+method, end-of-turn tokens, what is exact per template family): docs/tokenization.md#incremental-encoding.
 """
 
 from __future__ import annotations

@@ -1,46 +1,11 @@
 """Chat templates of four tool-calling families, written for this repo, and small tokenizers to go with them.
 
-The templates reproduce the *rendering format* of the vendors' templates (not their text) so that
-:func:`agentloop.tokenization.check_incremental` can be exercised on each family without downloading a model:
-
-``chatml_hermes``  Qwen2.5: ChatML turns, tools listed in the system turn, assistant tool calls as
-    ``<tool_call>\\n{json}\\n</tool_call>``, consecutive tool messages grouped into one user turn of
-    ``<tool_response>`` blocks.  Separator after ``<|im_end|>``: ``"\\n"``.  (This is the tiny model's
-    :data:`agentloop.testing.tiny_model.CHAT_TEMPLATE`.)
-``qwen3``  Qwen2.5 plus ``<think>\\n…\\n</think>\\n\\n`` reasoning.  ``reasoning_content`` (or a
-    ``<think>…</think>`` prefix of ``content``) is rendered for assistant turns after the last user query
-    only, and, as in Qwen3's template, a turn with *empty* reasoning keeps its ``<think></think>`` block only
-    while it is the last message.  ``enable_thinking=False`` appends ``<think>\\n\\n</think>\\n\\n`` to the
-    generation prompt.
-``llama3_json``  Llama 3.1-3.3: ``<|begin_of_text|>``, ``<|start_header_id|>role<|end_header_id|>\\n\\n…<|eot_id|>``,
-    a system turn with the knowledge/today dates (``date_string``), tools as JSON in the first user turn
-    (``tools_in_user_message``, default true) or in the system turn, tool calls as
-    ``{"name": …, "parameters": …}``, tool results as ``ipython`` turns.  Text is trimmed, as Meta's
-    template does.  Meta's template raises on more than one call per message; this one joins parallel
-    calls with ``"; "`` (what vLLM's ``llama3_json`` parser splits on).  Separator after ``<|eot_id|>``: empty.
-``harmony``  gpt-oss: ``<|start|>role<|message|>…<|end|>``, a system message (identity, knowledge cutoff,
-    ``reasoning_effort``, valid channels), a developer message with the instructions (our system message)
-    and the ``functions`` namespace in TypeScript-like syntax, final answers
-    ``<|start|>assistant<|channel|>final<|message|>…<|return|>``, one tool call per assistant message
-    ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>{…}<|call|>``, tool results
-    ``<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>…<|end|>``.  ``thinking`` (or the
-    content of a tool-call message) is rendered as an analysis message before the call unless a final
-    answer follows later; the analysis of a final answer only when it is the last message.
-
-End-of-turn tokens (:data:`STOP_TOKENS`): the engine stops on ``<|im_end|>``, ``<|eot_id|>``, or harmony's
-``<|call|>`` (after a tool call) / ``<|return|>`` (after a final answer).  Harmony's ``<|end|>`` closes a
-message *inside* one sample (the analysis before a call) and is not a stop token.
-
-Where the harmony template differs from OpenAI's: OpenAI's template writes an earlier final answer with
-``<|end|>``, not the ``<|return|>`` the policy sampled (``<|return|>`` only for the last message, in
-training renders), and JSON-quotes tool results.  Ours keeps ``<|return|>`` (the token the policy
-sampled), so a user turn after a final answer is exact; with OpenAI's rule that one token differs (pass
-``return_as_end=True`` to see the checker catch it) and an agent loop would have to replace the sampled
-``<|return|>`` by ``<|end|>`` (a token the policy did not sample) or accept a one-token mismatch.  Other
-simplifications: no current date, tool calls without ``<|constrain|>``, arrays/objects typed loosely.
-
-:func:`make_template_tokenizer` trains a small byte-level BPE tokenizer (family pre-tokenizer regex, the
-family's special tokens, ``chat_template`` and ``eos_token`` set) in a fraction of a second, cached per family.
+``chatml_hermes`` (Qwen2.5), ``qwen3``, ``llama3_json`` (Llama 3.1-3.3) and ``harmony`` (gpt-oss) reproduce
+the rendering format of the vendors' templates (not their text), so that
+:func:`agentloop.tokenization.check_incremental` runs on each family without downloading a model;
+:data:`STOP_TOKENS` holds each family's end-of-turn tokens, and :func:`make_template_tokenizer` trains a
+small byte-level BPE tokenizer for a family (cached).  Spec (each family's format, where harmony differs
+from OpenAI's template): docs/tokenization.md#test-chat-templates.
 """
 
 from __future__ import annotations
