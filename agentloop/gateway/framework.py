@@ -1,45 +1,13 @@
 """Rolling out unmodified OpenAI-client agents: the ``openai_agent`` loop and agent runners.
 
-An *agent runner* is what runs the user's agent for one sample; it gets a session URL and key:
-
-* in-process: an async callable ``runner(*, base_url, api_key, raw_prompt, **sample_fields)``; it may
-  return a reward (a float, or a dict like ``{"score": 1.0}``) when the agent does not post one;
-* a subprocess: ``command`` (a list or a shell-style string) run with ``OPENAI_BASE_URL``,
-  ``OPENAI_API_KEY`` and ``AGENTLOOP_RAW_PROMPT`` (the prompt messages as JSON) in its environment
-  (a leading ``python`` means the worker's own interpreter); a non-zero exit fails the sample with
-  the end of its stderr.  The process is started with ``subprocess.Popen`` in a small dedicated thread
-  pool, never by forking from the event loop's thread, and in its own process group; the event loop
-  only polls it, so ``session_timeout`` and the worker's ``sample_timeout`` fire even while a spawn
-  hangs.  On timeout or cancellation the process group is killed (also a process whose spawn
-  finishes after the sample gave up).
-
-Selecting a runner per sample (``agent_name``), two ways:
-
-* ``@register_agent_runner("calc_sdk")`` on the callable registers it *and* an agent loop of that
-  name, so samples with ``agent_name="calc_sdk"`` go through the gateway with it;
-* YAML ``agent_loop_config_path``: ``{name: calc_sdk, _target_: agentloop.gateway.framework.OpenAIAgentLoop,
-  runner: pkg.module:fn}`` (or ``command: [python, agent.py]``).
-
-Per sample (:meth:`OpenAIAgentLoop.run`), in numbered steps:
-
-1. Wait for a session slot (``rollout.gateway.max_concurrent_sessions`` per worker; 0 = unlimited)
-   and open a session on the least-busy gateway with the batch's sampling params as defaults.
-2. Run the agent under ``session_timeout``; a timeout or an exception marks this sample
-   ``timeout`` / ``error`` (with the message) and never touches other samples.
-3. Finalize the session: one trajectory per branch (``rollout.gateway.trajectories: all``) or the
-   longest, in branch order; they are one episode (:class:`~agentloop.types.MultiTrajectoryAgentLoopOutput`
-   with ``session_id`` = the gateway session), so each becomes a row sharing the sample's uid, with
-   ``trajectory_index`` / ``num_trajectories`` / ``session_id`` (docs/context.md).  A branch
-   the gateway stopped for its budget (``finish_reason`` ``length``) gets status ``length``; a session
-   whose every request was refused for length (its prompt is over ``prompt_length``) gives one
-   ``length`` row saying so.  Rows end with a sampled token (see :mod:`agentloop.gateway.store`), so the
-   reward sits on a token the policy sampled.
-4. Reward: the session's reward is ``reward_info`` the agent posted to ``/complete``, else what the
-   runner returned, else the configured ``reward_fn(messages, **sample_fields) -> float`` of the final
-   (last) trajectory; a sample whose agent failed or timed out gets 0.0 unless a reward was posted.  It is
-   the episode reward of :mod:`agentloop.rewards.episode`, spread by ``rollout.gateway.reward_to``: ``all``
-   | ``last`` | ``discounted`` (the worker's rule, ``multi_turn.reward_gamma``), null (follow
-   ``multi_turn.reward_to``) or ``longest`` (only the longest trajectory gets it, the others 0.0).
+An agent runner runs the user's agent for one sample against a gateway session: an async callable
+``runner(*, base_url, api_key, raw_prompt, **sample_fields)`` (registered with
+:func:`register_agent_runner`), or a ``command`` run as a subprocess with ``OPENAI_BASE_URL`` /
+``OPENAI_API_KEY`` / ``AGENTLOOP_RAW_PROMPT`` in its environment.  :meth:`OpenAIAgentLoop.run` opens a
+session, runs the agent under ``session_timeout``, and returns the session's branches as one episode
+(:class:`~agentloop.types.MultiTrajectoryAgentLoopOutput`) with the session's reward; an agent that fails
+or times out marks only its own sample (``error`` / ``timeout``).  Spec (runner forms, selection, the
+four steps per sample): docs/gateway.md#agent-runners-and-the-openai_agent-loop.
 """
 
 from __future__ import annotations
@@ -101,7 +69,9 @@ def _resolve(value: Any, what: str) -> Any:
 
 @register("openai_agent")
 class OpenAIAgentLoop(AgentLoopBase):
-    """Runs an OpenAI-client agent against a gateway session; see the module docstring.
+    """Runs an OpenAI-client agent against a gateway session.
+
+    Spec: docs/gateway.md#agent-runners-and-the-openai_agent-loop.
 
     Kwargs (from the registry entry): ``runner`` (callable or ``"pkg.mod:fn"``), ``command``,
     ``reward_fn`` (callable or path), and overrides of ``rollout.gateway`` keys (``session_timeout``,
@@ -141,7 +111,7 @@ class OpenAIAgentLoop(AgentLoopBase):
     async def run(
         self, sampling_params: dict[str, Any], **kwargs: Any
     ) -> MultiTrajectoryAgentLoopOutput:
-        """Steps 1-4 of the module docstring."""
+        """Steps 1-4 of docs/gateway.md#agent-runners-and-the-openai_agent-loop."""
         if self.gateway_manager is None:
             raise ConfigError("openai_agent needs the gateway: build the worker through AgentLoopManager, which "
                               "starts gateway actors when a registered loop has requires_gateway=True")
@@ -321,7 +291,8 @@ async def wait_process(proc: subprocess.Popen) -> int:
 
 
 def _subprocess_runner(command: str | list[str]) -> AgentRunner:
-    """A runner that executes ``command`` with the session in its environment (see the module docstring)."""
+    """A runner that executes ``command`` with the session in its environment
+    (spec: docs/gateway.md#agent-runners-and-the-openai_agent-loop)."""
     argv = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
     if argv and argv[0] in ("python", "python3"):
         argv[0] = sys.executable  # the worker's interpreter (the venv), whatever PATH says
