@@ -27,27 +27,25 @@ from omegaconf import DictConfig, OmegaConf
 from agentloop.compat.loop_helpers import VerlLoopHelpers
 from agentloop.compat.wrappers import DictConfigWrap, ToolListWrap
 from agentloop.errors import ConfigError, UnknownAgentError
-from agentloop.imports import import_subclass, load_yaml_entries
+from agentloop.imports import load_yaml_entries
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
+from agentloop.utils.registry import TARGET_KEYS, EntryDictView, Registry, did_you_mean, entry_target
 
 __all__ = ["AgentLoopBase", "DictConfigWrap", "ToolListWrap", "register"]
 
-_agent_loop_registry: dict[str, dict[str, Any]] = {}
-"""Loops registered by users (``@register`` outside the agentloop package); verl's registry name."""
-_builtin_registry: dict[str, dict[str, Any]] = {}
-
 
 def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
-    """Class decorator: make an AgentLoopBase subclass selectable as ``agent_name``."""
+    """Class decorator: make an AgentLoopBase subclass selectable as ``agent_name`` (verl's spelling).
+
+    Raises:
+        ConfigError: not an AgentLoopBase subclass, or the name is taken by another user loop.
+    """
 
     def decorator(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
-            raise ConfigError(f"@register({agent_name!r}) must decorate an AgentLoopBase subclass, got {cls!r}")
-        entry = {"_target_": f"{cls.__module__}.{cls.__qualname__}", "_class_": cls}
-        # agentloop's own loops register when first imported, which can be after a user's loop took the name
-        # (a ported verl `tool_agent`): a user's registration always wins over a built-in one.
-        builtin = cls.__module__.startswith("agentloop.")
-        (_builtin_registry if builtin else _agent_loop_registry)[agent_name] = entry
+        # agentloop's own loops register when first imported, which can be after a user's loop took the
+        # name (a ported verl `tool_agent`): a user's registration always wins over a built-in one.
+        builtin = isinstance(cls, type) and cls.__module__.startswith("agentloop.")
+        (BUILTIN_AGENT_LOOPS if builtin else AGENT_LOOPS).add(agent_name, cls)
         return cls
 
     return decorator
@@ -124,7 +122,7 @@ def rollout_config_of(config: Any) -> DictConfig:
 
 def registered_agent_names() -> list[str]:
     """Names registered in code so far (YAML entries are added per worker)."""
-    return sorted({**_builtin_registry, **_agent_loop_registry})
+    return AGENT_LOOPS.names()
 
 
 class AgentLoopBase(VerlLoopHelpers, ABC):
@@ -218,6 +216,18 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
 LOOP_CONTRACT_KWARGS = frozenset({"dataset_cls", "data_config", "tools", "hf_model_type", "gateway_manager"})
 """Keywords the worker passes to every loop constructor (verl 0.9's contract), beside the registry entry's."""
 
+_HOW = ("Register it with @register(name) in a module the worker imports, or list it in "
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path.")
+BUILTIN_AGENT_LOOPS = Registry("agent loop", decorator="register", how=_HOW, base=AgentLoopBase,
+                               where="agent_name")
+"""agentloop's own loops (registered when their modules are imported)."""
+AGENT_LOOPS = Registry("agent loop", decorator="register", how=_HOW, base=AgentLoopBase,
+                       where="agent_name", fallback=BUILTIN_AGENT_LOOPS)
+"""Every agent loop registered in code: users' registrations over the built-in ones."""
+_agent_loop_registry = EntryDictView(AGENT_LOOPS)
+"""verl's registry name: name -> ``{"_target_": path, "_class_": cls, **kwargs}``; writes register."""
+_builtin_registry = EntryDictView(BUILTIN_AGENT_LOOPS)
+
 
 @dataclass
 class ResolvedAgentLoop:
@@ -233,14 +243,20 @@ class ResolvedAgentLoop:
 
 
 def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
-    """Read an ``agent_loop_config_path`` YAML: a list of ``{name, _target_, **kwargs}``."""
+    """Read an ``agent_loop_config_path`` YAML: a list of ``{name, _target_, **kwargs}``.
+
+    ``_target_`` is an import path or a registered loop name (``class_name`` is accepted as its alias).
+    Returns name -> ``{"_target_": ..., **kwargs}``.  Raises ConfigError naming the file and entry.
+    """
     entries = load_yaml_entries(path, None, "agent_loop_config_path")
     out: dict[str, dict[str, Any]] = {}
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or "name" not in entry or "_target_" not in entry:
-            raise ConfigError(f"{path}: entry {i} must have 'name' and '_target_', got {entry!r}")
-        entry = dict(entry)
-        out[str(entry.pop("name"))] = entry
+        bad = f"entry {i} must have 'name' and '_target_', got {entry!r}"
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ConfigError(f"{path}: {bad}")
+        target = entry_target(entry, str(path), bad)
+        kwargs = {k: v for k, v in entry.items() if k not in ("name", *TARGET_KEYS)}
+        out[str(entry["name"])] = {"_target_": target, **kwargs}
     return out
 
 
@@ -258,7 +274,7 @@ def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, Res
     for name, entry in entries.items():
         entry = dict(entry)
         target = entry.pop("_target_")
-        cls = entry.pop("_class_", None) or import_subclass(target, AgentLoopBase, f"agent loop {name!r} _target_")
+        cls = entry.pop("_class_", None) or AGENT_LOOPS.resolve(target, f"agent loop {name!r} _target_")
         resolved[name] = ResolvedAgentLoop(name=name, cls=cls, kwargs=entry)
     return resolved
 
@@ -269,7 +285,6 @@ def lookup(registry: dict[str, ResolvedAgentLoop], agent_name: str) -> ResolvedA
         return registry[agent_name]
     except KeyError:
         raise UnknownAgentError(
-            f"agent_name {agent_name!r} is not registered; registered agent loops: {sorted(registry)}. "
-            "Register it with @register(name) in a module the worker imports, or list it in "
-            "actor_rollout_ref.rollout.agent.agent_loop_config_path."
+            f"agent_name {agent_name!r} is not registered; {did_you_mean(agent_name, list(registry))}"
+            f"registered agent loops: {sorted(registry)}. {_HOW}"
         ) from None
