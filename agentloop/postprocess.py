@@ -1,40 +1,11 @@
 """Pad a flat list of :class:`~agentloop.types.AgentLoopOutput` into verl's rollout DataProto layout.
 
-Tensor columns (``P = prompt_length``, ``R = response_length``, all integer tensors int64):
-
-* ``prompts`` [B, P]: prompt ids, left-padded with ``pad_token_id``; a longer prompt keeps its last P ids.
-* ``responses`` [B, R]: response ids, right-padded; a longer response keeps its first R ids.
-* ``input_ids`` [B, P+R]: ``prompts`` followed by ``responses``.
-* ``attention_mask`` [B, P+R]: 1 on real tokens, 0 on padding.
-* ``position_ids`` [B, P+R]: ``cumsum(attention_mask) - 1`` clipped at 0.
-* ``response_mask`` [B, R]: the loop's mask (1 = sampled by the policy), 0 on padding.
-* ``rollout_log_probs`` [B, R] float32: only when ``calculate_log_probs``; 0.0 on padding and on rows
-  whose output carries no log-probs (e.g. failed samples), so the column exists whenever it is asked for.
-* ``rollout_weight_versions`` [B, R] int64: only when an output has ``response_weight_versions`` (the built-in
-  loops with ``async_training.partial_rollout``): the weight version that sampled each response token, -1 on
-  tokens the policy did not sample, on padding and on rows without versions.
-* ``rm_scores`` [B, R] float32 and ``reward_valid`` [B] int8: whenever the batch has a reward source
-  (``rewards_configured``, or any output has a ``reward_score``).  A valid row's score sits on its last real
-  response token (column 0 for an empty response, so ``rm_scores.sum(-1)`` is always the score); a row without
-  a reward is all zeros with ``reward_valid`` 0 (:mod:`agentloop.rewards.columns`).
-
-Non-tensor columns (numpy arrays, one entry per row): ``__num_turns__`` (int32), ``status`` (the
-:class:`~agentloop.types.RolloutStatus` value string), ``error`` (message or None), the episode columns
-``trajectory_index`` (int32, 0..k-1 within its sample), ``num_trajectories`` (int32, k) and ``session_id`` (str,
-one per sample: the rows' ``extra_fields["session_id"]``, else a fresh id), one object column per
-``extra_fields`` key seen in any output (None where a row lacks it), ``multi_modal_data`` when any output has
-it, and every ``sample_fields`` column.  With the reward columns: ``reward_error`` (None on valid rows, else why
-there is no reward) and, as verl, one column per key of the scorers' ``reward_extra_info``.  ``meta_info`` is
-``{"metrics": [per-row metrics dict, ...]}``, plus verl's ``reward_extra_keys`` with the reward columns.
-
-Column precedence when names collide: ``sample_fields`` first, then ``extra_fields`` (a row that sets the
-key overrides the sample's value, a row that lacks it keeps the sample's value), then ``reward_extra_info``
-keys, then the built-in columns.
-
-Each output array is allocated once, at its final dtype, and filled in place: a ragged row is converted from
-its Python list once (through :mod:`array`, the fastest list-to-buffer path) and copied into its slot, and the
-attention mask and position ids are computed with in-place ufuncs, so no batch-sized temporaries are made
-(``scripts/bench_postprocess.py``).
+:func:`postprocess` returns one row per trajectory: the tensor columns (``prompts``, ``responses``,
+``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, optional ``rollout_log_probs`` /
+``rollout_weight_versions``, and the reward columns when the batch has a reward source) and the
+non-tensor columns (``__num_turns__``, ``status``, ``error``, episode columns, ``extra_fields`` keys,
+``sample_fields``); it raises :class:`~agentloop.errors.DatasetError` for inconsistent rows.  Spec (every
+column, dtypes, padding, precedence when names collide): docs/concepts.md#the-output-layout.
 """
 
 from __future__ import annotations
@@ -158,7 +129,7 @@ def _tensor_columns(
     outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int,
     calculate_log_probs: bool, rewards_configured: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
-    """Build every tensor column of the layout described in the module docstring, and the reward columns'
+    """Build every tensor column of docs/concepts.md#the-output-layout, and the reward columns'
     non-tensor companions (empty without a reward source)."""
     batch, width = len(outputs), prompt_length + response_length
     prompts = np.full((batch, prompt_length), pad_token_id, dtype=np.int64)
@@ -255,7 +226,7 @@ def _non_tensor_columns(
     outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None, reward: dict[str, np.ndarray],
     trajectory_counts: Sequence[int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Build every non-tensor column, applying the precedence described in the module docstring; returns
+    """Build every non-tensor column, with the precedence of docs/concepts.md#the-output-layout; returns
     them and the ``reward_extra_info`` keys."""
     columns = _sample_columns(sample_fields, len(outputs))
     columns.update(_extra_columns(outputs, columns))
@@ -300,7 +271,7 @@ def postprocess(
             the episode columns; None: every output is its own sample (``trajectory_index`` 0 of 1).
 
     Returns:
-        A DataProto of ``len(outputs)`` rows; see the module docstring for every column.
+        A DataProto of ``len(outputs)`` rows (columns: docs/concepts.md#the-output-layout).
 
     Raises:
         DatasetError: a row's ``response_mask`` / ``response_logprobs`` length differs from its
