@@ -1,28 +1,12 @@
 """Context edits inside ``tool_agent``: when the next context is not an extension of the tokens so far.
 
-A trajectory is trainable only if every token is either sampled by the policy (mask 1) or a render of the
-conversation (mask 0).  When the conversation the model is to see next is *not* the conversation so far plus
-new turns, the tokens sampled so far cannot be extended: ``tool_agent`` closes the current trajectory as a
-snapshot (exactly the prompt and response it rendered and sampled) and starts a new trajectory whose prompt
-is a full chat-template render of the edited conversation.  Three sources (the ``context_edit`` column of
-the closed row names it):
-
-* ``tool`` — a tool asked for an edit (:mod:`agentloop.tools.context_tools`: ``delete_context``,
-  ``summarize_context``, or any tool calling ``request_context_edit``);
-* ``window`` — ``multi_turn.context_window: K`` keeps the messages up to the first user message (system
-  prompt, first user turn) and the last ``K`` turns as they are; the tool results of older turns are replaced
-  by :data:`PLACEHOLDER`.  A turn is an assistant message with the messages that follow it up to the next
-  assistant message.  Every tool turn that pushes a turn holding tool results out of the window is an edit;
-* ``template`` — the chat template is not prefix-stable for the next turn (it re-renders the previous
-  assistant turn once the new messages follow it, e.g. Qwen3 dropping earlier ``<think>`` on a new user
-  turn): :func:`agentloop.tokenization.encode_new_turns` detects it; instead of failing the sample, snapshot.
-
-The tool results / user turn that caused the edit are part of the new trajectory's prompt (mask 0 there);
-the closed trajectory ends with the last token its policy sampled.  ``multi_turn.max_context_edits`` (null:
-no cap) caps snapshots per sample: the edit beyond the cap ends the episode instead (status ``max_turns``,
-``context_edits_capped`` True), so a sample never yields more than ``max_context_edits + 1`` rows.  A new
-prompt longer than ``prompt_length`` ends the episode with status ``length`` (it is never truncated: a
-truncated prompt is not a render of the conversation).
+When the conversation the model is to see next is not the conversation so far plus new turns (source
+``tool``: a context-editing tool; ``window``: ``multi_turn.context_window`` slid; ``template``: the chat
+template is not prefix-stable), ``tool_agent`` closes the current trajectory as a snapshot and starts a new
+one from a full render of the edited conversation.  This module holds the pieces: :class:`ContextSettings`
+(the two config keys, checked), :func:`slide_window`, :func:`edited_history` and
+:class:`Snapshots`.  Spec (sources, what each trajectory holds, caps, counters):
+docs/context.md#context-edits-snapshots.
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """Tools that edit the conversation: ``delete_context``, ``summarize_context``, and the API behind them.
 
-A tool call runs inside a *tool turn* of ``tool_agent``.  During it any tool (a ``BaseTool`` subclass or an
-``@function_tool`` function, async or sync in the thread executor) may read the conversation with
-:func:`current_messages` and ask for an edit of it with :func:`request_context_edit`::
-
-    from agentloop.tools.context_tools import ContextEdit, current_messages, request_context_edit
-
-    async def execute(self, instance_id, parameters, **kwargs):
-        request_context_edit(ContextEdit.delete(2, 6))        # drop messages 2, 3, 4 and 5
-        return ToolResponse(text="Deleted messages 2-5."), 0.0, {}
-
-Indices are those of :func:`current_messages`: 0 is the first message of the prompt (the system message when
-there is one); the last message is the assistant turn that made the call, which (with its tool results) is
-never edited.  Edits of one turn may not overlap; they apply after all calls of the turn returned.  Since the
-edited conversation is no longer an extension of the tokens sampled so far, ``tool_agent`` closes the current
-trajectory as a snapshot and starts a new one from the edited conversation (docs/context.md).  A message
-with images cannot be removed (the trajectory's image list would no longer match its render).
-
-The tool's own response text is what the model sees; raising (e.g. a bad index) turns into a tool error
-message, as for any tool.  Outside a tool turn (a tool called directly in a test), :func:`current_messages`
-and :func:`request_context_edit` raise :class:`RuntimeError`.
-
-Built-in tools (YAML ``class_name``):
-
-* ``agentloop.tools.context_tools.DeleteContextTool`` — ``delete_context(first, last)`` removes messages
-  ``first..last`` (inclusive), as StateLM's deleteContext.
-* ``agentloop.tools.context_tools.SummarizeContextTool`` — ``summarize_context(first, last, summary)``
-  replaces messages ``first..last`` by one message (``config.summary_role``, default ``user``) holding
-  ``"Summary of earlier messages: <summary>"``.  With ``config.summarizer: pkg.module:function`` (a callable
-  ``(messages) -> str``, sync or async) the summary comes from that function instead of the model.
+During a ``tool_agent`` tool turn any tool may read the conversation with :func:`current_messages` and ask
+for an edit with :func:`request_context_edit` (a :class:`ContextEdit`); both raise :class:`RuntimeError`
+outside a tool turn.  Edits of one turn apply after all its calls returned and make ``tool_agent`` close
+the trajectory as a snapshot.  :class:`DeleteContextTool` and :class:`SummarizeContextTool` are the
+built-in tools.  Spec (indices, what cannot be edited, the tools' config):
+docs/context.md#context-editing-tools.
 """
 
 from __future__ import annotations
@@ -121,7 +98,7 @@ def _has_images(message: dict[str, Any]) -> bool:
 
 
 def request_context_edit(edit: ContextEdit) -> None:
-    """Ask ``tool_agent`` to make ``edit`` once this tool turn ends (see the module docstring).
+    """Ask ``tool_agent`` to make ``edit`` once this tool turn ends (docs/context.md#context-editing-tools).
 
     Raises:
         ValueError: the range reaches the calling assistant turn, overlaps an edit already asked for in this
