@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field, model_validator
 
 from agentloop.errors import ConfigError
+from agentloop.utils.registry import Registry
 
 
 class FunctionCall(BaseModel):
@@ -168,7 +169,8 @@ class ToolParser:
     A subclass written against verl's interface may override :meth:`extract_tool_calls` instead.
     """
 
-    _registry: ClassVar[dict[str, type[ToolParser]]] = {}
+    _registry: ClassVar[Registry]
+    """verl's name of :data:`TOOL_PARSERS` (set below the class)."""
     tool_call_start: ClassVar[str | None] = None
     """Decoded text that opens a tool call; streaming holds content back from it on (None: hold all)."""
     skip_special_tokens: ClassVar[bool] = True
@@ -215,25 +217,39 @@ class ToolParser:
 
     @classmethod
     def register(cls, name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-        """Class decorator registering a parser under ``name`` (the ``multi_turn.format`` value)."""
+        """Class decorator registering a parser under ``name`` (the ``multi_turn.format`` value).
 
-        def decorator(sub: type[ToolParser]) -> type[ToolParser]:
-            cls._registry[name] = sub
-            return sub
-
-        return decorator
+        Raises:
+            ConfigError: not a ToolParser subclass, or ``name`` is taken by another parser.
+        """
+        return TOOL_PARSERS.register(name)
 
     @classmethod
     def get_tool_parser(cls, name: str, tokenizer: Any) -> ToolParser:
-        """An instance of the parser registered as ``name``."""
-        import agentloop.parsers  # noqa: F401 - importing the package registers every built-in format
+        """An instance of the parser registered as ``name`` (or at the import path ``name``).
 
-        if name not in cls._registry:
-            raise ConfigError(
-                f"unknown tool parser {name!r} (actor_rollout_ref.rollout.multi_turn.format); "
-                f"registered: {sorted(cls._registry)}"
-            )
-        return cls._registry[name](tokenizer)
+        Raises:
+            ConfigError: unknown name (with the registered names) or a path that is not a ToolParser.
+        """
+        return TOOL_PARSERS.resolve(name)(tokenizer)
+
+
+TOOL_PARSERS = Registry(
+    "tool parser", decorator="ToolParser.register", base=ToolParser,
+    where="actor_rollout_ref.rollout.multi_turn.format",
+    how="Register one with @ToolParser.register(name), or give the import path of a ToolParser subclass.",
+)
+"""Tool-call parsers by ``multi_turn.format`` name; the built-ins are imported on first use."""
+ToolParser._registry = TOOL_PARSERS
+_BUILTIN_PARSERS = {
+    "hermes": "hermes.HermesToolParser", "qwen3_coder": "qwen3_coder.Qwen3CoderToolParser",
+    "llama3_json": "llama3_json.Llama3JsonToolParser", "gpt-oss": "gpt_oss.GptOssToolParser",
+    "gpt_oss": "gpt_oss.GptOssToolParser", "glm": "glm.GlmToolParser", "seed": "seed.SeedToolParser",
+    "minimax": "minimax.MiniMaxToolParser", "kimi": "kimi.KimiToolParser",
+    "deepseek_v4": "deepseek_v4.DeepSeekV4ToolParser", "gemma4": "gemma4.Gemma4ToolParser",
+}
+for _name, _path in _BUILTIN_PARSERS.items():
+    TOOL_PARSERS.add(_name, f"agentloop.parsers.{_path}")
 
 
 def get_tool_parser(name: str, tokenizer: Any) -> ToolParser:
