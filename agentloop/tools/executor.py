@@ -1,30 +1,11 @@
 """Where synchronous tool code runs, so that it never blocks the agent loops' event loop.
 
-Agent loops of one worker share one asyncio event loop; a tool function that blocks (``time.sleep``, a
-``requests`` call, a heavy computation) inside that loop would stall every sample of the worker.  So every
-*synchronous* piece of tool code runs in a pool instead:
-
-* a sync ``@function_tool`` function (async ones are awaited in the event loop as usual);
-* a :class:`~agentloop.tools.base.BaseTool` subclass whose ``create`` / ``execute`` / ``release`` is a plain
-  ``def`` (always in the thread pool: the tool instance's state lives in this process).
-
-Config (``actor_rollout_ref.rollout.multi_turn``):
-
-* ``tool_executor: thread`` (default) — a pool of daemon threads;
-* ``tool_executor: process`` — sync ``@function_tool`` functions run in a
-  :class:`concurrent.futures.ProcessPoolExecutor` (``spawn`` start method: safe next to Ray's and the event
-  loop's threads), for CPU-heavy tools that would otherwise hold the GIL.  The function must be importable
-  by name in a fresh process: defined at the top level of a module or of the ``function_tool_path`` file,
-  not a lambda nor a function nested in another; this is checked when the tools are loaded
-  (:class:`~agentloop.errors.ConfigError`), not when the model first calls the tool.  Arguments and return
-  values are pickled; each pool process imports the tool's module once.
-* ``tool_max_workers`` (default 32) — the pool's size (threads, or processes).
-
-Timeouts (``tool_timeout``, a tool's own ``config.timeout``) are enforced by the caller with
-``asyncio.wait_for``: the sample gets the timeout message at once, but a thread or process cannot be
-interrupted, so the call runs on in the background and keeps its pool slot until it returns.  Calls that
-time out while still waiting for a free slot never start.  Threads are daemons, so a call that never returns
-does not keep the process from exiting; :meth:`ToolExecutor.shutdown` terminates the pool's processes.
+Sync ``@function_tool`` functions and plain-``def`` ``BaseTool`` methods run in the process's
+:class:`ToolExecutor` (:func:`tool_executor`): a pool of ``multi_turn.tool_max_workers`` daemon threads, or,
+with ``multi_turn.tool_executor: process``, a ``spawn`` process pool for sync function tools (which must be
+importable by name: :func:`function_reference` raises :class:`~agentloop.errors.ConfigError` otherwise, when
+the tools load).  Timeouts are the caller's ``asyncio.wait_for``; a timed-out call runs on and keeps its
+slot.  Spec: docs/tools.md#the-tool-executor.
 """
 
 from __future__ import annotations
@@ -173,7 +154,7 @@ def _call_ref(ref: FunctionRef, kwargs: dict[str, Any]) -> Any:
 
 
 class ToolExecutor:
-    """Runs synchronous tool code off the event loop; see the module docstring.
+    """Runs synchronous tool code off the event loop (docs/tools.md#the-tool-executor).
 
     Args:
         kind: ``thread`` or ``process`` (``process`` applies to sync ``@function_tool`` functions; other
