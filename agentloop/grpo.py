@@ -1,28 +1,11 @@
 """Group-normalised (GRPO) advantages where an episode with several trajectories counts once.
 
-A rollout batch may hold several rows per sample (context-edit snapshots, gateway branches): rows sharing a
-``session_id`` are one *episode*, rows sharing ``uid`` one GRPO *group* (the ``n`` episodes of a prompt).
-Plain row-level GRPO (verl's ``compute_grpo_outcome_advantage``) counts an episode once per trajectory, so an
-episode that edited its context three times weighs three times in its group's mean and std.
-:func:`group_advantages` counts each episode once, as verl's session-level GRPO (PR #5636) does.
-
-The math, for group ``g`` with episodes ``e`` (valid rows ``V_e``, row score ``s_r = sum(rm_scores[r])``):
-
-* episode score ``S_e``: ``episode_weight="mean"``: ``mean(s_r for r in V_e)``; ``"last"``: ``s_r`` of the
-  valid row with the highest ``trajectory_index`` (the final trajectory, verl's session-level GRPO);
-  ``"none"``: every row is its own episode (row-level GRPO, verl's behaviour);
-* ``mu_g = mean(S_e)``, ``sigma_g = std(S_e)`` over the group's episodes, each counted once (``std`` with
-  Bessel's correction, as ``torch.std``); a group with one episode has ``mu_g = 0``, ``sigma_g = 1`` (verl's
-  rule for a group of one);
-* advantage of valid row ``r`` of episode ``e``: ``A_r = (S_e - mu_g) / (sigma_g + epsilon)``
-  (``norm_by_std=False``: ``S_e - mu_g``, Dr.GRPO); with ``per_row=True`` the row's own score ``s_r``
-  replaces ``S_e`` in the numerator (keeps per-trajectory differences: ``reward_to="discounted"``, tool
-  rewards on one snapshot);
-* weight ``w_r = 1 / |V_e|`` (1 with ``"none"``): an episode's rows sum to 1, so multiplying each row's
-  sequence loss by ``w_r`` makes every episode count once in the loss too (session-balanced loss).
-
-A row is left out of every statistic, with ``A_r = 0`` and ``w_r = 0``, when its ``reward_valid`` is 0 or its
-``status`` is ``error`` / ``timeout`` / ``aborted``; an episode without valid rows is left out of its group.
+Rows sharing ``session_id`` are one episode, rows sharing ``uid`` one GRPO group.  :func:`group_advantages`
+scores each episode once in its group's mean and std (as verl's session-level GRPO; ``episode_weight="none"``
+is verl's row-level GRPO) and returns :class:`GroupedAdvantages` (per-row advantages, loss weights that sum
+to 1 per episode, token advantages, validity).  Rows with ``reward_valid`` 0 or an unfinished ``status`` are
+left out with advantage and weight 0.  Raises :class:`~agentloop.errors.DatasetError` when a column is missing.
+The math: docs/context.md#grouping-for-grpo.
 """
 
 from __future__ import annotations
@@ -58,7 +41,7 @@ class GroupedAdvantages:
 def group_advantages(data: DataProto, by: str = "uid", episode_weight: str = "mean", *, per_row: bool = False,
                      norm_by_std: bool = True, epsilon: float = 1e-6) -> GroupedAdvantages:
     """GRPO advantages of ``data`` (a rollout batch with ``rm_scores``) where each episode counts once in its
-    group's mean and std; see the module docstring for the math.
+    group's mean and std; the math: docs/context.md#grouping-for-grpo.
 
     Args:
         data: rows with ``batch["rm_scores"]`` (a row's score is its sum) and ``non_tensor_batch[by]``;
