@@ -1,32 +1,12 @@
 """A discrete-event simulation of multi-turn rollout, driving agentloop's real balancer (no Ray, no engine).
 
-Servers batch continuously: a decode step of a server running ``n`` requests takes ``step_a + step_b * n``
-seconds (plus ``prefill_per_token`` for each prompt token not in its prefix cache of the requests that joined
-since the previous step) and gives every running request one token; at most ``max_batch`` run at once, the rest
-wait (in arrival order, or by the router's priority as vLLM's priority scheduler orders them).  A turn's prompt
-is cached when the trajectory's previous turn ran on the same server (its whole context so far), else it is
-prefilled again.  Trajectories have heavy-tailed numbers of turns, response lengths and tool latencies
-(lognormal); between turns a trajectory waits for its tool.  Every turn is routed exactly as the workers route
-it: ``acquire(request_id, prompt_len)`` on the balancer when the turn starts, ``release(server)`` when it ends.
-
-Two regimes:
-
-* :func:`simulate` — one synchronous batch (``AgentLoopManager.generate_sequences``, verl's trainer step): all
-  trajectories start at once and the batch ends with the last one.  Returns the makespan and its lower bound
-  (the longest trajectory alone on an idle server, or all the work spread over the servers at full batch,
-  whichever is larger).  "The work" is what every schedule must do: each token decoded at full batch and each
-  prompt and tool result prefilled once; ``decode_bound_s`` / ``decode_ratio`` leave the prefill out (the bound
-  reported before 2026-11-27, which no schedule could reach even in principle).
-* :func:`simulate_stream` — the :class:`~agentloop.rollouter.Rollouter` with partial rollouts: ``in_flight``
-  trajectories run at all times, a batch is handed out as soon as ``batch`` trajectories have finished (the
-  unfinished ones carry over into later batches), and each hand-out is followed by a weight update that pauses
-  every server for ``sync_s`` seconds and empties the prefix caches.  Trajectories whose weights moved more than
-  ``max_staleness`` versions while they ran are dropped when they finish and rolled out again (their work is
-  wasted).  Returns the mean time per batch after the first (steady state) against the per-batch work bound:
-  the work of the trajectories handed out plus the update's pause (one per hand-out).  A re-prefill after an
-  update is not in the bound: whether it is needed depends on the schedule (``keep`` needs none).
-
-``python scripts/sim_rollout.py`` prints a table.
+Servers batch continuously (a decode step costs ``step_a + step_b * n``, plus prefill of uncached prompt
+tokens); heavy-tailed trajectories (:class:`Workload`) are routed exactly as the workers route them
+(``acquire`` / ``release`` on the balancer).  :func:`simulate` runs one synchronous batch and returns its
+makespan against a lower bound; :func:`simulate_stream` runs the Rollouter with partial rollouts and weight
+updates and returns the steady-state time per batch against the per-batch work bound.
+``python scripts/sim_rollout.py`` prints a table.  Spec (the cost model, both regimes, the bound):
+docs/routing.md#simulator.
 """
 
 from __future__ import annotations
