@@ -7,6 +7,8 @@ against verl reads the same attributes here.  Two additions, both data rather th
   and ``aborted`` apart; verl folds the first two together.
 * ``AgentLoopOutput.status`` records how the rollout ended (see :class:`RolloutStatus`) and ``error``
   carries the message when a sample failed, so a failed sample is a row in the batch, never a gap.
+* ``TokenOutput`` / ``TokenDelta`` carry the control signals a server pause sends the router as typed fields
+  (``preempted_by_pause``, ``cut_by_update``, ``max_tokens``); the older ``extra_fields`` form is accepted.
 
 :class:`MultiTrajectoryAgentLoopOutput` (the name verl's context-editing loops use) is one episode made of
 several trajectories; see docs/context.md.
@@ -17,7 +19,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _VERL_STOP_REASONS = {"completed": "stop", "finished": "stop", "eos": "stop", "abort": "aborted",
                       "max_tokens": "length"}
@@ -31,6 +33,25 @@ def _normalise_stop_reason(value: Any) -> Any:
     if isinstance(value, str):
         return _VERL_STOP_REASONS.get(value, value)
     return value
+
+
+CONTROL_KEYS = ("preempted_by_pause", "cut_by_update", "max_tokens")
+"""The control signals a server's pause puts on a cut output for the router: typed fields of :class:`TokenOutput`
+and :class:`TokenDelta`.  Servers written against the older protocol put them in ``extra_fields`` under the same
+names; they are moved to the fields when the output is built."""
+
+
+def _lift_control_keys(data: Any) -> Any:
+    """Move the :data:`CONTROL_KEYS` an ``extra_fields`` dict carries onto the typed fields (an explicit field
+    wins); the rest of ``extra_fields`` is kept as it is."""
+    if not isinstance(data, dict):
+        return data
+    extra = data.get("extra_fields")
+    if not isinstance(extra, dict) or not any(k in extra for k in CONTROL_KEYS):
+        return data
+    lifted = {k: v for k, v in extra.items() if k in CONTROL_KEYS}
+    rest = {k: v for k, v in extra.items() if k not in CONTROL_KEYS}
+    return {**lifted, **data, "extra_fields": rest}
 
 
 class StopReason(str, Enum):
@@ -70,7 +91,20 @@ class TokenOutput(BaseModel):
     num_preempted: int = 0
     """How many times the engine preempted this request (-1 when unknown; verl's None becomes -1)."""
     extra_fields: dict[str, Any] = Field(default_factory=dict)
-    """Backend-specific extras (e.g. ``server_index``, ``prompt_tokens``)."""
+    """Backend-specific extras (e.g. ``server_index``, ``global_steps``, ``weight_versions``)."""
+    preempted_by_pause: bool = False
+    """Control signal: a server :meth:`~agentloop.servers.base.LLMServer.pause` (not the caller) aborted this
+    generation; the router may resume it (``partial_rollout``)."""
+    cut_by_update: bool = False
+    """Control signal: the pause that cut it was a weight update's (``server.weight_update: abort``); the router
+    resumes it whatever ``partial_rollout`` says."""
+    max_tokens: int | None = None
+    """Control signal, with ``preempted_by_pause``: the ``max_tokens`` the cut generation ran under."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _control_keys(cls, data: Any) -> Any:
+        return _lift_control_keys(data)
 
     @field_validator("stop_reason", mode="before")
     @classmethod
@@ -98,6 +132,17 @@ class TokenDelta(BaseModel):
     """Set on the last chunk: ``stop``, ``length`` or ``aborted``."""
     extra_fields: dict[str, Any] = Field(default_factory=dict)
     """Backend extras on the last chunk (e.g. ``server_index``)."""
+    preempted_by_pause: bool = False
+    """Control signal on the last chunk: see :attr:`TokenOutput.preempted_by_pause`."""
+    cut_by_update: bool = False
+    """Control signal on the last chunk: see :attr:`TokenOutput.cut_by_update`."""
+    max_tokens: int | None = None
+    """Control signal on the last chunk: see :attr:`TokenOutput.max_tokens`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _control_keys(cls, data: Any) -> Any:
+        return _lift_control_keys(data)
 
 
 class AgentLoopMetrics(BaseModel):

@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from agentloop.errors import RoutingError, first_line
 from agentloop.report import timing
@@ -158,7 +159,7 @@ class AsyncLLMServerManager:
         The output's ``extra_fields`` gain ``server_index`` and, when the server reports its weight version
         ``global_steps``, ``min_global_steps`` / ``max_global_steps`` (both that version, as in verl).
 
-        With ``partial_rollout`` a call that a server pause interrupted (``extra_fields["preempted_by_pause"]``)
+        With ``partial_rollout`` a call that a server pause interrupted (``TokenOutput.preempted_by_pause``)
         is re-issued with the same request id (so the same server, once it resumes), ``prompt_ids`` plus the
         tokens so far and ``max_tokens`` less those tokens (the limit of the first piece when the caller gave
         none), until a piece ends otherwise.  The result is one TokenOutput: ids and log-probs concatenated, the
@@ -190,19 +191,17 @@ class AsyncLLMServerManager:
             if video_data and "video_data" in str(e):
                 raise NotImplementedError(f"the server does not take video_data ({e}); serve with vLLM") from e
             raise
-        while (self.restart_preempted and output.extra_fields.get("preempted_by_pause")
-               and not output.extra_fields.get("cut_by_update")):
+        while self.restart_preempted and output.preempted_by_pause and not output.cut_by_update:
             self.num_restarts += 1
             output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
         pieces = [output]
-        while self._resumes(output.extra_fields):
+        while self._resumes(output):
             generated = [t for piece in pieces for t in piece.token_ids]
-            limit = pieces[0].extra_fields.get("max_tokens") or sampling_params.get("max_tokens")
+            limit = pieces[0].max_tokens or sampling_params.get("max_tokens")
             params = dict(sampling_params)
             if limit is not None:
                 if int(limit) - len(generated) <= 0:  # cut after its last allowed token: nothing is left
-                    extra = {k: v for k, v in output.extra_fields.items() if k not in _CUT_KEYS}
-                    pieces[-1] = output.model_copy(update={"stop_reason": StopReason.LENGTH, "extra_fields": extra})
+                    pieces[-1] = output.model_copy(update={"stop_reason": StopReason.LENGTH, **_UNCUT})
                     break
                 params["max_tokens"] = int(limit) - len(generated)
             self.num_resumes += 1
@@ -215,11 +214,11 @@ class AsyncLLMServerManager:
             output = _join(pieces)
         return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
 
-    def _resumes(self, fields: dict[str, Any]) -> bool:
+    def _resumes(self, piece: TokenOutput | TokenDelta) -> bool:
         """Whether a piece a server pause cut goes on after the resume: with ``partial_rollout``, or when a weight
         update cut it (``cut_by_update``: ``server.weight_update: abort``, resumed whatever ``partial_rollout``
         says, as verl's fully-async parameter sync does)."""
-        return bool(fields.get("preempted_by_pause")) and (self.partial_rollout or bool(fields.get("cut_by_update")))
+        return piece.preempted_by_pause and (self.partial_rollout or piece.cut_by_update)
 
     async def _generate_once(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
                              media: dict[str, Any]) -> tuple[TokenOutput, int]:
@@ -304,20 +303,20 @@ class AsyncLLMServerManager:
                 return
             version = final.extra_fields.get("global_steps")
             pieces.append((None if version is None else int(version), len(generated) - before + len(final.token_ids)))
-            extra = {k: v for k, v in final.extra_fields.items() if k not in _CUT_KEYS}
+            extra = dict(final.extra_fields)
             if len(pieces) > 1:
                 extra["num_preempted"] = len(pieces) - 1
                 known = [(v, n) for v, n in pieces if v is not None]
                 sampled = [v for v, n in known if n] or [v for v, _ in known]  # a piece cut before any token
                 if sampled:                                                     # does not widen the range
                     extra.update(min_global_steps=min(sampled), max_global_steps=max(sampled))
-            if not self._resumes(final.extra_fields):
-                yield final.model_copy(update={"extra_fields": extra if len(pieces) > 1 else final.extra_fields})
+            if not self._resumes(final):
+                yield final if len(pieces) == 1 else final.model_copy(update={"extra_fields": extra, **_UNCUT})
                 return
             generated += final.token_ids
             if final.token_ids:  # the cut piece's last tokens: an ordinary chunk, the stream goes on
                 yield TokenDelta(token_ids=final.token_ids, log_probs=final.log_probs)
-            limit = limit if limit is not None else final.extra_fields.get("max_tokens")
+            limit = limit if limit is not None else final.max_tokens
             if limit is not None and int(limit) - len(generated) <= 0:  # cut after its last allowed token
                 yield TokenDelta(token_ids=[], log_probs=None if final.log_probs is None else [], finished=True,
                                  stop_reason=StopReason.LENGTH, extra_fields=extra)
@@ -344,8 +343,8 @@ class AsyncLLMServerManager:
     @contextlib.asynccontextmanager
     async def _slot(self, key: str, prompt_len: int, request_id: str) -> AsyncIterator[int]:
         """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
-        cancellation alike.  A dead server actor becomes a ServerDeadError (errors raised inside it propagate
-        as they are)."""
+        cancellation alike.  A dead server actor becomes a ServerDeadError; an error raised inside the server
+        propagates as the server raised it (out of Ray's task-error wrapper: :func:`server_cause`)."""
         server = await self._acquire(key, prompt_len)
         cancelled = False
         try:
@@ -355,9 +354,11 @@ class AsyncLLMServerManager:
             raise
         except RayActorError as e:
             raise ServerDeadError(f"server {server} died (its actor is gone) while serving request {request_id}: "
-                                  f"{first_line(e)}", server) from e
+                                  f"{_plain(first_line(e))}", server) from e
         except ServerDeadError as e:  # raised by the server itself (its engine died): name it by our index
-            raise ServerDeadError(str(e), server) from e
+            raise ServerDeadError(_plain(str(server_cause(e))), server) from e
+        except RayTaskError as e:  # any other error the server raised: its own, not Ray's traceback text
+            raise server_cause(e) from e
         finally:
             self._release_nowait(server, cancelled=cancelled)
 
@@ -397,6 +398,24 @@ class AsyncLLMServerManager:
 
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_RAY_FRAME = re.compile(r"^ray::\S+\(\).*$")
+
+
+def server_cause(error: BaseException) -> BaseException:
+    """The exception a server raised, out of Ray's wrapper (``RayTaskError.cause``, whose own text is the remote
+    traceback under a ``ray::Class.method() (pid=…, ip=…)`` line); ``error`` itself when it is not wrapped."""
+    while isinstance(error, RayTaskError) and isinstance(error.cause, BaseException) and error.cause is not error:
+        error = error.cause
+    return error
+
+
+def _plain(message: str) -> str:
+    """``message`` without terminal colour codes and without Ray's ``ray::Class.method() (pid=…)`` lines."""
+    lines = [line for line in _ANSI.sub("", message).splitlines() if not _RAY_FRAME.match(line.strip())]
+    return "\n".join(lines).strip() or _ANSI.sub("", message).strip()
+
+
 def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:
     """A copy of a server's ``extra_fields`` with the routed ``server_index`` and, when the server reports a
     weight version (``global_steps``), ``min_global_steps`` / ``max_global_steps`` defaulting to it, as verl's
@@ -424,9 +443,7 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
     """One TokenOutput from the pieces of a resumed generation (see AsyncLLMServerManager.generate)."""
     last = pieces[-1]
     fields = dict(last.extra_fields)
-    if not fields.get("preempted_by_pause"):
-        fields.pop("max_tokens", None)
-        fields.pop("cut_by_update", None)
+    signals: dict[str, Any] = {} if last.preempted_by_pause else {"cut_by_update": False, "max_tokens": None}
     if all(p.extra_fields.get("global_steps") is not None for p in pieces):
         versions = [int(p.extra_fields["global_steps"]) for p in pieces]
         # a piece cut before its first token sampled nothing with its weights: it does not widen the range
@@ -437,15 +454,15 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
         fields["max_global_steps"] = max(sampled)
         fields["weight_versions"] = [v for vs in per_token for v in vs]
     if len(pieces) == 1:
-        return last.model_copy(update={"extra_fields": fields})
+        return last.model_copy(update={"extra_fields": fields, **signals})
     log_probs = None if any(p.log_probs is None for p in pieces) else [x for p in pieces for x in p.log_probs or []]
     return last.model_copy(update={
         "token_ids": [t for p in pieces for t in p.token_ids], "log_probs": log_probs,
-        "num_preempted": len(pieces) - 1, "extra_fields": fields})
+        "num_preempted": len(pieces) - 1, "extra_fields": fields, **signals})
 
 
-_CUT_KEYS = ("preempted_by_pause", "cut_by_update", "max_tokens")
-"""The tags a pause puts on a cut piece for the router; never passed on once the router has handled it."""
+_UNCUT: dict[str, Any] = {"preempted_by_pause": False, "cut_by_update": False, "max_tokens": None}
+"""The control fields of a piece the router has handled: never passed on as a cut (TokenOutput's defaults)."""
 
 LLMServerClient = AsyncLLMServerManager
 """verl 0.9's name for the router client agent loops receive as ``server_manager``."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from agentloop.errors import ServerError
 from agentloop.servers.weight_sync import WeightBucket
@@ -42,7 +42,13 @@ class ServerDeadError(ServerError):
 
 @runtime_checkable
 class LLMServer(Protocol):
-    """Token-in/token-out inference server."""
+    """Token-in/token-out inference server: the methods the router and the manager call (as Ray actor methods).
+
+    Optional: ``generate_batch(requests)`` (an async generator, see :class:`GenerateBatcher`; the router uses it
+    for server actors), ``busy_seconds()`` (see :meth:`PauseGate.busy_seconds`), ``check_health()``,
+    ``set_weight_update(mode)``.  agentloop's servers are built from parts held as attributes: ``batcher``
+    (:class:`GenerateBatcher`), ``gate`` (:class:`PauseGate`) and, on vLLM, ``inflight`` and ``weights``.
+    """
 
     supports_sleep: bool
     """Whether :meth:`sleep` really frees accelerator memory (False: a logged no-op)."""
@@ -78,11 +84,11 @@ class LLMServer(Protocol):
     async def pause(self, for_update: bool = False) -> int:
         """Abort every in-flight request and hold new ``generate`` calls until :meth:`resume`; returns how many
         requests were in flight.  Each aborted call returns the tokens and log-probs sampled before the abort,
-        ``stop_reason='aborted'``, ``extra_fields["preempted_by_pause"] = True`` and ``extra_fields["max_tokens"]``
-        (the limit it ran under), so the router can resume it (``partial_rollout``).  ``for_update`` (a weight
-        update with ``server.weight_update: abort``) also tags them ``cut_by_update``: the router resumes those
-        whatever ``partial_rollout`` says.  A weight update may run while paused; held calls still wait for
-        :meth:`resume`.  Pausing a paused server returns 0."""
+        ``stop_reason='aborted'``, ``preempted_by_pause=True`` and ``max_tokens`` (the limit it ran under; typed
+        fields of TokenOutput, see :meth:`PauseGate.signals`), so the router can resume it (``partial_rollout``).
+        ``for_update`` (a weight update with ``server.weight_update: abort``) also sets ``cut_by_update``: the
+        router resumes those whatever ``partial_rollout`` says.  A weight update may run while paused; held calls
+        still wait for :meth:`resume`.  Pausing a paused server returns 0."""
         ...
 
     async def resume(self) -> None:
@@ -139,26 +145,33 @@ class LLMServer(Protocol):
         ...
 
 
-class BatchGenerateMixin:
-    """``generate_batch``: many requests in one call, results streamed back as they finish.
+GenerateFn = Callable[..., Awaitable[Any]]
+"""A server's ``generate`` coroutine function (the LLMServer signature, called with keywords)."""
+
+
+class GenerateBatcher:
+    """A server's ``generate_batch``: many requests in one call, results streamed back as they finish.
 
     The router sends all requests a worker has ready for one server in a single Ray call (a streaming
     generator) instead of one actor call each; each yielded item is a list of ``(index, result)`` for
     the requests that finished since the previous item, where ``result`` is a TokenOutput or the
-    ServerError the request raised.  Requires a ``generate`` coroutine with the LLMServer signature.
+    ServerError the request raised.
+
+    Args:
+        generate: the server's ``generate`` (LLMServer signature), run once per request.
     """
 
-    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
-        """Run ``generate(**request)`` for every request concurrently; yield completions in groups."""
-        import asyncio
+    def __init__(self, generate: GenerateFn) -> None:
+        self.generate = generate
 
-        from agentloop.errors import ServerError
-
+    async def run(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """Run ``generate(**request)`` for every request concurrently; yield completions in groups.  A request
+        that raises yields its error (a ServerError; any other exception wrapped in one)."""
         done: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def one(i: int, request: dict[str, Any]) -> None:
             try:
-                result: Any = await self.generate(**request)  # type: ignore[attr-defined]
+                result: Any = await self.generate(**request)
             except Exception as e:  # noqa: BLE001 - sent back to the caller of this request only
                 result = e if isinstance(e, ServerError) else ServerError(f"{type(e).__name__}: {e}")
             done.put_nowait((i, result))
@@ -177,16 +190,23 @@ class BatchGenerateMixin:
                 task.cancel()
 
 
-class GatedServerMixin:
-    """What a server with a :class:`PauseGate` in ``self._gate`` answers about its load."""
+class BatchGenerateMixin:
+    """Compat for server classes of users' own written against it: adds ``generate_batch`` (a
+    :class:`GenerateBatcher` over the class's ``generate``).  agentloop's servers hold a GenerateBatcher."""
 
-    _gate: PauseGate
+    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """See :meth:`GenerateBatcher.run`."""
+        async for group in GenerateBatcher(self.generate).run(requests):  # type: ignore[attr-defined]
+            yield group
 
-    def busy_seconds(self) -> float:
-        """Seconds with at least one request in the engine since the server started (see
-        :meth:`PauseGate.busy_seconds`); sample it twice and divide the difference by the wall time between
-        for the engine-busy fraction."""
-        return self._gate.busy_seconds()
+
+class CutSignals(TypedDict, total=False):
+    """The control fields a pause sets on an output it cut (:meth:`PauseGate.signals`): keyword updates for a
+    :class:`~agentloop.types.TokenOutput` or :class:`~agentloop.types.TokenDelta`."""
+
+    preempted_by_pause: bool
+    cut_by_update: bool
+    max_tokens: int
 
 
 class PauseGate:
@@ -194,9 +214,9 @@ class PauseGate:
 
     ``generate`` runs inside :meth:`admitted`: it waits there while the gate is closed, then counts as in flight.
     :meth:`close` (pause) remembers which in-flight requests it preempts; the server aborts them in its engine and
-    passes each output's extra_fields through :meth:`extra`, which tags a preempted, aborted output for the
+    sets each output's control fields from :meth:`signals`, which tags a preempted, aborted output for the
     router.  A caller's own abort (:meth:`caller_abort`) is never tagged: the router resumes only what a pause
-    interrupted.
+    interrupted.  :meth:`busy_seconds` is the server's ``busy_seconds`` actor method.
     """
 
     def __init__(self) -> None:
@@ -267,18 +287,18 @@ class PauseGate:
         if request_id in self._waiting:
             self._dropped.add(request_id)
 
-    def extra(self, extra_fields: dict[str, Any], stop_reason: str | None, request_id: str,
-              max_tokens: int | None) -> dict[str, Any]:
-        """An output's ``extra_fields`` plus ``preempted_by_pause`` / ``max_tokens`` when a pause (not the
-        caller) aborted it: what the router needs to resume it."""
+    def signals(self, stop_reason: str | None, request_id: str, max_tokens: int | None) -> CutSignals:
+        """The control fields for an output ending with ``stop_reason``: ``preempted_by_pause`` (+ ``cut_by_update``
+        for a weight update's pause, + ``max_tokens`` when known) when a pause, not the caller, aborted it; else
+        none.  What the router needs to resume it."""
         if stop_reason != StopReason.ABORTED or request_id not in self._preempted:
-            return extra_fields
-        extra = {**extra_fields, "preempted_by_pause": True}
+            return {}
+        signals: CutSignals = {"preempted_by_pause": True}
         if self._preempted[request_id]:
-            extra["cut_by_update"] = True
+            signals["cut_by_update"] = True
         if max_tokens is not None:
-            extra["max_tokens"] = int(max_tokens)
-        return extra
+            signals["max_tokens"] = int(max_tokens)
+        return signals
 
 
 def _count(counts: dict[str, int], key: str, step: int) -> None:

@@ -27,8 +27,8 @@ Reply rules, in order:
    :meth:`abort` or :meth:`pause` can cut it: the call then returns the tokens (and log-probs) produced so far
    with ``stop_reason='aborted'``.
 8. :meth:`pause` cuts every call in flight (its delay or its tokens) and holds new calls until :meth:`resume`,
-   as a real server; the cut replies carry ``extra_fields["preempted_by_pause"] = True`` and
-   ``extra_fields["max_tokens"]`` (when the call had one), a caller's own abort does not.
+   as a real server; the cut replies carry ``preempted_by_pause=True`` and ``max_tokens`` (when the call had
+   one), typed fields of the TokenOutput; a caller's own abort does not.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import BatchGenerateMixin, GatedServerMixin, PauseGate, ServerDeadError
+from agentloop.servers.base import GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -56,7 +56,7 @@ def fake_log_probs(n: int) -> list[float]:
     return [-0.1 * ((i % 10) + 1) for i in range(n)]
 
 
-class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
+class ScriptedServer:
     """Replies from a script (see the module docstring for the exact rules).
 
     Args:
@@ -77,6 +77,8 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         buckets: the tensor names of each bucket of the last streamed update.
         lifecycle: ``sleep`` / ``wake_up`` / ``begin_weight_update`` / ``finish_weight_update`` /
             ``update_weights`` / ``pause`` / ``resume`` calls in order, for tests of what happens before what.
+        gate: the :class:`~agentloop.servers.base.PauseGate` behind pause / resume.
+        batcher: the :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``.
     """
 
     supports_sleep = True
@@ -109,7 +111,8 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         self._pending: dict[str, list[asyncio.Event]] = {}
         self.engine_dead = False
         self._stalled = False
-        self._gate = PauseGate()
+        self.gate = PauseGate()
+        self.batcher = GenerateBatcher(self.generate)
 
     @property
     def remaining(self) -> int | None:
@@ -162,14 +165,23 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
                 "sampling_params": dict(sampling_params), "image_data": image_data}
         self.calls.append(call)
         self._raise_if_dead()
-        async with self._gate.admitted(request_id) as admitted:
+        async with self.gate.admitted(request_id) as admitted:
             output = await self._generate(prompt_ids, sampling_params, request_id) if admitted else None
             if output is None:  # aborted before the reply was made
                 output = TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                      stop_reason=StopReason.ABORTED, extra_fields={"global_steps": self.global_steps})
-            extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id,
-                                     sampling_params.get("max_tokens"))
-            return output.model_copy(update={"extra_fields": extra}) if extra is not output.extra_fields else output
+            signals = self.gate.signals(output.stop_reason, request_id, sampling_params.get("max_tokens"))
+            return output.model_copy(update=signals) if signals else output
+
+    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """Many ``generate`` calls in one, results in groups as they finish (see
+        :class:`~agentloop.servers.base.GenerateBatcher`)."""
+        async for group in self.batcher.run(requests):
+            yield group
+
+    def busy_seconds(self) -> float:
+        """Seconds with at least one request past the pause gate (:meth:`PauseGate.busy_seconds`)."""
+        return self.gate.busy_seconds()
 
     async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any],
                         request_id: str) -> TokenOutput | None:
@@ -202,7 +214,9 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
             await asyncio.sleep(0)
             yield TokenDelta(token_ids=[token], log_probs=None if out.log_probs is None else [out.log_probs[i]])
         yield TokenDelta(token_ids=[], log_probs=None if out.log_probs is None else [], finished=True,
-                         stop_reason=out.stop_reason, extra_fields=dict(out.extra_fields))
+                         stop_reason=out.stop_reason, extra_fields=dict(out.extra_fields),
+                         preempted_by_pause=out.preempted_by_pause, cut_by_update=out.cut_by_update,
+                         max_tokens=out.max_tokens)
 
     def _shape(self, ids: list[int], params: dict[str, Any]) -> TokenOutput:
         """Apply ``max_tokens``, pick the stop reason and add log-probs (rule 4)."""
@@ -251,7 +265,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         """End the pending call(s) with this id at once, with ``stop_reason='aborted'`` and the tokens produced
         so far (a call held by a pause ends so without running)."""
         self.counts["abort"] += 1
-        self._gate.caller_abort(request_id)
+        self.gate.caller_abort(request_id)
         for event in self._pending.pop(request_id, []):
             event.set()
 
@@ -262,7 +276,7 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
         server-wide call below does (a vLLM server's dead engine)."""
         self._raise_if_dead()
         self.lifecycle.append("pause")
-        n = self._gate.close(for_update)
+        n = self.gate.close(for_update)
         for events in self._pending.values():
             for event in events:
                 event.set()
@@ -271,12 +285,12 @@ class ScriptedServer(BatchGenerateMixin, GatedServerMixin):
     @property
     def paused(self) -> bool:
         """Whether :meth:`pause` holds new calls."""
-        return self._gate.paused
+        return self.gate.paused
 
     async def resume(self) -> None:
         """Let held and new calls run again (they fail over when the engine died: then this raises too)."""
         self.lifecycle.append("resume")
-        self._gate.open()
+        self.gate.open()
         self._raise_if_dead()
 
     weight_update = "abort"

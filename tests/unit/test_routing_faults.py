@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from agentloop.errors import RoutingError, ServerError
 from agentloop.routing import AsyncLLMServerManager, make_balancer
@@ -98,3 +98,30 @@ def test_server_dead_error_keeps_its_server_index_through_pickling():
 
     err = pickle.loads(pickle.dumps(ServerDeadError("engine gone", 3)))
     assert err.server == 3 and str(err) == "engine gone"
+
+
+def ray_wrapped(cause: Exception) -> Exception:
+    """``cause`` as a server actor's caller receives it: Ray's task error, an instance of the cause's class whose
+    text is the remote traceback under a coloured ``ray::VLLMServer.generate() (pid=…, ip=…, actor_id=…)`` line."""
+    trace = f"Traceback (most recent call last):\n  File \"vllm.py\", line 1\n{type(cause).__name__}: {cause}"
+    return RayTaskError("generate", trace, cause, proctitle="ray::VLLMServer.generate()", pid=4242, ip="10.1.2.3",
+                        actor_repr="VLLMServer(actor_id=abc123)", actor_id="abc123").as_instanceof_cause()
+
+
+def test_a_dead_engines_error_says_what_the_server_said_not_rays_wrapper():
+    said = "vLLM server 0: the engine process died; the request is retried on another server and this one restarted"
+    dead = ScriptedServer([ray_wrapped(ServerDeadError(said, 0))], name="dead")
+    mgr = AsyncLLMServerManager([dead], max_failovers=0)
+    with pytest.raises(ServerDeadError) as caught:
+        asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
+    assert str(caught.value) == said and caught.value.server == 0 and mgr.down == {0}
+    assert not any(s in str(caught.value) for s in ("ray::", "pid=", "actor_id", "\x1b"))
+
+
+def test_another_server_error_reaches_the_caller_as_the_server_raised_it():
+    failing = ScriptedServer([ray_wrapped(ValueError("top_k must be at least 1, got -5"))], name="failing")
+    mgr = AsyncLLMServerManager([failing])
+    with pytest.raises(ValueError) as caught:
+        asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
+    assert str(caught.value) == "top_k must be at least 1, got -5" and not isinstance(caught.value, RayTaskError)
+    assert mgr.down == set()

@@ -196,14 +196,14 @@ def test_abort_returns_the_tokens_so_far_and_pause_tags_them_for_the_router() ->
         await server.abort("x")
         out = await task
         assert out.stop_reason == StopReason.ABORTED and 0 < len(out.token_ids) < 40
-        assert "preempted_by_pause" not in out.extra_fields  # the caller's own abort is never resumed
+        assert not out.preempted_by_pause  # the caller's own abort is never resumed
 
         task = asyncio.ensure_future(server.generate([10], {"max_tokens": 40}, "y"))
         await asyncio.sleep(0.05)
         assert await server.pause() == 1
         cut = await task
-        assert cut.stop_reason == StopReason.ABORTED and cut.extra_fields["preempted_by_pause"]
-        assert cut.extra_fields["max_tokens"] == 40  # the limit it ran under, for the router to resume it
+        assert cut.stop_reason == StopReason.ABORTED and cut.preempted_by_pause
+        assert cut.max_tokens == 40  # the limit it ran under, for the router to resume it
         held = asyncio.ensure_future(server.generate([10], {"max_tokens": 2}, "z"))
         await asyncio.sleep(0.05)
         assert not held.done()  # new requests wait while paused
@@ -316,7 +316,7 @@ def test_server_wide_calls_on_a_dead_engine_are_server_dead_errors_not_hangs() -
         for call in calls:
             with pytest.raises(ServerDeadError, match="goes on without this server"):
                 await asyncio.wait_for(call(), 5)
-        assert not servers[1]._gate.paused  # a refused pause holds nothing
+        assert not servers[1].gate.paused  # a refused pause holds nothing
 
     run(go())
 
