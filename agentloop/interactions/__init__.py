@@ -2,6 +2,12 @@
 
 from agentloop.interactions.answer_check import AnswerCheckInteraction
 from agentloop.interactions.base import BaseInteraction
-from agentloop.interactions.registry import get_interaction_class, initialize_interactions_from_config
+from agentloop.interactions.registry import (
+    INTERACTIONS,
+    get_interaction_class,
+    initialize_interactions_from_config,
+    register_interaction,
+)
 
-__all__ = ["AnswerCheckInteraction", "BaseInteraction", "get_interaction_class", "initialize_interactions_from_config"]
+__all__ = ["INTERACTIONS", "AnswerCheckInteraction", "BaseInteraction", "get_interaction_class",
+           "initialize_interactions_from_config", "register_interaction"]

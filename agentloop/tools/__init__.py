@@ -18,7 +18,7 @@ from agentloop.tools.function_tool import (
     normalize_function_tool_return,
 )
 from agentloop.tools.gsm8k import Gsm8kTool
-from agentloop.tools.registry import initialize_tools_from_config, load_all_tools
+from agentloop.tools.registry import TOOLS, initialize_tools_from_config, load_all_tools, register_tool
 from agentloop.tools.schemas import (
     OpenAIFunctionCallSchema,
     OpenAIFunctionParametersSchema,
@@ -46,6 +46,7 @@ __all__ = [
     "OpenAIFunctionToolCall",
     "OpenAIFunctionToolSchema",
     "SummarizeContextTool",
+    "TOOLS",
     "ToolResponse",
     "current_messages",
     "function_tool",
@@ -54,5 +55,6 @@ __all__ = [
     "load_all_tools",
     "load_function_tools_from_path",
     "normalize_function_tool_return",
+    "register_tool",
     "request_context_edit",
 ]

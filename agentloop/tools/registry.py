@@ -6,6 +6,11 @@
         tool_schema: {type: function, function: {name: calculator, ...}}   # optional when the class has one
       - class_name: mypkg.tools.get_weather   # a function decorated with @function_tool
         config: {timeout: 10}
+      - _target_: calculator                   # a registered tool name (_target_ = class_name)
+
+``class_name`` (verl's key) and ``_target_`` are aliases: an import path, or a name registered with
+:func:`register_tool` (built in: ``calculator``, ``calc_gsm8k_reward``, ``delete_context``,
+``summarize_context``) or with ``@function_tool``.
 
 ``config.type`` is optional; when given it must be ``native`` (verl's MCP tools are not supported).
 :func:`load_all_tools` is verl 0.9.1's entry point: the YAML's tools, then the ``@function_tool`` functions of
@@ -18,30 +23,67 @@ and the entry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from agentloop.errors import ConfigError
-from agentloop.imports import import_subclass, load_yaml_entries
+from agentloop.imports import load_yaml_entries
 from agentloop.tools.base import BaseTool
-from agentloop.tools.function_tool import FunctionTool, load_function_tools_from_path
+from agentloop.tools.function_tool import FUNCTION_TOOL_REGISTRY, FunctionTool, load_function_tools_from_path
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
+from agentloop.utils.registry import Registry, did_you_mean, entry_target
 
 _HINT = "a tool is a BaseTool subclass or a function decorated with @agentloop.tools.function_tool"
 
+TOOLS = Registry(
+    "tool", decorator="register_tool", base=BaseTool,
+    how="Register one with @register_tool(name) on a BaseTool subclass (or @function_tool on a function), "
+        "or give its import path.",
+)
+"""Tool classes by name, for a YAML entry's ``class_name`` / ``_target_``; built-ins imported on first use."""
+for _name, _path in {"calculator": "calculator.CalculatorTool", "calc_gsm8k_reward": "gsm8k.Gsm8kTool",
+                     "delete_context": "context_tools.DeleteContextTool",
+                     "summarize_context": "context_tools.SummarizeContextTool"}.items():
+    TOOLS.add(_name, f"agentloop.tools.{_path}")
+
+
+def register_tool(name: str) -> Callable[[type[BaseTool]], type[BaseTool]]:
+    """Class decorator: make a BaseTool subclass available as ``class_name: name`` / ``_target_: name``.
+
+    Raises:
+        ConfigError: not a BaseTool subclass, or ``name`` is taken by another tool class.
+    """
+    return TOOLS.register(name)
+
+
+def tool_class(spec: str, where: str = "tool class_name") -> type[BaseTool]:
+    """The tool class for ``spec``: a registered name (:func:`register_tool`, ``@function_tool``) or an
+    import path.  Raises ConfigError (prefixed by ``where``) for an unknown name or a bad path."""
+    spec = str(spec)
+    if spec not in TOOLS and spec in FUNCTION_TOOL_REGISTRY:
+        return type(FUNCTION_TOOL_REGISTRY[spec])
+    if spec not in TOOLS and "." not in spec:
+        known = sorted({*TOOLS, *FUNCTION_TOOL_REGISTRY})
+        raise ConfigError(f"{where}: unknown tool {spec!r}; {did_you_mean(spec, known)}registered: {known}. "
+                          f"{TOOLS.how}")
+    return TOOLS.resolve(spec, where, hint=_HINT)
+
 
 def get_tool_class(cls_name: str) -> type[BaseTool]:
-    """The tool class at the dotted path ``cls_name`` (verl's helper), checked to be a BaseTool."""
-    return import_subclass(str(cls_name), BaseTool, "tool class_name", hint=_HINT)
+    """The tool class at the dotted path (or registered name) ``cls_name`` (verl's helper)."""
+    return tool_class(cls_name)
 
 
 def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
     """One tool from one YAML entry."""
-    if not isinstance(entry, dict) or "class_name" not in entry:
-        raise ConfigError(f"{where}: each tool needs a 'class_name', got {entry!r}")
-    cls = import_subclass(str(entry["class_name"]), BaseTool, f"{where} class_name", hint=_HINT)
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: each tool needs a 'class_name' (or '_target_'), got {entry!r}")
+    target = entry_target(entry, where, f"each tool needs a 'class_name' (or '_target_'), got {entry!r}")
+    key = "_target_" if entry.get("_target_") is not None else "class_name"
+    cls = tool_class(target, f"{where} {key}")
     config = dict(entry.get("config") or {})
     if config.get("type", "native") != "native":
         raise ConfigError(f"{where}: config.type {config['type']!r} is not supported; agentloop loads native "
