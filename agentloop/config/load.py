@@ -1,4 +1,4 @@
-"""Config loading and slicing.
+"""resolve_config and AgentLoopConfig: loading and slicing the config.
 
 Users pass either a trainer-shaped config (``actor_rollout_ref.rollout`` / ``actor_rollout_ref.model``,
 as in verl) or just the rollout subtree plus a model path.  :func:`resolve_config` turns either into
@@ -15,26 +15,46 @@ warning an error too (``true``) or both only warnings (``false``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from agentloop.config.paths import default_config
+from agentloop.config.schema import (
+    AgentConfig,
+    AsyncConfig,
+    DataConfig,
+    EngineConfig,
+    GatewayConfig,
+    ModelConfig,
+    MultiTurnConfig,
+    RewardConfig,
+    RouterConfig,
+    SamplingConfig,
+    ServerConfig,
+    TraceConfig,
+    weight_update_mode,
+)
 from agentloop.configcheck import check_keys, check_load_format, check_types, fill_verl_defaults
 from agentloop.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
-
-def default_config() -> DictConfig:
-    """The full default config (``agentloop/configs/rollout.yaml``), unresolved."""
-    return OmegaConf.load(CONFIG_DIR / "rollout.yaml")  # type: ignore[return-value]
+def _typed() -> Any:
+    return field(init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class AgentLoopConfig:
-    """The config slices the rollout stack needs, and the whole trainer-shaped config they came from."""
+    """The config slices the rollout stack needs, and the whole trainer-shaped config they came from.
+
+    Besides the omegaconf slices it holds one typed, frozen section per component (built from ``root`` when
+    the object is made, so a mistyped value fails here): ``engine``, ``sampling``, ``val_sampling``,
+    ``model_config``, ``server``, ``router``, ``agent``, ``multi_turn``, ``gateway``, ``trace``, ``reward``,
+    ``async_training``, ``data``.  They do not follow later edits of the omegaconf slices; build a new
+    object (``dataclasses.replace(cfg)``) or a new section (``dataclasses.replace(cfg.server, ...)``).
+    """
 
     rollout: DictConfig
     """``actor_rollout_ref.rollout`` with defaults filled in and interpolations resolved."""
@@ -43,11 +63,46 @@ class AgentLoopConfig:
     root: DictConfig
     """The whole trainer-shaped config (``actor_rollout_ref``, ``data``, ...), defaults filled in: what
     verl-style agent loops receive as ``trainer_config`` (wrapped in ``DictConfigWrap``)."""
+    engine: EngineConfig = _typed()
+    sampling: SamplingConfig = _typed()
+    val_sampling: SamplingConfig = _typed()
+    """Sampling for validation batches (``val_kwargs``)."""
+    model_config: ModelConfig = _typed()
+    server: ServerConfig = _typed()
+    router: RouterConfig = _typed()
+    agent: AgentConfig = _typed()
+    multi_turn: MultiTurnConfig = _typed()
+    gateway: GatewayConfig = _typed()
+    trace: TraceConfig = _typed()
+    reward: RewardConfig = _typed()
+    async_training: AsyncConfig = _typed()
+    data: DataConfig = _typed()
+
+    def __post_init__(self) -> None:
+        for name, section in build_sections(self.root).items():
+            object.__setattr__(self, name, section)
 
     @property
     def model_path(self) -> str:
         """Local model directory, ``~`` expanded."""
         return os.path.expanduser(str(self.model.path))
+
+
+def build_sections(root: Any) -> dict[str, Any]:
+    """Every typed section of a trainer-shaped config, by its :class:`AgentLoopConfig` attribute name.
+
+    Raises:
+        ConfigError: a value is mistyped or out of range.
+    """
+    return {
+        "agent": AgentConfig.from_root(root), "engine": EngineConfig.from_root(root),
+        "model_config": ModelConfig.from_root(root), "sampling": SamplingConfig.from_root(root),
+        "val_sampling": SamplingConfig.validation_from_root(root), "server": ServerConfig.from_root(root),
+        "router": RouterConfig.from_root(root), "multi_turn": MultiTurnConfig.from_root(root),
+        "gateway": GatewayConfig.from_root(root), "trace": TraceConfig.from_root(root),
+        "reward": RewardConfig.from_root(root), "async_training": AsyncConfig.from_root(root),
+        "data": DataConfig.from_root(root),
+    }
 
 
 def _merge_defaults(config: DictConfig) -> tuple[DictConfig, dict[str, Any], dict[str, Any]]:
@@ -97,22 +152,18 @@ def _resolve_weight_update(root: DictConfig) -> None:
     true``), or ``drain`` where ``async_training.partial_rollout`` is false: without partial rollouts verl's
     parameter sync waits for the running requests instead of cutting them."""
     server = root.actor_rollout_ref.rollout.server
-    if server.get("weight_update") is None:
-        partial = OmegaConf.select(root, "async_training.partial_rollout", default=None)
-        server.weight_update = "drain" if partial is False else "abort"
+    partial = OmegaConf.select(root, "async_training.partial_rollout", default=None)
+    server.weight_update = weight_update_mode(server.weight_update, partial)
 
 
 def validate(cfg: AgentLoopConfig) -> None:
-    """Check the values that would otherwise fail late, inside an engine or actor."""
-    r = cfg.rollout
-    if r.agent.prompt_truncation not in ("left", "error"):
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.agent.prompt_truncation must be 'left' or 'error', "
-            f"got {r.agent.prompt_truncation!r}"
-        )
-    if r.name not in ("vllm", "sglang"):
-        raise ConfigError(f"actor_rollout_ref.rollout.name must be 'vllm' or 'sglang', got {r.name!r}")
-    if r.name == "sglang" and (r.get("server") or {}).get("weight_update") == "keep":
+    """Check the values that would otherwise fail late, inside an engine or actor (the sections checked
+    their own values when ``cfg`` was made).
+
+    Raises:
+        ConfigError: weight_update keep with SGLang, or a model path that is not a local HF model directory.
+    """
+    if cfg.engine.name == "sglang" and cfg.server.weight_update == "keep":
         raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; set it "
                           "to abort (the default) or drain with rollout.name: sglang")
     path = Path(cfg.model_path)
@@ -127,17 +178,15 @@ def validate(cfg: AgentLoopConfig) -> None:
 
 
 def sampling_params_from_config(rollout: DictConfig, validate: bool = False) -> dict[str, Any]:
-    """verl's per-batch sampling params: ``val_kwargs`` replace them when ``validate`` is set."""
-    src = rollout.val_kwargs if validate else rollout
-    params: dict[str, Any] = {
-        "temperature": float(src.temperature),
-        "top_p": float(src.top_p),
-        "top_k": int(src.top_k),
-        "repetition_penalty": float(rollout.get("repetition_penalty", 1.0)),
-        "logprobs": bool(rollout.calculate_log_probs),
-    }
-    if not src.get("do_sample", True):
-        params["temperature"] = 0.0
-    if rollout.ignore_eos:
-        params["ignore_eos"] = True
-    return params
+    """verl's per-batch sampling params: ``val_kwargs`` replace them when ``validate`` is set.
+
+    Args:
+        rollout: the ``actor_rollout_ref.rollout`` subtree (absent keys take the YAML's values).
+        validate: use ``val_kwargs``.
+
+    Raises:
+        ConfigError: a sampling value is mistyped or out of range.
+    """
+    root = {"actor_rollout_ref": {"rollout": rollout}}
+    sampling = SamplingConfig.validation_from_root(root) if validate else SamplingConfig.from_root(root)
+    return sampling.params()

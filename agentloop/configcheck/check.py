@@ -326,6 +326,19 @@ def _present(cfg: DictConfig, key: str) -> bool:
     return isinstance(node, DictConfig) and leaf in node and not OmegaConf.is_missing(node, leaf)
 
 
+def value_error(key: str, value: Any, expected: str) -> str:
+    """One entry of the invalid-values message: ``key=value (type): expected ...``."""
+    leaf = key.rpartition(".")[2]
+    example = f" (e.g. {key}={_EXAMPLES[leaf]})" if leaf in _EXAMPLES else ""
+    return f"{key}={_show(value)} ({type(value).__name__}): expected {expected}{example}"
+
+
+def invalid_values(errors: list[str]) -> ConfigError:
+    """The one-line ConfigError naming every invalid value (entries from :func:`value_error`)."""
+    return ConfigError("invalid config values: " + "; ".join(errors)
+                       + ". Fix them in your config file or with key=value overrides.")
+
+
 def check_types(resolved: DictConfig) -> None:
     """Raise one ConfigError naming every key whose value has the wrong type or range."""
     errors: list[str] = []
@@ -335,12 +348,9 @@ def check_types(resolved: DictConfig) -> None:
         node = OmegaConf.select(resolved, key)
         value = _plain(node)
         if not ok(value):
-            leaf = key.rpartition(".")[2]
-            example = f" (e.g. {key}={_EXAMPLES[leaf]})" if leaf in _EXAMPLES else ""
-            errors.append(f"{key}={_show(value)} ({type(value).__name__}): expected {expected}{example}")
+            errors.append(value_error(key, value, expected))
     if errors:
-        raise ConfigError("invalid config values: " + "; ".join(errors)
-                          + ". Fix them in your config file or with key=value overrides.")
+        raise invalid_values(errors)
 
 
 def check_load_format(resolved: DictConfig) -> None:
