@@ -33,8 +33,7 @@ from agentloop.errors import ConfigError, ServerError
 from agentloop.servers.base import (
     GOES_ON_WITHOUT,
     LOST_FOR_UPDATE,
-    BatchGenerateMixin,
-    GatedServerMixin,
+    GenerateBatcher,
     PauseGate,
     ServerDeadError,
 )
@@ -148,8 +147,13 @@ class SGLangEngineAPI:
         self.engine.shutdown()
 
 
-class SGLangServer(BatchGenerateMixin, GatedServerMixin):
-    """One SGLang engine.  Build with :meth:`start` (async) before use; same constructor as ``VLLMServer``."""
+class SGLangServer:
+    """One SGLang engine.  Build with :meth:`start` (async) before use; same constructor as ``VLLMServer``.
+
+    Parts: ``api`` (:class:`SGLangEngineAPI`, set by :meth:`start`), ``gate`` (the
+    :class:`~agentloop.servers.base.PauseGate` behind pause / resume) and ``batcher`` (the
+    :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``).
+    """
 
     supports_sleep: bool = False
 
@@ -162,7 +166,8 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
         self.response_length = int(rollout.response_length)
         self.api: SGLangEngineAPI | None = None
         self.global_steps = 0
-        self._gate = PauseGate()
+        self.gate = PauseGate()
+        self.batcher = GenerateBatcher(self.generate)
         self._weights_open: asyncio.Event = asyncio.Event()
         self._weights_open.set()
         self._update: dict[str, Any] | None = None
@@ -242,7 +247,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
                                extra_fields=self._extra_fields())
         await self._wait_for_weights(request_id)
         result = None
-        async with self._gate.admitted(request_id) as admitted:
+        async with self.gate.admitted(request_id) as admitted:
             if admitted:
                 try:
                     result = await api.generate(prompt_ids, sampling, request_id, logprobs=want_logprobs,
@@ -254,8 +259,17 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
             output = (self._output(result, want_logprobs) if result is not None else
                       TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason=StopReason.ABORTED,
                                   extra_fields=self._extra_fields()))
-            extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id, max_tokens)
-            return output.model_copy(update={"extra_fields": extra})
+            return output.model_copy(update=self.gate.signals(output.stop_reason, request_id, max_tokens))
+
+    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """Many :meth:`generate` calls in one, results in groups as they finish (see
+        :class:`~agentloop.servers.base.GenerateBatcher`)."""
+        async for group in self.batcher.run(requests):
+            yield group
+
+    def busy_seconds(self) -> float:
+        """Seconds with at least one request in the engine (:meth:`PauseGate.busy_seconds`)."""
+        return self.gate.busy_seconds()
 
     async def generate_stream(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                               image_data: list[Any] | None = None) -> AsyncIterator[TokenDelta]:
@@ -270,7 +284,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
             return
         await self._wait_for_weights(request_id)
         seen, seen_lp, stop = 0, 0, None
-        async with self._gate.admitted(request_id) as admitted:
+        async with self.gate.admitted(request_id) as admitted:
             try:
                 chunks = (await api.generate(prompt_ids, sampling, request_id, logprobs=want_logprobs,
                                              image_data=image_data, priority=sampling_params.get("priority"),
@@ -284,43 +298,44 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
                     seen, seen_lp = seen + len(ids), seen_lp + len(lps)
                     finish = meta.get("finish_reason")
                     stop = _FINISH_TO_STOP.get(finish.get("type", "abort"), StopReason.STOP) if finish else None
-                    extra = self._gate.extra(self._extra_fields(), stop, request_id, max_tokens) if stop else {}
                     yield TokenDelta(token_ids=ids, log_probs=lps[:len(ids)] if want_logprobs else None,
-                                     finished=stop is not None, stop_reason=stop, extra_fields=extra)
+                                     finished=stop is not None, stop_reason=stop,
+                                     extra_fields=self._extra_fields() if stop else {},
+                                     **(self.gate.signals(stop, request_id, max_tokens) if stop else {}))
             except Exception as e:
                 self._raise_if_dead(e)
                 raise
             if stop is None:
-                extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, max_tokens)
                 yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
-                                 stop_reason=StopReason.ABORTED, extra_fields=extra)
+                                 stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields(),
+                                 **self.gate.signals(StopReason.ABORTED, request_id, max_tokens))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (its generate returns ``aborted`` with the tokens so far); one held by a pause ends
         aborted without running."""
-        self._gate.caller_abort(request_id)
+        self.gate.caller_abort(request_id)
         await self._require().abort(request_id)
 
     async def pause(self, for_update: bool = False) -> int:
         """Abort what runs (each returns its tokens so far, tagged for the router to resume) and hold new
         requests until :meth:`resume`; the prefix cache is kept."""
         api = self._require()
-        if self._gate.paused:
+        if self.gate.paused:
             return 0
         self._raise_if_dead(None, GOES_ON_WITHOUT.format("pause"))
-        running = list(self._gate.in_flight)
-        n = self._gate.close(for_update)
+        running = list(self.gate.in_flight)
+        n = self.gate.close(for_update)
         try:
             await asyncio.gather(*(api.abort(rid) for rid in running))
         except Exception as e:
-            self._gate.open()
+            self.gate.open()
             self._raise_if_dead(e, GOES_ON_WITHOUT.format("pause"))
             raise
         return n
 
     async def resume(self) -> None:
         """Let held and new requests run again (no-op when not paused)."""
-        self._gate.open()
+        self.gate.open()
 
     async def check_health(self) -> dict[str, Any]:
         """Raises :class:`ServerDeadError` when the engine's processes died; else the server's facts."""
@@ -368,7 +383,7 @@ class SGLangServer(BatchGenerateMixin, GatedServerMixin):
         version = self.global_steps + 1 if global_steps is None else int(global_steps)
         self._update = {"version": version, "tensors": 0, "bytes": 0, "started": time.perf_counter()}
         self._weights_open.clear()
-        while self._gate.in_flight:  # let running requests finish on the weights they started with
+        while self.gate.in_flight:  # let running requests finish on the weights they started with
             await asyncio.sleep(0.01)
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> None:
