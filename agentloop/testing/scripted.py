@@ -6,29 +6,9 @@ run against it exactly as against vLLM.  Use it in your own tests::
     server = ScriptedServer([[11, 12, 2], RuntimeError("boom")], eos_token_id=2)
     manager = AsyncLLMServerManager([server])
 
-Reply rules, in order:
-
-1. Every call is recorded in :attr:`ScriptedServer.calls`, then waits ``delay`` seconds.
-2. An :meth:`abort` of the request while it waits ends it at once with ``stop_reason='aborted'``
-   and no tokens (aborting an id that is not pending is a no-op, as in vLLM).
-3. The reply comes from the script: the next list item, the callable's result, or (no script) the
-   last ``min(4, max_tokens)`` prompt ids.  An Exception item is raised; a TokenOutput item is
-   returned untouched.
-4. Token lists are shaped: longer than ``max_tokens`` → truncated; the stop reason is ``stop`` when
-   the ids end with ``eos_token_id``, ``length`` when they were truncated or exactly fill
-   ``max_tokens`` without EOS (an EOS is configured), else ``stop``.  ``logprobs`` truthy → one
-   deterministic finite log-probability per token.
-5. After :meth:`kill_engine` every ``generate`` raises :class:`~agentloop.servers.base.ServerDeadError` (as
-   a vLLM server whose engine process died), and so do :meth:`check_health` and the weight-update steps.
-   :meth:`stall_weight_updates` makes ``begin_weight_update`` never answer (a hung server).
-6. Every reply it builds carries ``extra_fields["global_steps"]``: the weight version, 0 until the first
-   update; ``update_weights`` / ``finish_weight_update`` set it (default: previous + 1), as a real server.
-7. ``token_delay`` > 0 hands the reply out one token at a time, ``token_delay`` seconds per token, so an
-   :meth:`abort` or :meth:`pause` can cut it: the call then returns the tokens (and log-probs) produced so far
-   with ``stop_reason='aborted'``.
-8. :meth:`pause` cuts every call in flight (its delay or its tokens) and holds new calls until :meth:`resume`,
-   as a real server; the cut replies carry ``preempted_by_pause=True`` and ``max_tokens`` (when the call had
-   one), typed fields of the TokenOutput; a caller's own abort does not.
+Replies come from the script (token lists shaped to ``max_tokens`` with a stop reason, TokenOutputs as
+they are, Exceptions raised); ``abort``, ``pause`` / ``resume``, ``kill_engine`` and weight updates behave
+as on a real server.  The exact reply rules: docs/testing.md#the-scripted-engine-scriptedserver.
 """
 
 from __future__ import annotations
@@ -57,7 +37,7 @@ def fake_log_probs(n: int) -> list[float]:
 
 
 class ScriptedServer:
-    """Replies from a script (see the module docstring for the exact rules).
+    """Replies from a script (the exact rules: docs/testing.md#the-scripted-engine-scriptedserver).
 
     Args:
         responses: a list consumed in order (token id lists, TokenOutputs, or Exceptions to raise), or

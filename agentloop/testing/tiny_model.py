@@ -1,28 +1,10 @@
 """Build the tiny local model used by the demo and the integration tests (no model hub needed).
 
-:func:`ensure_tiny_model` builds, deterministically (fixed seeds, sorted inputs, no timestamps) and in a
-few seconds on 2 CPU cores, a directory that ``transformers`` and vLLM load like any Qwen2.5 checkpoint:
-
-1. a byte-level BPE tokenizer (vocab 2048) trained on a synthetic corpus (arithmetic word problems,
-   hermes ``<tool_call>`` blocks, answers, system prompts).  Its normalizer and pre-tokenizer are
-   exactly the ones ``Qwen2Tokenizer`` rebuilds on load (NFC, the Qwen2 split regex, which isolates
-   every digit, then byte-level), so the saved ``tokenizer.json`` and ``AutoTokenizer`` agree.
-   Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos).  The tool tags
-   ``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` are added tokens but not
-   special, so, as in Qwen2.5, they survive ``decode(..., skip_special_tokens=True)``;
-2. our own ChatML + hermes-tools chat template (:data:`CHAT_TEMPLATE`, Qwen2.5 behaviour);
-3. a randomly initialised (``torch.manual_seed(0)``) fp32 ``Qwen2ForCausalLM``: hidden 128, 2 layers,
-   4 heads / 2 KV heads, MLP 512, tied embeddings, saved as safetensors with a ``generation_config.json``.
-
-The build is ``build_tokenizer`` -> ``init_model`` -> ``save_model``; a training step on synthetic tool
-use conversations fits between the last two.  The default location is ``$AGENTLOOP_CACHE_DIR/tiny-qwen2``
-(``~/.cache/agentloop/models/tiny-qwen2``).  A marker file records :data:`BUILDER_VERSION` and a hash of
-the files, so a changed builder or a damaged directory is rebuilt.  Builds run under a file lock into a
-temporary directory that is renamed into place: concurrent callers never see a half-written model.
-
-``ensure_tiny_model(snapshot_step=SNAPSHOT_STEP)`` builds a weaker checkpoint for RL examples: the same
-training run (same seeds, same ``train_steps`` schedule) stopped after ``snapshot_step`` steps, cached beside
-the default model as ``tiny-qwen2-step400``.  The default model is not affected.
+:func:`ensure_tiny_model` returns the directory of a Qwen2.5-style checkpoint (a byte-level BPE tokenizer
+with ChatML + hermes tool tokens, :data:`CHAT_TEMPLATE`, a 2-layer ``Qwen2ForCausalLM`` trained to call the
+calculator), copying the shipped one or building it deterministically under ``$AGENTLOOP_CACHE_DIR`` (file lock, atomic
+rename, rebuilt when :data:`BUILDER_VERSION` or the files' hash changes); ``snapshot_step`` gives a weaker
+checkpoint of the same run.  Spec (tokenizer, template, weights, cache): docs/testing.md#the-tiny-model.
 """
 
 from __future__ import annotations

@@ -2,23 +2,12 @@
 
 :func:`ensure_tiny_vl_model` writes, in a few seconds and deterministically, a directory that
 ``transformers`` (``AutoProcessor``, ``Qwen2VLForConditionalGeneration``) and vLLM load like any Qwen2-VL
-checkpoint:
-
-1. the tokenizer of the tiny text model (:mod:`agentloop.testing.tiny_model`) plus Qwen2-VL's special
-   tokens ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``;
-2. :data:`VL_CHAT_TEMPLATE`: the text model's ChatML + hermes template, where a message ``content`` may also be
-   a list of parts: ``{"type": "text", "text": ...}`` renders its text, ``{"type": "image"}`` renders
-   ``<|vision_start|><|image_pad|><|vision_end|>`` and ``{"type": "video"}`` the same with ``<|video_pad|>``
-   (Qwen2-VL's rendering); the processor expands each pad to one token per merged patch;
-3. ``preprocessor_config.json`` / ``video_preprocessor_config.json`` (Qwen2-VL image and video processors,
-   patch 14, merge 2) with small pixel bounds (:data:`MIN_PIXELS`, :data:`MAX_PIXELS`): a 56x56 image is
-   4 image tokens, nothing is ever more than 16;
-4. random fp32 weights (``torch.manual_seed(0)``): the text model's shape (hidden 128, 2 layers, M-RoPE
-   sections :data:`MROPE_SECTION`) and a one-block vision tower (embed dim 32), saved as safetensors.
-
-The weights are random: the model sees images (its output changes with the pixels) but says nothing
-sensible.  Cached under ``$AGENTLOOP_CACHE_DIR/tiny-qwen2-vl`` with the same marker / file lock / atomic
-swap as the text model.
+checkpoint: the tiny text model's tokenizer plus Qwen2-VL's vision tokens, :data:`VL_CHAT_TEMPLATE` (image
+and video parts rendered as Qwen2-VL does), image / video processor configs with small pixel bounds
+(:data:`MIN_PIXELS`, :data:`MAX_PIXELS`: at most 16 tokens an image), and random fp32 weights (M-RoPE
+sections :data:`MROPE_SECTION`, a one-block vision tower): its output changes with the pixels but means
+nothing.  Cached under ``$AGENTLOOP_CACHE_DIR/tiny-qwen2-vl`` like the text model.
+Spec: docs/multimodal.md#the-tiny-vision-language-model.
 """
 
 from __future__ import annotations

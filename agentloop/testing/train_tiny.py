@@ -1,26 +1,9 @@
 """Teach the tiny model to call the calculator tool (a few minutes on 2 CPU cores, deterministic).
 
-Each training conversation is tokenized exactly as ``tool_agent`` builds a rollout: the prompt (system +
-tools block + word problem, generation prompt appended), the assistant's hermes tool call + ``<|im_end|>``,
-the tool turn from :func:`agentloop.tokenization.encode_new_turns`, and the final "The answer is N." +
-``<|im_end|>``.  The loss covers the two assistant turns only.
-
-Three things make a step cheap without changing its loss:
-
-- all conversations of a step share one system prompt, so the system + tools block (about 165 of 260
-  tokens) runs once and the batch reuses its KV cache (gradients flow through it as through the full
-  forward pass);
-- the output layer runs only at the positions that carry loss;
-- the chat template renders once per system prompt (:class:`_ExampleMaker`), not four times per example.
-
-A step of 64 conversations takes about 0.23 s on 2 idle cores (with the plain batched forward pass, about
-1 s).  The model learns the call format within a few dozen steps, then sits on a loss plateau (about 0.65
-per token) until it learns to copy numbers (after 250-350 steps for seeds 0-2); then the loss falls fast.
-CPU contention hurts a lot: with one of the 2 cores busy elsewhere a step can take several times longer.
-
-:func:`evaluate_tool_use` measures, with greedy decoding on held-out problems, how often the first turn is a
-well-formed calculator call, how often its expression is exact, how often the final answer is right given
-the true tool result, and how often both hold (``end_to_end``: what a rollout scored on the answer gets).
+Conversations are tokenized exactly as ``tool_agent`` builds a rollout, and the loss covers the assistant
+turns only; :func:`evaluate_tool_use` measures call format, exact expressions and final answers with greedy
+decoding on held-out problems.  Spec (what a step computes, why it is cheap, the loss curve):
+docs/testing.md#training-the-tiny-model.
 """
 
 from __future__ import annotations
