@@ -1,31 +1,10 @@
 """Gsm8kTool: the model submits its final GSM8K answer and gets it checked, with a reward.
 
-Each sample gives its ground truth through ``tools_kwargs``::
-
-    tools_kwargs: {calc_gsm8k_reward: {create_kwargs: {ground_truth: "72"}}}
-
-(``ground_truth`` may also be a full GSM8K solution ending in ``#### 72``.)  That is the shape verl's
-``examples/data_preprocess/gsm8k_tool_agent_loop.py`` writes, and verl's ``gsm8k_tool_config.yaml`` works
-with ``class_name: agentloop.tools.gsm8k.Gsm8kTool`` (its ``tool_schema`` replaces ours).  ``create`` takes
-the ground truth in both of verl's call forms (see :mod:`agentloop.tools.base`).  ``create`` fails with a
-ValueError when the ground truth is missing or has no number, so a data bug shows up as a tool error
-(``num_tool_errors``) instead of a silent 0 reward.
-
-Answers are compared as numbers: :func:`extract_answer` takes the number after the last ``####`` when
-there is one, else the last number in the text, ignoring ``$``, thousands separators and trailing
-punctuation ("#### 72", "72", "$1,234.50", "The answer is 72." all parse).  Equality is exact on
-decimals, so ``72.0`` equals ``72``.
-
-Rewards (the score of a submission is 1.0 when correct, else 0.0):
-
-* step reward of ``execute``: the score for the first submission of an instance; for a later
-  submission, the score if it beats the best score so far, else ``config.no_improvement_reward``
-  (default -0.05, verl's penalty for resubmitting without improving);
-* ``calc_reward``: the *best* score of the instance (0.0 for an unknown or released instance).
-
-The agent loop's tool runner creates and releases an instance around every call, so there each call is
-a first submission: 1.0 when correct, 0.0 when wrong, and the step rewards land in
-``extra_fields["tool_rewards"]``.  A caller that keeps an instance across calls gets the penalty.
+The ground truth comes per sample through ``tools_kwargs`` (verl's ``gsm8k_tool_agent_loop`` data shape;
+``create`` raises ValueError when it is missing or holds no number).  :func:`extract_answer` parses the
+submitted number; ``execute``'s step reward is 1.0 for a correct first submission, else 0.0, and a later
+submission that does not improve gets ``config.no_improvement_reward``; ``calc_reward`` is the instance's
+best score.  Spec: docs/tools.md#gsm8ktool.
 """
 
 from __future__ import annotations
@@ -62,7 +41,7 @@ _MARKER = "####"
 
 
 def extract_answer(text: str) -> Decimal | None:
-    """The final number of ``text`` (see the module docstring), or None when there is none."""
+    """The final number of ``text`` (docs/tools.md#gsm8ktool), or None when there is none."""
     if _MARKER in text:
         match = _NUMBER.search(text.rsplit(_MARKER, 1)[1])
     else:
