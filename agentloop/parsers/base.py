@@ -1,18 +1,12 @@
 """Tool-call parsers: turn the policy's sampled ids into (content, tool calls).
 
 Registry as in verl: ``@ToolParser.register("hermes")`` and ``ToolParser.get_tool_parser(name, tokenizer)``
-(also exported as :func:`get_tool_parser`).  Built in, one module each: ``hermes``, ``qwen3_coder``,
-``llama3_json``, ``gpt-oss`` (alias ``gpt_oss``), and verl 0.9.1's other names ``glm``, ``seed``, ``minimax``,
-``kimi``, ``deepseek_v4`` and ``gemma4``.  ``extract_tool_calls`` never raises on model output: a
-malformed call comes back as a :class:`FunctionCall` with ``error`` set (the loop reports it to the
-model and records a ``parse_error`` status); arguments are never ``eval``-ed.
-
-verl's calling conventions are accepted as they are: ``extract_tool_calls(ids)`` (verl 0.6.1) and
-``extract_tool_calls(ids, tools)`` where ``tools`` are OpenAI tool dicts, bare function dicts or schema
-objects (``OpenAIFunctionToolSchema``, verl's or ours: anything with ``model_dump()`` or a ``.function``
-attribute; verl 0.9.1 passes these).  :attr:`ToolParser.stop_token_ids` are the ids of the tokens that end
-a tool call in the format (verl 0.9.1 adds them to ``sampling_params["stop_token_ids"]`` so generation
-halts after a call); a subclass declares them as token strings in :attr:`ToolParser.stop_tokens`.
+(also :func:`get_tool_parser`; ``name`` may also be an import path; an unknown one raises
+:class:`~agentloop.errors.ConfigError`).  ``extract_tool_calls(ids[, tools])`` returns the
+content and a list of :class:`FunctionCall`; it never raises on model output: a malformed call comes back
+with ``error`` set, and arguments are never ``eval``-ed.  :attr:`ToolParser.stop_token_ids` are the ids of
+the tokens that end a call.  Spec (built-in formats, verl's calling conventions):
+docs/tools.md#tool-call-parsers.
 """
 
 from __future__ import annotations

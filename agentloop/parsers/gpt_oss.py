@@ -1,33 +1,9 @@
 """gpt-oss tool calls in OpenAI's harmony format (messages delimited by special tokens).
 
-A sampled response continues the generation prompt ``<|start|>assistant`` and holds one or more
-messages, each ``HEADER<|message|>BODY`` closed by ``<|end|>`` (more follow), ``<|call|>`` (a tool call,
-the engine stops) or ``<|return|>`` (a final answer, the engine stops); later messages restart with
-``<|start|>assistant``::
-
-    <|channel|>analysis<|message|>Need the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>
-
-    <|channel|>final<|message|>It is 12 °C in Oslo.<|return|>
-
-The header names the channel (``<|channel|>analysis|commentary|final``) and, for a tool call, the
-recipient ``to=functions.NAME``, after the channel or before it (``<|start|>assistant to=functions.NAME
-<|channel|>commentary json``, what our harmony template writes).  ``<|constrain|>json`` / ``json`` is ignored.
-
-The markers are special tokens, so the ids are decoded with ``skip_special_tokens=False``.  Then:
-
-* a message with a ``to=functions.NAME`` recipient is a call; its body must be a JSON object;
-* content is the text of the ``final`` messages, else of the messages on no channel or on ``commentary``
-  without a recipient (preambles); text with no ``<|message|>`` at all is content with the markers removed;
-* ``analysis`` text is not content; the last parse's is kept in :attr:`GptOssToolParser.last_reasoning`.
-
-A body that is not a JSON object, a recipient outside ``functions.`` (built-in tools such as
-``browser.search`` are not offered) or a tool not in ``tools`` (when given) gives a call with ``error``;
-nothing raises.  A message cut off before its closing token is parsed as it stands (a cut-off call's
-JSON is then usually invalid).
-
-``stop_token_ids`` holds ``<|call|>`` when the tokenizer has it as one token (gpt-oss's own generation config
-already stops there; verl's parser declares none, which comes to the same with gpt-oss).
+:class:`GptOssToolParser` (``gpt-oss``, alias ``gpt_oss``) decodes with special tokens kept and returns
+the ``final`` (else preamble) text as content and each ``to=functions.NAME`` message as a call (its body a
+JSON object); ``analysis`` text is kept in :attr:`GptOssToolParser.last_reasoning`.  A malformed call gets
+``error``; nothing raises.  ``stop_token_ids`` holds ``<|call|>``.  Spec: docs/tools.md#gpt-oss-harmony.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """Qwen3-Coder tool calls: one XML-like element per parameter, values as plain text.
 
-Format (what Qwen3-Coder's chat template renders and the model samples)::
-
-    <tool_call>
-    <function=NAME>
-    <parameter=P>
-    VALUE
-    </parameter>
-    ...
-    </function>
-    </tool_call>
-
-A response may hold several ``<tool_call>`` blocks (a block with several ``<function=`` elements gives one
-call per element).  Content is the text outside the blocks (stripped); a bare ``<function=`` outside a
-block is content.  Text between the elements of a block is ignored.
-
-Values are text and are coerced to the JSON type the tool's schema declares for the parameter
-(``tools[i].function.parameters.properties[P].type``; a list of types is tried in order, ``"null"`` then
-``"string"`` last):
-
-* ``string``: the text with exactly one leading and one trailing newline removed (the template's own),
-  everything else kept verbatim;
-* ``integer`` / ``number`` / ``boolean`` / ``null``: the stripped text as that type (``5.0`` is accepted
-  as an integer, ``True`` as a boolean, ``None`` as null);
-* ``object`` / ``array``: the stripped text parsed as JSON of that type;
-* an unknown parameter, an untyped one, or no ``tools``: JSON if the text parses, else the string.
-
-A value that does not fit its type is kept as a string and the call gets ``error``.  A block without
-``<function=NAME>``, an element not closed by ``</function>`` / ``</parameter>``, a block not closed by
-``</tool_call>``, a repeated parameter, or a tool not in ``tools`` (when given) also give a call with
-``error``; nothing raises.
+``<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call>`` blocks become calls,
+the text outside them the content; each value is coerced to the JSON type the tool's schema declares for
+it.  A value that does not fit, an unclosed element, a repeated parameter or an unknown tool gives a call
+with ``error``; nothing raises.  Spec (the format, coercion rules): docs/tools.md#qwen3_coder.
 """
 
 from __future__ import annotations
