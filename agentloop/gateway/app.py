@@ -1,21 +1,10 @@
 """The gateway's HTTP surface (FastAPI) over a :class:`~agentloop.gateway.service.GatewayService`.
 
-Routes (every session route needs ``Authorization: Bearer <session api_key>``):
-
-* ``POST /sessions/{id}/v1/chat/completions`` — OpenAI chat completions, streaming or not.
-* ``GET /sessions/{id}/v1/models`` — the served model.
-* ``POST /sessions/{id}/complete`` — body ``{"reward_info": {...}}`` (optional): the agent is done.
-* ``GET /health``.
-
-Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code", "request_id"}}``): 400
-malformed JSON (also ``NaN`` / ``Infinity``, and nesting deeper than :data:`MAX_JSON_DEPTH`) or a
-refused request, 401 missing/wrong key, 404 unknown session, 409 session completed or aborted, 413 body
-over ``max_body_bytes``; 5xx only for the gateway's own faults: 500 a bug, 502 the engine failed, 503
-no engine available (nothing is committed to the session in either case).
-
-Every response carries an ``x-request-id`` header; 5xx bodies name the same id, and the server-side
-log line of the fault starts with ``request <id>``, so an operator can find the details (which never
-go to the client).
+Routes: ``POST /sessions/{id}/v1/chat/completions`` (streaming or not), ``GET /sessions/{id}/v1/models``,
+``POST /sessions/{id}/complete`` and ``GET /health``; every session route needs ``Authorization: Bearer
+<session api_key>``.  Errors are OpenAI-shaped bodies with a request id (also in every response's
+``x-request-id`` header): 4xx for the client's faults, 5xx only for the gateway's own (details only in
+the server log line ``request <id>: ...``).  Spec (every status code): docs/gateway.md#http-api.
 """
 
 from __future__ import annotations

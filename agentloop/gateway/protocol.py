@@ -1,24 +1,11 @@
 """The OpenAI chat-completions dialect: request checking and response shapes.
 
 :func:`parse_chat_request` turns a JSON body into a :class:`ChatRequest` or raises
-:class:`GatewayHTTPError` (rendered as an OpenAI-shaped error body by the app):
-
-* ``messages``: a non-empty list; each message has a known ``role`` and string / null / list-of-parts
-  ``content``; text parts are joined into one string (so the chat template sees what a string would
-  give); ``name``, ``tool_calls`` (``function.arguments`` parsed from its JSON string for the chat
-  template) and ``tool_call_id`` are kept.  Image parts are refused (400) until the engine path
-  supports images.
-* Sampling keys are whitelisted: ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` /
-  ``max_completion_tokens``, ``stop`` (string or list), ``seed``; they override the session's
-  defaults.  Other OpenAI keys (``user``, ``metadata``, ``parallel_tool_calls``, ``logit_bias``,
-  ``presence_penalty``, ``frequency_penalty``, ...) are accepted and not applied.
-* Values are checked here, before any engine sees them (400 naming the parameter): ``temperature`` in
-  [0, 2]; ``top_p`` in (0, 1]; ``top_k`` -1 or 0 (off) or >= 1; ``seed`` a signed 64-bit integer;
-  ``max_tokens`` / ``max_completion_tokens`` >= 1; ``n`` >= 1; ``top_logprobs`` in [0, 20];
-  ``presence_penalty`` / ``frequency_penalty`` in [-2, 2]; ``stop`` at most :data:`MAX_STOP` non-empty
-  strings of at most :data:`MAX_STOP_CHARS` characters.
-* Refused with 400: ``n != 1``, ``response_format`` other than ``{"type": "text"}``, ``tool_choice``
-  other than ``auto`` / ``none``, wrong types.
+:class:`GatewayHTTPError` (400 naming the parameter; rendered as an OpenAI-shaped error body by the app):
+messages are checked and text parts joined, sampling keys are whitelisted and range-checked before any
+engine sees them, and unsupported options (``n != 1``, non-text ``response_format``, ``tool_choice`` other
+than ``auto`` / ``none``, image parts) are refused.  Spec (accepted values, kept and ignored keys):
+docs/gateway.md#errors-and-request-ids.
 """
 
 from __future__ import annotations
@@ -177,7 +164,7 @@ def _check_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 def normalize_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
-    """One message in the form chat templates expect (see the module docstring)."""
+    """One message in the form chat templates expect (docs/gateway.md#errors-and-request-ids)."""
     role = msg.get("role")
     if role not in _ROLES:
         raise _bad(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}", param=f"messages.{i}.role")

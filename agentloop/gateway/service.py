@@ -1,25 +1,12 @@
 """GatewayService: sessions and chat completions, independent of HTTP and Ray.
 
-One service per gateway actor.  A session owns a branch-aware trajectory store
-(:class:`agentloop.gateway.store.SessionStore`).  A chat request, in numbered steps:
-
-1. Check the body (:func:`agentloop.gateway.protocol.parse_chat_request`; 400 on refusal), the session
-   (404 unknown, 409 completed or aborted).
-2. Reserve the request's node in the store: the longest matching branch is found and only the new
-   suffix is encoded (synchronous, so concurrent requests of one session never interleave here; there
-   is no per-session generation lock).
-3. Budget, per branch, the way ``tool_agent`` counts it: the branch's first context node is the row's
-   prompt and must fit in ``prompt_length``; everything after it (sampled turns and the context between
-   them, the new context included) is the row's response and must fit in ``response_length``.
-   ``max_tokens`` is clamped to what is left; when nothing is left the answer is ``finish_reason:
-   length`` without an engine call, the new context is dropped and the branch's trajectory ends with
-   ``finish_reason`` ``length`` (so its row gets status ``length``; nothing is ever cut silently).
-4. Generate through the router, sticky per conversation root (continuations of a branch reach the
-   server holding its prefix cache; independent sub-conversations may spread), streaming or not.  An
-   engine failure answers 502 (503 when no engine is reachable) with a generic message and the
-   request id; the details go to the log line ``request <id>: ...``.  Nothing is committed.
-5. Decode (tool parser → ``tool_calls``; ``finish_reason`` ``tool_calls`` / ``stop`` / ``length``) and
-   commit the sampled ids, logprobs and the returned message as a new sibling in the store.
+One service per gateway actor; a session owns a branch-aware trajectory store
+(:class:`agentloop.gateway.store.SessionStore`).  A chat request is checked, placed in the store (only
+its new suffix encoded), clamped to the branch's response budget, generated through the router (sticky
+per conversation root) and committed as a new sibling; it raises
+:class:`~agentloop.gateway.protocol.GatewayHTTPError` for what the client must see (400 / 401 / 404 / 409,
+502 / 503 for engine faults, with nothing committed).  Spec (the five steps, the budget):
+docs/gateway.md#a-chat-request-step-by-step.
 """
 
 from __future__ import annotations
@@ -100,7 +87,7 @@ class _Turn:
 
 
 class GatewayService:
-    """Sessions plus the chat-completions logic (see the module docstring).
+    """Sessions plus the chat-completions logic (docs/gateway.md#a-chat-request-step-by-step).
 
     Args:
         tokenizer: the served model's tokenizer.
@@ -109,7 +96,7 @@ class GatewayService:
         parser: the tool parser for ``multi_turn.format`` (None: no tool-call parsing).
         max_length: per-trajectory token budget (default ``prompt_length + response_length``).
         prompt_length: a branch's prompt (first context run) budget; None: only ``max_length`` counts.
-        response_length: a branch's response budget (step 3 of the module docstring); None: only
+        response_length: a branch's response budget (docs/gateway.md#the-response-budget-never-cut-silently); None: only
             ``max_length`` counts.
         base_url: this gateway's URL; sessions live under ``{base_url}/sessions/{id}/v1``.
         calculate_log_probs: record the engine's logprobs in trajectories.
@@ -244,7 +231,7 @@ class GatewayService:
         return _Turn(session, request, reservation, engine_id, params, _branch_key(session, reservation), http_id)
 
     def _budget(self, reservation: Any) -> int:
-        """Tokens this request may generate (step 3 of the module docstring); <= 0: none."""
+        """Tokens this request may generate (the response budget, docs/gateway.md); <= 0: none."""
         remaining = int(reservation.remaining)
         if self.prompt_length is not None and reservation.prompt_len > self.prompt_length:
             return 0
