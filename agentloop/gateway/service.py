@@ -96,8 +96,8 @@ class GatewayService:
         parser: the tool parser for ``multi_turn.format`` (None: no tool-call parsing).
         max_length: per-trajectory token budget (default ``prompt_length + response_length``).
         prompt_length: a branch's prompt (first context run) budget; None: only ``max_length`` counts.
-        response_length: a branch's response budget (docs/gateway.md#the-response-budget-never-cut-silently); None: only
-            ``max_length`` counts.
+        response_length: a branch's response budget (docs/gateway.md, "The response budget"); None:
+            only ``max_length`` counts.
         base_url: this gateway's URL; sessions live under ``{base_url}/sessions/{id}/v1``.
         calculate_log_probs: record the engine's logprobs in trajectories.
         model_name: the name ``GET /v1/models`` lists.
