@@ -1,20 +1,9 @@
 """Do a trajectory's non-sampled tokens equal the chat template's rendering of its conversation?
 
-agentloop never re-tokenizes what the policy sampled and encodes tool / user turns incrementally (DESIGN §6);
-the claim is that the whole sequence then equals what ``tokenizer.apply_chat_template`` renders for the saved
-conversation (``multi_turn.return_messages``), except inside the assistant turns, whose sampled ids may differ
-from a re-tokenization of their text.  :func:`check_trajectory` tests the claim independently of agentloop's
-own encoder:
-
-1. ``T`` = the template's rendering of the whole conversation (text, then the tokenizer's own encoding), and
-   ``T_p`` = the rendering of the prompt messages with the generation prompt.  ``T`` must start with ``T_p``
-   (a template that rewrites earlier turns cannot be checked this way and is reported).
-2. The response is cut into runs of equal ``response_mask``.  Each mask-0 run (a tool / user turn with the
-   separators around it) must occur in ``T`` after ``T_p``, in order, each after the previous one; what ``T``
-   holds between two of them is the re-tokenized assistant turn and is not compared.
-
-Tools are not passed to the template (their schemas are not saved with the rollout); they only change the
-system prompt, which lies inside ``T_p`` and is not compared.
+:func:`check_trajectory` renders the saved conversation (``multi_turn.return_messages``) with the
+tokenizer's own chat template and checks, independently of agentloop's encoder, that it starts with the
+prompt's rendering and holds each mask-0 run of the response (tool / user turns) in order; the assistant
+turns in between are not compared.  The exact rule: docs/report.md#the-template-check.
 """
 
 from __future__ import annotations
@@ -63,7 +52,7 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
 
 def check_trajectory(tokenizer: Any, row: int, prompt_messages: list[dict[str, Any]], messages: list[dict[str, Any]],
                      response_ids: np.ndarray, response_mask: np.ndarray) -> tuple[int, TemplateProblem | None]:
-    """Check one trajectory (see the module docstring); returns how many mask-0 runs were checked and the
+    """Check one trajectory (docs/report.md#the-template-check); returns how many mask-0 runs were checked and the
     problem found, if any.  ``response_ids`` / ``response_mask`` are the row's unpadded response."""
     prompt_msgs = [dict(m) for m in prompt_messages]
     full = render(tokenizer, [dict(m) for m in messages], add_generation_prompt=messages[-1].get("role") != "assistant")

@@ -1,17 +1,11 @@
 """Per-request timing of generate calls, recorded cheaply for ``agentloop report``'s server timeline.
 
-The router (:class:`agentloop.routing.AsyncLLMServerManager`) calls :func:`record_generate` after every
-engine call it made (each piece of a resumed generation and each failover attempt that returned is one call).
-The call is recorded only inside :func:`collect_generate_calls`, which the worker opens around each sample:
-the list lives in a :class:`~contextvars.ContextVar`, so calls made from tasks the agent loop spawns land in
-the same sample's list, and outside a collection (tests, the gateway) recording is a single context-variable
-read.  :func:`attach_generate_calls` then puts the list on the sample's first trajectory as
-``extra_fields["generate_calls"]`` (a ``generate_calls`` object column of the saved DataProto; the sample's
-other trajectories get an empty list, so no call is counted twice).
-
-One call is a dict ``{"server", "start", "end", "prompt_tokens", "response_tokens", "stop_reason"}``:
-``server`` is the router's server index, ``start`` / ``end`` are wall-clock epoch seconds (``time.time()``,
-comparable across worker processes on one machine), measured around the server call once a server was chosen.
+The router calls :func:`record_generate` after every engine call; it records only inside
+:func:`collect_generate_calls`, which the worker opens around each sample (a context variable, so tasks the
+loop spawns land in the same list; elsewhere recording is one context-variable read), and
+:func:`attach_generate_calls` puts the list on the sample's first trajectory as
+``extra_fields["generate_calls"]``.  One call is ``{"server", "start", "end", "prompt_tokens",
+"response_tokens", "stop_reason"}`` (epoch seconds).  Spec: docs/report.md#per-request-timing.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """``agentloop verify``: recompute a saved rollout's log-probs with the HF model and check its tool/user-turn
 tokens against the chat template.
 
-Spec (:func:`verify_rollout`):
-
-1. Checks, before loading any weights: ``OUTPUT_DIR/rollout.dataproto`` exists and is a rollout, it has
-   ``rollout_log_probs`` (``calculate_log_probs``) and they are not all zero, ``--model`` is a local HF model
-   directory whose vocabulary holds every token id of the rollout.  Each failure is a one-line
-   :class:`~agentloop.errors.AgentLoopError` (CLI exit 2) saying how to fix it.
-2. Sampling parameters: the rollout's ``config.yaml`` in OUTPUT_DIR when there is one
-   (``actor_rollout_ref.rollout.temperature`` / ``top_k`` / ``top_p`` / ``logprobs_mode``), overridden by
-   the explicit arguments.  ``rollout_log_probs`` are the log-probs of the distribution the token was drawn
-   from (``logprobs_mode: processed_logprobs``, the default): ``log_softmax(logits / T)`` after top-k / top-p
-   truncation, renormalised; ``raw_logprobs`` is ``log_softmax(logits)`` (see
-   tests/integration/test_logprobs_temperature.py for the measurement behind this).
-3. Every trajectory's unpadded ``prompt + response`` goes through the HF model (fp32, CPU, no gradient), in
-   batches of rows of similar length; the log-prob of each response token with ``response_mask`` 1 is compared
-   with ``rollout_log_probs``.  Rows with sampled tokens but all-zero log-probs (a loop that returned none) are
-   skipped and counted.
-4. When the rollout saved its conversations (``messages`` column, ``multi_turn.return_messages``), each
-   trajectory's mask-0 tokens are checked against the chat template (:mod:`agentloop.report.template_check`).
-5. The verdict: passed when no compared token differs by more than ``atol`` and no template check failed.
+:func:`verify_rollout` checks the inputs before loading any weights (each failure a one-line
+:class:`~agentloop.errors.AgentLoopError`, CLI exit 2), recomputes every sampled token's log-prob with the
+HF model (fp32, CPU) under the rollout's sampling parameters (its ``config.yaml``, overridden by the
+arguments), compares them with ``rollout_log_probs``, runs the template check
+(:mod:`agentloop.report.template_check`) when conversations were saved, and returns the verdict: passed
+when no token differs by more than ``atol`` and no template check failed.
+Spec (the steps, the log-prob definition, the tolerance):
+docs/report.md#agentloop-verify-output_dir---model-path.
 """
 
 from __future__ import annotations
@@ -81,7 +70,7 @@ class VerifyResult:
 
 def sampling_of(output_dir: Path, temperature: float | None = None, top_k: int | None = None,
                 top_p: float | None = None, logprobs_mode: str | None = None) -> Sampling:
-    """The sampling parameters of the saved rollout (module docstring, step 2)."""
+    """The sampling parameters of the saved rollout (docs/report.md, verify step 2)."""
     spec = Sampling()
     config = output_dir / "config.yaml"
     if config.is_file():
@@ -271,7 +260,7 @@ def check_templates(tokenizer: Any, data: DataProto, result: VerifyResult) -> No
 
 
 def verify_rollout(output_dir: str | Path, model_path: str, spec: Sampling | None = None) -> VerifyResult:
-    """Run steps 1-4 of the module docstring on ``output_dir`` with the HF model at ``model_path``."""
+    """Run the checks of docs/report.md (verify) on ``output_dir`` with the HF model at ``model_path``."""
     directory = Path(output_dir).expanduser()
     data = load_rollout(directory)
     check_log_probs(data, directory / "rollout.dataproto")
