@@ -80,7 +80,8 @@ class Registry(MutableMapping[str, Any]):
                  expected: str = "", check: Callable[[Any], bool] | None = None, where: str = "",
                  fallback: Registry | None = None) -> None:
         self.kind, self.decorator, self.how, self.base = kind, decorator, how, base
-        self.expected = expected or (f"a {base.__name__} subclass" if base else "an object")
+        article = "an" if base is not None and base.__name__[:1] in "AEIOU" else "a"
+        self.expected = expected or (f"{article} {base.__name__} subclass" if base else "an object")
         self.check, self.where, self.fallback = check, where, fallback
         self._entries: dict[str, Entry] = {}
 
@@ -135,10 +136,10 @@ class Registry(MutableMapping[str, Any]):
             raise ConfigError(self.unknown_message(name))
         return found
 
-    def find(self, name: str) -> Entry | None:
-        """The entry registered as ``name`` (here, else in the fallback), or None."""
+    def find(self, name: str, local: bool = False) -> Entry | None:
+        """The entry registered as ``name`` here, else (unless ``local``) in the fallback; or None."""
         found = self._entries.get(name)
-        if found is None and self.fallback is not None:
+        if found is None and self.fallback is not None and not local:
             return self.fallback.find(name)
         return found
 
@@ -193,9 +194,9 @@ class Registry(MutableMapping[str, Any]):
         """Every registered name (the fallback's too), sorted."""
         return sorted(self.entries())
 
-    def entries(self) -> dict[str, Entry]:
-        """name -> entry, the fallback's first and this registry's over them."""
-        below = self.fallback.entries() if self.fallback is not None else {}
+    def entries(self, local: bool = False) -> dict[str, Entry]:
+        """name -> entry, the fallback's first (unless ``local``) and this registry's over them."""
+        below = self.fallback.entries() if self.fallback is not None and not local else {}
         return {**below, **self._entries}
 
     # ------------------------------------------------------------------ mapping protocol (objects)
@@ -209,13 +210,8 @@ class Registry(MutableMapping[str, Any]):
         self.add(name, obj, replace=True)
 
     def __delitem__(self, name: str) -> None:
-        """Unregister ``name`` here (or, when only the fallback has it, there)."""
-        if name in self._entries:
-            del self._entries[name]
-        elif self.fallback is not None:
-            del self.fallback[name]
-        else:
-            raise KeyError(name)
+        """Unregister ``name`` here (a fallback's registration is left alone: KeyError if only it has it)."""
+        del self._entries[name]
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.find(name) is not None
@@ -231,15 +227,15 @@ class Registry(MutableMapping[str, Any]):
 
 
 class EntryDictView(MutableMapping[str, dict[str, Any]]):
-    """A registry seen as verl's ``_agent_loop_registry``: name -> ``{"_target_": path, "_class_": cls,
-    **kwargs}`` (``_class_`` only once the object is known).  Writes register (replacing) in the
-    registry; a written dict needs ``_target_`` or ``_class_``."""
+    """A registry's own layer (not its fallback) seen as verl's ``_agent_loop_registry``: name ->
+    ``{"_target_": path, "_class_": cls, **kwargs}`` (``_class_`` only once the object is known).
+    Writes register (replacing) in the registry; a written dict needs ``_target_`` or ``_class_``."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
     def __getitem__(self, name: str) -> dict[str, Any]:
-        found = self.registry.find(name)
+        found = self.registry.find(name, local=True)
         if found is None:
             raise KeyError(name)
         head = {"_target_": found.target} if found.obj is None else {"_target_": found.target,
@@ -258,10 +254,10 @@ class EntryDictView(MutableMapping[str, dict[str, Any]]):
         del self.registry[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.registry)
+        return iter(self.registry.entries(local=True))
 
     def __len__(self) -> int:
-        return len(self.registry)
+        return len(self.registry.entries(local=True))
 
     def __repr__(self) -> str:
         return repr(dict(self.items()))
