@@ -1,24 +1,11 @@
 """AsyncLLMServerManager: the async client agent loops call to generate.
 
-``generate(request_id, *, prompt_ids, sampling_params, image_data=None) -> TokenOutput``:
-acquire a server from the balancer (sticky by request id, else least in-flight), call it, and
-release the in-flight slot when the call ends — on success, on error and on cancellation.
-Servers may be Ray actor handles or in-process objects implementing
-:class:`agentloop.servers.base.LLMServer` (e.g. :class:`agentloop.testing.ScriptedServer`); the
-balancer may be a local :class:`Balancer` or the GlobalBalancer actor.
-
-Failover: a request whose server turns out dead (its actor died, or it raises
-:class:`~agentloop.servers.base.ServerDeadError` because its engine process died) marks that server down in
-the balancer and is sent again, with the same prompt ids, to another server (at most ``max_failovers``
-times).  A multi-turn loop therefore keeps every token it has and only loses the prefix cache.  The manager
-restarts the dead server and swaps it back in with :meth:`AsyncLLMServerManager.replace_server`.
-
-Partial rollouts (``partial_rollout=True``, config ``async_training.partial_rollout``): a generation that a
-server :meth:`~agentloop.servers.base.LLMServer.pause` interrupted is sent again, once the server resumes, with
-the prompt plus the tokens generated so far and the rest of its ``max_tokens``; the pieces are joined so the agent
-loop sees one call (see :meth:`AsyncLLMServerManager.generate`).  Without it such a call returns ``aborted``,
-except when a weight update cut it (``rollout.server.weight_update: abort``, the default): that one is always
-resumed.
+``generate(request_id, *, prompt_ids, sampling_params, image_data=None) -> TokenOutput``: acquire a
+server from the balancer (sticky by request id, else least in-flight), call it, and release the
+in-flight slot when the call ends (success, error or cancellation).  A request whose server died fails
+over to another server with the same prompt ids; with ``partial_rollout`` a generation a server pause
+cut is resumed and the pieces joined.  Spec (failover, partial rollouts, output fields, verl's extra
+keywords): docs/routing.md#the-router-asyncllmservermanager.
 """
 
 from __future__ import annotations
@@ -151,28 +138,20 @@ class AsyncLLMServerManager:
         priority: int = 0,
         **kwargs: Any,
     ) -> TokenOutput:
-        """Generate on the server chosen for ``request_id``; see the module docstring.
+        """Generate on the server chosen for ``request_id``.
 
-        ``sticky_key`` (default: ``request_id``) is what routing sticks by, for callers whose
-        concurrent requests need distinct engine request ids but one server (the gateway's sessions).
+        Spec: docs/routing.md#the-router-asyncllmservermanager.  ``sticky_key`` (default: ``request_id``)
+        is what routing sticks by, for callers whose concurrent requests need distinct engine request
+        ids but one server (the gateway's sessions).  Returns one TokenOutput (the pieces of a resumed
+        generation joined), with ``server_index`` and the weight versions in ``extra_fields``.  verl
+        0.7–0.9's extra keywords (``video_data``, ``audio_data``, ``mm_processor_kwargs``, ...) are
+        accepted; ``video_data`` is passed on.
 
-        The output's ``extra_fields`` gain ``server_index`` and, when the server reports its weight version
-        ``global_steps``, ``min_global_steps`` / ``max_global_steps`` (both that version, as in verl).
-
-        With ``partial_rollout`` a call that a server pause interrupted (``TokenOutput.preempted_by_pause``)
-        is re-issued with the same request id (so the same server, once it resumes), ``prompt_ids`` plus the
-        tokens so far and ``max_tokens`` less those tokens (the limit of the first piece when the caller gave
-        none), until a piece ends otherwise.  The result is one TokenOutput: ids and log-probs concatenated, the
-        last piece's stop reason, ``num_preempted`` = resumes (when any), and ``extra_fields`` with the last
-        piece's ``global_steps``, ``min_global_steps`` / ``max_global_steps`` over the pieces and
-        ``weight_versions`` (the weight version that sampled each token).  A caller's own :meth:`abort` is
-        never resumed.
-
-        The other keywords are the ones verl 0.7–0.9 loops pass (``video_data``, ``audio_data``,
-        ``mm_processor_kwargs``, ``mm_processor_output``, ``priority``, anything else): accepted so those
-        loops run unchanged.  ``video_data`` is passed to the server (vLLM: ``multi_modal_data["video"]``,
-        docs/multimodal.md); audio is refused (no engine path for it here yet; see docs/porting-from-verl.md),
-        the rest is not used by the vLLM text/image path.
+        Raises:
+            ServerDeadError: the server died and no failover is left (``max_failovers`` used, or every
+                server down).
+            NotImplementedError: ``audio_data`` given, or ``video_data`` to a server without it.
+            Exception: any other error the server raised, as it raised it (not Ray's wrapper).
         """
         if audio_data:
             raise NotImplementedError(
