@@ -1,21 +1,11 @@
 """``agentloop port FILE... [--write]``: rewrite a verl agent-loop file's imports to agentloop's.
 
-Spec:
-
-* Only import statements are edited (found with :mod:`ast`), and in them only the module names (located
-  with :mod:`tokenize`), so aliases, parentheses, line breaks and comments stay as they are; strings,
-  comments and relative imports are never touched.
-* ``from verl.x import a, b`` / ``import verl.x`` / ``import verl.x as y`` / ``from verl import DataProto``:
-  the module is looked up in :data:`~agentloop.compat.import_map.VERL_IMPORT_MAP` (it must be a key).
-* After a plain ``import verl.x`` (no ``as``) the code names the module as ``verl.x.attr``; those dotted
-  references are rewritten too, by the longest map key that prefixes them.
-* A verl module that is not in the map leaves its statement unchanged and is reported (stderr, with the
-  docs section); so is ``from verl.pkg import submodule`` when the submodule moved elsewhere in agentloop.
-* With name checking on (the default), each name a rewritten ``from`` import pulls is looked up in its
-  agentloop module, which imports agentloop (a few seconds); a missing name is reported.
-* The result is idempotent: porting a ported file changes nothing.
-* CLI: prints a unified diff to stdout, edits in place with ``--write``; exit status 1 when anything was
-  reported, else 0.
+:func:`port_source` rewrites only the module names in import statements (and, after a plain
+``import verl.x``, the ``verl.x.attr`` references) by :data:`~agentloop.compat.import_map.VERL_IMPORT_MAP`,
+keeping everything else byte for byte; the result is idempotent.  Modules not in the map, moved
+submodules and (with name checking) names the agentloop module lacks are reported, not raised; the CLI
+prints a diff (``--write`` edits in place) and exits 1 when anything was reported.
+Spec: docs/porting-from-verl.md#agentloop-port.
 """
 
 from __future__ import annotations
@@ -145,7 +135,7 @@ def _common_parent(module: str, names: list[ast.alias]) -> str | None:
 
 
 class _Porter:
-    """One pass over one file: collects edits and issues (see the module docstring)."""
+    """One pass over one file: collects edits and issues (docs/porting-from-verl.md#agentloop-port)."""
 
     def __init__(self, text: str, check_names: bool) -> None:
         self.src = _Source(text)
@@ -281,7 +271,7 @@ def _missing_name(verl_module: str, target: str, name: str) -> str | None:
 
 
 def port_source(text: str, path: str = "<string>", *, check_names: bool = True) -> PortResult:
-    """Port the source ``text`` of one file (see the module docstring); ``path`` only labels the result."""
+    """Port the source ``text`` of one file (docs/porting-from-verl.md); ``path`` only labels the result."""
     try:
         tree = ast.parse(text, filename=path)
     except SyntaxError as e:
