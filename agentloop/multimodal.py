@@ -1,21 +1,10 @@
 """Images (and videos) in rollouts: decoding, placeholder expansion, ``multi_modal_inputs`` and M-RoPE ids.
 
-What a vision-language rollout needs beyond text, with verl 0.9's layout (docs/multimodal.md):
-
-* :func:`decode_images` turns what a dataset or tool holds (PIL image, encoded bytes, ``{"bytes": ...}`` /
-  ``{"path": ...}`` / ``{"image": ...}`` dicts, a file path) into RGB PIL images; one that cannot be
-  decoded raises :class:`ImageDecodeError` naming the image, so the sample ends with status ``error``.
-* :func:`expand_image_pads` turns the chat template's one ``<|image_pad|>`` per image into as many pads as
-  the image has merged patches, exactly as ``processor(text=..., images=...)`` does, so the prompt ids
-  the engine gets equal the processor's rendering (vLLM then finds its placeholders already expanded).
-* :func:`add_multimodal_outputs` (called by the worker after padding) adds the ``multi_modal_inputs``
-  column (per row: ``pixel_values`` and ``image_grid_thw``, ``{}`` for rows without images) and, for
-  M-RoPE processors (Qwen2-VL family), replaces ``position_ids`` [B, L] by [B, 4, L]: row 0 the text
-  positions (verl: ``arange`` over the attended tokens, 1 on padding), rows 1-3 the temporal / height /
-  width positions of Qwen2-VL's ``get_rope_index`` (0 on padding).
-
-Videos: ``video_data`` is passed through to the engine (``multi_modal_data["video"]``); M-RoPE ids of
-video tokens follow Qwen2-VL (one temporal step per merged frame pair); videos are not decoded here.
+:func:`decode_images` turns what a dataset or tool holds into RGB PIL images (raises
+:class:`ImageDecodeError` naming the image); :func:`expand_image_pads` expands each image's placeholder to
+its token count exactly as the processor renders it; :func:`add_multimodal_outputs` adds verl 0.9's
+``multi_modal_inputs`` column and, for M-RoPE processors, ``position_ids`` of shape [B, 4, L].  Videos are
+passed through to the engine, not decoded here.  Spec: docs/multimodal.md#what-happens.
 """
 
 from __future__ import annotations
