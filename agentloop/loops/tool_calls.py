@@ -1,21 +1,10 @@
 """Running the tool calls of one assistant turn.
 
-Every call the policy made gets exactly one tool message back, in order:
-
-* an unknown tool → an error naming the available tools;
-* a malformed call (parser ``error``) → ``Error: <why>``;
-* a call beyond ``max_parallel_calls`` → an error saying the limit (verl drops these silently);
-* a tool that raises or exceeds its timeout → an error with the exception or the timeout;
-* otherwise the tool's text, truncated to ``max_tool_response_length`` characters
-  (``left``: keep the start; ``right``: keep the end; anything else: keep both ends).
-
-``create`` / ``execute`` / ``release`` run per call; ``release`` always runs (its failure is logged, the
-tool message stays).  Timeouts, for every kind of tool (``BaseTool`` subclasses and ``@function_tool``
-functions alike): the tool's own ``config.timeout`` (YAML ``config: {timeout: ...}`` or
-``@function_tool(timeout=...)``) when it is set, else the runner's ``timeout`` (``multi_turn.tool_timeout``);
-0 or None means no limit.  Each of ``create``, ``execute`` and ``release`` is bounded by it.  A method
-written as a plain ``def`` runs in the tool executor's thread pool (:mod:`agentloop.tools.executor`), so a
-blocking tool never stalls the other samples of the worker; a timed-out thread runs on in the background.
+:class:`ToolRunner` gives every call the policy made exactly one tool message back, in order: the tool's
+text (truncated to ``max_tool_response_length``), or an error message for an unknown tool, a malformed
+call, a call beyond ``max_parallel_calls``, an exception or a timeout; it never raises for a tool's
+failure.  ``create`` / ``execute`` / ``release`` run per call, each bounded by the tool's own timeout or
+``multi_turn.tool_timeout``; ``release`` always runs.  Spec: docs/tools.md#the-tool_agent-loop (Tools).
 """
 
 from __future__ import annotations
