@@ -1,19 +1,11 @@
 """Reading rollout datasets in verl's RL format into a DataProto.
 
-Rows (parquet or JSONL) hold ``prompt`` (a chat messages list; the column is ``data.prompt_key``),
-optionally ``agent_name``, ``data_source``, ``reward_model`` and ``extra_info`` (with ``index``,
-``tools_kwargs`` and ``interaction_kwargs``, as verl's preprocessing writes them).  The batch gets
-``raw_prompt`` (the messages), ``index`` (``extra_info.index`` or the row number), ``tools_kwargs`` and
-``interaction_kwargs`` (from ``extra_info``, as verl's RLHFDataset does, unless the row has its own column),
-``uid`` (one per sample, shared by its ``n`` repeats) and every other column as an object array.
-
-A trainer that builds its own batches uses :func:`repeat_for_rollout` for verl's GRPO contract: one ``uid``
-per prompt, then ``n`` interleaved copies, so the ``n`` samples of a prompt are adjacent and share its ``uid``.
-
-Rows are checked when read, before Ray or an engine starts: each prompt must be a non-empty list of messages,
-each a dict with a string ``role`` and a ``content`` that is a string or a list of content parts (dicts with a
-string ``type``), or null for an assistant message with ``tool_calls``.  A :class:`DatasetError` names the file,
-the row (from 0; JSONL rows also give their line), the column and what was found.
+:func:`load_dataset` reads parquet or JSONL rows (``prompt``, optional ``agent_name``, ``data_source``,
+``reward_model``, ``extra_info``) into a batch with ``raw_prompt``, ``index``, ``tools_kwargs``,
+``interaction_kwargs``, ``uid`` and every other column (:func:`rows_to_batch` for rows in memory);
+:func:`repeat_for_rollout` gives verl's GRPO layout (one ``uid`` per prompt, ``n`` interleaved copies).
+Rows are checked when read, before Ray or an engine starts: a :class:`~agentloop.errors.DatasetError`
+names the file, the row, the column and what was found.  Spec: docs/config.md#dataset-rows.
 """
 
 from __future__ import annotations
