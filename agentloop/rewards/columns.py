@@ -1,17 +1,10 @@
 """The reward columns of a rollout batch, and the one rule that builds them.
 
-When a batch has any reward source (a custom reward function is configured, or any row has a
-``reward_score``) it carries, for every row:
-
-* ``rm_scores`` [B, R] float32: the row's score on its last real response token (column 0 for an empty
-  response), zeros elsewhere; an all-zero row when the row has no reward;
-* ``reward_valid`` [B] int8: 1 when the row has a finite reward, 0 when it has none (failed sample, scorer
-  error or timeout, no source for that row); mask with it, never read a 0 in ``rm_scores`` as a score;
-* ``reward_error`` (object): None on valid rows, else why the row has no reward.
-
-A row is never given a value it did not earn: a chunk of rows that had no reward source at all gets the
-same columns with every row invalid (:func:`complete_reward_columns`), and a chunk in verl's layout
-(``rm_scores`` without ``reward_valid``, which verl emits only when every row has a score) is all valid.
+When a batch has any reward source (a configured reward function or tool rewards, or a row with a
+``reward_score``), every row gets ``rm_scores`` [B, R] (the score on the last real response token),
+``reward_valid`` [B] (1: the row has a finite reward) and ``reward_error`` (why not).  A row is never
+given a value it did not earn: :func:`complete_reward_columns` gives a chunk without a reward source the
+same columns with every row invalid.  Spec: docs/concepts.md#rewards (Columns, Concatenating).
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ def _reason(output: AgentLoopOutput) -> str:
 def reward_columns(
     outputs: Sequence[AgentLoopOutput], resp_valid: np.ndarray
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``(tensor columns, non-tensor columns)`` of the module docstring for padded ``outputs``.
+    """``(tensor columns, non-tensor columns)`` (docs/concepts.md#rewards) for padded ``outputs``.
 
     ``resp_valid`` is the ``[B, R]`` boolean mask of real response tokens.
     """
@@ -90,7 +83,7 @@ def reward_extra_columns(
 
 
 def complete_reward_columns(part: DataProto, rm_scores_like: torch.Tensor) -> None:
-    """Give a worker's chunk the reward columns by the module's rule (in place), before concatenation.
+    """Give a worker's chunk the reward columns (docs/concepts.md#rewards; in place) before concatenation.
 
     ``rm_scores_like`` is another chunk's ``rm_scores`` (for the width and dtype).  A chunk
     without ``rm_scores`` had no reward source: every row gets ``rm_scores`` 0, ``reward_valid`` 0 and a

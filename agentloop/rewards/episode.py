@@ -1,18 +1,11 @@
 """The episode reward rule: which trajectories of a multi-trajectory sample get the episode's reward.
 
-A sample whose loop returns k > 1 trajectories (context-edit snapshots, gateway compaction branches) is one
-*episode*.  Its reward ``E`` is the final (last) trajectory's outcome score: the ``custom_reward_function``'s
-score of that trajectory when a function is configured (the function is called on the final trajectory only),
-else the ``reward_score`` the loop set on it.  ``multi_turn.reward_to`` spreads ``E`` over the trajectories:
-
-* ``all`` (default): every trajectory ``i`` gets ``E``;
-* ``last``: the final trajectory gets ``E``, the others 0;
-* ``discounted``: trajectory ``i`` gets ``gamma ** (k - 1 - i) * E`` (``multi_turn.reward_gamma``).
-
-What a trajectory earned on its own stays on it, added to its share: the ``reward_score`` a loop set on a
-non-final trajectory (e.g. a turn score) and, with ``custom_reward_function.add_tool_rewards``, the sum of its
-own ``tool_rewards``.  See :mod:`agentloop.rewards.scoring` for the whole rule and docs/context.md for why
-``all`` is the default.
+A sample whose loop returns k > 1 trajectories is one episode; its reward ``E`` is the final trajectory's
+(its own ``reward_score``, else the configured function's score of it; :mod:`agentloop.rewards.scoring`).
+:func:`reward_shares` gives each trajectory's share of ``E`` by ``multi_turn.reward_to``: ``all`` (1 each,
+the default), ``last`` (0 except the final) or ``discounted`` (``reward_gamma ** (k - 1 - i)``);
+:class:`EpisodeRewardConfig` reads and checks the two keys (both raise
+:class:`~agentloop.errors.ConfigError` for a bad value).  Spec: docs/context.md#rewards-across-trajectories.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Tail-aware request priority (config ``actor_rollout_ref.rollout.server.priority``).
 
-A priority policy maps a generate call to the engine priority vLLM's ``scheduling_policy: priority`` orders its
-waiting requests by (lowest value first, ties in arrival order).  It only matters when a server has more
-requests than it runs at once (``max_num_seqs``): then, instead of first come first served, the turns of the
-trajectories that are furthest along run first.
-
-:class:`ContextPriority` ranks a turn by its prompt length — a trajectory's context grows with every turn and
-tool result, and with heavy-tailed workloads a trajectory that has come far is the one most likely to go on
-longest (and, in the Rollouter with a staleness bound, the one whose tokens are closest to being thrown away).
-The router computes it from the ``prompt_ids`` it already has; nothing else is tracked.
-
-What it buys, in the rollout simulator (``python scripts/sim_rollout.py``; docs/routing.md): nothing in a
-synchronous batch (the batch rarely queues; the tail is decode speed, not waiting), and in the Rollouter regime
-with ``max_staleness: 1`` fewer trajectories go stale (less work thrown away).  Off by default.
+A priority policy is a callable ``(request_id, prompt_len) -> int``: the engine priority (lower runs first)
+the router sends with each call, which matters only when a server queues.  :class:`ContextPriority` ranks a
+turn by its prompt length, so the trajectories that have come furthest go first; :func:`make_priority`
+builds one from the config value (ConfigError for an unknown name).  Off by default.
+Spec and measurements: docs/routing.md#tail-aware-priority-serverpriority.
 """
 
 from __future__ import annotations
