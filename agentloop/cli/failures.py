@@ -1,17 +1,11 @@
 """Exit codes of the ``agentloop`` CLI and the verdict on a finished rollout's failed rows.
 
-Exit codes:
-
-* ``0`` — the rollout finished and at most ``rollout.agent.max_failure_fraction`` of its rows failed;
-* ``1`` — an unexpected exception (a bug, or a crash of Ray or an engine): its traceback is printed;
-* ``2`` — bad input (config, dataset, model path, ...): any :class:`agentloop.errors.AgentLoopError`, printed as
-  one line ``agentloop: error: <message>`` before Ray or an engine starts where it can be detected that early;
-* ``3`` — the rollout ran and wrote its outputs, but more than ``max_failure_fraction`` of its rows ended with
-  status ``error`` or ``timeout``; the most common error messages are printed.
-
-A row with status ``error`` or ``timeout`` is a sample the rollout could not produce (an exception escaped
-the agent loop, a server failed, ``agent.sample_timeout`` fired).  Statuses such as ``tool_error`` or
-``parse_error`` are the policy's behaviour, i.e. training data, and never count as failures.
+0: finished, at most ``rollout.agent.max_failure_fraction`` of the rows failed; 1: an unexpected exception
+(traceback printed); 2: bad input, any :class:`agentloop.errors.AgentLoopError`, printed as one line
+``agentloop: error: <message>``; 3: the outputs were written but more than ``max_failure_fraction`` of the
+rows ended ``error`` or ``timeout`` (the most common messages printed).  Only ``error`` / ``timeout`` rows
+count as failed: ``tool_error``, ``parse_error`` and the like are the policy's behaviour (training data).
+Spec: docs/config.md#exit-codes.
 """
 
 from __future__ import annotations

@@ -2,21 +2,11 @@
 
     agentloop rollout [--config FILE.yaml ...] key=value ...
 
-The config is ``agentloop/configs/rollout.yaml`` merged with each ``--config`` (if given, in order) and then
-the Hydra-style overrides.  Writes to ``output_dir``:
-
-* ``rollout.dataproto`` — the padded DataProto (``DataProto.load_from_disk``);
-* ``trajectories.jsonl`` — one line per trajectory: decoded prompt and response, num_turns, status,
-  lengths, reward;
-* ``summary.json`` — wall time, reward, throughput (sampled tokens and all response tokens), length / turn /
-  status statistics, ``failed_rows``.
-
-A ``report.html`` and ``report/`` left in ``output_dir`` by an earlier run are removed (they described that run).
-
-Exit codes: 0 done; 1 an unexpected exception (traceback printed); 2 bad input — any agentloop error
-(config, dataset, model path, ...) printed as one line ``agentloop: error: <message and fix>``, found before
-Ray starts wherever possible; 3 the outputs were written but more than ``rollout.agent.max_failure_fraction``
-of the rows ended with status ``error`` / ``timeout`` (the most common error messages are printed).
+The config is ``agentloop/configs/rollout.yaml`` merged with each ``--config`` in order, then the
+Hydra-style overrides.  Writes ``rollout.dataproto``, ``trajectories.jsonl`` and ``summary.json`` to
+``output_dir`` (and removes a ``report.html`` / ``report/`` an earlier run left there).  Exit codes
+(:mod:`agentloop.cli.failures`): 0 done, 1 an unexpected exception, 2 bad input (one line), 3 too many
+failed rows.  Spec: README.md "The rollout job", docs/config.md#exit-codes.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Every key of verl's rollout-facing config subtrees, with verl's default and what agentloop does with it.
 
-Three subtrees are covered: ``actor_rollout_ref.rollout`` (:data:`ROLLOUT`), ``actor_rollout_ref.model``
-(:data:`MODEL`) and ``data`` (:data:`DATA`).  Keys and defaults are those of verl 0.9.1's generated trainer
-config (``verl/trainer/config/_generated_ppo_trainer.yaml``), plus the few keys verl reads from its config
-dataclasses without listing them there, a few that verl 0.6.1 still had, and agentloop's own keys
-(``agentloop/configs/rollout.yaml``, marked ``agentloop:`` there).
-
-Each key is one of
-
-* ``honoured`` — agentloop does what verl does with it (our default may differ; see docs/config.md);
-* ``irrelevant`` — it cannot change what a rollout produces (trainer-side, weight-sync transport,
-  profiling, or only read when another key turns a feature on, and that key is checked);
-* ``unsupported`` — it would change behaviour and agentloop does not implement it: a value other than
-  verl's default is reported at start-up (a warning; an error under ``rollout.agent.strict_config=true``).
-
-A key in none of the tables (and not in ``agentloop/configs/rollout.yaml``) is unknown: a ConfigError unless
-``rollout.agent.strict_config=false``.
+:data:`ROLLOUT` (``actor_rollout_ref.rollout``), :data:`MODEL` (``actor_rollout_ref.model``) and
+:data:`DATA` (``data``) hold verl 0.9.1's generated trainer config keys (plus a few read from verl's
+dataclasses or left from 0.6.1) and agentloop's own, each ``honoured``, ``irrelevant`` (cannot change a
+rollout) or ``unsupported`` (a non-default value is reported at start-up).  A key in none of them (and not
+in ``agentloop/configs/rollout.yaml``) is unknown: a ConfigError unless ``rollout.agent.strict_config`` is
+false.  Spec: docs/config.md#no-silent-config.
 """
 
 from __future__ import annotations
