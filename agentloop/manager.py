@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import ray
 import ray.exceptions
 from omegaconf import DictConfig
@@ -33,8 +32,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from agentloop.batch_metrics import align_keys, performance_metrics
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, resolve_config
+from agentloop.dispatcher import Dispatcher, Group, split_groups
 from agentloop.loops.base import resolve_registry
-from agentloop.manager_weights import WeightUpdateMixin
+from agentloop.manager_weights import WeightSync
 from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.routing.balancer_actor import create_global_balancer
@@ -44,12 +44,11 @@ from agentloop.servers.supervisor import ServerSupervisor
 from agentloop.types import RolloutStatus
 from agentloop.utils.hangwatch import HangWatch
 from agentloop.worker import AgentLoopWorker, check_batch, error_batch
-from agentloop.workerpool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
 
-class AgentLoopManager(WeightUpdateMixin):
+class AgentLoopManager:
     """Owns the rollout servers and agent-loop workers.
 
     Args (verl's, 0.6–0.9):
@@ -67,12 +66,20 @@ class AgentLoopManager(WeightUpdateMixin):
         teacher_client, reward_loop_worker_handles: verl 0.9's distillation / reward-loop hooks; not
             supported (a ConfigError when given).
         model_path: required with a rollout-only config; overrides the model path otherwise.
+        servers: servers started elsewhere that this manager owns as if it had started them (it restarts a dead
+            one through ``servers.relaunch`` and stops them at :meth:`shutdown`): the injection point for tests
+            (e.g. :class:`agentloop.testing.ScriptedServer` actors) and placements of your own.  None: started
+            from the config.
+
+    Parts: ``workers`` (:class:`agentloop.dispatcher.Dispatcher`: the worker actors and every dispatch to them),
+    ``supervisor`` (:class:`agentloop.servers.supervisor.ServerSupervisor`: dead servers found and restarted),
+    ``weights`` (:class:`agentloop.manager_weights.WeightSync`: weight updates, pause and resume).
     """
 
     def __init__(
         self, config: DictConfig | dict[str, Any], worker_group: Any = None, rollout_resource_pool: Any = None,
         rm_resource_pool: Any = None, *, llm_client: Any = None, teacher_client: Any = None,
-        reward_loop_worker_handles: Any = None, model_path: str | None = None,
+        reward_loop_worker_handles: Any = None, model_path: str | None = None, servers: ServerGroup | None = None,
     ) -> None:
         self.config: AgentLoopConfig = resolve_config(config, model_path=model_path)  # fails before Ray
         self.rollout = self.config.rollout
@@ -86,6 +93,8 @@ class AgentLoopManager(WeightUpdateMixin):
         self._owns_servers = llm_client is None
         if llm_client is not None:
             self.servers: ServerGroup = ServerGroup(list(llm_client.server_handles), None, "shared", [], "shared")
+        elif servers is not None:
+            self.servers = servers
         elif worker_group is not None:
             self.servers = start_colocated_servers(self.config, worker_group, rollout_resource_pool)
         else:
@@ -101,17 +110,21 @@ class AgentLoopManager(WeightUpdateMixin):
         )
         self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
         self._gateway_hangs: HangWatch[int] = HangWatch()
-        agent = self.rollout.agent
+        agent, server = self.rollout.agent, self.rollout.server
+        self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
+                                           restart=bool(server.get("restart_dead", True)))
+        update_timeout = server.get("weight_update_timeout")
+        self.weights = WeightSync(self.supervisor, backend=str(self.rollout.name), mode=str(server.weight_update),
+                                  timeout_s=float(update_timeout) if update_timeout else None, wake_up=self.wake_up)
         timeout = agent.get("batch_timeout")
-        self.workers = WorkerPool(
+        self.workers = Dispatcher(
             spawn=self._spawn_worker, num_workers=int(agent.num_workers), error_rows=self._error_rows,
             balancer=self.balancer, max_sample_retries=int(agent.get("max_sample_retries", 1)),
             batch_timeout=float(timeout) if timeout else None,
-            tick=self._watch if self.rollout.server.get("stall_timeout") else None,
+            tick=self._watch if server.get("stall_timeout") else None,
             hang_s=float(agent.stall_timeout) if agent.get("stall_timeout") else None,
+            weight_version=lambda: self.weights.version,
         )
-        self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
-                                           restart=bool(self.rollout.server.get("restart_dead", True)))
         self._nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         try:
             self._wait_for_workers()
@@ -120,6 +133,11 @@ class AgentLoopManager(WeightUpdateMixin):
             raise
         if self.rollout.free_cache_engine:
             self.sleep()
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the servers serve: what :meth:`update_weights` returned last (0 before)."""
+        return self.weights.version
 
     @property
     def agent_loop_workers(self) -> list[Any]:
@@ -191,13 +209,12 @@ class AgentLoopManager(WeightUpdateMixin):
         back in the batch's order), so both share one fault path (docs/faults.md).
         """
         t0 = time.perf_counter()
-        prompts = self._prepare(prompts)
-        outputs = self.workers.run(prompts)
-        failovers = sum(int((o.meta_info.pop("faults", None) or {}).get("server_failovers", 0))
-                                           for o in outputs)
+        prompts = self.prepare(prompts)
+        parts = self.workers.run(prompts)
+        failovers = sum(p.stats.server_failovers for p in parts)
         # per-row metrics stay a list in row order (verl's concat would fold the workers' lists into a dict)
-        metrics = [m for o in outputs for m in (o.meta_info.pop("metrics", None) or [])]
-        output = DataProto.concat(align_keys(outputs))
+        metrics = [m for p in parts for m in p.stats.metrics]
+        output = DataProto.concat(align_keys([p.rows for p in parts]))
         if self._owns_servers:
             self.supervisor.check()
         if self.rollout.free_cache_engine:
@@ -221,21 +238,14 @@ class AgentLoopManager(WeightUpdateMixin):
         requests.  Sync iterator; use it from a thread in async code.
         """
         t0 = time.perf_counter()
-        prompts = self._prepare(prompts)
-        keys = prompts.non_tensor_batch.get(group_by) if group_by else None
-        if keys is None:
-            order, starts = np.arange(len(prompts)), list(range(len(prompts)))
-        else:
-            first: dict[Any, int] = {}
-            ids = np.array([first.setdefault(k, len(first)) for k in keys.tolist()])
-            order = np.argsort(ids, kind="stable")  # each group's rows next to each other, groups in batch order
-            starts = np.flatnonzero(np.r_[True, np.diff(ids[order]) != 0]).tolist()
-        batch = prompts if np.array_equal(order, np.arange(len(prompts))) else prompts.select_idxs(order)
+        prompts = self.prepare(prompts)
+        groups = [Group(rows, key=i) for i, rows in enumerate(split_groups(prompts, group_by))]
         try:
-            for _, rows in self.workers.stream(batch, starts):
-                failovers = int((rows.meta_info.pop("faults", None) or {}).get("server_failovers", 0))
+            for part in self.workers.stream(groups, global_steps=prompts.meta_info["global_steps"]):
+                rows = part.rows
+                rows.meta_info["metrics"] = part.stats.metrics
                 timing = performance_metrics(rows, time.perf_counter() - t0)
-                timing.update(self._fault_metrics(failovers))
+                timing.update(self._fault_metrics(part.stats.server_failovers))
                 rows.meta_info = {**rows.meta_info, "timing": timing}
                 yield rows
         finally:
@@ -244,11 +254,17 @@ class AgentLoopManager(WeightUpdateMixin):
             if self.rollout.free_cache_engine:
                 self.sleep()
 
-    def _prepare(self, prompts: DataProto) -> DataProto:
-        """Checks and set-up before a batch: names, gateways, wake-up, restarted servers put back."""
+    def prepare(self, prompts: DataProto) -> DataProto:
+        """Check a batch and get ready for it: the one batch check (:func:`agentloop.worker.check_batch`), gateways
+        started or replaced, servers woken, restarted servers put back, the sticky cache grown.  Returns the batch
+        with ``meta_info["global_steps"]`` (default: :attr:`weight_version`; a copy, the caller's is left as it is).
+
+        Raises:
+            DatasetError, UnknownAgentError: the batch check failed (before anything ran).
+        """
         if "global_steps" not in prompts.meta_info:  # a copy: the caller's batch is left as it is
             prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
-                                meta_info={**prompts.meta_info, "global_steps": self._weight_version})
+                                meta_info={**prompts.meta_info, "global_steps": self.weight_version})
         names = check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
         if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
             self.start_gateways()
@@ -256,7 +272,7 @@ class AgentLoopManager(WeightUpdateMixin):
             self._replace_dead_gateways()
         if self.rollout.free_cache_engine:
             self.wake_up()
-        self.supervisor.poll(self._weight_version)
+        self.supervisor.poll(self.weight_version)
         self.grow_sticky_cache(2 * len(prompts))
         return prompts
 
@@ -299,13 +315,13 @@ class AgentLoopManager(WeightUpdateMixin):
         ``servers_down``, ``servers_restarting``, ``servers_awaiting_weights`` (restarted after a weight update:
         they rejoin after the next :meth:`update_weights`), ``workers``, ``workers_starting``.  Restarts begin when a
         batch finds a server dead (after each batch) or a worker dies."""
-        self.supervisor.poll(self._weight_version, wait_s=timeout)
-        self.workers._poll_replacements(timeout)
+        self.supervisor.poll(self.weight_version, wait_s=timeout)
+        self.workers.poll_replacements(timeout)
         waiting = len(self.supervisor.awaiting_weights())
         return {"servers_down": len(self.supervisor.down),
                 "servers_restarting": len(self.supervisor.restarting) - waiting, "servers_awaiting_weights": waiting,
                 "workers": len(self.workers.handles),
-                "workers_starting": sum(1 for s in self.workers.slots if s.ready is not None and not s.dead)}
+                "workers_starting": sum(1 for s in self.workers.slots if s.starting)}
 
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> AgentLoopManager:
@@ -361,16 +377,50 @@ class AgentLoopManager(WeightUpdateMixin):
         With ``async_training.partial_rollout: true`` the routers re-issue each cut request after the resume with
         its tokens so far, so agent loops see one uninterrupted generation (docs/concepts.md, "Pause, resume and
         partial rollouts"); otherwise cut requests end ``aborted``.  Returns how many requests were cut."""
-        self._paused = True
-        return int(sum(self._each_server("pause").values()))
+        return self.weights.pause()
 
     def resume(self) -> None:
         """Let the servers run the held and re-issued requests again (after :meth:`pause`)."""
-        self._each_server("resume")
-        self._paused = False
+        self.weights.resume()
 
-    _paused = False
-    """Between :meth:`pause` and :meth:`resume`."""
+    def update_weights(self, weights: Any, *, global_steps: int | None = None, bucket_mb: float = 512) -> int:
+        """Load new policy weights into every server; returns the new weight version.
+
+        ``weights``: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full, unsharded
+        tensors, any device), read once and lazily.  They travel in buckets of about ``bucket_mb`` MiB: each
+        bucket is put in the object store once and shared by all servers, the next one is packed while the
+        servers load the current one, and the model is never one object.  Sleeping servers are woken first
+        (and left awake).  New requests wait until the update is done and the prefix cache is reset.  What
+        happens to the requests in flight is ``rollout.server.weight_update`` (docs/async.md): ``abort`` (the
+        default; verl's fully-async partial rollout) cuts them (:meth:`pause`) and the routers re-issue them after
+        the update with their tokens so far (per-token ``weight_versions``); ``drain`` lets them finish on the old
+        weights first; ``keep`` (vLLM) freezes them and they go on with the new weights on their KV cache (prefix
+        cache kept; per-token ``weight_versions``).  ``global_steps`` (default: the previous version + 1; servers start
+        at 0) is what every later generation reports as ``extra_fields["global_steps"]`` and trajectories as
+        ``min_global_steps`` / ``max_global_steps``.  Protocol and engine path: :mod:`agentloop.servers.weight_sync`.
+        A server that dies during the update, or gives no answer to one of its steps within
+        ``rollout.server.weight_update_timeout`` seconds, is taken out and restarted and the update goes on with
+        the others (the restarted one loads the weights at the next update; docs/faults.md).
+
+        Raises:
+            ServerError: see :meth:`agentloop.manager_weights.WeightSync.update`.
+        """
+        return self.weights.update(weights, global_steps=global_steps, bucket_mb=bucket_mb)
+
+    def set_weight_update(self, mode: str) -> None:
+        """Switch ``rollout.server.weight_update`` (``abort`` | ``drain`` | ``keep``) for later updates, on the
+        manager and every server (refused by a server while requests run on it or an update is open).
+
+        Raises:
+            ValueError: an unknown mode, or ``keep`` on a backend other than vLLM.
+        """
+        self.weights.set_mode(mode)
+        self.rollout.server.weight_update = mode  # servers restarted later start with it
+
+    def _update_weights_whole(self, named_tensors: dict[str, Any], *, global_steps: int | None = None,
+                              transport: str = "file") -> int:
+        """The pre-streaming path (scripts/bench_weight_sync.py): :meth:`WeightSync.update_whole`."""
+        return self.weights.update_whole(named_tensors, global_steps=global_steps, transport=transport)
 
     @property
     def can_sleep(self) -> bool:

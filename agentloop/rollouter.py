@@ -12,18 +12,18 @@
 
 A background thread (the only one; everything else is Ray) takes prompt batches from the iterator, splits
 them into groups (rows sharing ``group_by``, e.g. ``uid``: the ``n`` samples of a prompt) and keeps up to
-``max_inflight`` samples running on the AgentLoopWorkers, each dispatch a Ray streaming generator
-(:meth:`AgentLoopWorker.generate_sequences_stream`) whose groups come back as they finish.  Finished groups
-wait in a queue for :meth:`Rollouter.get`.
+``max_inflight`` samples running on the AgentLoopWorkers through the manager's dispatcher
+(:mod:`agentloop.dispatcher`: each dispatch a Ray streaming generator whose groups come back as they finish).
+Finished groups wait in a queue for :meth:`Rollouter.get`.
 
 Staleness (AReaL's eta): a group's staleness is the current weight version minus the oldest version its tokens
 were generated with (``min_global_steps``).  With ``max_staleness`` set, a group that is too stale when it
 finishes or when :meth:`Rollouter.get` would hand it out is dropped and its prompts rolled out again, and a
 dispatch still running when the weights have moved more than
 ``max_staleness`` versions past the version it started at is cancelled (its engine requests aborted) and its
-unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A dead (or hung, killed) worker's
-unfinished groups are rolled out again too, each at most ``agent.max_sample_retries`` times, then handed out as
-``error`` rows (the worker is replaced, as in :mod:`agentloop.workerpool`).
+unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A dead (or hung, killed) worker is
+handled by the dispatcher as in ``generate_sequences``: it is replaced and its unfinished groups are rolled out
+again, each at most ``agent.max_sample_retries`` times, then handed out as ``error`` rows.
 
 :meth:`Rollouter.metrics` reports queue lengths, samples in flight, the staleness histogram of the groups
 handed out, groups re-run for staleness or faults, and the engine-busy fraction: the share of wall time since
@@ -39,31 +39,15 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import ray
-import ray.exceptions
 
 from agentloop.batch_metrics import align_keys
-from agentloop.errors import first_line
+from agentloop.dispatcher import DispatchRun, Finished, Group, split_groups
 from agentloop.protocol import DataProto
-from agentloop.types import RolloutStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Job:
-    groups: list[DataProto]
-    slot: Any
-    version: int
-    """The weight version when it was dispatched."""
-    finished: set[int] = field(default_factory=set)
-
-    def unfinished(self) -> list[DataProto]:
-        return [g for i, g in enumerate(self.groups) if i not in self.finished]
 
 
 def engine_capacity(manager: Any) -> int:
@@ -106,9 +90,10 @@ class Rollouter:
         self.group_by = group_by
         self.max_queue = max_queue
         self.groups_per_dispatch = max(1, groups_per_dispatch)
-        self._todo: collections.deque[DataProto] = collections.deque()  # groups waiting to be dispatched
-        self._ready: queue.Queue[tuple[DataProto, DataProto] | None] = queue.Queue()  # (prompts, rows)
-        self._jobs: dict[Any, _Job] = {}
+        self._todo: collections.deque[Group] = collections.deque()  # groups waiting to be dispatched
+        self._ready: queue.Queue[tuple[Group, DataProto] | None] = queue.Queue()  # (prompts, rows)
+        self._flight: DispatchRun | None = None
+        """The dispatches running (opened by the thread)."""
         self._exhausted = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -122,8 +107,6 @@ class Rollouter:
                        "groups_rerun_fault": 0, "groups_failed_fault": 0,
                        "dispatches_cancelled_stale": 0}
         self.staleness: collections.Counter[int] = collections.Counter()
-        self._fault_reruns: dict[int, int] = {}
-        """id(group) -> times it was rolled out again because its worker died (:meth:`_rerun_or_fail`)."""
 
     # ---------------------------------------------------------------------------------------------- trainer side
     def start(self) -> Rollouter:
@@ -152,7 +135,7 @@ class Rollouter:
                 self._ready.put(None)
                 break
             prompts, rows = item
-            staleness = self._staleness(rows, self.manager._weight_version)
+            staleness = self._staleness(rows, self.manager.weight_version)
             with self._lock:
                 self._unconsumed -= 1
                 if self.max_staleness is not None and staleness > self.max_staleness:  # went stale while queued
@@ -196,131 +179,85 @@ class Rollouter:
 
     # ---------------------------------------------------------------------------------------------- the thread
     def _inflight(self) -> int:
-        return sum(len(g) for job in list(self._jobs.values()) for g in job.unfinished())
+        return self._flight.inflight() if self._flight is not None else 0
 
     def _run(self) -> None:
-        look, pool = time.monotonic(), self.manager.workers  # the look for hung workers and servers, as in a batch
+        flight = self._flight = self.manager.workers.open()  # no deadline: the Rollouter runs until stopped
         try:
             while not self._stop.is_set():
-                if time.monotonic() >= look:
-                    pool.look([job.slot for job in self._jobs.values()])
-                    look = time.monotonic() + pool.tick_s
-                self._fill()
-                if not self._jobs:
+                self._fill(flight)
+                if not flight.dispatches:
                     with self._lock:  # done once every finished group was handed out (none re-queued by get)
                         if self._exhausted and not self._todo and self._unconsumed == 0:
                             break
                     time.sleep(0.01)  # the queue of finished groups is full: wait for the trainer
                     continue
-                ready, _ = ray.wait(list(self._jobs), num_returns=1, timeout=0.05)
-                for gen in ready:
-                    self._take(gen)
-                self._cancel_stale()
+                for finished in flight.poll(timeout=0.05):  # also the periodic look for hung workers and servers
+                    self._take(finished)
+                again = flight.take_retries()  # a dead worker's groups: dispatched again first
+                self.counts["groups_rerun_fault"] += len(again)
+                self._todo.extendleft(reversed(again))
+                self._cancel_stale(flight)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer through get()
             logger.exception("the rollouter's thread failed")
             self._error = e
         finally:
-            for gen in self._jobs:
-                ray.cancel(gen)
-            self._jobs.clear()
+            flight.close()
             self._ready.put(None)
 
-    def _fill(self) -> None:
+    def _fill(self, flight: DispatchRun) -> None:
         """Dispatch groups while fewer than ``max_inflight`` samples run and the ready queue has room."""
-        while self._ready.qsize() < self.max_queue and self._inflight() < self.max_inflight:
+        while self._ready.qsize() < self.max_queue and flight.inflight() < self.max_inflight:
             if not self._todo and not self._exhausted:
                 try:
-                    self._todo.extend(_groups(self.manager._prepare(next(self._prompts)), self.group_by))
+                    batch = self.manager.prepare(next(self._prompts))
                 except StopIteration:
                     self._exhausted = True
+                else:
+                    self._todo.extend(Group(rows) for rows in split_groups(batch, self.group_by))
             if not self._todo:
                 return
             groups = [self._todo.popleft()]
             while (self._todo and len(groups) < self.groups_per_dispatch
-                   and self._inflight() + sum(map(len, groups)) + len(self._todo[0]) <= self.max_inflight):
+                   and flight.inflight() + sum(len(g.rows) for g in groups) + len(self._todo[0].rows)
+                   <= self.max_inflight):
                 groups.append(self._todo.popleft())
-            self._dispatch(groups)
+            # the version this dispatch starts at; the least-loaded live worker runs it
+            flight.submit(groups, global_steps=self.manager.weight_version)
+            self.counts["groups_dispatched"] += len(groups)
 
-    def _dispatch(self, groups: list[DataProto]) -> None:
-        live = self.manager.workers._wait_for_live_workers()
-        load = {id(s): 0 for s in live}
-        for job in self._jobs.values():
-            if id(job.slot) in load:
-                load[id(job.slot)] += sum(len(g) for g in job.unfinished())
-        slot = min(live, key=lambda s: load[id(s)])
-        starts = np.concatenate([[0], np.cumsum([len(g) for g in groups])[:-1]]).astype(int).tolist()
-        batch = DataProto.concat(groups) if len(groups) > 1 else groups[0].slice(0, len(groups[0]))
-        batch.meta_info["global_steps"] = self.manager._weight_version  # the version this dispatch starts at
-        gen = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(batch, starts)
-        self._jobs[gen] = _Job(groups, slot, self.manager._weight_version)
-        self.counts["groups_dispatched"] += len(groups)
-
-    def _take(self, gen: Any) -> None:
-        job = self._jobs[gen]
-        try:
-            local, rows = ray.get(next(gen))
-        except StopIteration:
-            del self._jobs[gen]
-            return
-        except ray.exceptions.RayActorError as e:
-            del self._jobs[gen]
-            why = first_line(job.slot.hung or e)
-            self.manager.workers._replace(job.slot, f"died while streaming: {why}")
-            self._rerun_or_fail(job, why)
-            return
-        job.finished.add(local)
-        self._fault_reruns.pop(id(job.groups[local]), None)
-        rows.meta_info.pop("faults", None)
-        staleness = self._staleness(rows, job.version)
-        if self.max_staleness is not None and staleness > self.max_staleness:
-            self.counts["groups_rerun_stale"] += 1
-            self._todo.appendleft(job.groups[local])  # its prompts, rolled out again
-            return
-        self.counts["groups_done"] += 1
+    def _take(self, finished: Finished) -> None:
+        """A group came back: queued for :meth:`get`, or (too stale) its prompts rolled out again."""
+        rows = finished.rows
+        rows.meta_info["metrics"] = finished.stats.metrics
+        if finished.fault:  # the dispatcher gave up on it (its worker died, retries used): error rows
+            self.counts["groups_failed_fault"] += 1
+        else:
+            staleness = self._staleness(rows, finished.version)
+            if self.max_staleness is not None and staleness > self.max_staleness:
+                self.counts["groups_rerun_stale"] += 1
+                self._todo.appendleft(finished.group)  # its prompts, rolled out again
+                return
+            self.counts["groups_done"] += 1
         with self._lock:
             self._unconsumed += 1
-        self._ready.put((job.groups[local], rows))
+        self._ready.put((finished.group, rows))
 
     def _staleness(self, rows: DataProto, dispatched_at: int) -> int:
         oldest = rows.non_tensor_batch.get("min_global_steps")
         versions = [int(v) for v in (oldest.tolist() if oldest is not None else []) if v is not None]
-        return max(0, self.manager._weight_version - min(versions, default=dispatched_at))
+        return max(0, self.manager.weight_version - min(versions, default=dispatched_at))
 
-    def _cancel_stale(self) -> None:
+    def _cancel_stale(self, flight: DispatchRun) -> None:
         if self.max_staleness is None:
             return
-        current = self.manager._weight_version
-        for gen, job in list(self._jobs.items()):
-            if current - job.version > self.max_staleness:
-                ray.cancel(gen)
-                del self._jobs[gen]
+        current = self.manager.weight_version
+        for dispatch in flight.dispatches:
+            if current - dispatch.version > self.max_staleness:
+                left = flight.cancel(dispatch)
                 self.counts["dispatches_cancelled_stale"] += 1
-                self._requeue(job, "groups_rerun_stale")
-
-    def _rerun_or_fail(self, job: _Job, why: str) -> None:
-        """A dead worker's unfinished groups are rolled out again, each at most ``agent.max_sample_retries`` times
-        (as in a synchronous batch); after that they are handed out as ``error`` rows, so a sample that kills
-        or hangs every worker it runs on cannot cycle forever, taking its neighbours down each time."""
-        limit, again = self.manager.workers.max_sample_retries, []
-        for group in job.unfinished():
-            reruns = self._fault_reruns.pop(id(group), 0)
-            if reruns < limit:
-                self._fault_reruns[id(group)] = reruns + 1
-                again.append(group)
-                continue
-            self.counts["groups_failed_fault"] += 1
-            rows = self.manager._error_rows(group, RolloutStatus.ERROR, f"the agent-loop worker running this sample "
-                                            f"died ({why}) and agent.max_sample_retries={limit} retries were used")
-            with self._lock:
-                self._unconsumed += 1
-            self._ready.put((group, rows))
-        self.counts["groups_rerun_fault"] += len(again)
-        self._todo.extendleft(reversed(again))
-
-    def _requeue(self, job: _Job, reason: str) -> None:
-        left = job.unfinished()
-        self.counts[reason] += len(left)
-        self._todo.extendleft(reversed(left))
+                self.counts["groups_rerun_stale"] += len(left)
+                self._todo.extendleft(reversed(left))
 
     def _busy_fraction(self, wall: float) -> float:
         """Mean over the servers of (busy seconds since start) / wall; nan when no server can tell."""
@@ -329,18 +266,3 @@ class Rollouter:
         now = self.manager.engine_busy_seconds()
         fractions = [(b - a) / wall for a, b in zip(self._busy_at_start, now, strict=False) if b >= a]
         return float(np.mean(fractions)) if fractions else float("nan")
-
-
-def _groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
-    """``batch`` split into its groups (rows sharing ``batch.non_tensor_batch[group_by]``), in batch order."""
-    keys = batch.non_tensor_batch.get(group_by) if group_by else None
-    if keys is None:
-        parts = [batch.slice(i, i + 1) for i in range(len(batch))]
-    else:
-        rows: dict[Any, list[int]] = {}
-        for i, k in enumerate(keys.tolist()):
-            rows.setdefault(k, []).append(i)
-        parts = [batch.select_idxs(np.asarray(idx)) for idx in rows.values()]
-    for part in parts:  # groups of different batches are dispatched together: the version is set per dispatch
-        part.meta_info = {k: v for k, v in part.meta_info.items() if k != "global_steps"}
-    return parts

@@ -1,9 +1,12 @@
 """AgentLoopWorker: runs one agent loop per sample of a batch chunk and pads the results.
 
 A plain class (usable in-process with :class:`agentloop.testing.ScriptedServer`); the manager wraps
-it in a Ray actor.  For one ``generate_sequences(batch)`` call:
+it in a Ray actor and the dispatcher streams groups of rows to it (``generate_sequences_stream``: each group's
+rows and a :class:`WorkerStats` as soon as the group is done); ``generate_sequences`` is that stream collected
+as one group.  For one batch:
 
-1. Check the batch (``raw_prompt`` present, every ``agent_name`` registered) before any generation.
+1. Check the batch (``raw_prompt`` present, every ``agent_name`` registered) before any generation: once, by
+   whoever receives it first (the manager before dispatching; ``generate_sequences`` in-process).
 2. Build sampling params from the rollout config (``val_kwargs`` when ``meta_info['validate']``).
 3. Start one asyncio task per sample: registry[agent_name](...).run(sampling_params, **fields),
    under the optional ``agent.sample_timeout``.  An exception or timeout becomes a row with
@@ -21,11 +24,13 @@ it in a Ray actor.  For one ``generate_sequences(batch)`` call:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.compat.chat_template import with_list_chat_template
 from agentloop.compat.rollout_trace import RolloutTraceConfig, rollout_trace_attr, select_traced_rows
-from agentloop.config import sampling_params_from_config
+from agentloop.config import RouterConfig, sampling_params_from_config
 from agentloop.errors import DatasetError
 from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, lookup, resolve_registry
 from agentloop.multimodal import add_multimodal_outputs
@@ -41,15 +46,15 @@ from agentloop.postprocess import postprocess
 from agentloop.protocol import DataProto
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.scoring import TrajectoryScorer
-from agentloop.routing import AsyncLLMServerManager
+from agentloop.routing import build_router
 from agentloop.routing.tail import make_priority
-from agentloop.servers.placement import restore_normal_priority
 from agentloop.tokenizer import load_processor, load_tokenizer
 from agentloop.trace import enabled as trace_enabled
 from agentloop.trace import flush as trace_flush
 from agentloop.trace import set_token_decoder
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
 from agentloop.utils.gcheap import freeze_startup_heap
+from agentloop.utils.process import restore_normal_priority
 
 if TYPE_CHECKING:
     from agentloop.gateway.actor import GatewayManager
@@ -105,23 +110,49 @@ def trajectory_info(index: np.ndarray, step: int, validate: bool) -> list[dict[s
     return out
 
 
+def agent_names(batch: DataProto, default_agent: str) -> np.ndarray:
+    """The per-sample agent names: ``agent_name``, ``default_agent`` where the column or the value is absent."""
+    given = batch.non_tensor_batch.get("agent_name")
+    names = np.empty(len(batch), dtype=object)
+    values = given.tolist() if given is not None else [None] * len(batch)
+    names[:] = [str(n) if n else default_agent for n in values]
+    return names
+
+
 def check_batch(batch: DataProto, registry: dict[str, ResolvedAgentLoop], default_agent: str) -> np.ndarray:
     """Fail before any generation if ``raw_prompt`` is missing or an ``agent_name`` is unknown.
 
-    Returns the per-sample agent names (``default_agent`` where the column or the value is absent).
+    Returns the per-sample agent names (:func:`agent_names`).
+
+    Raises:
+        DatasetError: no ``raw_prompt`` column.
+        UnknownAgentError: an ``agent_name`` is not registered (the message lists the registered names).
     """
     if "raw_prompt" not in batch.non_tensor_batch:
         raise DatasetError(
             f"batch has no 'raw_prompt' column (non-tensor keys: {sorted(batch.non_tensor_batch)}); "
             "each sample needs its chat messages under non_tensor_batch['raw_prompt']"
         )
-    given = batch.non_tensor_batch.get("agent_name")
-    names = np.empty(len(batch), dtype=object)
-    values = given.tolist() if given is not None else [None] * len(batch)
-    names[:] = [str(n) if n else default_agent for n in values]
+    names = agent_names(batch, default_agent)
     for name in set(names.tolist()):
         lookup(registry, str(name))
     return names
+
+
+@dataclass
+class WorkerStats:
+    """What a worker reports with a group's rows, besides the rows."""
+
+    server_failovers: int = 0
+    """Requests its router moved to another server (a server died) since the previous group."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """Per row, in row order: the loop's timing metrics (verl's ``meta_info["metrics"]``)."""
+
+    @classmethod
+    def take(cls, rows: DataProto, server_failovers: int = 0) -> WorkerStats:
+        """The stats of freshly padded ``rows``: their per-row metrics move out of ``meta_info`` (a list per
+        part, which ``DataProto.concat`` would fold into a dict) into the stats."""
+        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [])
 
 
 class AgentLoopWorker:
@@ -165,14 +196,7 @@ class AgentLoopWorker:
         self.tokenizer = with_list_chat_template(tokenizer if tokenizer is not None else load_tokenizer(model))
         self.processor = (processor if processor is not None or tokenizer is not None
                           else load_processor(model, self.tokenizer))
-        self.server_manager = AsyncLLMServerManager(
-            server_handles, balancer, max_cache_size=int(rollout.server.max_cache_size),
-            batch_calls=bool(rollout.server.get("batch_calls", True)), owner=worker_id,
-            max_failovers=rollout.server.get("max_failovers"),
-            partial_rollout=bool(OmegaConf.select(root, "async_training.partial_rollout", default=False)),
-            restart_preempted=bool(rollout.agent.get("restart_preempted", False)),
-            priority=make_priority(rollout.server.get("priority")),
-        )
+        self.server_manager = build_router(RouterConfig.from_root(root), server_handles, balancer, owner=worker_id)
         self.record_timing = bool(rollout.agent.get("record_timing") or False)
         self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
         self.tools = load_rollout_tools(rollout)  # once per worker (verl 0.9); a bad tool config fails here
@@ -247,66 +271,67 @@ class AgentLoopWorker:
         self.server_manager.priority = make_priority(policy)
 
     async def generate_sequences(self, batch: DataProto, timeout: float | None = None) -> DataProto:
-        """Roll out every sample of ``batch``; returns the padded DataProto (one row per trajectory).
+        """Roll out every sample of ``batch`` in this process; returns the padded DataProto (one row per
+        trajectory, ``meta_info["metrics"]`` per row).  The stream below, collected as one group.
 
-        ``timeout``: seconds left of the manager's batch deadline (``agent.batch_timeout``); samples still
-        running then are cancelled (their engine requests aborted) and come back with status ``timeout``.
-        ``meta_info["faults"]`` counts this chunk's server failovers.
+        ``timeout``: seconds after which samples still running are cancelled (engine requests aborted) and come
+        back with status ``timeout``.
+
+        Raises:
+            DatasetError, UnknownAgentError: the batch check (:func:`check_batch`) failed; nothing ran.
         """
-        failovers = self.server_manager.num_failovers
-        names, fields, tasks = self._start_samples(batch)
-        results = await _settle(tasks, timeout)
-        if trace_enabled():  # the mlflow backend writes from a thread: done before the batch is
-            await asyncio.to_thread(trace_flush)
-        output = self._postprocess(results, fields, names)
-        output.meta_info["faults"] = {"server_failovers": self.server_manager.num_failovers - failovers}
-        return output
+        check_batch(batch, self.registry, str(self.rollout.agent.default_agent_loop))
+        parts = [(rows, stats) async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout)]
+        rows, stats = parts[0]
+        rows.meta_info["metrics"] = stats.metrics
+        return rows
 
-    async def generate_sequences_stream(self, batch: DataProto, group_starts: list[int],
-                                        timeout: float | None = None) -> AsyncIterator[tuple[int, DataProto]]:
-        """Like :meth:`generate_sequences`, but yields ``(group, rows)`` for each group of samples as soon as
-        all of its samples are done (a Ray streaming generator in the actor).  Groups are contiguous row ranges
-        starting at ``group_starts`` (ascending, first 0).  Samples still running at ``timeout`` are cancelled
-        (``timeout`` rows); closing the stream cancels every sample still running (engine requests aborted)."""
+    async def generate_sequences_stream(self, batch: DataProto, group_starts: list[int], timeout: float | None = None
+                                        ) -> AsyncIterator[tuple[int, DataProto, WorkerStats]]:
+        """Roll out ``batch`` (already checked: the dispatcher's caller checks a batch once) and yield
+        ``(group, rows, stats)`` for each group as soon as all of its samples are done (a Ray streaming generator
+        in the actor).  Groups are contiguous row ranges starting at ``group_starts`` (ascending, first 0); an
+        empty group is yielded at once.  Samples still running at ``timeout`` seconds are cancelled (``timeout``
+        rows); closing the stream cancels every sample still running (engine requests aborted).  ``stats``: the
+        group's per-row metrics and the server failovers since the previous group."""
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
         group_of = np.repeat(np.arange(len(group_starts)), np.diff(bounds)) if group_starts else np.zeros(0, int)
         left = np.diff(bounds).tolist() if group_starts else []
         results: list[list[AgentLoopOutput]] = [[] for _ in tasks]
-        position = {task: i for i, task in enumerate(tasks)}
-        pending = set(tasks)
-        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
+        finished: asyncio.Queue[int] = asyncio.Queue()  # one put per task: O(1) per sample, any batch size
+        for i, task in enumerate(tasks):
+            task.add_done_callback(lambda _, i=i: finished.put_nowait(i))
+        ready = [g for g, n in enumerate(left) if n == 0]
+        # at the deadline every sample still running is cancelled: each then finishes as a timeout row
+        deadline = asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
+        consumed = 0
         try:
-            while pending:
-                wait = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
-                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                if not done:  # the deadline passed: what is still running becomes timeout rows
-                    for task in pending:
-                        task.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
-                    done, pending = pending, set()
-                for task in done:
-                    i = position[task]
-                    results[i] = _result_of(task, timeout)
-                    g = int(group_of[i])
-                    left[g] -= 1
-                    if left[g] == 0:
-                        if trace_enabled():  # the mlflow backend writes from a thread: done before the group is
-                            await asyncio.to_thread(trace_flush)
-                        a, b = bounds[g], bounds[g + 1]
-                        rows = self._postprocess(results[a:b], {k: v[a:b] for k, v in fields.items()}, names[a:b])
-                        now = self.server_manager.num_failovers
-                        rows.meta_info["faults"] = {"server_failovers": now - failovers}
-                        failovers = now
-                        yield g, rows
+            while True:
+                for g in ready:
+                    if trace_enabled():  # the mlflow backend writes from a thread: done before the group is
+                        await asyncio.to_thread(trace_flush)
+                    a, b = bounds[g], bounds[g + 1]
+                    rows = self._postprocess(results[a:b], {k: v[a:b] for k, v in fields.items()}, names[a:b])
+                    before, failovers = failovers, self.server_manager.num_failovers
+                    yield g, rows, WorkerStats.take(rows, failovers - before)
+                if consumed == len(tasks):
+                    break
+                i = await finished.get()
+                consumed += 1
+                results[i] = _result_of(tasks[i], timeout)
+                g = int(group_of[i])
+                left[g] -= 1
+                ready = [g] if left[g] == 0 else []
         finally:
-            for task in pending:
-                task.cancel()
+            if deadline is not None:
+                deadline.cancel()
+            _cancel(tasks)
 
     def _start_samples(self, batch: DataProto) -> tuple[np.ndarray, dict[str, np.ndarray], list[asyncio.Task]]:
-        """Check ``batch`` and start one task per sample; returns the agent names, the fields and the tasks."""
-        names = check_batch(batch, self.registry, str(self.rollout.agent.default_agent_loop))
+        """Start one task per sample; returns the agent names, the fields and the tasks."""
+        names = agent_names(batch, str(self.rollout.agent.default_agent_loop))
         validate = bool(batch.meta_info.get("validate", False))
         sampling_params = sampling_params_from_config(self.rollout, validate=validate)
         index = batch.non_tensor_batch.get("index", np.arange(len(batch)))
@@ -318,32 +343,25 @@ class AgentLoopWorker:
             sample = {k: v[i] for k, v in fields.items()}
             sample["agent_name"] = str(names[i])
             infos[i]["trace"] = i in traced
-            tasks.append(asyncio.create_task(self._run_sample(str(names[i]), sampling_params, sample, infos[i])))
+            tasks.append(asyncio.create_task(self._sample(str(names[i]), sampling_params, sample, infos[i])))
         return names, fields, tasks
 
-    async def _run_sample(
+    async def _sample(
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
     ) -> list[AgentLoopOutput]:
-        """Roll out one sample, then give each trajectory its reward (:mod:`agentloop.rewards.scoring`).
-        With ``agent.record_timing`` each engine call's server and times go on the sample's first trajectory
-        (``generate_calls``, for ``agentloop report``'s per-server timeline)."""
-        if not self.record_timing:
-            outputs = await self._rollout_sample(name, sampling_params, sample, info)
-        else:
-            with collect_generate_calls() as calls:
-                outputs = await self._rollout_sample(name, sampling_params, sample, info)
-            attach_generate_calls(outputs, calls)
-        return await self.rewards.score(outputs, sample)
-
-    async def _rollout_sample(
-        self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
-    ) -> MultiTrajectoryAgentLoopOutput:
-        """Run the sample's loop; its result (or the error row) as one episode (:func:`_episode`)."""
-        return _episode(await self._run_loop(name, sampling_params, sample, info), name)
+        """One sample: its loop run as one episode (:func:`_episode`; an error row when it failed), then each
+        trajectory given its reward (:mod:`agentloop.rewards.scoring`).  With ``agent.record_timing`` each engine
+        call's server and times go on the first trajectory (``generate_calls``, for ``agentloop report``)."""
+        with collect_generate_calls() if self.record_timing else contextlib.nullcontext() as calls:
+            episode = _episode(await self._run_loop(name, sampling_params, sample, info), name)
+        if calls is not None:
+            attach_generate_calls(episode, calls)
+        return await self.rewards.score(episode, sample)
 
     async def _run_loop(
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any], info: dict[str, Any]
     ) -> Any:
+        """What the sample's loop returned, or one failed row (init error, ``sample_timeout``, an exception)."""
         entry = self.registry[name]
         timeout = self.sample_timeout
         if name in self.init_errors:
@@ -383,16 +401,11 @@ class AgentLoopWorker:
         return add_multimodal_outputs(batch, self.processor)  # multi_modal_inputs; M-RoPE position_ids
 
 
-async def _settle(tasks: list[asyncio.Task], timeout: float | None) -> list[list[AgentLoopOutput]]:
-    """Every task's result; with a ``timeout``, tasks still running then are cancelled and become ``timeout``
-    rows, and a task that raised (a bug outside the loop's own error handling) becomes an ``error`` row."""
-    if not tasks:
-        return []
-    _, pending = await asyncio.wait(tasks, timeout=timeout) if timeout else (None, set())
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return [_result_of(task, timeout) for task in tasks]
+def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel the tasks still running."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
 
 
 def _result_of(task: asyncio.Task, timeout: float | None) -> list[AgentLoopOutput]:
@@ -414,9 +427,7 @@ def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, rollou
     past the batch deadline): one ``status`` row per sample with ``message``, in verl's padded layout, keeping
     each sample's non-tensor fields (uid, index...)."""
     fields = {k: v for k, v in chunk.non_tensor_batch.items()}
-    given = fields.get("agent_name")
-    names = [str(n) if n else default_agent for n in (given.tolist() if given is not None else [None] * len(chunk))]
-    fields["agent_name"] = np.asarray(names, dtype=object)
+    fields["agent_name"] = agent_names(chunk, default_agent)
     output = postprocess(
         [_failed(status, message) for _ in range(len(chunk))],
         prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),

@@ -18,7 +18,7 @@ from agentloop.config import default_config
 from agentloop.errors import ServerError
 from agentloop.loops.single_turn import SingleTurnAgentLoop
 from agentloop.loops.tool_agent import ToolAgentLoop
-from agentloop.manager import AgentLoopManager
+from agentloop.manager_weights import WeightSync
 from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.servers.weight_sync import SharedBucket, WeightBucket, _shared_tensors, _view, iter_buckets, tied_aliases
@@ -165,21 +165,25 @@ from agentloop.servers.placement import ServerGroup  # noqa: E402
 from agentloop.servers.supervisor import ServerSupervisor  # noqa: E402
 
 
-def make_manager(servers: list[ScriptedServer], sleeping: bool = False, mode: str = "drain") -> AgentLoopManager:
-    manager = AgentLoopManager.__new__(AgentLoopManager)  # no Ray: only what update_weights touches
-    manager.server_handles = [LocalHandle(s) for s in servers]
-    manager._sleeping = sleeping
-    manager.rollout = OmegaConf.create({"name": "vllm",
-                                        "server": {"weight_update_timeout": 600, "weight_update": mode}})
-    manager._sleep_support = [True] * len(servers)
-    manager.supervisor = ServerSupervisor(ServerGroup(manager.server_handles, None, "cpu", []), None, lambda i, h: None)
-    return manager
+def make_manager(servers: list[ScriptedServer], sleeping: bool = False, mode: str = "drain") -> WeightSync:
+    """The manager's weight-sync component (what ``manager.update_weights`` / ``pause`` / ``resume`` /
+    ``set_weight_update`` delegate to), over in-process servers; ``sleeping``: its wake-up hook wakes them."""
+    handles = [LocalHandle(s) for s in servers]
+    supervisor = ServerSupervisor(ServerGroup(handles, None, "cpu", []), None, lambda i, h: None)
+    asleep = [sleeping]
+
+    def wake_up() -> None:  # the manager's wake_up: sleeping servers are woken, then left awake
+        if asleep[0]:
+            supervisor.each("wake_up", 600)
+            asleep[0] = False
+
+    return WeightSync(supervisor, backend="vllm", mode=mode, timeout_s=600, wake_up=wake_up)
 
 
 def test_buckets_are_put_once_and_shared_by_every_server(fake_ray):
     servers = [ScriptedServer(), ScriptedServer()]
     weights = small_tensors(7)
-    version = make_manager(servers).update_weights(weights, bucket_mb=10_000 / MIB)
+    version = make_manager(servers).update(weights, bucket_mb=10_000 / MIB)
     assert version == 1
     assert [b.names for b in fake_ray] == [list(weights)[i:i + 2] for i in range(0, 7, 2)]
     for s in servers:
@@ -192,18 +196,18 @@ def test_versions_default_to_previous_plus_one_and_follow_global_steps(fake_ray)
     server = ScriptedServer()
     manager = make_manager([server])
     assert server.global_steps == 0
-    assert manager.update_weights(small_tensors(1)) == 1
-    assert manager.update_weights(small_tensors(1), global_steps=10) == 10 and server.global_steps == 10
-    assert manager.update_weights(iter(small_tensors(2).items())) == 11 and server.global_steps == 11
+    assert manager.update(small_tensors(1)) == 1
+    assert manager.update(small_tensors(1), global_steps=10) == 10 and server.global_steps == 10
+    assert manager.update(iter(small_tensors(2).items())) == 11 and server.global_steps == 11
 
 
 def test_sleeping_servers_are_woken_before_the_update(fake_ray):
     servers = [ScriptedServer(), ScriptedServer()]
     manager = make_manager(servers, sleeping=True)
-    manager.update_weights(small_tensors(2))
-    assert not manager.sleeping
+    manager.update(small_tensors(2))
+    manager.update(small_tensors(2))  # left awake: not woken again
     for s in servers:
-        assert s.lifecycle == ["wake_up", "begin_weight_update", "finish_weight_update"]
+        assert s.lifecycle == ["wake_up"] + ["begin_weight_update", "finish_weight_update"] * 2
 
 
 def test_a_failed_bucket_closes_every_update_and_keeps_the_version(fake_ray):
@@ -215,11 +219,11 @@ def test_a_failed_bucket_closes_every_update_and_keeps_the_version(fake_ray):
     bad.load_weight_bucket = broken  # type: ignore[method-assign]
     manager = make_manager([good, bad])
     with pytest.raises(ServerError, match="no such parameter"):
-        manager.update_weights(small_tensors(3))
-    assert manager._weight_version == 0 and good.global_steps == bad.global_steps == 0
+        manager.update(small_tensors(3))
+    assert manager.version == 0 and good.global_steps == bad.global_steps == 0
     assert good.lifecycle[-1] == bad.lifecycle[-1] == "abort_weight_update"
     del bad.load_weight_bucket
-    assert manager.update_weights(small_tensors(1)) == 1  # nothing was left open
+    assert manager.update(small_tensors(1)) == 1  # nothing was left open
 
 
 def test_a_server_that_cannot_open_the_update_leaves_none_open(fake_ray):
@@ -230,14 +234,14 @@ def test_a_server_that_cannot_open_the_update_leaves_none_open(fake_ray):
 
     bad.begin_weight_update = refuse  # type: ignore[method-assign]
     with pytest.raises(ServerError, match="engine gone"):
-        make_manager([good, bad]).update_weights(small_tensors(1))
+        make_manager([good, bad]).update(small_tensors(1))
     assert good.lifecycle == ["begin_weight_update", "abort_weight_update"] and good.global_steps == 0
 
 
 def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fails(fake_ray):
     servers = [ScriptedServer(), ScriptedServer()]
     manager = make_manager(servers, mode="abort")
-    assert manager.update_weights(small_tensors(2)) == 1
+    assert manager.update(small_tensors(2)) == 1
     for s in servers:
         assert s.lifecycle == ["pause", "begin_weight_update", "finish_weight_update", "resume"] and not s.paused
 
@@ -246,7 +250,7 @@ def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fai
 
     servers[1].load_weight_bucket = broken  # type: ignore[method-assign]
     with pytest.raises(ServerError, match="no such parameter"):
-        manager.update_weights(small_tensors(1))
+        manager.update(small_tensors(1))
     assert servers[0].lifecycle[-2:] == servers[1].lifecycle[-2:] == ["abort_weight_update", "resume"]
     assert not any(s.paused for s in servers)  # a failed update never leaves the servers holding requests
 
@@ -259,7 +263,7 @@ def test_a_server_whose_pause_takes_no_for_update_gets_a_clear_error_and_none_st
     good, old = ScriptedServer(), OldProtocol()
     manager = make_manager([good, old], mode="abort")
     with pytest.raises(ServerError, match=r"pause\(for_update=\.\.\.\).*weight_update: drain"):
-        manager.update_weights(small_tensors(1))
+        manager.update(small_tensors(1))
     assert good.lifecycle == ["pause", "resume"] and not good.paused and good.global_steps == 0
 
 
@@ -267,22 +271,22 @@ def test_an_update_inside_the_callers_own_pause_leaves_the_resume_to_the_caller(
     server = ScriptedServer()
     manager = make_manager([server], mode="abort")
     manager.pause()
-    manager.update_weights(small_tensors(1))
+    manager.update(small_tensors(1))
     assert server.lifecycle == ["pause", "begin_weight_update", "finish_weight_update"] and server.paused
     manager.resume()
     assert not server.paused
-    manager.set_weight_update("drain")
+    manager.set_mode("drain")
     assert server.weight_update == "drain"
-    manager.update_weights(small_tensors(1))
+    manager.update(small_tensors(1))
     assert server.lifecycle[-2:] == ["begin_weight_update", "finish_weight_update"]  # drain: no pause
     with pytest.raises(ValueError, match="abort, drain, keep"):
-        manager.set_weight_update("wait")
+        manager.set_mode("wait")
 
 
 def test_whole_dict_path_kept_for_comparison(fake_ray):
     server = ScriptedServer()
     manager = make_manager([server])
-    assert manager._update_weights_whole({"w": torch.ones(2)}, global_steps=4) == 4
+    assert manager.update_whole({"w": torch.ones(2)}, global_steps=4) == 4
     assert len(fake_ray) == 1 and server.counts["update_weights"] == 1 and server.global_steps == 4
 
 

@@ -1,0 +1,366 @@
+"""The one dispatcher: groups of rows out to the AgentLoopWorkers, their padded rows back, whatever a worker does.
+
+:class:`Dispatcher` owns the worker actors (:class:`~agentloop.worker_slots.WorkerSlots`) and every way rows
+travel to them.  ``AgentLoopManager.generate_sequences`` (:meth:`Dispatcher.run`: row ranges, put back in
+order), ``generate_sequences_stream`` (:meth:`Dispatcher.stream`: groups, in completion order) and the
+:class:`~agentloop.rollouter.Rollouter` (a :class:`DispatchRun` it keeps filling) are its users, so a fault is
+handled by the same code for all three:
+
+* **A worker dies** (crashed, OOM-killed, ``ray.kill``-ed, or killed because it hung): it is replaced
+  (:meth:`Dispatcher.replace_worker`) and the groups it had not finished are rolled out again, each at most
+  ``agent.max_sample_retries`` times; then, or when the batch deadline passed or no worker is left, they come
+  back as ``error`` rows saying so (:meth:`DispatchRun.poll`).
+* **A worker hangs** (its event loop is blocked): every ``tick_s`` seconds each streaming worker gets a ping,
+  and one that leaves it unanswered for ``agent.stall_timeout`` seconds is killed (then handled as dead).  With
+  ``agent.batch_timeout``, each worker cancels its own samples at the deadline (``timeout`` rows); one that has
+  not answered ``batch_grace_s`` later is killed and replaced, and its groups come back as ``timeout`` rows.
+
+Every group comes back exactly once; ``fault_counts`` says what was done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import ray.exceptions
+
+from agentloop.errors import first_line
+from agentloop.protocol import DataProto
+from agentloop.types import RolloutStatus
+from agentloop.worker import WorkerStats
+from agentloop.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
+
+ErrorRows = Callable[[DataProto, RolloutStatus, str], DataProto]
+"""``error_rows(chunk, status, message)``: the padded rows of samples no worker could roll out."""
+
+
+def split_groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
+    """``batch`` split into its groups (rows sharing ``non_tensor_batch[group_by]``; each row alone when
+    ``group_by`` is None or not a column), groups in the order of their first row.  ``global_steps`` is left
+    out of each part's meta_info: groups of different batches may be dispatched together, the dispatch sets it."""
+    keys = batch.non_tensor_batch.get(group_by) if group_by else None
+    if keys is None:
+        parts = [batch.slice(i, i + 1) for i in range(len(batch))]
+    else:
+        rows: dict[Any, list[int]] = {}
+        for i, k in enumerate(keys.tolist()):
+            rows.setdefault(k, []).append(i)
+        parts = [batch.select_idxs(np.asarray(idx)) for idx in rows.values()]
+    for part in parts:
+        part.meta_info = {k: v for k, v in part.meta_info.items() if k != "global_steps"}
+    return parts
+
+
+@dataclass(eq=False)
+class Group:
+    """Prompt rows handed out and returned together (a GRPO prompt's ``n`` samples, or a range of a batch)."""
+
+    rows: DataProto
+    key: Any = None
+    """The caller's name for it (a group number, a row range's index)."""
+    retries: int = 0
+    """Times it was rolled out again because its worker died (reset when it finishes)."""
+
+
+@dataclass
+class Finished:
+    """A group's padded rows: rolled out, or made by the dispatcher when no worker could roll it out."""
+
+    group: Group
+    rows: DataProto
+    stats: WorkerStats
+    version: int
+    """The weight version when its dispatch started."""
+    fault: str = ""
+    """Why the dispatcher gave up on it (its rows are ``error`` / ``timeout`` rows); empty when rolled out."""
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """One streaming call: groups sent to one worker together."""
+
+    groups: list[Group]
+    slot: WorkerSlot
+    ref: Any
+    """The Ray streaming generator."""
+    version: int
+    finished: set[int] = field(default_factory=set)
+
+    def unfinished(self) -> list[Group]:
+        """Its groups not yet returned."""
+        return [g for i, g in enumerate(self.groups) if i not in self.finished]
+
+
+@dataclass
+class Dispatcher:
+    """Worker actors and the dispatch of rows to them; see the module docstring.
+
+    Args:
+        spawn: creates one worker actor (see :data:`~agentloop.worker_slots.Spawn`).
+        num_workers: how many workers to keep.
+        error_rows: builds the rows of samples that could not be rolled out (see :data:`ErrorRows`).
+        balancer: the GlobalBalancer actor (its slots of a dead worker are released), or None.
+        max_sample_retries: how many times a group whose worker died is rolled out again.
+        batch_timeout: seconds one :meth:`run` / :meth:`stream` may take (None: no deadline).
+        batch_grace_s: how long after the deadline a worker may take to send its rows before it is killed.
+        replacement_wait_s: how long a dispatch waits for a replacement when no worker is left.
+        chunks_per_worker: :meth:`run` cuts a batch into this many row ranges per live worker.
+        tick: called every ``tick_s`` seconds while rows stream (the manager's look for hung servers).
+        tick_s: the period of the look (hung workers, then ``tick``).
+        hang_s: ``agent.stall_timeout``: a streaming worker that leaves a ping unanswered this long is killed.
+        weight_version: returns the weight version the servers serve (recorded per dispatch).
+    """
+
+    spawn: Spawn
+    num_workers: int
+    error_rows: ErrorRows
+    balancer: Any = None
+    max_sample_retries: int = 1
+    batch_timeout: float | None = None
+    batch_grace_s: float = 30.0
+    replacement_wait_s: float = 300.0
+    chunks_per_worker: int = 2
+    tick: Callable[[], Any] | None = None
+    tick_s: float = 5.0
+    hang_s: float | None = None
+    weight_version: Callable[[], int] = lambda: 0
+    fault_counts: dict[str, int] = field(default_factory=fresh_fault_counts)
+    pool: WorkerSlots = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.pool = WorkerSlots(self.spawn, self.num_workers, self.balancer, self.hang_s, self.replacement_wait_s,
+                                fault_counts=self.fault_counts)
+
+    # ---------------------------------------------------------------------------------------------- the workers
+    def start(self) -> list[dict[str, Any]]:
+        """Start every worker and wait for it (:meth:`WorkerSlots.start`; a failed start is a ConfigError)."""
+        return self.pool.start()
+
+    @property
+    def handles(self) -> list[Any]:
+        """The serving workers' handles."""
+        return self.pool.handles
+
+    @property
+    def slots(self) -> list[WorkerSlot]:
+        """Every worker place, serving or not."""
+        return self.pool.slots
+
+    def broadcast(self, method: str, *args: Any, remember: bool = False) -> None:
+        """:meth:`WorkerSlots.broadcast`: ``method(*args)`` on every serving worker (``remember``: joiners too)."""
+        self.pool.broadcast(method, *args, remember=remember)
+
+    def tell(self, method: str, *args: Any, timeout: float = 5.0) -> None:
+        """:meth:`WorkerSlots.tell`: ``method(*args)`` on every serving worker, not waiting past ``timeout``."""
+        self.pool.tell(method, *args, timeout=timeout)
+
+    def live_workers(self, must: bool = True) -> list[WorkerSlot]:
+        """The serving workers (waits for a replacement when none is left; :meth:`WorkerSlots.live`)."""
+        return self.pool.live(must)
+
+    def poll_replacements(self, timeout: float = 0.0) -> None:
+        """Let replacements that started within ``timeout`` seconds serve."""
+        self.pool.poll_replacements(timeout)
+
+    def replace_worker(self, slot: WorkerSlot, reason: str) -> None:
+        """Kill a dead or hung worker and start its replacement (:meth:`WorkerSlots.replace`)."""
+        self.pool.replace(slot, reason)
+
+    def watch_workers(self, slots: list[WorkerSlot]) -> list[WorkerSlot]:
+        """Kill the workers among ``slots`` whose event loop is blocked (:meth:`WorkerSlots.watch`)."""
+        return self.pool.watch(slots)
+
+    def look(self, slots: list[WorkerSlot]) -> None:
+        """The periodic look while rows stream: hung workers among ``slots``, then :attr:`tick`."""
+        if self.hang_s is not None:
+            self.watch_workers(slots)
+        if self.tick is not None:
+            self.tick()
+
+    def shutdown(self) -> None:
+        """Kill every worker."""
+        self.pool.shutdown()
+
+    # ---------------------------------------------------------------------------------------------- dispatch
+    def fail(self, group: Group, status: RolloutStatus, message: str, version: int) -> Finished:
+        """``group`` as rows of ``status`` saying ``message`` (counted in ``samples_failed_by_faults``)."""
+        self.fault_counts["samples_failed_by_faults"] += len(group.rows)
+        rows = self.error_rows(group.rows, status, message)
+        return Finished(group, rows, WorkerStats.take(rows), version, fault=message)
+
+    def open(self, deadline: float | None = None) -> DispatchRun:
+        """A new set of dispatches (``deadline``: ``time.monotonic()`` by which their samples must be done)."""
+        return DispatchRun(self, deadline)
+
+    def stream(self, groups: list[Group], global_steps: int | None = None) -> Iterator[Finished]:
+        """Roll ``groups`` out over the live workers; yields each as soon as all its samples are done, in
+        completion order, exactly once whatever dies.  Closing the iterator cancels what is still running."""
+        deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
+        run = self.open(deadline)
+        try:
+            run.spread(groups, global_steps)
+            while run.dispatches or run.retry:
+                if run.retry:
+                    run.spread(run.take_retries(), global_steps)
+                yield from run.poll()
+        finally:
+            run.close()
+
+    def run(self, batch: DataProto) -> list[Finished]:
+        """Roll ``batch`` out in ``chunks_per_worker`` row ranges per live worker; returns the ranges in row order
+        (the fault handling is :meth:`stream`'s)."""
+        n = max(1, min(len(self.live_workers()) * self.chunks_per_worker, len(batch)))
+        bounds = [round(i * len(batch) / n) for i in range(n)] + [len(batch)]
+        groups = [Group(batch.slice(bounds[i], bounds[i + 1]), key=i) for i in range(n)]
+        parts = {f.group.key: f for f in self.stream(groups)}
+        return [parts[k] for k in sorted(parts)]
+
+
+class DispatchRun:
+    """Dispatches in flight, polled by one thread (a batch of the manager's, or the Rollouter's)."""
+
+    def __init__(self, dispatcher: Dispatcher, deadline: float | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.deadline = deadline
+        self.open: dict[Any, Dispatch] = {}  # streaming generator -> its dispatch
+        self.retry: list[Group] = []
+        """Groups of dead workers to roll out again (:meth:`take_retries`)."""
+        self.next_look = time.monotonic() + dispatcher.tick_s
+
+    @property
+    def dispatches(self) -> list[Dispatch]:
+        """The dispatches still streaming."""
+        return list(self.open.values())
+
+    def inflight(self) -> int:
+        """Samples sent and not yet returned."""
+        return sum(len(g.rows) for d in self.dispatches for g in d.unfinished())
+
+    def take_retries(self) -> list[Group]:
+        """The groups to roll out again, handed to the caller (who submits them)."""
+        groups, self.retry = self.retry, []
+        return groups
+
+    def submit(self, groups: list[Group], slot: WorkerSlot | None = None, global_steps: int | None = None) -> Dispatch:
+        """Send ``groups`` to one worker in one streaming call: ``slot``, else the live worker with the fewest
+        samples in flight.  ``global_steps``: the version the rows record (default: their batch's)."""
+        if slot is None:
+            load: dict[int, int] = {}
+            for d in self.dispatches:
+                load[id(d.slot)] = load.get(id(d.slot), 0) + sum(len(g.rows) for g in d.unfinished())
+            slot = min(self.dispatcher.live_workers(), key=lambda s: load.get(id(s), 0))
+        sizes = [len(g.rows) for g in groups]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        batch = DataProto.concat([g.rows for g in groups]) if len(groups) > 1 else groups[0].rows
+        if global_steps is not None:
+            batch = DataProto(batch.batch, batch.non_tensor_batch, {**batch.meta_info, "global_steps": global_steps})
+        timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
+        ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(batch, starts,
+                                                                                          timeout=timeout)
+        dispatch = Dispatch(groups, slot, ref, self.dispatcher.weight_version())
+        self.open[ref] = dispatch
+        return dispatch
+
+    def spread(self, groups: list[Group], global_steps: int | None = None) -> None:
+        """Send ``groups`` over the live workers in contiguous shares, one dispatch each."""
+        if not groups:
+            return
+        live = self.dispatcher.live_workers()
+        n = max(1, min(len(live), len(groups)))
+        for i, slot in enumerate(live[:n]):
+            share = groups[round(i * len(groups) / n):round((i + 1) * len(groups) / n)]
+            if share:
+                self.submit(share, slot, global_steps)
+
+    def cancel(self, dispatch: Dispatch) -> list[Group]:
+        """Stop ``dispatch`` (its engine requests are aborted); returns its unfinished groups."""
+        ray.cancel(dispatch.ref)
+        self.open.pop(dispatch.ref, None)
+        return dispatch.unfinished()
+
+    def close(self) -> None:
+        """Cancel every dispatch still streaming."""
+        for ref in self.open:
+            ray.cancel(ref)
+        self.open.clear()
+
+    def poll(self, timeout: float | None = None) -> list[Finished]:
+        """Wait up to ``timeout`` seconds (None: until something happens) for the next result; returns the
+        groups finished by it: rolled out, or given up on.  Dead workers' groups to try again go to
+        :attr:`retry`; the periodic look runs when due."""
+        d = self.dispatcher
+        now = time.monotonic()
+        if now >= self.next_look:
+            d.look([x.slot for x in self.dispatches])
+            now = time.monotonic()
+            self.next_look = now + d.tick_s
+        end = None if self.deadline is None else self.deadline + d.batch_grace_s
+        waits = [t - now for t in (end, self.next_look if d.tick or d.hang_s is not None else None) if t is not None]
+        if timeout is not None:
+            waits.append(timeout)
+        if not self.open:
+            return []
+        ready, _ = ray.wait(list(self.open), num_returns=1, timeout=max(0.0, min(waits)) if waits else None)
+        if ready:
+            return self._take(self.open[ready[0]])
+        if end is not None and time.monotonic() >= end:
+            return self._hung_past_deadline()
+        return []
+
+    def _take(self, dispatch: Dispatch) -> list[Finished]:
+        try:
+            local, rows, stats = ray.get(next(dispatch.ref))
+        except StopIteration:
+            del self.open[dispatch.ref]
+            return []
+        except ray.exceptions.RayActorError as e:
+            del self.open[dispatch.ref]
+            return self._lost(dispatch, dispatch.slot.hung or first_line(e))
+        dispatch.finished.add(local)
+        group = dispatch.groups[local]
+        group.retries = 0
+        return [Finished(group, rows, stats, dispatch.version)]
+
+    def _lost(self, dispatch: Dispatch, why: str) -> list[Finished]:
+        """A dead worker's unfinished groups: to :attr:`retry`, or error rows when they cannot be retried."""
+        d = self.dispatcher
+        left = dispatch.unfinished()
+        d.replace_worker(dispatch.slot, f"died while streaming groups {[g.key for g in left[:5]]}...: {why}")
+        out_of_time = self.deadline is not None and time.monotonic() >= self.deadline
+        retry = [g for g in left if g.retries < d.max_sample_retries]
+        no_worker = bool(retry) and not out_of_time and not d.live_workers(must=False)  # waits for a replacement
+        failed: list[Finished] = []
+        for group in left:
+            if out_of_time:
+                reason = "the batch deadline passed"
+            elif group.retries >= d.max_sample_retries:
+                reason = f"agent.max_sample_retries={d.max_sample_retries} retries were used"
+            elif no_worker:
+                reason = "no agent-loop worker is left"
+            else:
+                group.retries += 1
+                d.fault_counts["sample_retries"] += len(group.rows)
+                self.retry.append(group)
+                continue
+            failed.append(d.fail(group, RolloutStatus.ERROR, f"the agent-loop worker running this sample died "
+                                 f"({why}) and {reason}", dispatch.version))
+        return failed
+
+    def _hung_past_deadline(self) -> list[Finished]:
+        """Workers that sent nothing by the deadline + grace: killed and replaced, their groups timeout rows."""
+        d, failed = self.dispatcher, []
+        why = f"agent.batch_timeout={d.batch_timeout}s + {d.batch_grace_s}s"
+        for dispatch in self.dispatches:
+            d.replace_worker(dispatch.slot, f"did not finish its stream within {why} (its event loop is blocked)")
+            d.fault_counts["workers_hung"] += 1
+            for group in dispatch.unfinished():
+                failed.append(d.fail(group, RolloutStatus.TIMEOUT, "the agent-loop worker running this sample hung "
+                                     f"past agent.batch_timeout={d.batch_timeout}s and was restarted (a tool or "
+                                     "loop blocking its event loop? run blocking code in a thread)", dispatch.version))
+        self.open.clear()
+        return failed
