@@ -18,11 +18,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from agentloop.config import EngineConfig, GatewayConfig, ModelConfig, MultiTurnConfig, RouterConfig, SamplingConfig
 from agentloop.errors import ConfigError, ServerError, first_line
-from agentloop.gateway.app import DEFAULT_MAX_BODY_BYTES, build_app
+from agentloop.gateway.app import build_app
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
-from agentloop.routing.tail import make_priority
+from agentloop.routing.factory import build_router
 from agentloop.utils.hangwatch import HangWatch
 
 logger = logging.getLogger(__name__)
@@ -38,30 +39,35 @@ class GatewayActor:
         server_handles: the engines (Ray actor handles or in-process servers).
         balancer: the GlobalBalancer actor, a local Balancer, or None.
         tokenizer: pass one to skip loading it from ``model.path``.
+        router_cfg: the router settings (``AgentLoopConfig.router``: failover, partial rollouts, priority, ...),
+            the same the workers route with; None reads them from ``rollout`` (``async_training`` then false).
+        owner: the router's owner id (its balancer slots are released under it).
+
+    Keys ``rollout`` / ``model`` lack take the values of ``agentloop/configs/rollout.yaml``.
+
+    Raises:
+        ConfigError: a config value is mistyped (one line naming it).
     """
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
-                 tokenizer: Any = None) -> None:
-        from agentloop.routing import AsyncLLMServerManager
+                 tokenizer: Any = None, *, router_cfg: RouterConfig | None = None, owner: str | None = None) -> None:
         from agentloop.servers.placement import restore_normal_priority
         from agentloop.tokenizer import load_tokenizer
 
         restore_normal_priority(rollout)  # Ray starts actors at nice 15
-        gateway_cfg = rollout.get("gateway") or {}
-        self.host = str(gateway_cfg.get("host", "127.0.0.1"))
-        self.max_body_bytes = int(gateway_cfg.get("max_body_bytes") or DEFAULT_MAX_BODY_BYTES)
+        root = {"actor_rollout_ref": {"rollout": rollout, "model": model}}
+        gateway_cfg, engine = GatewayConfig.from_root(root), EngineConfig.from_root(root)
+        self.host = gateway_cfg.host
+        self.max_body_bytes = gateway_cfg.max_body_bytes
         tok = tokenizer if tokenizer is not None else load_tokenizer(model)
-        fmt = (rollout.get("multi_turn") or {}).get("format")
-        server_cfg = rollout.get("server") or {}
-        router = AsyncLLMServerManager(server_handles, balancer,
-                                       max_cache_size=int(server_cfg.get("max_cache_size", 10000)),
-                                       batch_calls=bool(server_cfg.get("batch_calls", True)),
-                                       priority=make_priority(server_cfg.get("priority")))
+        fmt = MultiTurnConfig.from_root(root).format
+        router = build_router(router_cfg if router_cfg is not None else RouterConfig.from_root(root),
+                              server_handles, balancer, owner=owner)
         self.service = GatewayService(
-            tok, router, get_tool_parser(str(fmt), tok) if fmt else None,
-            prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
-            calculate_log_probs=bool(rollout.get("calculate_log_probs", True)),
-            model_name=str(model.get("path", "agentloop")),
+            tok, router, get_tool_parser(fmt, tok),
+            prompt_length=engine.prompt_length, response_length=engine.response_length,
+            calculate_log_probs=SamplingConfig.from_root(root).calculate_log_probs,
+            model_name=ModelConfig.from_root(root).path,
         )
         self._server: Any = None
         self._task: asyncio.Task | None = None
@@ -233,9 +239,11 @@ def _actor_gone(error: BaseException) -> bool:
 
 
 def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictConfig, server_handles: list[Any],
-                          balancer: Any = None, timeout: float = 30.0) -> int:
+                          balancer: Any = None, timeout: float = 30.0, *,
+                          router_cfg: RouterConfig | None = None) -> int:
     """Look at every gateway actor; start a new one in place of each that died (``gateways`` is changed in
-    place).  Returns how many were replaced; a gateway slow to answer is left (it may be busy)."""
+    place).  Returns how many were replaced; a gateway slow to answer is left (it may be busy).  ``router_cfg``:
+    as for :func:`start_gateways`."""
     import ray
 
     refs = [g.num_sessions.remote() for g in gateways]
@@ -255,7 +263,8 @@ def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictC
             else:
                 logger.warning("gateway %d did not answer (%s); left as it is", i, first_line(e))
     if dead:
-        for i, fresh in zip(dead, start_gateways(rollout, model, server_handles, balancer, n=len(dead)),
+        for i, fresh in zip(dead, start_gateways(rollout, model, server_handles, balancer, n=len(dead),
+                                                     router_cfg=router_cfg),
                             strict=True):
             with contextlib.suppress(Exception):
                 ray.kill(gateways[i], no_restart=True)
@@ -296,16 +305,20 @@ def tell_gateways(gateways: list[Any], index: int, handle: Any) -> None:
 
 
 def start_gateways(rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
-                   n: int | None = None) -> list[Any]:
-    """Start ``n`` (default ``rollout.gateway.num_gateways``) GatewayActor actors and their HTTP servers."""
+                   n: int | None = None, *, router_cfg: RouterConfig | None = None) -> list[Any]:
+    """Start ``n`` (default ``rollout.gateway.num_gateways``) GatewayActor actors and their HTTP servers.
+
+    ``router_cfg``: the workers' router settings (``AgentLoopConfig.router``), see :class:`GatewayActor`.
+    """
     import ray
 
     if n is None:
-        n = int((rollout.get("gateway") or {}).get("num_gateways", 1))
+        n = GatewayConfig.from_rollout(rollout).num_gateways
     if n < 1:
         raise ConfigError(f"rollout.gateway.num_gateways must be >= 1 when a loop needs the gateway, got {n}")
     cls = ray.remote(GatewayActor)
-    actors = [cls.options(num_cpus=0, max_concurrency=10000).remote(rollout, model, server_handles, balancer)
+    actors = [cls.options(num_cpus=0, max_concurrency=10000).remote(rollout, model, server_handles, balancer,
+                                                                    router_cfg=router_cfg)
               for _ in range(n)]
     urls = ray.get([a.start.remote() for a in actors])  # type: ignore[attr-defined]
     logger.info("gateways listening at %s", urls)
