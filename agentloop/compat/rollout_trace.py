@@ -1,19 +1,11 @@
 """verl's ``verl.utils.rollout_trace`` on agentloop's recorder (:mod:`agentloop.trace`).
 
-* ``@rollout_trace_op`` on a method (async or not): while tracing is on, records a span named after the
-  function's ``__qualname__`` with its bound arguments minus ``self`` as ``inputs`` and its return value
-  (or the exception) as ``outputs``; while it is off, calls straight through after one bool check.
-* ``rollout_trace_attr(sample_index, step, rollout_n, name, validate, trace)`` (verl's signature; ``trace``
-  is verl 0.9's): attaches ``sample_index`` / ``step`` / ``rollout_n`` / ``validate`` / ``experiment_name``
-  to the spans recorded inside it and records the block itself as a span called ``name`` (the parent of
-  those spans, like verl's mlflow backend does); ``trace=False`` records nothing inside it.
-* ``RolloutTraceConfig.init(project_name, experiment_name, backend, token2text,
-  max_samples_per_step_per_worker)``: verl's per-process singleton.  Backends: None (off); ``"jsonl"``,
-  written to ``path=`` or ``$AGENTLOOP_TRACE_PATH`` or ``rollout_traces/<project>/<experiment>.jsonl``;
-  ``"mlflow"``, traces in the MLflow experiment ``project_name`` at ``$MLFLOW_TRACKING_URI`` (else
-  ``rollout_traces/mlflow.db``; a ConfigError when MLflow is not installed).  verl's ``weave`` and
-  ``trackio`` raise a ConfigError.  With ``token2text`` on, outputs with ``prompt_ids`` / ``response_ids``
-  (or ``token_ids``) also get ``prompt_text`` / ``response_text``, decoded with the instance's ``tokenizer``.
+``@rollout_trace_op`` records a method's calls as spans (inputs, outputs or exception) while tracing is
+on; ``rollout_trace_attr(...)`` attaches a sample's attributes to the spans recorded inside it and records
+the block as their parent span; ``RolloutTraceConfig.init(...)`` configures the process once, with
+backend None, ``"jsonl"`` or ``"mlflow"`` (verl's ``weave`` / ``trackio``, a negative sample limit, or
+mlflow without MLflow installed raise a ConfigError).
+Spec: docs/tracing.md#verls-api-agentloopcompatrollout_trace.
 """
 
 from __future__ import annotations
@@ -175,7 +167,7 @@ def rollout_trace_attr(
     validate: bool = False,
     trace: bool = True,
 ) -> Iterator[None]:
-    """Attach one trajectory's attributes to the spans recorded inside the block (see the module docstring)."""
+    """Attach one trajectory's attributes to the spans recorded inside the block (docs/tracing.md)."""
     if not enabled():
         yield
         return
@@ -248,7 +240,7 @@ def _traced_output(instance: Any, inputs: dict[str, Any], result: Any) -> Any:
 
 
 def rollout_trace_op(func: F) -> F:
-    """Trace calls of ``func`` (a method, async or not) as spans; see the module docstring."""
+    """Trace calls of ``func`` (a method, async or not) as spans (docs/tracing.md)."""
     signature = inspect.signature(func)
     params = list(signature.parameters)
     drop_first = bool(params) and params[0] in ("self", "cls")
