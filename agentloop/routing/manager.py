@@ -50,13 +50,14 @@ class AsyncLLMServerManager:
             (default: once to every other server).
         partial_rollout: resume generations a server pause interrupted and join the pieces (verl's
             ``async_training.partial_rollout``); False returns them ``aborted``, unless ``restart_preempted``.
-        restart_preempted: without ``partial_rollout``, run a generation a server pause interrupted again from
-            its start (same prompt and ``max_tokens``; the tokens sampled before the pause are dropped, so the
-            whole generation comes from the weights loaded meanwhile) instead of returning it ``aborted``.
-        priority: an engine priority policy (``priority(request_id, prompt_len) -> int``, e.g.
-            :class:`agentloop.routing.tail.ContextPriority`; config ``rollout.server.priority``): each call's
-            priority (lower runs first) goes to the server as ``sampling_params["priority"]``; a caller's own
-            non-zero ``priority`` wins.  None (default): no priority is sent, the engines serve in arrival order.
+        restart_preempted: without ``partial_rollout``, run such a generation again from its start (its
+            earlier tokens dropped) instead of returning it ``aborted``.
+        priority: an engine priority policy (``(request_id, prompt_len) -> int``, e.g.
+            :class:`agentloop.routing.tail.ContextPriority`) sent as ``sampling_params["priority"]``; None
+            (default): no priority, the engines serve in arrival order.
+
+    Raises:
+        RoutingError: ``server_handles`` is empty.
     """
 
     def __init__(
