@@ -44,9 +44,8 @@ class ScriptedServer:
             a callable ``(prompt_ids, sampling_params, request_id) -> list[int] | TokenOutput``; None
             echoes the last ``min(4, max_tokens)`` prompt ids.
         eos_token_id: a reply ending with it has ``stop_reason='stop'``.
-        delay: seconds to wait before replying (lets tests overlap, time out or abort requests).
-        token_delay: seconds per token of the reply, handed out one by one (lets a pause or an abort cut a
-            reply part-way, as on a real engine).
+        delay: seconds to wait before replying.
+        token_delay: seconds per token of the reply, handed out one by one (a pause or abort can cut it).
         name: shown in error messages.
 
     Attributes:
@@ -55,8 +54,7 @@ class ScriptedServer:
         weights: the tensors of the last update (``update_weights`` or the buckets of a streamed one).
         global_steps: the weight version put in every reply.
         buckets: the tensor names of each bucket of the last streamed update.
-        lifecycle: ``sleep`` / ``wake_up`` / ``begin_weight_update`` / ``finish_weight_update`` /
-            ``update_weights`` / ``pause`` / ``resume`` calls in order, for tests of what happens before what.
+        lifecycle: the lifecycle calls (sleep, wake_up, weight-update steps, pause, resume) in order.
         gate: the :class:`~agentloop.servers.base.PauseGate` behind pause / resume.
         batcher: the :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``.
     """
