@@ -16,9 +16,8 @@
 :func:`load_all_tools` is verl 0.9.1's entry point: the YAML's tools, then the ``@function_tool`` functions of
 ``function_tool_path`` (a Python file, see :func:`~agentloop.tools.function_tool.load_function_tools_from_path`).
 
-Everything is checked at start-up: a bad class path, a schema that fails validation, or a duplicate
-tool name (also between the two sources) raises :class:`~agentloop.errors.ConfigError` naming the file
-and the entry.
+Everything is checked at start-up: a bad class path, an invalid schema or a duplicate tool name (also
+between the two sources) raises :class:`~agentloop.errors.ConfigError` naming the file and the entry.
 """
 
 from __future__ import annotations
