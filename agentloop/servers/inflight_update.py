@@ -7,12 +7,13 @@ drain.  ``drain``: vLLM ``pause_generation(mode="wait")``: running requests fini
 wait, the prefix cache is reset.  ``keep`` (PipelineRL's in-flight update): ``pause_generation(mode="keep")``
 freezes the running requests, the weights change, and they go on with the new weights on the KV cache the old
 ones computed (prefix cache kept).  Each token's version is then known from the token counts recorded at every
-switch while the engine is frozen (:meth:`InFlightUpdateMixin._record_switch`, read from vLLM's output
-processor), or, where a vLLM version lacks those, by following the generation as a stream.
+switch while the engine is frozen (:meth:`InFlightUpdate.record_switch`, read from vLLM's output processor), or,
+where a vLLM version lacks those, by following the generation as a stream (:func:`collect_stream`).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from agentloop.errors import ServerError
@@ -21,66 +22,93 @@ from agentloop.types import StopReason, TokenDelta, TokenOutput
 WEIGHT_UPDATE_MODES = ("abort", "drain", "keep")
 
 
-class InFlightUpdateMixin:
-    """Keep-mode bookkeeping for :class:`agentloop.servers.vllm.VLLMServer` (its ``engine``, ``_gate``,
-    ``_update``, ``global_steps`` and ``generate_stream``)."""
+class InFlightUpdate:
+    """The keep-mode part of a vLLM server: the current ``server.weight_update`` mode and, in keep mode, which
+    weight version sampled each token of a generation that ran across updates.
 
-    engine: Any
-    _gate: Any
-    _update: Any
-    server_index: int
-    keep_kv_on_update: bool
-    _switches: dict[str, list[tuple[int, int]]]
-    generate_stream: Any
+    Args:
+        mode: ``server.weight_update`` (one of :data:`WEIGHT_UPDATE_MODES`).
+        server_index: for error messages.
 
-    async def set_weight_update(self, mode: str) -> None:
-        """Switch ``server.weight_update`` (``abort`` | ``drain`` | ``keep``; abort and drain are the same here, the
-        manager pauses first for abort) for later requests and updates; refused while a request runs or an update is
-        open (a request's mode is fixed when it starts)."""
+    Raises:
+        ServerError: ``mode`` is not a known mode.
+    """
+
+    def __init__(self, mode: str, server_index: int) -> None:
+        if mode not in WEIGHT_UPDATE_MODES:
+            raise ServerError(f"actor_rollout_ref.rollout.server.weight_update must be one of "
+                              f"{', '.join(WEIGHT_UPDATE_MODES)}, not {mode!r}")
+        self.server_index = server_index
+        self.keep = mode == "keep"
+        """``keep``: a weight update freezes the running requests instead of draining them; they go on with the
+        new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
+        self.counts_tokens = False
+        """Whether the engine exposes per-request token counts (:meth:`record_switch`); set when it starts."""
+        self.switches: dict[str, list[tuple[int, int]]] = {}
+        """Request id -> (its tokens so far, the new version) at each keep-mode switch it ran across."""
+
+    def set_mode(self, mode: str, busy: bool) -> None:
+        """Switch the mode for later requests and updates (``abort`` and ``drain`` are the same on the server: the
+        manager pauses first for abort).
+
+        Raises:
+            ServerError: an unknown mode, or ``busy`` (a request runs or an update is open: a request's mode is
+                fixed when it starts).
+        """
         if mode not in WEIGHT_UPDATE_MODES:
             raise ServerError(f"weight_update must be one of {', '.join(WEIGHT_UPDATE_MODES)}, not {mode!r}")
-        if self._update is not None or self._gate.in_flight:
+        if busy:
             raise ServerError(f"vLLM server {self.server_index}: cannot switch weight_update while requests run or "
                               "an update is open")
-        self.keep_kv_on_update = mode == "keep"
+        self.keep = mode == "keep"
 
-    async def _generate_streamed(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
-                                 image_data: list[Any] | None, video_data: list[Any] | None) -> TokenOutput:
-        """:meth:`generate` through :meth:`generate_stream`, so each token's weight version is known."""
-        ids: list[int] = []
-        log_probs: list[float] | None = [] if sampling_params.get("logprobs") else None
-        last: TokenDelta | None = None
-        async for delta in self.generate_stream(prompt_ids, sampling_params, request_id, image_data, video_data):
-            ids += delta.token_ids
-            if log_probs is not None:
-                log_probs += delta.log_probs or []
-            last = delta
-        assert last is not None and last.finished
-        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=last.stop_reason or StopReason.STOP,
-                           extra_fields=last.extra_fields)
+    def follows_stream(self) -> bool:
+        """Whether ``generate`` must run as a stream to know its tokens' versions (keep mode, no token counts)."""
+        return self.keep and not self.counts_tokens
 
-    def _versioned(self, extra: dict[str, Any], versions: list[int]) -> dict[str, Any]:
-        """``extra`` with the per-token ``weight_versions`` and their range (``server.weight_update: keep``)."""
-        if not self.keep_kv_on_update or not versions:
+    def versioned(self, extra: dict[str, Any], versions: list[int]) -> dict[str, Any]:
+        """``extra`` with the per-token ``weight_versions`` and their range (keep mode; else ``extra``)."""
+        if not self.keep or not versions:
             return extra
         return {**extra, "weight_versions": versions, "min_global_steps": min(versions),
                 "max_global_steps": max(versions)}
 
-    def _token_versions(self, request_id: str, started_at: int, n: int) -> list[int]:
-        """The weight version of each of a finished generation's ``n`` tokens, from the token counts recorded at
-        each keep-mode switch it ran across (:meth:`_record_switch`)."""
+    def token_versions(self, request_id: str, started_at: int, n: int) -> list[int]:
+        """The weight version of each of a finished generation's ``n`` tokens (it started on ``started_at``), from
+        the token counts recorded at each switch it ran across; forgets the request's switches."""
         versions: list[int] = []
         current = started_at
-        for count, version in self._switches.pop(request_id, []):
+        for count, version in self.switches.pop(request_id, []):
             versions += [current] * max(0, min(count, n) - len(versions))
             current = version
         return versions + [current] * (n - len(versions))
 
-    def _record_switch(self, version: int) -> None:
+    def forget(self, request_id: str) -> None:
+        """Drop a request's switches (a stream tags its tokens as they come)."""
+        self.switches.pop(request_id, None)
+
+    def record_switch(self, engine: Any, version: int) -> None:
         """At a keep-mode update, with the engine frozen: how many tokens each running generation has, so
-        :meth:`_token_versions` can tell the old version's tokens from the new one's (FINAL_ONLY outputs carry no
+        :meth:`token_versions` can tell the old version's tokens from the new one's (FINAL_ONLY outputs carry no
         per-step record).  Reads vLLM's output processor (the request states it keeps per request)."""
-        for state in list(self.engine.output_processor.request_states.values()):
+        for state in list(engine.output_processor.request_states.values()):
             rid = getattr(state, "external_req_id", None) or state.request_id
             count = int(state.detokenizer.num_output_tokens()) if state.detokenizer is not None else 0
-            self._switches.setdefault(rid, []).append((count, version))
+            self.switches.setdefault(rid, []).append((count, version))
+
+
+async def collect_stream(deltas: AsyncIterator[TokenDelta], want_logprobs: bool) -> TokenOutput:
+    """One TokenOutput from a generation's stream: the ids and log-probs joined, the last chunk's stop reason,
+    extras and control signals (``generate`` through ``generate_stream``, so each token's version is known)."""
+    ids: list[int] = []
+    log_probs: list[float] | None = [] if want_logprobs else None
+    last: TokenDelta | None = None
+    async for delta in deltas:
+        ids += delta.token_ids
+        if log_probs is not None:
+            log_probs += delta.log_probs or []
+        last = delta
+    assert last is not None and last.finished
+    return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=last.stop_reason or StopReason.STOP,
+                       extra_fields=last.extra_fields, preempted_by_pause=last.preempted_by_pause,
+                       cut_by_update=last.cut_by_update, max_tokens=last.max_tokens)

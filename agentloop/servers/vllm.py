@@ -40,21 +40,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop.errors import ServerError
-from agentloop.servers.base import (
-    GOES_ON_WITHOUT,
-    BatchGenerateMixin,
-    GatedServerMixin,
-    PauseGate,
-    ServerDeadError,
-)
+from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.enginewatch import EngineWatch, engine_progress, kill_engine_processes
-from agentloop.servers.inflight_update import WEIGHT_UPDATE_MODES, InFlightUpdateMixin
+from agentloop.servers.inflight_update import InFlightUpdate, collect_stream
 from agentloop.servers.vllm_plugin import engine_arg_defaults
-from agentloop.servers.vllm_weights import VLLMWeightUpdateMixin
-from agentloop.servers.weight_sync import (
-    WORKER_EXTENSION,
-    OpenWeightUpdate,
-)
+from agentloop.servers.vllm_weights import VLLMWeights
+from agentloop.servers.weight_sync import WORKER_EXTENSION, WeightBucket, Weights
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -118,8 +109,14 @@ def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
     return [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)]
 
 
-class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLMWeightUpdateMixin):
+class VLLMServer:
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
+
+    Parts: ``gate`` (:class:`~agentloop.servers.base.PauseGate`: pause / resume), ``batcher``
+    (:class:`~agentloop.servers.base.GenerateBatcher`: ``generate_batch``), ``inflight``
+    (:class:`~agentloop.servers.inflight_update.InFlightUpdate`: ``server.weight_update`` and keep-mode token
+    versions), ``weights`` (:class:`~agentloop.servers.vllm_weights.VLLMWeights`: weight updates, the served
+    version) and ``watch`` (:class:`~agentloop.servers.enginewatch.EngineWatch`: a dead or hung engine).
 
     Args:
         rollout: rollout config slice.
@@ -137,28 +134,33 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
         self.response_length = int(rollout.response_length)
         self.engine: Any = None
         self._sleeping = False
-        self.tie_word_embeddings = False
-        self.global_steps = 0
-        """Version of the weights being served (verl's name); set by each weight update."""
-        self.weight_transport = "file"
-        """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set by start()."""
-        self._update: OpenWeightUpdate | None = None
-        self._gate = PauseGate()
-        mode = str((rollout.get("server") or {}).get("weight_update") or "abort")
-        if mode not in WEIGHT_UPDATE_MODES:
-            raise ServerError(f"actor_rollout_ref.rollout.server.weight_update must be one of "
-                              f"{', '.join(WEIGHT_UPDATE_MODES)}, not {mode!r}")
-        self.keep_kv_on_update = mode == "keep"
-        """``server.weight_update: keep``: a weight update freezes the running requests instead of draining them;
-        they go on with the new weights on the KV cache the old ones computed (per-token ``weight_versions``)."""
-        self._switches: dict[str, list[tuple[int, int]]] = {}  # request -> (tokens so far, version) per switch
-        self._counts_tokens = False  # vLLM exposes per-request token counts (set by start())
-        stall = (rollout.get("server") or {}).get("stall_timeout")
-        self._watch = EngineWatch(  # requests of an engine that died or hung are failed over (enginewatch.py)
+        server = rollout.get("server") or {}
+        self.gate = PauseGate()
+        self.batcher = GenerateBatcher(self.generate)
+        self.inflight = InFlightUpdate(str(server.get("weight_update") or "abort"), server_index)
+        self.weights = VLLMWeights(server_index, lambda: self.engine, self.gate, self.inflight,
+                                   engine_dead=self._engine_dead, raise_if_dead=self._raise_if_dead)
+        stall = server.get("stall_timeout")
+        self.watch = EngineWatch(  # requests of an engine that died or hung are failed over (enginewatch.py)
             self._engine_dead, progress=lambda: engine_progress(self.engine),
             stall_timeout=float(stall) if stall is not None else None,
-            holding=lambda: self._update is not None or self._gate.paused or self._sleeping,
+            holding=lambda: self.weights.open is not None or self.gate.paused or self._sleeping,
             on_stall=lambda why: kill_engine_processes())
+
+    @property
+    def global_steps(self) -> int:
+        """Version of the weights being served (verl's name; 0 before any update): ``weights.version``."""
+        return self.weights.version
+
+    @property
+    def weight_transport(self) -> str:
+        """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set by start()."""
+        return self.weights.transport
+
+    @property
+    def keep_kv_on_update(self) -> bool:
+        """``server.weight_update: keep`` (see :class:`~agentloop.servers.inflight_update.InFlightUpdate`)."""
+        return self.inflight.keep
 
     async def start(self) -> dict[str, Any]:
         """Create the engine; returns facts about it (platform, start seconds)."""
@@ -178,11 +180,11 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
         except Exception as e:
             raise ServerError(f"vLLM server {self.server_index} failed to start with {args}: {e}") from e
         self.supports_sleep = bool(args.get("enable_sleep_mode", False))
-        self.weight_transport = "direct" if args.get("worker_extension_cls") == WORKER_EXTENSION else "file"
+        self.weights.transport = "direct" if args.get("worker_extension_cls") == WORKER_EXTENSION else "file"
         hf_config = self.engine.model_config.hf_config
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self._counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
-        self._watch.start()
+        self.weights.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.inflight.counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
+        self.watch.start()
         from agentloop.utils.gcheap import freeze_startup_heap
 
         frozen = freeze_startup_heap(self.rollout)  # the actor's start-up objects stay out of full collections
@@ -222,35 +224,43 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
     ) -> TokenOutput:
         """Generate from token ids; see the module docstring for the keys.  While the server is paused the call
         waits for :meth:`resume`; a pause during the call ends it with the tokens sampled so far (aborted)."""
-        if self.engine is None:
-            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        self._require_started()
         want_logprobs = bool(sampling_params.get("logprobs"))
         params = self._sampling_params(len(prompt_ids), sampling_params)
         if params.max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
-        if self.keep_kv_on_update and not self._counts_tokens:  # no token counts at a switch: follow the tokens
-            return await self._generate_streamed(prompt_ids, sampling_params, request_id, image_data, video_data)
+        if self.inflight.follows_stream():  # keep mode without token counts at a switch: follow the tokens
+            deltas = self.generate_stream(prompt_ids, sampling_params, request_id, image_data, video_data)
+            return await collect_stream(deltas, want_logprobs)
         final, prompt = None, self._prompt(prompt_ids, image_data, video_data)
         started_at = self.global_steps
-        async with self._gate.admitted(request_id) as admitted:
+        async with self.gate.admitted(request_id) as admitted:
             if admitted:
-                with self._watch.request():
+                with self.watch.request():
                     try:
                         async for out in self.engine.generate(prompt, params, request_id,
                                                               priority=int(sampling_params.get("priority") or 0)):
                             final = out
                     except BaseException as e:
-                        if isinstance(e, Exception) or self._watch.cut_by_death(e):
+                        if isinstance(e, Exception) or self.watch.cut_by_death(e):
                             self._raise_if_dead(e)
                         raise
             output = (self._to_token_output(final, want_logprobs) if final is not None else
                       TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None,
                                   stop_reason=StopReason.ABORTED, extra_fields=self._extra_fields()))
-            extra = self._gate.extra(output.extra_fields, output.stop_reason, request_id, params.max_tokens)
-            if self.keep_kv_on_update:
-                extra = self._versioned(extra, self._token_versions(request_id, started_at, len(output.token_ids)))
-            return output.model_copy(update={"extra_fields": extra})
+            extra = output.extra_fields
+            if self.inflight.keep:
+                versions = self.inflight.token_versions(request_id, started_at, len(output.token_ids))
+                extra = self.inflight.versioned(extra, versions)
+            signals = self.gate.signals(output.stop_reason, request_id, params.max_tokens)
+            return output.model_copy(update={"extra_fields": extra, **signals})
+
+    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """Many :meth:`generate` calls in one, results in groups as they finish (see
+        :class:`~agentloop.servers.base.GenerateBatcher`)."""
+        async for group in self.batcher.run(requests):
+            yield group
 
     async def generate_stream(
         self,
@@ -262,8 +272,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
     ) -> AsyncIterator[TokenDelta]:
         """Like :meth:`generate`, but yields the ids as the engine samples them (the last chunk has
         ``finished=True`` and the stop reason); the ids joined equal what :meth:`generate` returns."""
-        if self.engine is None:
-            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        self._require_started()
         want_logprobs = bool(sampling_params.get("logprobs"))
         params = self._sampling_params(len(prompt_ids), sampling_params, stream=True)
         if params.max_tokens <= 0:
@@ -272,8 +281,8 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
             return
         finished = False
         versions: list[int] = []  # the weights each token was sampled with (a keep-mode update may land between)
-        async with self._gate.admitted(request_id) as admitted:
-            with self._watch.request():  # its task is failed over if the engine dies meanwhile
+        async with self.gate.admitted(request_id) as admitted:
+            with self.watch.request():  # its task is failed over if the engine dies meanwhile
                 try:
                     prompt = self._prompt(prompt_ids, image_data, video_data)
                     rank = int(sampling_params.get("priority") or 0)
@@ -286,48 +295,56 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
                         reason = completion.finish_reason or "abort"
                         stop = _FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
                         versions += [self.global_steps] * len(ids)
-                        extra = self._gate.extra(self._extra_fields(), stop, request_id, params.max_tokens)
+                        extra = self.inflight.versioned(self._extra_fields(), versions) if finished else {}
                         yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
-                                         extra_fields=self._versioned(extra, versions) if finished else {})
+                                         extra_fields=extra, **self.gate.signals(stop, request_id, params.max_tokens))
                 except BaseException as e:
-                    if isinstance(e, Exception) or self._watch.cut_by_death(e):
+                    if isinstance(e, Exception) or self.watch.cut_by_death(e):
                         self._raise_if_dead(e)
                     raise
-                self._switches.pop(request_id, None)  # streams tag their tokens as they come
+                self.inflight.forget(request_id)  # streams tag their tokens as they come
                 if not finished:
-                    extra = self._gate.extra(self._extra_fields(), StopReason.ABORTED, request_id, params.max_tokens)
                     yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
-                                     stop_reason=StopReason.ABORTED, extra_fields=self._versioned(extra, versions))
+                                     stop_reason=StopReason.ABORTED,
+                                     extra_fields=self.inflight.versioned(self._extra_fields(), versions),
+                                     **self.gate.signals(StopReason.ABORTED, request_id, params.max_tokens))
 
     async def pause(self, for_update: bool = False) -> int:
         """Abort every in-flight request and hold new ones until :meth:`resume` (see
         :meth:`agentloop.servers.base.LLMServer.pause`); the KV cache is kept."""
-        if self.engine is None:
-            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
-        if self._gate.paused:
+        self._require_started()
+        if self.gate.paused:
             return 0
-        n = self._gate.close(for_update)
+        n = self.gate.close(for_update)
         # The engine's own pause aborts what runs (their final outputs carry the tokens so far) and queues any
         # request already past the gate but not yet in the engine, so nothing runs until resume().
         try:
             await self._engine_call(self.engine.pause_generation(mode="abort", clear_cache=False), "pause")
         except ServerDeadError:
-            self._gate.open()  # nothing is held on a dead engine: its requests fail over
+            self.gate.open()  # nothing is held on a dead engine: its requests fail over
             raise
         return n
 
     async def resume(self) -> None:
         """Let held and new requests run again (no-op when not paused); during an open weight update they run
         once :meth:`finish_weight_update` has applied it."""
-        if not self._gate.paused:
+        if not self.gate.paused:
             return
-        if self._update is None and self.engine is not None:
+        if self.weights.open is None and self.engine is not None:
             try:
                 await self._engine_call(self.engine.resume_generation(), "resume")
             except ServerDeadError:
-                self._gate.open()  # the held requests go on, find the engine dead and fail over
+                self.gate.open()  # the held requests go on, find the engine dead and fail over
                 raise
-        self._gate.open()
+        self.gate.open()
+
+    def busy_seconds(self) -> float:
+        """Seconds with at least one request in the engine (:meth:`PauseGate.busy_seconds`)."""
+        return self.gate.busy_seconds()
+
+    def _require_started(self) -> None:
+        if self.engine is None:
+            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
 
     def _raise_if_dead(self, error: BaseException, then: str = "the request is retried on another server and "
                        "this one restarted") -> None:
@@ -349,16 +366,15 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
             raise
 
     def _engine_dead(self) -> bool:
-        return self._watch.stalled is not None or bool(self.engine is not None and getattr(self.engine, "errored",
-                                                                                           False))
+        return self.watch.stalled is not None or bool(self.engine is not None and getattr(self.engine, "errored",
+                                                                                          False))
 
     def _death(self) -> str:
-        return self._watch.stalled or "the engine process died"
+        return self.watch.stalled or "the engine process died"
 
     async def check_health(self) -> dict[str, Any]:
         """Raises :class:`ServerDeadError` when the engine died; else returns the server's facts."""
-        if self.engine is None:
-            raise ServerError(f"vLLM server {self.server_index} is not started; call start() first")
+        self._require_started()
         if self._engine_dead():
             raise ServerDeadError(f"vLLM server {self.server_index}: {self._death()}", self.server_index)
         await self.engine.check_health()
@@ -384,7 +400,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
     async def abort(self, request_id: str) -> None:
         """Abort an in-flight request (its generate returns ``stop_reason='aborted'``); a request held by a
         pause ends aborted without running.  A caller's abort is never resumed by the router."""
-        self._gate.caller_abort(request_id)
+        self.gate.caller_abort(request_id)
         await self.engine.abort(request_id)
 
     async def wake_up(self) -> None:
@@ -408,7 +424,46 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
     async def set_global_steps(self, global_steps: int) -> None:
         """Set the weight version reported in ``extra_fields["global_steps"]`` without loading weights (verl's
         server method of the same name)."""
-        self.global_steps = int(global_steps)
+        self.weights.version = int(global_steps)
+
+    async def set_weight_update(self, mode: str) -> None:
+        """Switch ``server.weight_update`` (``abort`` | ``drain`` | ``keep``) for later requests and updates; refused
+        while a request runs or an update is open (:meth:`InFlightUpdate.set_mode`)."""
+        self.inflight.set_mode(mode, busy=self.weights.open is not None or bool(self.gate.in_flight))
+
+    async def begin_weight_update(self, global_steps: int | None = None, *, transport: str = "auto") -> None:
+        """Open a weight update: in-flight requests finish on the old weights (keep mode: are frozen and go on
+        after it), new ones wait until :meth:`finish_weight_update`.  ``global_steps`` becomes the served version
+        at the end (default: the current one + 1); ``transport`` is ``auto`` (this server's
+        :attr:`weight_transport`), ``direct`` or ``file``."""
+        self._require_awake()
+        await self.weights.begin(global_steps, transport)
+
+    async def load_weight_bucket(self, bucket: WeightBucket) -> None:
+        """Load one bucket of the open update (HF names; any order; a layer may straddle buckets)."""
+        await self.weights.load(bucket)
+
+    async def finish_weight_update(self) -> dict[str, Any]:
+        """Apply the update, reset the prefix cache, publish the new version and resume generation.
+        Returns what was loaded: version, transport, tensors, bytes, seconds."""
+        return await self.weights.finish()
+
+    async def abort_weight_update(self) -> None:
+        """Close an open weight update without publishing its version and resume generation (a no-op when
+        none is open).  Layers that got all their tensors keep the new values: run the update again."""
+        await self.weights.abort()
+
+    async def update_weights(self, named_tensors: Weights, global_steps: int | None = None, *,
+                             transport: str = "auto") -> dict[str, Any]:
+        """The whole update in one call (one bucket): begin, load, finish.  With tied embeddings and no
+        ``lm_head.weight`` given, the output layer is loaded from ``model.embed_tokens.weight``."""
+        self._require_awake()
+        return await self.weights.update(named_tensors, global_steps, transport)
+
+    def _require_awake(self) -> None:
+        self._require_started()
+        if self._sleeping:
+            raise ServerError(f"vLLM server {self.server_index} is asleep: wake_up() before updating weights")
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix (KV) cache, e.g. after a weight update made it stale."""
@@ -432,7 +487,7 @@ class VLLMServer(BatchGenerateMixin, GatedServerMixin, InFlightUpdateMixin, VLLM
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
-        self._watch.stop()
+        self.watch.stop()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

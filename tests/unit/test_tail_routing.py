@@ -124,7 +124,7 @@ def test_keep_mode_tags_each_token_with_the_version_current_when_it_was_sampled(
                                                 "rollout": {"server": {"weight_update": "keep"}}}, "data": {}})
     server = VLLMServer(cfg.rollout, cfg.model)
     assert server.keep_kv_on_update
-    server._switches = {"r": [(3, 5), (7, 6)], "short": [(9, 5)]}  # tokens so far at the switches to 5 and 6
-    assert server._token_versions("r", 4, 10) == [4] * 3 + [5] * 4 + [6] * 3
-    assert server._token_versions("short", 4, 2) == [4, 4]  # ended (cut) before that count: no new token
-    assert server._token_versions("never-switched", 4, 2) == [4, 4] and server._switches == {}
+    server.inflight.switches = {"r": [(3, 5), (7, 6)], "short": [(9, 5)]}  # tokens so far at the switches to 5, 6
+    assert server.inflight.token_versions("r", 4, 10) == [4] * 3 + [5] * 4 + [6] * 3
+    assert server.inflight.token_versions("short", 4, 2) == [4, 4]  # ended (cut) before that count: no new token
+    assert server.inflight.token_versions("never-switched", 4, 2) == [4, 4] and server.inflight.switches == {}
