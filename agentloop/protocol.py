@@ -17,6 +17,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torch.utils.data import DataLoader
 
 from agentloop.errors import DatasetError
 from agentloop.protocol_ops import (
@@ -405,8 +406,6 @@ class DataProto:
                       dataloader_kwargs: dict[str, Any] | None = None) -> Any:
         """Iterate over mini-batches (DataProtos carrying this meta_info) for ``epochs`` passes through a
         ``torch.utils.data.DataLoader``; ``seed`` fixes its shuffling (``dataloader_kwargs={"shuffle": True}``)."""
-        from torch.utils.data import DataLoader
-
         if mini_batch_size < 1 or len(self) % mini_batch_size:
             raise DataProtoError(f"make_iterator: {len(self)} % {mini_batch_size} != 0; the batch size must be a "
                                  "multiple of mini_batch_size")

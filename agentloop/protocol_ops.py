@@ -1,8 +1,8 @@
 """Module-level DataProto operations (verl's ``verl.protocol`` functions), re-exported from
 :mod:`agentloop.protocol`.
 
-They only use a DataProto's methods and ``type(data)``, so this module does not import
-:mod:`agentloop.protocol` at run time (no import cycle).
+They only use a DataProto's rows and methods (:class:`DataProtoLike`) and ``type(data)``, so this module
+never imports :mod:`agentloop.protocol`, which imports it.
 """
 
 from __future__ import annotations
@@ -11,19 +11,38 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from agentloop.protocol_utils import DataProtoError
 
-if TYPE_CHECKING:
-    from agentloop.protocol import DataProto
+
+class DataProtoLike(Protocol):
+    """What these operations use of a :class:`~agentloop.protocol.DataProto`."""
+
+    batch: TensorDict | None
+    non_tensor_batch: dict[str, Any]
+    meta_info: dict[str, Any]
+
+    def __init__(self, batch: TensorDict | None = None, non_tensor_batch: dict[str, Any] | None = None,
+                 meta_info: dict[str, Any] | None = None) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> Any: ...
+
+    def select_idxs(self, idxs: Any) -> Any: ...
 
 
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+DataProtoT = TypeVar("DataProtoT", bound=DataProtoLike)
+"""A DataProto (of whatever DataProto class the caller has): each operation returns the class it got."""
+
+
+def pad_dataproto_to_divisor(data: DataProtoT, size_divisor: int) -> tuple[DataProtoT, int]:
     """Pad ``data`` to a multiple of ``size_divisor`` by appending its own rows again from the start
     (cycling when the padding is longer than the data); returns ``(padded, pad_size)``.  meta_info is kept."""
     if size_divisor < 1:
@@ -37,12 +56,12 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     return data.select_idxs(idx), pad_size
 
 
-def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+def unpad_dataproto(data: DataProtoT, pad_size: int) -> DataProtoT:
     """Drop the last ``pad_size`` rows added by :func:`pad_dataproto_to_divisor`."""
     return data.slice(0, len(data) - pad_size) if pad_size else data
 
 
-def split_rows(data: DataProto, n: int) -> list[DataProto]:
+def split_rows(data: DataProtoT, n: int) -> list[DataProtoT]:
     """Split into exactly ``n`` consecutive parts whose sizes differ by at most one (larger parts first).
 
     Use this where ``len(data)`` need not be divisible by ``n`` (e.g. spreading prompts over workers);
@@ -55,7 +74,7 @@ def split_rows(data: DataProto, n: int) -> list[DataProto]:
     return [data.slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+def fold_batch_dim(data: DataProtoT, new_batch_size: int) -> DataProtoT:
     """Fold ``[bsz, ...]`` into ``[new_batch_size, bsz // new_batch_size, ...]`` (tensors and non-tensor
     columns alike); the inverse is :func:`unfold_batch_dim`."""
     n = len(data)
@@ -69,7 +88,7 @@ def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     return type(data)(batch=batch, non_tensor_batch=non, meta_info=data.meta_info)
 
 
-def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+def unfold_batch_dim(data: DataProtoT, batch_dims: int = 2) -> DataProtoT:
     """Merge the first ``batch_dims`` dims of every tensor and non-tensor column into one batch dim."""
     shapes = [tuple(v.shape[:batch_dims]) for v in (data.batch.values() if data.batch is not None else [])]
     shapes += [v.shape[:batch_dims] for v in data.non_tensor_batch.values()]
@@ -123,7 +142,7 @@ class DataProtoFuture:
 
     def get(self) -> Any:
         """Fetch the parts (``ray.get``), merge them and apply ``dispatch_fn``."""
-        import ray
+        import ray  # heavy (~0.6 s): loaded only when a future is fetched
 
         parts = ray.get(self.futures)
         if all(isinstance(p, TensorDict) for p in parts):
@@ -137,14 +156,12 @@ class DataProtoFuture:
         return output if self.dispatch_fn is None else self.dispatch_fn(output)
 
 
-def all_gather_data_proto(data: DataProto, process_group: Any = None) -> None:
+def all_gather_data_proto(data: DataProtoLike, process_group: Any = None) -> None:
     """In place, like ``torch.distributed.all_gather``: every rank ends with all ranks' rows, in rank order.
 
     Tensors travel with ``all_gather`` (moved to the current CUDA device for an NCCL group and back),
     non-tensor columns with ``all_gather_object``.  Every rank must hold the same keys and row count.
     """
-    import torch.distributed as dist
-
     world = dist.get_world_size(group=process_group)
     if data.batch is not None:
         device = data.batch.device

@@ -17,6 +17,7 @@ import tensordict
 import torch
 from packaging.version import parse as parse_version
 from tensordict import TensorDict
+from tensordict.tensorclass import NonTensorData, NonTensorStack
 
 from agentloop.errors import DatasetError
 
@@ -385,8 +386,6 @@ def get_tensordict(tensor_dict: dict[str, Any], non_tensor_dict: dict[str, Any] 
     as a ``NonTensorStack``, so nested lists and dicts survive), NonTensorStacks or nested TensorDicts;
     ``non_tensor_dict`` values are stored whole as ``NonTensorData`` (DataProto's meta_info).
     """
-    from tensordict.tensorclass import NonTensorData, NonTensorStack
-
     _require_tensordict_010("get_tensordict")
     source: dict[str, Any] = {}
     batch_size: int | None = None
@@ -419,8 +418,6 @@ def get_tensordict(tensor_dict: dict[str, Any], non_tensor_dict: dict[str, Any] 
 def parts_to_tensordict(batch: TensorDict | None, non_tensor_batch: dict[str, np.ndarray],
                         meta_info: dict[str, Any]) -> TensorDict:
     """The TensorDict form of a DataProto's three parts (see ``DataProto.to_tensordict``)."""
-    from tensordict.tensorclass import NonTensorData, NonTensorStack
-
     _require_tensordict_010("DataProto.to_tensordict")
     columns: dict[str, Any] = {} if batch is None else dict(batch.items())
     common = sorted(set(columns) & set(non_tensor_batch))
@@ -435,8 +432,6 @@ def tensordict_to_parts(td: TensorDict, meta_info: dict[str, Any] | None,
                         num_batch_dims: int) -> tuple[TensorDict | None, dict[str, np.ndarray], dict[str, Any]]:
     """Split a TensorDict into (tensor batch, per-row numpy columns, meta_info) — the inverse of
     :func:`parts_to_tensordict`: tensors go to the batch, NonTensorStacks to rows, NonTensorData to meta."""
-    from tensordict.tensorclass import NonTensorData, NonTensorStack
-
     _require_tensordict_010("DataProto.from_tensordict")
     if num_batch_dims < 1:
         raise DataProtoError(f"from_tensordict: num_batch_dims must be greater than zero, got {num_batch_dims}")

@@ -4,8 +4,9 @@ explained in-function imports.
 Reads every ``.py`` file under the package (``agentloop/`` by default) with :mod:`ast` and builds the
 graph of imports between its modules: module-level and in-function imports alike, relative imports
 resolved, ``from pkg import mod`` counted as an import of the submodule when ``mod`` is one, imports
-under ``if TYPE_CHECKING:`` included (a cycle in the types is a cycle in the design).  ``importlib`` calls
-(lazy faces) and the implicit import of a parent package's ``__init__`` are not edges.
+under ``if TYPE_CHECKING:`` included (a cycle in the types is a cycle in the design).  Importing
+``pkg.sub.mod`` also runs ``pkg/sub/__init__.py``: that is an edge too, except from a module inside
+``pkg.sub`` (its package is being imported already).  ``importlib`` calls (lazy faces) are not edges.
 
 Problems (one line each; exit status 1 when there is any):
 
@@ -169,13 +170,26 @@ def _targets(module: Module, node: ast.Import | ast.ImportFrom, known: set[str])
     return out
 
 
+def _with_packages(importer: str, targets: list[str], known: set[str]) -> list[str]:
+    """``targets`` plus the packages whose ``__init__`` importing them runs, but not ``importer``'s own."""
+    out = list(targets)
+    for target in targets:
+        parts = target.split(".")
+        for i in range(1, len(parts)):
+            package = ".".join(parts[:i])
+            if package in known and not importer.startswith(package + ".") and package not in out:
+                out.append(package)
+    return out
+
+
 def import_sites(modules: dict[str, Module]) -> list[ImportSite]:
     """Every import statement of every module that reaches another module of the package."""
     known = set(modules)
     sites = []
     for module in modules.values():
         for node, in_function in _walk(module.tree, False):
-            targets = [t for t in _targets(module, node, known) if t != module.name]
+            targets = _with_packages(module.name, _targets(module, node, known), known)
+            targets = [t for t in targets if t != module.name]
             sites.append(ImportSite(module.name, targets, node.lineno, node.end_lineno or node.lineno,
                                     in_function))
     return sites

@@ -51,8 +51,8 @@ class GatewayActor:
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
                  tokenizer: Any = None, *, router_cfg: RouterConfig | None = None, owner: str | None = None) -> None:
-        from agentloop.servers.placement import restore_normal_priority
         from agentloop.tokenizer import load_tokenizer
+        from agentloop.utils.process import restore_normal_priority
 
         restore_normal_priority(rollout)  # Ray starts actors at nice 15
         root = {"actor_rollout_ref": {"rollout": rollout, "model": model}}

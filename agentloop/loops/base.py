@@ -228,6 +228,22 @@ _agent_loop_registry = EntryDictView(AGENT_LOOPS)
 """verl's registry name: name -> ``{"_target_": path, "_class_": cls, **kwargs}``; writes register."""
 _builtin_registry = EntryDictView(BUILTIN_AGENT_LOOPS)
 
+BUILTIN_LOOP_TARGETS = {
+    "single_turn_agent": "agentloop.loops.single_turn.SingleTurnAgentLoop",
+    "tool_agent": "agentloop.loops.tool_agent.ToolAgentLoop",
+    "openai_agent": "agentloop.loops.openai_agent.OpenAIAgentLoop",
+}
+"""agentloop's own loops by import path: registered by name here and imported when first resolved, so this
+module never imports them (they import it); their ``@register`` then fills in the class."""
+
+
+def _register_builtin_loops() -> None:
+    for name, target in BUILTIN_LOOP_TARGETS.items():
+        BUILTIN_AGENT_LOOPS.add(name, target)
+
+
+_register_builtin_loops()
+
 
 @dataclass
 class ResolvedAgentLoop:
@@ -262,11 +278,6 @@ def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
 
 def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, ResolvedAgentLoop]:
     """Import every registered loop class once; YAML entries override code registrations."""
-    # Importing the built-in loops registers them.
-    import agentloop.gateway.framework  # noqa: F401
-    import agentloop.loops.single_turn  # noqa: F401
-    import agentloop.loops.tool_agent  # noqa: F401
-
     entries = {**_builtin_registry, **_agent_loop_registry}
     if agent_loop_config_path:
         entries.update(load_registry_file(agent_loop_config_path))

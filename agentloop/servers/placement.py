@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agentloop.config import AgentLoopConfig
 from agentloop.errors import ConfigError, ServerError
+from agentloop.utils.process import restore_normal_priority  # noqa: F401 - re-exported from its former home
 
 logger = logging.getLogger(__name__)
 
@@ -80,36 +81,6 @@ def count_servers(cfg: AgentLoopConfig, device: str, trainer_gpus: int | None = 
     if gpus < tp:
         raise ConfigError(f"tensor_model_parallel_size={tp} but the cluster has only {gpus} GPUs")
     return gpus // tp
-
-
-def restore_normal_priority(rollout: Any) -> str:
-    """Give this actor's threads nice 0 again unless ``rollout.normal_priority`` is false; returns what
-    happened (servers and workers report it at start-up).
-
-    Ray starts every worker process (so every actor) at nice 15 (``RAY_worker_niceness``), and the
-    engine processes an actor spawns inherit it.  Wherever the engine shares cores with anything at
-    normal priority (Ray's own daemons, the driver, a colocated trainer, the other engines of a
-    benchmark) CFS then gives it ~1/28 of the share of its neighbours.  vLLM run by hand, which is what
-    users compare against, runs at nice 0.  Lowering niceness needs root or CAP_SYS_NICE; without
-    them a warning says how to get the same effect when starting the cluster.
-    """
-    if not rollout.get("normal_priority", True):
-        return "unchanged (rollout.normal_priority=false)"
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    if before <= 0:
-        return f"nice {before}"
-    try:
-        for tid in os.listdir("/proc/self/task"):  # nice is per thread on Linux
-            with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
-    except (PermissionError, FileNotFoundError) as e:
-        logger.warning(
-            "this actor (pid %d) runs at nice %d (Ray's default for actors) and could not reset it (%s); it "
-            "and any engine it starts get less CPU than processes at normal priority. Start Ray with "
-            "RAY_worker_niceness=0 in the environment (e.g. `RAY_worker_niceness=0 ray start ...`) or set "
-            "actor_rollout_ref.rollout.normal_priority=false to silence this.", os.getpid(), before, e)
-        return f"nice {before} (could not reset: {e})"
-    return f"nice {before} -> 0"
 
 
 def cpu_bind_env(index: int, num_servers: int) -> dict[str, str]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from agentloop.loops.prompt import apply_chat_template
 from agentloop.parsers.hermes import HermesToolParser
-from agentloop.testing.tiny_model import _SYSTEM_PROMPTS, CALCULATOR_TOOL, IM_START, word_problem
+from agentloop.testing.tiny_corpus import CALCULATOR_TOOL, IM_START, SYSTEM_PROMPTS, word_problem
 from agentloop.tokenization import encode_new_turns
 
 TOOLS = [CALCULATOR_TOOL]
@@ -40,7 +40,7 @@ def make_example(
 ) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of one conversation; ``system_prompt`` defaults to a random one of the corpus."""
     question, expression, answer = word_problem(rng)
-    system = {"role": "system", "content": rng.choice(_SYSTEM_PROMPTS) if system_prompt is None else system_prompt}
+    system = {"role": "system", "content": rng.choice(SYSTEM_PROMPTS) if system_prompt is None else system_prompt}
     prompt = apply_chat_template(tokenizer, [system, {"role": "user", "content": question}], tools=TOOLS,
                                  add_generation_prompt=True)
     eos = tokenizer.eos_token_id
@@ -108,7 +108,7 @@ def _batch(maker: _ExampleMaker, rng: random.Random, size: int) -> tuple[torch.T
     what all conversations share, loss-free, less one token: the first suffix token, predicted from the
     prefix, must carry no loss either (logits are computed from suffix positions only).
     """
-    examples = maker.examples(rng, size, rng.choice(_SYSTEM_PROMPTS))
+    examples = maker.examples(rng, size, rng.choice(SYSTEM_PROMPTS))
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((size, width), maker.tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((size, width), dtype=torch.bool)
@@ -185,7 +185,7 @@ def evaluate_tool_use(model: Any, tokenizer: Any, n: int = 50, seed: int = 12345
     formed = exact = right = both = 0
     for _ in range(n):
         question, expression, answer = word_problem(rng)
-        system = {"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)}
+        system = {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}
         messages = [system, {"role": "user", "content": question}]
         prompt = apply_chat_template(tokenizer, messages, tools=TOOLS, add_generation_prompt=True)
         first = _greedy(model, tokenizer, prompt, 48)

@@ -21,13 +21,13 @@ from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from agentloop.config import default_config
-from agentloop.gateway import framework
 from agentloop.gateway.actor import GatewayActor
 from agentloop.gateway.framework import OpenAIAgentLoop
 from agentloop.loops.base import ResolvedAgentLoop
 from agentloop.protocol import DataProto
 from agentloop.servers.base import ServerDeadError
 from agentloop.testing import ScriptedServer
+from agentloop.utils import process
 from agentloop.worker import AgentLoopWorker
 
 
@@ -337,13 +337,13 @@ def test_session_whose_prompt_is_too_long_gives_a_length_row_saying_why(tokenize
 # ---- 4. agent processes: spawned off the event loop, timeouts fire even when a spawn hangs ----------------------
 
 class HangingSpawn:
-    """Replaces framework._spawn: blocks until released, then really starts the process."""
+    """Replaces process.spawn_process: blocks until released, then really starts the process."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.started: list[Any] = []
         self.threads: list[str] = []
-        self.real = framework._spawn
+        self.real = process.spawn_process
 
     def __call__(self, argv, env, stderr):
         self.threads.append(threading.current_thread().name)
@@ -356,7 +356,7 @@ class HangingSpawn:
 
 def test_session_timeout_fires_while_a_spawn_hangs_and_the_late_process_is_killed(tokenizer, monkeypatch):
     spawn = HangingSpawn()
-    monkeypatch.setattr(framework, "_spawn", spawn)
+    monkeypatch.setattr(process, "spawn_process", spawn)
     entries = {"cli": {"command": ["python", "agent.py"]}, "sdk": {"runner": greedy_agent}}
     both = one_sample_batch("cli", "sdk")
     out = asyncio.run(run_worker(tokenizer, entries, both, long_policy(tokenizer, 5), session_timeout=1.0))
