@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, get_args
 
 from omegaconf import OmegaConf
 
 from agentloop.config.build import build_section, check_fields, read_value
 from agentloop.errors import ConfigError
+from agentloop.types import RewardTo
 
 _R = "actor_rollout_ref.rollout"
 _S = f"{_R}.server"
@@ -238,6 +239,23 @@ class AgentConfig(Section):
     PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"prompt_truncation": _check_truncation}
 
 
+REWARD_TO_MODES: tuple[str, ...] = get_args(RewardTo)
+"""``multi_turn.reward_to``: all | last | discounted."""
+
+
+def check_reward_to(value: Any, where: str = "multi_turn") -> None:
+    """Raise the ConfigError for a ``reward_to`` that is neither null nor one of :data:`REWARD_TO_MODES`."""
+    if value is not None and value not in REWARD_TO_MODES:
+        raise ConfigError(f"{where}.reward_to must be one of {' | '.join(REWARD_TO_MODES)}, got {value!r}")
+
+
+def check_reward_gamma(value: Any, where: str = "multi_turn") -> None:
+    """Raise the ConfigError for a ``reward_gamma`` that is neither null nor a number in [0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+        raise ConfigError(f"{where}.reward_gamma must be a number in [0, 1] (the discount per trajectory "
+                          f"before the final one), got {value!r}")
+
+
 @dataclass(frozen=True)
 class MultiTurnConfig(Section):
     """``actor_rollout_ref.rollout.multi_turn``: turn limits, tools, context window, reward spreading."""
@@ -258,8 +276,12 @@ class MultiTurnConfig(Section):
     return_messages: bool
     context_window: int | None
     max_context_edits: int | None
-    reward_to: str
-    reward_gamma: float
+    reward_to: str | None
+    """all | last | discounted (null: all; :class:`agentloop.rewards.EpisodeRewardConfig` applies it)."""
+    reward_gamma: float | None
+
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"reward_to": check_reward_to,
+                                                              "reward_gamma": check_reward_gamma}
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,14 @@ the default), ``last`` (0 except the final) or ``discounted`` (``reward_gamma **
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast, get_args
+from typing import Any, cast
 
-from omegaconf import OmegaConf
-
+from agentloop.config.schema import REWARD_TO_MODES, MultiTurnConfig, check_reward_gamma, check_reward_to
 from agentloop.errors import ConfigError
 from agentloop.types import RewardTo
 
-REWARD_TO_MODES: tuple[str, ...] = get_args(RewardTo)
 DEFAULT_GAMMA = 0.9
+"""What a null ``reward_gamma`` means (the YAML's value)."""
 
 
 @dataclass(frozen=True)
@@ -37,22 +36,16 @@ class EpisodeRewardConfig:
         Raises:
             ConfigError: ``reward_to`` is not all | last | discounted, or ``reward_gamma`` is not in [0, 1].
         """
-        node = OmegaConf.select(root, "actor_rollout_ref.rollout.multi_turn", default=None) \
-            if OmegaConf.is_config(root) else ((root or {}).get("actor_rollout_ref") or {}).get("rollout", {}).get(
-                "multi_turn")
-        node = node or {}
-        return cls.checked(node.get("reward_to"), node.get("reward_gamma"))
+        multi_turn = MultiTurnConfig.from_root(root)
+        return cls.checked(multi_turn.reward_to, multi_turn.reward_gamma)
 
     @classmethod
     def checked(cls, reward_to: Any, reward_gamma: Any, where: str = "multi_turn") -> EpisodeRewardConfig:
         """Validate the two values (None takes the default)."""
+        check_reward_to(reward_to, where)
+        check_reward_gamma(reward_gamma, where)
         mode = "all" if reward_to is None else reward_to
-        if mode not in REWARD_TO_MODES:
-            raise ConfigError(f"{where}.reward_to must be one of {' | '.join(REWARD_TO_MODES)}, got {reward_to!r}")
         gamma = DEFAULT_GAMMA if reward_gamma is None else reward_gamma
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma <= 1.0:
-            raise ConfigError(f"{where}.reward_gamma must be a number in [0, 1] (the discount per trajectory "
-                              f"before the final one), got {reward_gamma!r}")
         return cls(reward_to=cast(RewardTo, mode), reward_gamma=float(gamma))
 
 

@@ -21,75 +21,18 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from agentloop.config.schema import RewardConfig
 from agentloop.errors import ConfigError
 
 _KEY = "custom_reward_function"
 _DEFAULT_NAME = "compute_score"
-_DEFAULT_TIMEOUT = 30.0
 
-
-@dataclass(frozen=True)
-class RewardFunctionConfig:
-    """``custom_reward_function``, checked (see the module docstring for each key)."""
-
-    path: str | None = None
-    name: str = _DEFAULT_NAME
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout: float | None = _DEFAULT_TIMEOUT
-    add_tool_rewards: bool = False
-
-    @classmethod
-    def from_config(cls, root: DictConfig | dict[str, Any] | None) -> RewardFunctionConfig:
-        """Read the block from a trainer-shaped config (top level first, then verl 0.9's ``reward.``).
-
-        Raises:
-            ConfigError: a key has the wrong type.
-        """
-        block, nested = _plain((root or {}).get(_KEY)) or {}, _plain(_select(root, "reward", _KEY))
-        if not isinstance(block, dict):
-            raise ConfigError(f"{_KEY} must be a mapping with path / name / timeout keys, got {block!r}")
-        if not block.get("path") and isinstance(nested, dict) and nested.get("path"):
-            block = {**nested, **{k: block[k] for k in ("timeout", "add_tool_rewards") if k in block}}
-        return cls._checked(block)
-
-    @classmethod
-    def _checked(cls, block: dict[str, Any]) -> RewardFunctionConfig:
-        path, name = block.get("path"), block.get("name") or _DEFAULT_NAME
-        if path is not None and not (isinstance(path, str) and path.strip()):
-            raise ConfigError(f"{_KEY}.path must be null, a .py file or a module name, got {path!r}")
-        if not isinstance(name, str):
-            raise ConfigError(f"{_KEY}.name must be a function name, got {name!r}")
-        kwargs = block.get("reward_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise ConfigError(f"{_KEY}.reward_kwargs must be a mapping of keyword arguments, got {kwargs!r}")
-        timeout = block.get("timeout", _DEFAULT_TIMEOUT)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ConfigError(f"{_KEY}.timeout must be null or a number of seconds >= 0 (0: no limit), "
-                              f"got {timeout!r}")
-        add = block.get("add_tool_rewards", False)
-        if not isinstance(add, bool):
-            raise ConfigError(f"{_KEY}.add_tool_rewards must be true or false, got {add!r}")
-        return cls(path=path or None, name=name, reward_kwargs=dict(kwargs),
-                   timeout=float(timeout) if timeout else None, add_tool_rewards=add)
-
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-
-
-def _select(root: Any, *keys: str) -> Any:
-    node = root
-    for key in keys:
-        if not hasattr(node, "get"):
-            return None
-        node = node.get(key)
-    return node
+RewardFunctionConfig = RewardConfig
+"""``custom_reward_function``, checked: :class:`agentloop.config.RewardConfig` under its older name
+(``RewardFunctionConfig.from_config(root)``; fields left out take the YAML's defaults)."""
 
 
 def load_reward_function(path: str, name: str = _DEFAULT_NAME) -> Callable[..., Any]:
