@@ -47,6 +47,7 @@ from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.vllm_weights import VLLMWeights
 from agentloop.servers.weight_sync import WORKER_EXTENSION, WeightBucket, Weights
 from agentloop.types import StopReason, TokenDelta, TokenOutput
+from agentloop.utils.process import restore_normal_priority
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +173,6 @@ class VLLMServer:
 
         on_cpu = current_platform.is_cpu()
         args = _engine_args(self.rollout, self.model, on_cpu, self.server_index)
-        from agentloop.servers.placement import restore_normal_priority
-
         priority = restore_normal_priority(self.rollout)  # before the engine's processes exist: they inherit it
         try:
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
