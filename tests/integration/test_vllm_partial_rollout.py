@@ -125,7 +125,7 @@ def test_a_paused_request_returns_its_tokens_so_far_and_new_ones_wait(server: An
     assert cut.stop_reason == "aborted" and 0 < len(cut.token_ids) < N_TOKENS
     assert cut.token_ids == want.token_ids[: len(cut.token_ids)]
     assert len(cut.log_probs) == len(cut.token_ids)
-    assert cut.extra_fields["preempted_by_pause"] is True and cut.extra_fields["max_tokens"] == N_TOKENS
+    assert cut.preempted_by_pause is True and cut.max_tokens == N_TOKENS
     assert was_held and after.token_ids == want.token_ids[:4]
 
 
