@@ -46,6 +46,7 @@ test-unit: install
 lint: install
 	$(VENV)/bin/ruff check agentloop tests scripts
 	$(VENV)/bin/mypy agentloop
+	$(PY) scripts/check_structure.py --checks cycles,lines  # + top,inline once issue 29's layout lands
 
 bench: install
 	$(PY) scripts/bench_overhead.py

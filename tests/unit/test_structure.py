@@ -73,6 +73,19 @@ def test_checker_finds_a_cycle_through_a_function_level_and_a_relative_import(tm
     assert report.problems(("cycles",), 6) == ["cycle: pkg.a -> pkg.sub.b -> pkg.c -> pkg.a"]
 
 
+def test_checker_counts_the_package_init_an_import_runs_but_not_the_importers_own(tmp_path: Path) -> None:
+    pkg = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from pkg.sub.b import x\n",  # runs pkg/sub/__init__.py, which imports pkg.a
+        "sub/__init__.py": "from pkg.a import y\n",
+        "sub/b.py": "from pkg.sub.c import z\n",  # inside pkg.sub: its own package is no edge
+        "sub/c.py": "",
+    })
+    report = check_structure.analyse(pkg)
+    assert report.cycles == [["pkg.a", "pkg.sub", "pkg.a"]]
+    assert report.graph["pkg.sub.b"] == {"pkg.sub.c"}
+
+
 def test_checker_flags_long_modules_unexplained_inline_imports_and_counts_faces(tmp_path: Path) -> None:
     pkg = _tree(tmp_path, {
         "__init__.py": "",
