@@ -1,14 +1,11 @@
 """Keep Python's full garbage collections off the rollout path of long-lived actors.
 
-An agent-loop worker actor holds ~415k GC-tracked objects once it has imported torch and transformers and
-loaded a tokenizer (a vLLM server actor's front end is of the same kind).  CPython's oldest-generation
-collection walks all of them (~0.2 s measured in a worker on our CPU machines) whenever enough objects have
-survived younger collections: rarely, but then a pause of the order of a whole short GPU batch
-(docs/benchmarks.md).  ``gc.freeze()`` after start-up moves those objects to the permanent generation, which
-collections skip; objects created later are collected as before, and frozen objects whose reference count
-drops to zero are still freed.  The price: reference cycles among the frozen start-up objects are never freed.
-vLLM's engine core does the same in its own process after it starts.
-``actor_rollout_ref.rollout.gc_freeze: false`` turns it off.
+:func:`freeze_startup_heap` calls ``gc.freeze()`` once an actor has started (unless
+``actor_rollout_ref.rollout.gc_freeze`` is false, and only inside a Ray actor, :func:`in_ray_actor`), so the
+~415k start-up objects of torch, transformers and the tokenizer leave CPython's full collections (a rare
+~0.2 s pause each); objects created later are collected as before.  The price: reference cycles among the
+frozen start-up objects are never freed.  Returns how many objects were frozen.
+Measurements: docs/benchmarks.md (Full garbage collections).
 """
 
 from __future__ import annotations
