@@ -18,7 +18,7 @@ PAD = 7
 
 
 def reference(outputs: list[AgentLoopOutput], P: int, R: int, log_probs: bool) -> dict[str, list[list[float]]]:
-    """The layout built one row at a time with plain lists (docs: module docstring of agentloop.postprocess)."""
+    """The layout built one row at a time with plain lists (docs/concepts.md#the-output-layout)."""
     cols: dict[str, list[list[float]]] = {k: [] for k in ("prompts", "responses", "response_mask", "input_ids",
                                                           "attention_mask", "position_ids", "rollout_log_probs",
                                                           "rollout_weight_versions")}
