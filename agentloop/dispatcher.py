@@ -86,6 +86,8 @@ class Dispatch:
 
     groups: list[Group]
     slot: WorkerSlot
+    handle: Any
+    """The worker actor it was sent to (the slot may run a replacement later)."""
     ref: Any
     """The Ray streaming generator."""
     version: int
@@ -167,9 +169,10 @@ class Dispatcher:
         """Let replacements that started within ``timeout`` seconds serve."""
         self.pool.poll_replacements(timeout)
 
-    def replace_worker(self, slot: WorkerSlot, reason: str) -> None:
-        """Kill a dead or hung worker and start its replacement (:meth:`WorkerSlots.replace`)."""
-        self.pool.replace(slot, reason)
+    def replace_worker(self, slot: WorkerSlot, reason: str, handle: Any = None) -> None:
+        """Kill a dead or hung worker and start its replacement (:meth:`WorkerSlots.replace`; ``handle``: the
+        actor found dead, so a slot that already runs its replacement is left alone)."""
+        self.pool.replace(slot, reason, handle)
 
     def watch_workers(self, slots: list[WorkerSlot]) -> list[WorkerSlot]:
         """Kill the workers among ``slots`` whose event loop is blocked (:meth:`WorkerSlots.watch`)."""
@@ -262,7 +265,7 @@ class DispatchRun:
         timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
         ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(batch, starts,
                                                                                           timeout=timeout)
-        dispatch = Dispatch(groups, slot, ref, self.dispatcher.weight_version())
+        dispatch = Dispatch(groups, slot, slot.handle, ref, self.dispatcher.weight_version())
         self.open[ref] = dispatch
         return dispatch
 
@@ -330,7 +333,8 @@ class DispatchRun:
         """A dead worker's unfinished groups: to :attr:`retry`, or error rows when they cannot be retried."""
         d = self.dispatcher
         left = dispatch.unfinished()
-        d.replace_worker(dispatch.slot, f"died while streaming groups {[g.key for g in left[:5]]}...: {why}")
+        d.replace_worker(dispatch.slot, f"died while streaming groups {[g.key for g in left[:5]]}...: {why}",
+                         dispatch.handle)
         out_of_time = self.deadline is not None and time.monotonic() >= self.deadline
         retry = [g for g in left if g.retries < d.max_sample_retries]
         no_worker = bool(retry) and not out_of_time and not d.live_workers(must=False)  # waits for a replacement
@@ -356,7 +360,8 @@ class DispatchRun:
         d, failed = self.dispatcher, []
         why = f"agent.batch_timeout={d.batch_timeout}s + {d.batch_grace_s}s"
         for dispatch in self.dispatches:
-            d.replace_worker(dispatch.slot, f"did not finish its stream within {why} (its event loop is blocked)")
+            d.replace_worker(dispatch.slot, f"did not finish its stream within {why} (its event loop is blocked)",
+                             dispatch.handle)
             d.fault_counts["workers_hung"] += 1
             for group in dispatch.unfinished():
                 failed.append(d.fail(group, RolloutStatus.TIMEOUT, "the agent-loop worker running this sample hung "

@@ -161,10 +161,11 @@ class WorkerSlots:
                 slot.dead = True
             slot.ready = None
 
-    def replace(self, slot: WorkerSlot, reason: str) -> None:
+    def replace(self, slot: WorkerSlot, reason: str, handle: Any = None) -> None:
         """Kill a dead or hung worker, release its balancer slots and start its replacement (not awaited); a
-        slot already being replaced (or given up) is left as it is."""
-        if slot.ready is not None or slot.dead:
+        slot already being replaced (or given up), or no longer running ``handle`` (the actor found dead), is
+        left as it is."""
+        if slot.ready is not None or slot.dead or (handle is not None and handle is not slot.handle):
             return
         logger.warning("agent-loop worker %d %s; releasing its server slots and starting a replacement",
                        slot.index, reason)

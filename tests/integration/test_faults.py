@@ -109,17 +109,17 @@ def ray_session():
     _agent_loop_registry.pop("gateway_probe", None)
 
 
-def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_workers: int = 2,
+def make_manager(ray: Any, *, num_servers: int, delay: float, num_workers: int = 2,
                  server_kwargs: dict[str, Any] | None = None, root: dict[str, Any] | None = None,
                  **agent: Any) -> Any:
-    import agentloop.manager as manager_module
+    """A manager over ScriptedServer actors it owns (the ``servers=`` injection point: restarted, stopped)."""
     from agentloop.config import default_config
+    from agentloop.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     handles = [ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=1000).remote(
         delay=delay, name=f"s{i}", **(server_kwargs or {})) for i in range(num_servers)]
     group = FakeServerGroup(handles=handles, placement_group=None, device="cpu", info=[], delay=delay)
-    monkeypatch.setattr(manager_module, "start_standalone_servers", lambda cfg: group)
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
     cfg.data.max_response_length = 8
@@ -129,7 +129,7 @@ def make_manager(ray: Any, monkeypatch, *, num_servers: int, delay: float, num_w
         OmegaConf.update(cfg.actor_rollout_ref.rollout, f"agent.{k}", v)
     for k, v in (root or {}).items():
         OmegaConf.update(cfg, k, v, force_add=True)
-    return manager_module.AgentLoopManager(cfg)
+    return AgentLoopManager(cfg, servers=group)
 
 
 def batch(texts: list[str], agent_name: str = "single_turn_agent"):
@@ -176,7 +176,7 @@ def faults(out) -> dict[str, float]:
 
 def test_a_worker_killed_mid_batch_loses_no_row_and_is_replaced(ray_session, monkeypatch):
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0)
+    manager = make_manager(ray, num_servers=2, delay=1.0)
     try:
         victim = manager.agent_loop_workers[0]
         timer = later(0.5, ray.kill, victim)
@@ -199,7 +199,7 @@ def test_a_worker_killed_mid_batch_loses_no_row_and_is_replaced(ray_session, mon
 
 def test_without_retries_a_dead_workers_samples_are_error_rows(ray_session, monkeypatch):
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=1, delay=1.0, max_sample_retries=0)
+    manager = make_manager(ray, num_servers=1, delay=1.0, max_sample_retries=0)
     try:
         timer = later(0.5, ray.kill, manager.agent_loop_workers[1])
         out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
@@ -216,7 +216,7 @@ def test_without_retries_a_dead_workers_samples_are_error_rows(ray_session, monk
 def test_a_worker_whose_event_loop_hangs_is_cut_at_the_batch_deadline(ray_session, monkeypatch):
     ray = ray_session
     monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "30")
-    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0, batch_timeout=2)
+    manager = make_manager(ray, num_servers=1, delay=0.0, batch_timeout=2)
     manager.workers.batch_grace_s = 1.0
     try:
         out = manager.generate_sequences(batch(["block", "a", "b", "c"], agent_name="blocking_probe"))
@@ -236,7 +236,7 @@ def test_a_worker_whose_event_loop_hangs_is_killed_without_a_batch_deadline(ray_
     blocking one hangs its second worker too, then its rows are errors that say so) and the rest are fine."""
     ray = ray_session
     monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "600")
-    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0, stall_timeout=2)
+    manager = make_manager(ray, num_servers=1, delay=0.0, stall_timeout=2)
     manager.workers.tick_s = 0.2
     try:
         out = manager.generate_sequences(batch(["block", "a", "b", "c"], agent_name="blocking_probe"))
@@ -253,7 +253,7 @@ def test_a_worker_whose_event_loop_hangs_is_killed_without_a_batch_deadline(ray_
 
 def test_a_server_killed_mid_batch_fails_over_and_is_restarted(ray_session, monkeypatch):
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0)
+    manager = make_manager(ray, num_servers=2, delay=1.0)
     try:
         dead = manager.server_handles[0]
         timer = later(0.5, ray.kill, dead)
@@ -280,7 +280,7 @@ def test_a_server_whose_event_loop_hangs_is_killed_its_requests_fail_over_and_it
     the batch until the loop woke up (or forever); now the mid-batch health look kills it after
     server.stall_timeout seconds, its requests fail over and it is restarted."""
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0, root={
+    manager = make_manager(ray, num_servers=2, delay=1.0, root={
         "actor_rollout_ref.rollout.server.stall_timeout": 2})
     manager.workers.tick_s = 0.2
     try:
@@ -304,7 +304,7 @@ def test_a_server_whose_event_loop_hangs_is_killed_its_requests_fail_over_and_it
 
 def test_an_engine_that_dies_inside_its_only_server_is_restarted(ray_session, monkeypatch):
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
+    manager = make_manager(ray, num_servers=1, delay=0.0)
     try:
         ray.get(manager.server_handles[0].kill_engine.remote())
         out = manager.generate_sequences(batch(["a", "b"]))
@@ -328,7 +328,7 @@ def test_servers_lost_before_or_during_a_weight_update_do_not_stop_it(ray_sessio
     ray = ray_session
     # 5 s: long enough for a live server's answer while two replacement actors start beside it on 2 busy cores
     # (CI once saw 2 s pass), short enough to show the hung one is cut, not waited for
-    manager = make_manager(ray, monkeypatch, num_servers=3, delay=0.0,
+    manager = make_manager(ray, num_servers=3, delay=0.0,
                            root={"actor_rollout_ref.rollout.server.weight_update_timeout": 5})
     try:
         engine_dead, actor_dead, alive = manager.server_handles
@@ -363,7 +363,7 @@ def test_a_weight_update_with_no_server_left_raises_naming_recover(ray_session, 
     from agentloop.errors import ServerError
 
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
+    manager = make_manager(ray, num_servers=1, delay=0.0)
     try:
         ray.get(manager.server_handles[0].kill_engine.remote())
         with pytest.raises(ServerError, match=r"no rollout server is left.*recover\(\)"):
@@ -382,9 +382,9 @@ def test_a_dead_server_does_not_fail_pause_resume_sleep_wake_up_or_clear_kv_cach
     clear_kv_cache) go on past a server whose actor or engine died since the last batch: it is taken out of
     routing and restarted, as in a batch or an update, instead of the call raising into the training loop."""
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=3, delay=0.0)
+    manager = make_manager(ray, num_servers=3, delay=0.0)
     try:
-        assert all(manager._sleep_support)  # the scripted servers "can sleep"
+        assert manager.can_sleep  # the scripted servers "can sleep"
         kill_and_wait(manager.server_handles[0], "check_health")  # an actor gone
         ray.get(manager.server_handles[1].kill_engine.remote())  # an engine dead inside a live actor
         assert manager.pause() == 0
@@ -412,7 +412,7 @@ def test_a_dead_gateway_is_replaced_before_the_next_batch(ray_session, monkeypat
     """External agents' gateway actors: one killed between batches is replaced before the next (the workers get
     the new set), and a restarted server is put back even while a gateway it must be told about is dead."""
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=2, delay=0.0,
+    manager = make_manager(ray, num_servers=2, delay=0.0,
                            root={"actor_rollout_ref.rollout.gateway.num_gateways": 2})
     try:
         ok = {"stop", "length"}
@@ -440,7 +440,7 @@ def test_a_gateway_whose_event_loop_hangs_is_killed_and_replaced(ray_session, mo
     until the loop woke up; now it is killed after server.stall_timeout, its sessions are error rows saying it
     hung, the other gateway's are fine, and it is replaced before the next batch."""
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=2, delay=1.0, root={
+    manager = make_manager(ray, num_servers=2, delay=1.0, root={
         "actor_rollout_ref.rollout.gateway.num_gateways": 2, "actor_rollout_ref.rollout.server.stall_timeout": 2})
     manager.workers.tick_s = 0.2
     try:
@@ -473,7 +473,7 @@ def grouped(texts_per_group: list[list[str]]):
 
 def test_stream_yields_each_complete_group_once_in_completion_order(ray_session, monkeypatch):
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=2, delay=0.0)
+    manager = make_manager(ray, num_servers=2, delay=0.0)
     try:
         groups = [["sleep 3", "sleep 0"], ["sleep 0", "sleep 0.2"], ["sleep 1.5", "sleep 0"], ["sleep 0", "sleep 0"]]
         got = list(manager.generate_sequences_stream(grouped(groups), group_by="group"))
@@ -492,7 +492,7 @@ def test_stream_yields_each_complete_group_once_in_completion_order(ray_session,
 
 def test_stream_survives_a_dead_worker_and_closing_it_cancels_the_rest(ray_session, monkeypatch):
     ray = ray_session
-    manager = make_manager(ray, monkeypatch, num_servers=1, delay=0.0)
+    manager = make_manager(ray, num_servers=1, delay=0.0)
     try:
         groups = [["sleep 1", "sleep 1"] for _ in range(6)]
         timer = later(0.5, ray.kill, manager.agent_loop_workers[0])
@@ -524,7 +524,7 @@ def prompt_batches(num_batches: int, groups: int, n: int, seconds: float):
 def test_rollouter_hands_out_every_group_once_within_its_inflight_budget(ray_session, monkeypatch):
     from agentloop.rollouter import Rollouter
 
-    manager = make_manager(ray_session, monkeypatch, num_servers=2, delay=0.0)
+    manager = make_manager(ray_session, num_servers=2, delay=0.0)
     try:
         rollouter = Rollouter(manager, prompt_batches(3, 4, 2, 0.3), max_inflight=4, groups_per_dispatch=1)
         peak = []
@@ -548,7 +548,7 @@ def test_rollouter_hands_out_failed_groups_together_with_good_ones(ray_session, 
     from agentloop.data import repeat_for_rollout, rows_to_batch
     from agentloop.rollouter import Rollouter
 
-    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0)
+    manager = make_manager(ray_session, num_servers=1, delay=0.0)
     try:
         rows = [{"prompt": [{"role": "user", "content": "sleep 0.1"}], "agent_name": name, "extra_info": {"index": i}}
                 for i, name in enumerate(["sleepy_probe", "exploding_probe", "single_turn_agent"])]
@@ -576,7 +576,7 @@ def test_rollouter_gives_up_on_a_sample_that_hangs_every_worker_it_runs_on(ray_s
     from agentloop.rollouter import Rollouter
 
     monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "600")
-    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0, stall_timeout=2)
+    manager = make_manager(ray_session, num_servers=1, delay=0.0, stall_timeout=2)
     manager.workers.tick_s = 0.2
     try:
         rows = [{"prompt": [{"role": "user", "content": text}], "agent_name": "blocking_probe",
@@ -601,7 +601,7 @@ def test_rollouter_bounds_staleness_across_weight_updates(ray_session, monkeypat
 
     from agentloop.rollouter import Rollouter
 
-    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0)
+    manager = make_manager(ray_session, num_servers=1, delay=0.0)
     try:
         rollouter = Rollouter(manager, prompt_batches(2, 6, 2, 1.0), max_inflight=8, max_staleness=0).start()
         first = rollouter.get(num_groups=2)
@@ -627,7 +627,7 @@ def test_pause_update_resume_cycles_during_a_batch_lose_nothing(ray_session, mon
     partial_rollout every sample still gets its 8 tokens, exactly as uninterrupted, spanning several versions."""
     import torch
 
-    manager = make_manager(ray_session, monkeypatch, num_servers=1, delay=0.0,
+    manager = make_manager(ray_session, num_servers=1, delay=0.0,
                            server_kwargs={"responses": eight_tokens, "token_delay": 0.1},
                            root={"async_training.partial_rollout": True})
     try:
