@@ -9,21 +9,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agentloop.errors import ConfigError
-from agentloop.loops.base import _agent_loop_registry
+from agentloop.loops.base import AGENT_LOOPS
 from agentloop.loops.openai_agent import AgentRunner, OpenAIAgentLoop
+from agentloop.loops.runners import AGENT_RUNNERS
+from agentloop.utils.registry import target_of
 
 __all__ = ["AgentRunner", "OpenAIAgentLoop", "register_agent_runner"]
 
 
 def register_agent_runner(name: str) -> Callable[[AgentRunner], AgentRunner]:
-    """Decorator: samples with ``agent_name == name`` run this async callable through the gateway."""
+    """Decorator: samples with ``agent_name == name`` run this async callable through the gateway.
+
+    Registers ``fn`` in :data:`~agentloop.loops.runners.AGENT_RUNNERS` (so a loop entry's ``runner:`` or a
+    sample's ``extra_info.agent_runner`` can name it) and an ``openai_agent`` loop named ``name``.
+
+    Raises:
+        ConfigError: ``fn`` is not callable, or ``name`` is taken by another runner or agent loop.
+    """
 
     def decorator(fn: AgentRunner) -> AgentRunner:
-        if not callable(fn):
-            raise ConfigError(f"@register_agent_runner({name!r}) must decorate an async callable, got {fn!r}")
-        _agent_loop_registry[name] = {"_target_": f"{OpenAIAgentLoop.__module__}.OpenAIAgentLoop",
-                                      "_class_": OpenAIAgentLoop, "runner": fn}
+        loop = AGENT_LOOPS.find(name, local=True)
+        # a runner whose loop entry was unregistered (``_agent_loop_registry.pop``) is stale: replace it
+        stale = loop is None or loop.kwargs.get("runner") is not AGENT_RUNNERS.get(name)
+        AGENT_LOOPS.refuse_taken(name, target_of(OpenAIAgentLoop))  # before anything is registered
+        AGENT_RUNNERS.add(name, fn, replace=stale)
+        AGENT_LOOPS.add(name, OpenAIAgentLoop, runner=fn)
         return fn
 
     return decorator

@@ -19,7 +19,6 @@ import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, cast
 
 from omegaconf import DictConfig
@@ -27,6 +26,7 @@ from omegaconf import DictConfig
 from agentloop.errors import ConfigError
 from agentloop.imports import import_object
 from agentloop.loops.base import LOOP_CONTRACT_KWARGS, AgentLoopBase, register, rollout_config_of
+from agentloop.loops.runners import AgentRunner, resolve_runner
 from agentloop.rewards.episode import REWARD_TO_MODES
 from agentloop.types import (
     AgentLoopMetrics,
@@ -38,9 +38,6 @@ from agentloop.types import (
 from agentloop.utils.process import start_process, wait_process
 
 __all__ = ["AgentRunner", "OpenAIAgentLoop"]
-
-AgentRunner = Callable[..., Awaitable[Any]]
-"""An in-process agent runner: ``async runner(*, base_url, api_key, raw_prompt, **sample_fields)``."""
 
 
 def _resolve(value: Any, what: str) -> Any:
@@ -55,9 +52,10 @@ class OpenAIAgentLoop(AgentLoopBase):
 
     Spec: docs/gateway.md#agent-runners-and-the-openai_agent-loop.
 
-    Kwargs (from the registry entry): ``runner`` (callable or ``"pkg.mod:fn"``), ``command``,
-    ``reward_fn`` (callable or path), and overrides of ``rollout.gateway`` keys (``session_timeout``,
-    ``trajectories``, ``reward_to``).  A sample may also name its runner in ``extra_info.agent_runner``.
+    Kwargs (from the registry entry): ``runner`` (callable, registered runner name or
+    ``"pkg.mod:fn"``), ``command``, ``reward_fn`` (callable or path), and overrides of
+    ``rollout.gateway`` keys (``session_timeout``, ``trajectories``, ``reward_to``).  A sample may
+    also name its runner in ``extra_info.agent_runner``.
     """
 
     requires_gateway: ClassVar[bool] = True
@@ -69,7 +67,7 @@ class OpenAIAgentLoop(AgentLoopBase):
         kwargs = {k: v for k, v in kwargs.items() if k not in LOOP_CONTRACT_KWARGS}
         super().__init__(trainer_config, server_manager, tokenizer, processor)
         gateway = {**dict(self.rollout_config.get("gateway") or {}), **kwargs}
-        self.runner: AgentRunner | None = _resolve(kwargs.get("runner"), "openai_agent runner")
+        self.runner: AgentRunner | None = resolve_runner(kwargs.get("runner"), "openai_agent runner")
         self.command = kwargs.get("command")
         self.reward_fn = _resolve(kwargs.get("reward_fn"), "openai_agent reward_fn")
         timeout = gateway.get("session_timeout")
@@ -111,7 +109,7 @@ class OpenAIAgentLoop(AgentLoopBase):
         extra = fields.get("extra_info") or {}
         named = extra.get("agent_runner") if isinstance(extra, dict) else None
         if named:
-            return _resolve(named, "extra_info.agent_runner")
+            return resolve_runner(named, "extra_info.agent_runner")
         if self.runner is not None:
             return self.runner
         if self.command:

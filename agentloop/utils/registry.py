@@ -109,15 +109,20 @@ class Registry(MutableMapping[str, Any]):
         else:
             self._check(name, obj)
             entry = Entry(str(name), target_of(obj), obj, dict(kwargs))
-        old = self._entries.get(entry.name)
-        if old is not None and not replace and old.obj is not obj and old.target != entry.target:
-            raise ConfigError(
-                f"{self.kind} {entry.name!r} is already registered as {old.target}; refusing to register "
-                f"{entry.target} under the same name: choose another name, or unregister the first "
-                f"(del registry[{entry.name!r}])"
-            )
+        if not replace:
+            self.refuse_taken(entry.name, entry.target)
         self._entries[entry.name] = entry
         return entry
+
+    def refuse_taken(self, name: str, target: str) -> None:
+        """Raise ConfigError if ``name`` is registered here by an object other than ``target`` (a path)."""
+        old = self._entries.get(name)
+        if old is not None and old.target != target:
+            raise ConfigError(
+                f"{self.kind} {name!r} is already registered as {old.target}; refusing to register "
+                f"{target} under the same name: choose another name, or unregister the first "
+                f"(del registry[{name!r}])"
+            )
 
     def _check(self, name: str, obj: Any) -> None:
         ok = isinstance(obj, type) and issubclass(obj, self.base) if self.base is not None else True

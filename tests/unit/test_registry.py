@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from agentloop.errors import ConfigError, UnknownAgentError
+from agentloop.gateway.framework import OpenAIAgentLoop, register_agent_runner
 from agentloop.interactions import (
     INTERACTIONS,
     BaseInteraction,
@@ -22,6 +23,7 @@ from agentloop.loops.base import (
     registered_agent_names,
     resolve_registry,
 )
+from agentloop.loops.runners import AGENT_RUNNERS, resolve_runner
 from agentloop.parsers import ToolParser, get_tool_parser
 from agentloop.parsers.base import TOOL_PARSERS
 from agentloop.tools import TOOLS, BaseTool, function_tool, initialize_tools_from_config, register_tool
@@ -285,3 +287,42 @@ def test_interactions_by_registered_name_and_target(tmp_path):
             register_interaction("x")(TRegTool)
     finally:
         del INTERACTIONS["t_reg_grader"]
+
+
+# ---------------------------------------------------------------- agent runners
+
+
+async def t_reg_runner(**kwargs: Any) -> float:
+    return 1.0
+
+
+async def t_reg_other(**kwargs: Any) -> float:
+    return 0.0
+
+
+def test_runner_registers_a_runner_and_an_openai_agent_loop(loop_names):
+    loop_names.append("t_reg_sdk")
+    assert register_agent_runner("t_reg_sdk")(t_reg_runner) is t_reg_runner
+    register_agent_runner("t_reg_sdk")(t_reg_runner)  # the same runner again: fine
+    entry = resolve_registry()["t_reg_sdk"]
+    assert entry.cls is OpenAIAgentLoop and entry.kwargs == {"runner": t_reg_runner}
+    assert resolve_runner("t_reg_sdk", "w") is t_reg_runner
+    assert resolve_runner(f"{__name__}:t_reg_other", "w") is t_reg_other
+    with pytest.raises(ConfigError, match="agent runner 't_reg_sdk' is already registered"):
+        register_agent_runner("t_reg_sdk")(t_reg_other)
+    with pytest.raises(ConfigError, match=r"w: unknown agent runner 't_reg_skd'; did you mean 't_reg_sdk'\?"):
+        resolve_runner("t_reg_skd", "w")
+    with pytest.raises(ConfigError, match=r"@register_agent_runner\('x'\) must decorate an async callable"):
+        register_agent_runner("x")(42)
+    _agent_loop_registry.pop("t_reg_sdk")  # unregistered the verl way: the name is free again
+    register_agent_runner("t_reg_sdk")(t_reg_other)
+    assert resolve_registry()["t_reg_sdk"].kwargs == {"runner": t_reg_other}
+    del AGENT_RUNNERS["t_reg_sdk"]
+
+
+def test_runner_name_taken_by_a_loop_is_refused(loop_names):
+    loop_names.append("t_reg_loop_name")
+    register("t_reg_loop_name")(LoopA)
+    with pytest.raises(ConfigError, match="agent loop 't_reg_loop_name' is already registered"):
+        register_agent_runner("t_reg_loop_name")(t_reg_runner)
+    assert "t_reg_loop_name" not in AGENT_RUNNERS  # nothing half-registered
