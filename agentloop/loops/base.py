@@ -277,7 +277,11 @@ def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
 
 
 def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, ResolvedAgentLoop]:
-    """Import every registered loop class once; YAML entries override code registrations."""
+    """Import every registered loop class once; YAML entries override code registrations.
+
+    A YAML ``_target_`` that is a registered name takes that loop's class and kwargs (the entry's own
+    kwargs over them).  Raises ConfigError for an unknown name or a bad import path.
+    """
     entries = {**_builtin_registry, **_agent_loop_registry}
     if agent_loop_config_path:
         entries.update(load_registry_file(agent_loop_config_path))
@@ -285,7 +289,11 @@ def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, Res
     for name, entry in entries.items():
         entry = dict(entry)
         target = entry.pop("_target_")
-        cls = entry.pop("_class_", None) or AGENT_LOOPS.resolve(target, f"agent loop {name!r} _target_")
+        cls = entry.pop("_class_", None)
+        named = AGENT_LOOPS.find(target) if cls is None else None
+        if named is not None:
+            entry = {**named.kwargs, **entry}
+        cls = cls or AGENT_LOOPS.resolve(target, f"agent loop {name!r} _target_")
         resolved[name] = ResolvedAgentLoop(name=name, cls=cls, kwargs=entry)
     return resolved
 

@@ -300,13 +300,16 @@ async def t_reg_other(**kwargs: Any) -> float:
     return 0.0
 
 
-def test_runner_registers_a_runner_and_an_openai_agent_loop(loop_names):
+def test_runner_registers_a_runner_and_an_openai_agent_loop(loop_names, tmp_path):
     loop_names.append("t_reg_sdk")
     assert register_agent_runner("t_reg_sdk")(t_reg_runner) is t_reg_runner
     register_agent_runner("t_reg_sdk")(t_reg_runner)  # the same runner again: fine
     entry = resolve_registry()["t_reg_sdk"]
     assert entry.cls is OpenAIAgentLoop and entry.kwargs == {"runner": t_reg_runner}
     assert resolve_runner("t_reg_sdk", "w") is t_reg_runner
+    path = tmp_path / "agents.yaml"  # a YAML entry naming the registered loop gets its runner too
+    path.write_text("- {name: t_reg_yaml, _target_: t_reg_sdk, session_timeout: 5}\n")
+    assert resolve_registry(str(path))["t_reg_yaml"].kwargs == {"runner": t_reg_runner, "session_timeout": 5}
     assert resolve_runner(f"{__name__}:t_reg_other", "w") is t_reg_other
     with pytest.raises(ConfigError, match="agent runner 't_reg_sdk' is already registered"):
         register_agent_runner("t_reg_sdk")(t_reg_other)
