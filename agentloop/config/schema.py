@@ -256,6 +256,39 @@ def check_reward_gamma(value: Any, where: str = "multi_turn") -> None:
                           f"before the final one), got {value!r}")
 
 
+EXECUTOR_KINDS: tuple[str, ...] = ("thread", "process")
+"""``multi_turn.tool_executor``: where synchronous tool code runs."""
+
+
+def check_tool_executor(kind: Any) -> None:
+    """Raise the ConfigError for a ``tool_executor`` that is not one of :data:`EXECUTOR_KINDS`."""
+    if kind not in EXECUTOR_KINDS:
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_executor={kind!r}: expected one of "
+                          f"{', '.join(EXECUTOR_KINDS)} (thread is the default)")
+
+
+def check_tool_max_workers(max_workers: Any) -> None:
+    """Raise the ConfigError for a ``tool_max_workers`` that is not a positive int."""
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        default = read_value(None, f"{_R}.multi_turn.tool_max_workers")
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_max_workers={max_workers!r}: expected a "
+                          f"positive int (default {default})")
+
+
+def check_context_window(window: Any) -> None:
+    """Raise the ConfigError for a ``context_window`` that is neither null nor an int >= 1."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.context_window={window!r}: give the number of "
+                          "latest turns to keep whole (an integer >= 1), or null for no window")
+
+
+def check_max_context_edits(cap: Any) -> None:
+    """Raise the ConfigError for a ``max_context_edits`` that is neither null nor an int >= 0."""
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_context_edits={cap!r}: give the most "
+                          "snapshots per sample (an integer >= 0), or null for no cap")
+
+
 @dataclass(frozen=True)
 class MultiTurnConfig(Section):
     """``actor_rollout_ref.rollout.multi_turn``: turn limits, tools, context window, reward spreading."""
@@ -280,8 +313,13 @@ class MultiTurnConfig(Section):
     """all | last | discounted (null: all; :class:`agentloop.rewards.EpisodeRewardConfig` applies it)."""
     reward_gamma: float | None
 
-    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"reward_to": check_reward_to,
-                                                              "reward_gamma": check_reward_gamma}
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {
+        "tool_executor": check_tool_executor, "tool_max_workers": check_tool_max_workers,
+        "context_window": check_context_window, "max_context_edits": check_max_context_edits,
+        "reward_to": check_reward_to, "reward_gamma": check_reward_gamma,
+    }
+    """The components' own messages (tool executor, context window, episode reward) for direct builds;
+    ``resolve_config``'s start-up check reports the same values first, in its one-line form."""
 
 
 @dataclass(frozen=True)
@@ -333,7 +371,10 @@ class DataConfig(Section):
     max_response_length: int
     train_batch_size: int
     max_samples: int
-    apply_chat_template_kwargs: dict[str, Any]
+    apply_chat_template_kwargs: dict[str, Any] | None
+    """Extra keyword arguments for the chat template (null: none)."""
+    mm_processor_kwargs: dict[str, Any] | None
+    """verl's processor arguments, passed to verl-style loops (agentloop's data loading ignores them)."""
 
 
 _REWARD = "custom_reward_function"

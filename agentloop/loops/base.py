@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.compat.loop_helpers import VerlLoopHelpers
 from agentloop.compat.wrappers import DictConfigWrap, ToolListWrap
+from agentloop.config import AgentConfig, DataConfig, EngineConfig
 from agentloop.errors import ConfigError, UnknownAgentError
 from agentloop.imports import load_yaml_entries
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
@@ -73,10 +74,11 @@ def config_values(config: DictConfig, key: str, read: Callable[[DictConfig], dic
 
 
 def _base_values(rollout: DictConfig) -> dict[str, Any]:
+    engine = EngineConfig.from_rollout(rollout)
     return {
-        "prompt_length": int(rollout.prompt_length),
-        "response_length": int(rollout.response_length),
-        "prompt_truncation": str((rollout.get("agent") or {}).get("prompt_truncation", "left")),
+        "prompt_length": engine.prompt_length,
+        "response_length": engine.response_length,
+        "prompt_truncation": AgentConfig.from_rollout(rollout).prompt_truncation,
     }
 
 
@@ -94,7 +96,9 @@ def _root_parts(root: DictConfig) -> dict[str, Any]:
 
 
 def _data_kwargs(data: Any) -> dict[str, Any]:
-    return {key: dict(data.get(key) or {}) for key in ("apply_chat_template_kwargs", "mm_processor_kwargs")}
+    section = DataConfig.from_root({"data": data})
+    return {"apply_chat_template_kwargs": dict(section.apply_chat_template_kwargs or {}),
+            "mm_processor_kwargs": dict(section.mm_processor_kwargs or {})}
 
 
 def _root_of_slice(rollout: DictConfig) -> dict[str, Any]:

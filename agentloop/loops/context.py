@@ -14,9 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
-
-from agentloop.errors import ConfigError
+from agentloop.config.schema import MultiTurnConfig
 from agentloop.tools.context_tools import ContextEdit
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
 
@@ -34,16 +32,16 @@ class ContextSettings:
     max_edits: int | None = None
 
     @classmethod
-    def from_config(cls, multi_turn: DictConfig) -> ContextSettings:
-        """Read and check the two keys (ConfigError with the fix when a value is wrong)."""
-        window, cap = multi_turn.get("context_window"), multi_turn.get("max_context_edits")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.context_window={window!r}: give the number of "
-                              "latest turns to keep whole (an integer >= 1), or null for no window")
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_context_edits={cap!r}: give the most "
-                              "snapshots per sample (an integer >= 0), or null for no cap")
-        return cls(window=window, max_edits=cap)
+    def from_config(cls, multi_turn: MultiTurnConfig | Any) -> ContextSettings:
+        """The two keys of ``multi_turn``: a :class:`MultiTurnConfig`, or the ``multi_turn`` mapping (absent
+        keys take the YAML's values).
+
+        Raises:
+            ConfigError: a value is wrong (the message says what to give).
+        """
+        if not isinstance(multi_turn, MultiTurnConfig):
+            multi_turn = MultiTurnConfig.from_rollout({"multi_turn": multi_turn})
+        return cls(window=multi_turn.context_window, max_edits=multi_turn.max_context_edits)
 
 
 def _text_of(message: dict[str, Any]) -> str:

@@ -21,10 +21,11 @@ from uuid import uuid4
 
 from omegaconf import DictConfig
 
+from agentloop.config import MultiTurnConfig
 from agentloop.errors import ConfigError
 from agentloop.interactions.base import BaseInteraction
 from agentloop.interactions.registry import initialize_interactions_from_config
-from agentloop.loops.base import AgentLoopBase, config_values, register, rollout_config_of
+from agentloop.loops.base import AgentLoopBase, config_values, register, trainer_config_of
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots, edited_history
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
@@ -36,7 +37,7 @@ from agentloop.tokenization.incremental import TemplateMismatchError
 from agentloop.tools import registry as tool_registry
 from agentloop.tools.base import BaseTool
 from agentloop.tools.context_tools import ContextEdit, tool_turn
-from agentloop.tools.executor import DEFAULT_MAX_WORKERS, configure_tool_executor
+from agentloop.tools.executor import configure_tool_executor
 from agentloop.trace import span as trace_span
 from agentloop.types import (
     AgentLoopMetrics,
@@ -111,34 +112,30 @@ class ToolAgentLoop(AgentLoopBase):
     @classmethod
     def init_class(cls, config: Any, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
         """Load tools (or take the worker's, ``tools=ToolListWrap``) and the parser once per worker."""
-        rollout = rollout_config_of(config)
-        mt = rollout.multi_turn
+        mt = MultiTurnConfig.from_root(trainer_config_of(config))  # checked here, once per worker
         given = kwargs.get("tools")
         if given is not None:
             tool_list = list(given.tools)
         else:
-            tool_list = tool_registry.load_all_tools(tool_config_path=mt.get("tool_config_path"),
-                                                     function_tool_path=mt.get("function_tool_path"))
+            tool_list = tool_registry.load_all_tools(tool_config_path=mt.tool_config_path,
+                                                     function_tool_path=mt.function_tool_path)
         cls.tools = {t.name: t for t in tool_list}
         # Only the keys the schema was given (verl's rule), so the prompt shows the tool as written.
         cls.tool_schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for t in tool_list] or None
-        cls.tool_parser = get_tool_parser(str(mt.format), tokenizer)
-        path = mt.get("interaction_config_path")
+        cls.tool_parser = get_tool_parser(mt.format, tokenizer)
+        path = mt.interaction_config_path
         cls.interactions = initialize_interactions_from_config(path) if path else {}
         cls.interaction_config_path = str(path) if path else None
         # verl's tool_agent leaves the reward to custom_reward_function; the interaction's score is ours, for
         # runs without one (a loop's own reward_score would win over the function: agentloop.rewards.scoring)
         cls.reward_function_set = RewardFunctionConfig.from_config(config).path is not None
-        ContextSettings.from_config(mt)  # a wrong context_window / max_context_edits fails here, once per worker
-        workers = mt.get("tool_max_workers")
-        configure_tool_executor(str(mt.get("tool_executor") or "thread"),
-                                DEFAULT_MAX_WORKERS if workers is None else workers)
+        configure_tool_executor(mt.tool_executor, mt.tool_max_workers)
         cls.runner = ToolRunner(
             tools=cls.tools,
-            max_parallel_calls=int(mt.max_parallel_calls or 1),
-            max_response_length=int(mt.max_tool_response_length),
-            truncate_side=str(mt.tool_response_truncate_side),
-            timeout=float(mt.tool_timeout) if mt.get("tool_timeout") else None,
+            max_parallel_calls=mt.max_parallel_calls,
+            max_response_length=mt.max_tool_response_length,
+            truncate_side=mt.tool_response_truncate_side,
+            timeout=mt.tool_timeout or None,
         )
         cls._class_initialized = True
 
@@ -382,12 +379,12 @@ class ToolAgentLoop(AgentLoopBase):
         )
 
 
-def _tool_agent_values(config: DictConfig) -> dict[str, Any]:
-    mt = config.multi_turn
+def _tool_agent_values(rollout: DictConfig) -> dict[str, Any]:
+    mt = MultiTurnConfig.from_rollout(rollout)
     return {
         "max_assistant_turns": mt.max_assistant_turns,
         "max_user_turns": mt.max_user_turns,
-        "return_messages": bool(mt.get("return_messages", False)),
+        "return_messages": mt.return_messages,
         "context": ContextSettings.from_config(mt),
     }
 

@@ -25,13 +25,15 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from agentloop.config.build import read_value
+from agentloop.config.schema import EXECUTOR_KINDS, check_tool_executor, check_tool_max_workers
 from agentloop.errors import ConfigError
 
 __all__ = ["DEFAULT_MAX_WORKERS", "EXECUTOR_KINDS", "FunctionRef", "ToolExecutor", "configure_tool_executor",
            "function_reference", "shutdown_tool_executor", "tool_executor"]
 
-EXECUTOR_KINDS = ("thread", "process")
-DEFAULT_MAX_WORKERS = 32
+DEFAULT_MAX_WORKERS: int = read_value(None, "actor_rollout_ref.rollout.multi_turn.tool_max_workers")
+"""The pool size before the tool agent loop configures one (``multi_turn.tool_max_workers``'s default)."""
 _FILE_MODULE_PREFIX = "_agentloop_function_tools_"  # modules made by load_function_tools_from_path
 
 
@@ -163,12 +165,8 @@ class ToolExecutor:
     """
 
     def __init__(self, kind: str = "thread", max_workers: int = DEFAULT_MAX_WORKERS) -> None:
-        if kind not in EXECUTOR_KINDS:
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_executor={kind!r}: expected one of "
-                              f"{', '.join(EXECUTOR_KINDS)} (thread is the default)")
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-            raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_max_workers={max_workers!r}: expected a "
-                              f"positive int (default {DEFAULT_MAX_WORKERS})")
+        check_tool_executor(kind)
+        check_tool_max_workers(max_workers)
         self.kind = kind
         self.max_workers = max_workers
         self._threads: _DaemonThreadPool | None = None
