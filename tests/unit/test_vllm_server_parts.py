@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from agentloop.errors import ServerError
+from agentloop.errors import ConfigError, ServerError
 from agentloop.servers.vllm import VLLMServer
 from agentloop.types import StopReason
 
@@ -237,7 +237,7 @@ def test_weight_update_refusals_keep_their_messages():
     stopped = VLLMServer(OmegaConf.create({"prompt_length": 4, "response_length": 4}), OmegaConf.create({"path": "x"}))
     with pytest.raises(ServerError, match="is not started"):
         run(stopped.begin_weight_update())
-    with pytest.raises(ServerError, match="server.weight_update must be one of abort, drain, keep"):
+    with pytest.raises(ConfigError, match=r"server.weight_update=\"x\" \(str\): expected null, abort, drain or keep"):
         VLLMServer(OmegaConf.create({"prompt_length": 4, "response_length": 4, "server": {"weight_update": "x"}}),
                    OmegaConf.create({"path": "x"}))
 
