@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from agentloop.report.html import write_report
+
 
 def add_report_parser(sub: Any) -> None:
     """Register the ``report`` subcommand on ``sub`` (an argparse subparsers object)."""
@@ -24,8 +26,6 @@ def add_report_parser(sub: Any) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """Write the report for ``args.output_dir``; returns the exit code (errors raise AgentLoopError)."""
-    from agentloop.report.html import write_report
-
     page = write_report(args.output_dir, embed=bool(args.embed))
     print(f"report: {page.resolve()}")
     return 0

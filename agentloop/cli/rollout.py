@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,12 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
+from agentloop import tokenizer as tokenizer_loader  # called through the module: tests replace load_tokenizer
 from agentloop.cli.failures import EXIT_BAD_INPUT, failure_verdict
 from agentloop.cli.report import add_report_parser, run_report
+from agentloop.cli.summary import format_table, pick_rows, render_trajectory, row_scores, summary_rows, use_colour
 from agentloop.cli.verify import add_verify_parser, run_verify
 from agentloop.compat.port import add_port_parser, run_port
 from agentloop.config import default_config, resolve_config
+from agentloop.data import load_dataset
 from agentloop.errors import AgentLoopError, ConfigError
 
 if TYPE_CHECKING:  # torch / Ray are imported only once the input checks passed
@@ -75,8 +82,6 @@ def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
     p_len = b["prompts"].shape[1]
     attn = b["attention_mask"].numpy()
     nt = output.non_tensor_batch
-    from agentloop.cli.summary import row_scores
-
     scores = row_scores(output)
     with path.open("w") as f:
         for i in range(len(output)):
@@ -119,8 +124,6 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
     for s in output.non_tensor_batch["status"].tolist():
         statuses[str(s)] = statuses.get(str(s), 0) + 1
     sampled = int(b["response_mask"].sum())
-    from agentloop.cli.summary import row_scores
-
     scores = row_scores(output)
     scored = scores[np.isfinite(scores)] if scores is not None else np.zeros(0)
     return {
@@ -152,8 +155,6 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     Prints a summary table and ``show`` trajectories (:mod:`agentloop.cli.summary`).  Unless ``verbose``, the
     engine's and Ray's logs go to ``<output_dir>/rollout.log`` instead of the console.
     """
-    from agentloop.data import load_dataset
-
     resolved = resolve_config(cfg)  # fail on a bad model path / config before Ray or the engine start
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is not set: pass data.train_files=path/to/data.parquet (or .jsonl)")
@@ -171,20 +172,16 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     OmegaConf.save(cfg, out_dir / "config.yaml")  # `agentloop verify` reads the sampling settings from it
     output, wall = _generate(cfg, batch, None if verbose else out_dir / "rollout.log")
     output.save_to_disk(str(out_dir / "rollout.dataproto"))
-    from agentloop.tokenizer import load_tokenizer
-
-    write_trajectories(output, load_tokenizer(cfg.actor_rollout_ref.model), out_dir / "trajectories.jsonl")
+    tokenizer = tokenizer_loader.load_tokenizer(cfg.actor_rollout_ref.model)
+    write_trajectories(output, tokenizer, out_dir / "trajectories.jsonl")
     summary = summarize(output, wall, len(batch))
     nt = output.non_tensor_batch
     verdict = failure_verdict(nt["status"].tolist(), nt["error"].tolist(),
                               resolved.rollout.agent.get("max_failure_fraction"))
     summary["failed_rows"] = verdict.num_failed
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    from agentloop.cli.summary import format_table, pick_rows, render_trajectory, summary_rows, use_colour
-
     colour = use_colour()
     print("\n" + format_table(summary_rows(output, wall, len(batch)), colour))
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     for n, row in enumerate(pick_rows(output, show)):
         print(f"\n--- trajectory {n + 1} (row {row}) ---\n" + render_trajectory(output, row, tokenizer, colour))
     logs = "" if verbose else ", rollout.log"
@@ -198,8 +195,6 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
 
 def _remove_stale_report(out_dir: Path) -> None:
     """An earlier run's ``agentloop report`` output describes that run, not the one about to be written."""
-    import shutil
-
     if (out_dir / "report.html").is_file():
         (out_dir / "report.html").unlink()
         shutil.rmtree(out_dir / "report", ignore_errors=True)
@@ -208,9 +203,6 @@ def _remove_stale_report(out_dir: Path) -> None:
 def _cli_name() -> str:
     """How to call this CLI again: ``agentloop`` when it is on PATH, else its path (e.g. ``.venv/bin/agentloop``
     in a virtualenv that is not activated)."""
-    import os
-    import shutil
-
     beside = Path(sys.executable).parent / "agentloop"
     if shutil.which("agentloop") or not beside.is_file():
         return "agentloop"
@@ -222,10 +214,7 @@ def _cli_name() -> str:
 
 def _quiet_ray(log_file: Path) -> None:
     """Start Ray with the workers' output kept out of the console (it goes to ``log_file`` at the end)."""
-    import logging
-    import os
-
-    import ray
+    import ray  # heavy: Ray loads only once the input checks passed
 
     for key, value in {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
                        "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}.items():
@@ -239,7 +228,7 @@ def _quiet_ray(log_file: Path) -> None:
 def _collect_logs(log_file: Path) -> None:
     """Append the Ray session's worker logs (stdout/stderr of every actor and engine process) to ``log_file``."""
     try:
-        import ray._private.worker as ray_worker
+        import ray._private.worker as ray_worker  # heavy, and private to Ray: only when copying logs
 
         logs = Path(ray_worker._global_node.get_logs_dir_path())  # type: ignore[union-attr,attr-defined]
     except Exception:  # noqa: BLE001 - no session (Ray not started by us): nothing to copy
@@ -254,8 +243,7 @@ def _collect_logs(log_file: Path) -> None:
 def _generate(cfg: DictConfig, batch: DataProto, log_file: Path | None = None) -> tuple[DataProto, float]:
     """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size`` steps.
     ``log_file``: keep the workers' logs out of the console and copy them there."""
-    from tqdm import tqdm
-
+    # heavy (torch, Ray): imported only once the input checks passed
     from agentloop.manager import AgentLoopManager
     from agentloop.protocol import DataProto
 

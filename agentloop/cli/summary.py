@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agentloop.protocol import DataProto
+if TYPE_CHECKING:
+    from agentloop.protocol import DataProto
 
 _DIM, _GREEN, _CYAN, _BOLD, _RESET = "\033[2m", "\033[32m", "\033[36m", "\033[1m", "\033[0m"
 

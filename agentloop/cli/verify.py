@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.cli.failures import EXIT_TOO_MANY_FAILURES
+from agentloop.report.verify import DEFAULT_ATOL, format_result, sampling_of, verify_rollout
 
 EXIT_VERIFY_FAILED = EXIT_TOO_MANY_FAILURES
 
 
 def add_verify_parser(sub: Any) -> None:
     """Register the ``verify`` subcommand on ``sub`` (an argparse subparsers object)."""
-    from agentloop.report.verify import DEFAULT_ATOL
-
     parser = sub.add_parser(
         "verify", help="recompute a rollout's log-probs with the HF model and check tool turns against the template",
         description="Recomputes rollout_log_probs with the HF model (fp32, CPU) on every trajectory of "
@@ -43,8 +42,6 @@ def add_verify_parser(sub: Any) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Verify ``args.output_dir``; prints the numbers and returns the exit code."""
-    from agentloop.report.verify import format_result, sampling_of, verify_rollout
-
     spec = sampling_of(Path(args.output_dir).expanduser(), temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, logprobs_mode=args.logprobs_mode)
     result = verify_rollout(args.output_dir, args.model, spec)
