@@ -27,8 +27,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ConfigError, ServerError
 from agentloop.servers.base import (
     GOES_ON_WITHOUT,
@@ -61,33 +62,37 @@ def load_sglang() -> tuple[Any, Any]:
     return sglang.Engine, io_struct
 
 
-def engine_kwargs(rollout: DictConfig, model: DictConfig, server_index: int = 0) -> dict[str, Any]:
-    """SGLang ``ServerArgs`` from the rollout and model slices (verl's key names)."""
-    max_model_len = rollout.get("max_model_len") or int(rollout.prompt_length) + int(rollout.response_length)
+def server_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, server_index: int = 0
+                ) -> dict[str, Any]:
+    """SGLang ``ServerArgs`` from the typed config (verl's key names; ``engine_kwargs.sglang`` last)."""
     kwargs: dict[str, Any] = {
-        "model_path": os.path.expanduser(str(model.path)),
-        "trust_remote_code": bool(model.get("trust_remote_code", False)),
-        "dtype": str(rollout.get("dtype", "auto")),
-        "tp_size": int(rollout.get("tensor_model_parallel_size", 1)),
-        "mem_fraction_static": float(rollout.get("gpu_memory_utilization", 0.5)),
-        "context_length": int(max_model_len),
-        "max_running_requests": int(rollout.get("max_num_seqs", 256)),
-        "chunked_prefill_size": max(int(rollout.get("max_num_batched_tokens", 8192)), int(max_model_len)),
-        "disable_radix_cache": not bool(rollout.get("enable_prefix_caching", True)),
-        "enable_memory_saver": bool(rollout.get("free_cache_engine", True)),
-        "random_seed": int(rollout.get("seed", 0)) + int(server_index),
-        "load_format": str(rollout.get("load_format") or "auto"),
+        "model_path": model.local_path,
+        "trust_remote_code": model.trust_remote_code,
+        "dtype": engine.dtype,
+        "tp_size": engine.tensor_model_parallel_size,
+        "mem_fraction_static": engine.gpu_memory_utilization,
+        "context_length": engine.context_length,
+        "max_running_requests": engine.max_num_seqs,
+        "chunked_prefill_size": max(engine.max_num_batched_tokens, engine.context_length),
+        "disable_radix_cache": not engine.enable_prefix_caching,
+        "enable_memory_saver": engine.free_cache_engine,
+        "random_seed": engine.seed + int(server_index),
+        "load_format": engine.load_format,
         "skip_tokenizer_init": True,  # token in, token out
         "log_level": "error",
     }
-    if model.get("tokenizer_path"):
-        kwargs["tokenizer_path"] = os.path.expanduser(str(model.tokenizer_path))
-    if (rollout.get("server") or {}).get("priority") not in (None, "", "fcfs"):
+    if model.local_tokenizer_path:
+        kwargs["tokenizer_path"] = model.local_tokenizer_path
+    if server.priority not in (None, "", "fcfs"):
         kwargs["enable_priority_scheduling"] = True
-    extra = (rollout.get("engine_kwargs") or {}).get("sglang") or {}
-    plain: Any = OmegaConf.to_container(extra, resolve=True) if isinstance(extra, DictConfig) else dict(extra)
-    kwargs.update(plain)
+    kwargs.update(dict(engine.engine_kwargs.get("sglang") or {}))
     return kwargs
+
+
+def engine_kwargs(rollout: DictConfig, model: DictConfig, server_index: int = 0) -> dict[str, Any]:
+    """:func:`server_args` from the rollout and model slices (a server's constructor arguments)."""
+    return server_args(EngineConfig.from_rollout(rollout), ServerConfig.from_rollout(rollout),
+                       ModelConfig.from_root({"actor_rollout_ref": {"model": model}}), server_index)
 
 
 class SGLangEngineAPI:
@@ -159,11 +164,14 @@ class SGLangServer:
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
         self.rollout, self.model, self.server_index = rollout, model, server_index
-        if str((rollout.get("server") or {}).get("weight_update") or "abort") not in ("abort", "drain"):
+        self.engine_cfg = EngineConfig.from_rollout(rollout)
+        self.server_cfg = ServerConfig.from_rollout(rollout)
+        self.model_cfg = ModelConfig.from_root({"actor_rollout_ref": {"model": model}})
+        if self.server_cfg.weight_update not in ("abort", "drain"):
             raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; use "
                               "abort (the default) or drain with rollout.name: sglang")
-        self.prompt_length = int(rollout.prompt_length)
-        self.response_length = int(rollout.response_length)
+        self.prompt_length = self.engine_cfg.prompt_length
+        self.response_length = self.engine_cfg.response_length
         self.api: SGLangEngineAPI | None = None
         self.global_steps = 0
         self.gate = PauseGate()
@@ -178,7 +186,7 @@ class SGLangServer:
         t0 = time.perf_counter()
         if engine_api is None:
             engine_cls, io_struct = load_sglang()
-            args = engine_kwargs(self.rollout, self.model, self.server_index)
+            args = server_args(self.engine_cfg, self.server_cfg, self.model_cfg, self.server_index)
             try:
                 engine_api = SGLangEngineAPI(engine_cls(**args), io_struct)
             except Exception as e:
