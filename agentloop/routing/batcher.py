@@ -5,7 +5,7 @@ One Ray actor call per request costs a task submission, a scheduling round and a
 on small CPU boxes that is a visible share of the engine's time.  :class:`ServerCallBatcher` collects
 the requests submitted during one loop iteration and sends them as one
 ``generate_batch`` call (a Ray streaming generator, see
-:class:`agentloop.servers.base.BatchGenerateMixin`); results come back in groups as they finish, so a
+:class:`agentloop.servers.base.GenerateBatcher`); results come back in groups as they finish, so a
 short request never waits for a long one.  A lone request takes the plain ``generate`` call.
 """
 
