@@ -41,6 +41,7 @@ from agentloop.routing.balancer_actor import create_global_balancer
 from agentloop.servers.colocated import start_colocated_servers
 from agentloop.servers.placement import ServerGroup, sleep_support, start_standalone_servers, stop_servers
 from agentloop.servers.supervisor import ServerSupervisor
+from agentloop.tokenizer import load_tokenizer
 from agentloop.types import RolloutStatus
 from agentloop.utils.hangwatch import HangWatch
 from agentloop.worker import AgentLoopWorker, check_batch, error_batch
@@ -87,7 +88,7 @@ class AgentLoopManager:
             llm_client, worker_group = worker_group, None
         check_verl_arguments(worker_group, rollout_resource_pool, rm_resource_pool, teacher_client,
                              reward_loop_worker_handles, llm_client)
-        self.registry = resolve_registry(self.rollout.agent.agent_loop_config_path)
+        self.registry = resolve_registry(self.config.agent.agent_loop_config_path)
         if not ray.is_initialized():
             ray.init()
         self._owns_servers = llm_client is None
@@ -105,25 +106,20 @@ class AgentLoopManager:
         self._sleep_noop_logged = False
         # One server leaves nothing to balance: workers then route locally and skip the actor hop.
         self.balancer = (
-            create_global_balancer(len(self.server_handles), max_cache_size=int(self.rollout.server.max_cache_size))
+            create_global_balancer(len(self.server_handles), max_cache_size=self.config.server.max_cache_size)
             if len(self.server_handles) > 1 else None
         )
         self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
         self._gateway_hangs: HangWatch[int] = HangWatch()
-        agent, server = self.rollout.agent, self.rollout.server
-        self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server,
-                                           restart=bool(server.get("restart_dead", True)))
-        update_timeout = server.get("weight_update_timeout")
-        self.weights = WeightSync(self.supervisor, backend=str(self.rollout.name), mode=str(server.weight_update),
-                                  timeout_s=float(update_timeout) if update_timeout else None, wake_up=self.wake_up)
-        timeout = agent.get("batch_timeout")
+        agent, server = self.config.agent, self.config.server
+        self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server, restart=server.restart_dead)
+        self.weights = WeightSync(self.supervisor, backend=self.config.engine.name, mode=server.weight_update,
+                                  timeout_s=server.weight_update_timeout or None, wake_up=self.wake_up)
         self.workers = Dispatcher(
-            spawn=self._spawn_worker, num_workers=int(agent.num_workers), error_rows=self._error_rows,
-            balancer=self.balancer, max_sample_retries=int(agent.get("max_sample_retries", 1)),
-            batch_timeout=float(timeout) if timeout else None,
-            tick=self._watch if server.get("stall_timeout") else None,
-            hang_s=float(agent.stall_timeout) if agent.get("stall_timeout") else None,
-            weight_version=lambda: self.weights.version,
+            spawn=self._spawn_worker, num_workers=agent.num_workers, error_rows=self._error_rows,
+            balancer=self.balancer, max_sample_retries=agent.max_sample_retries,
+            batch_timeout=agent.batch_timeout or None, tick=self._watch if server.stall_timeout else None,
+            hang_s=agent.stall_timeout or None, weight_version=lambda: self.weights.version,
         )
         self._nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         try:
@@ -131,7 +127,7 @@ class AgentLoopManager:
         except BaseException:
             self.shutdown()
             raise
-        if self.rollout.free_cache_engine:
+        if self.config.engine.free_cache_engine:
             self.sleep()
 
     @property
@@ -160,15 +156,16 @@ class AgentLoopManager:
         pad = self.tokenizer.pad_token_id
         return error_batch(chunk, status, message, rollout=self.rollout,
                            pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
-                           default_agent=str(self.rollout.agent.default_agent_loop))
+                           default_agent=self.config.agent.default_agent_loop)
 
     def _watch(self) -> None:
         """Every few seconds of a batch: a server or gateway whose actor stopped answering is killed (and
         restarted, or replaced before the next batch)."""
-        hang_s = float(self.rollout.server.stall_timeout)
+        hang_s = float(self.config.server.stall_timeout or 0)
         if self._owns_servers:
             self.supervisor.watch(hang_s)
         if self.gateways:
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
             from agentloop.gateway.actor import kill_hung_gateways
 
             self._gateways_hung += len(kill_hung_gateways(
@@ -179,6 +176,7 @@ class AgentLoopManager:
         self.server_handles[index] = handle
         self.workers.broadcast("replace_server", index, handle)
         if self.gateways:
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
             from agentloop.gateway.actor import tell_gateways
 
             tell_gateways(self.gateways, index, handle)
@@ -196,8 +194,6 @@ class AgentLoopManager:
     def tokenizer(self) -> Any:
         """The HF tokenizer of the served model (``model.tokenizer_path`` or ``model.path``, with
         ``custom_chat_template``), as the workers load it; loaded once in the driver, on first use."""
-        from agentloop.tokenizer import load_tokenizer
-
         return load_tokenizer(self.config.model)
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -217,7 +213,7 @@ class AgentLoopManager:
         output = DataProto.concat(align_keys([p.rows for p in parts]))
         if self._owns_servers:
             self.supervisor.check()
-        if self.rollout.free_cache_engine:
+        if self.config.engine.free_cache_engine:
             self.sleep()
         output.meta_info["metrics"] = metrics
         timing = performance_metrics(output, time.perf_counter() - t0)
@@ -251,7 +247,7 @@ class AgentLoopManager:
         finally:
             if self._owns_servers:
                 self.supervisor.check()
-            if self.rollout.free_cache_engine:
+            if self.config.engine.free_cache_engine:
                 self.sleep()
 
     def prepare(self, prompts: DataProto) -> DataProto:
@@ -265,12 +261,12 @@ class AgentLoopManager:
         if "global_steps" not in prompts.meta_info:  # a copy: the caller's batch is left as it is
             prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
                                 meta_info={**prompts.meta_info, "global_steps": self.weight_version})
-        names = check_batch(prompts, self.registry, str(self.rollout.agent.default_agent_loop))
+        names = check_batch(prompts, self.registry, self.config.agent.default_agent_loop)
         if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
             self.start_gateways()
         elif self.gateways:
             self._replace_dead_gateways()
-        if self.rollout.free_cache_engine:
+        if self.config.engine.free_cache_engine:
             self.wake_up()
         self.supervisor.poll(self.weight_version)
         self.grow_sticky_cache(2 * len(prompts))
@@ -278,10 +274,11 @@ class AgentLoopManager:
 
     def _replace_dead_gateways(self) -> None:
         """Gateway actors that died are replaced before the batch, and the workers given the new set."""
+        # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
         from agentloop.gateway.actor import replace_dead_gateways
 
         replaced = replace_dead_gateways(self.gateways, self.rollout, self.config.model, self.server_handles,
-                                         self.balancer)
+                                         self.balancer, router_cfg=self.config.router)
         if replaced:
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
             self._gateway_restarts += replaced
@@ -335,7 +332,7 @@ class AgentLoopManager:
 
     def _each_server(self, method: str, only: list[bool] | None = None, **kwargs: Any) -> dict[int, Any]:
         """``method`` on every serving server; a dead or silent one is restarted, not raised (supervisor.each)."""
-        return self.supervisor.each(method, self.rollout.server.get("weight_update_timeout"), only, **kwargs)
+        return self.weights.each(method, only, **kwargs)
 
     def engine_busy_seconds(self) -> list[float]:
         """Per server: seconds it had at least one request in its engine since it started (a restarted server
@@ -365,9 +362,11 @@ class AgentLoopManager:
         Called automatically before the first batch with a gateway agent; returns the actor handles.
         """
         if not self.gateways:
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
             from agentloop.gateway.actor import start_gateways
 
-            self.gateways = start_gateways(self.rollout, self.config.model, self.server_handles, self.balancer)
+            self.gateways = start_gateways(self.rollout, self.config.model, self.server_handles, self.balancer,
+                                           router_cfg=self.config.router)
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
         return self.gateways
 

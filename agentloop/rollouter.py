@@ -52,10 +52,7 @@ logger = logging.getLogger(__name__)
 
 def engine_capacity(manager: Any) -> int:
     """How many requests the manager's engines run at once: servers x ``rollout.max_num_seqs``."""
-    from omegaconf import OmegaConf
-
-    seqs = OmegaConf.select(manager.rollout, "max_num_seqs", default=None) if hasattr(manager, "rollout") else None
-    return max(1, len(manager.server_handles) * int(seqs or 256))
+    return max(1, len(manager.server_handles) * manager.config.engine.max_num_seqs)
 
 
 class Rollouter:

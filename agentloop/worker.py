@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentloop.compat.chat_template import with_list_chat_template
 from agentloop.compat.rollout_trace import RolloutTraceConfig, rollout_trace_attr, select_traced_rows
-from agentloop.config import RouterConfig, sampling_params_from_config
+from agentloop.config import AgentConfig, EngineConfig, MultiTurnConfig, RouterConfig, SamplingConfig, TraceConfig
 from agentloop.errors import DatasetError
 from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, lookup, resolve_registry
 from agentloop.multimodal import add_multimodal_outputs
@@ -49,6 +51,7 @@ from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.routing import build_router
 from agentloop.routing.tail import make_priority
 from agentloop.tokenizer import load_processor, load_tokenizer
+from agentloop.tools.registry import load_all_tools
 from agentloop.trace import enabled as trace_enabled
 from agentloop.trace import flush as trace_flush
 from agentloop.trace import set_token_decoder
@@ -62,13 +65,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_rollout_tools(rollout: DictConfig) -> list[Any]:
+def load_rollout_tools(multi_turn: MultiTurnConfig) -> list[Any]:
     """The tools of ``multi_turn.tool_config_path`` (and ``function_tool_path``), loaded once per process and
-    config (shared by the worker, which hands them to verl 0.9 loops, and by ``tool_agent``)."""
-    from agentloop.tools.registry import load_all_tools
-
-    mt = rollout.multi_turn
-    key = (mt.get("tool_config_path"), mt.get("function_tool_path"))
+    config (the worker hands them to verl 0.9 loops and to ``tool_agent``)."""
+    key = (multi_turn.tool_config_path, multi_turn.function_tool_path)
     if key not in _TOOLS:
         _TOOLS[key] = load_all_tools(tool_config_path=key[0], function_tool_path=key[1]) if any(key) else []
     return _TOOLS[key]
@@ -77,23 +77,17 @@ def load_rollout_tools(rollout: DictConfig) -> list[Any]:
 _TOOLS: dict[tuple[Any, Any], list[Any]] = {}
 
 
-def _start_tracing(rollout: DictConfig) -> int | None:
+def _start_tracing(trace: TraceConfig) -> int | None:
     """verl's ``rollout.trace``: configure this process's trace recorder; returns how many samples a worker
     traces per step (None: all).  An unsupported backend raises ConfigError (the manager reports it)."""
-    trace: Any = rollout.get("trace") or {}
-    if trace.get("backend"):
-        RolloutTraceConfig.init(str(trace.get("project_name") or "agentloop"),
-                                str(trace.get("experiment_name") or "rollout"), str(trace.get("backend")),
-                                bool(trace.get("token2text", False)), trace.get("max_samples_per_step_per_worker"))
-    limit = trace.get("max_samples_per_step_per_worker")
-    return int(limit) if limit is not None else None
+    if trace.backend:
+        RolloutTraceConfig.init(trace.project_name or "agentloop", trace.experiment_name or "rollout", trace.backend,
+                                trace.token2text, trace.max_samples_per_step_per_worker)
+    return trace.max_samples_per_step_per_worker
 
 
 def _model_type(model: DictConfig) -> str | None:
     """``model_type`` of the model's config.json (verl passes it to loops as ``hf_model_type``)."""
-    import json
-    from pathlib import Path
-
     try:
         return json.loads((Path(os.path.expanduser(str(model.path))) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
@@ -197,9 +191,13 @@ class AgentLoopWorker:
         self.processor = (processor if processor is not None or tokenizer is not None
                           else load_processor(model, self.tokenizer))
         self.server_manager = build_router(RouterConfig.from_root(root), server_handles, balancer, owner=worker_id)
-        self.record_timing = bool(rollout.agent.get("record_timing") or False)
-        self.registry = registry if registry is not None else resolve_registry(rollout.agent.agent_loop_config_path)
-        self.tools = load_rollout_tools(rollout)  # once per worker (verl 0.9); a bad tool config fails here
+        self.agent, self.engine = AgentConfig.from_root(root), EngineConfig.from_root(root)
+        self.sampling = {False: SamplingConfig.from_root(root), True: SamplingConfig.validation_from_root(root)}
+        """Sampling by ``meta_info["validate"]`` (verl's ``val_kwargs`` when validating)."""
+        self.record_timing = bool(self.agent.record_timing)
+        self.registry = registry if registry is not None else resolve_registry(self.agent.agent_loop_config_path)
+        # once per worker (verl 0.9); a bad tool config fails here
+        self.tools = load_rollout_tools(MultiTurnConfig.from_root(root))
         self.hf_model_type = _model_type(model)
         self.init_errors: dict[str, str] = {}
         for entry in self.registry.values():
@@ -207,15 +205,14 @@ class AgentLoopWorker:
         self._gateways: GatewayManager | None = None
         if gateways:
             self.attach_gateways(gateways)
-        timeout = rollout.agent.get("sample_timeout")
-        self.sample_timeout: float | None = float(timeout) if timeout else None
+        self.sample_timeout = self.agent.sample_timeout or None
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.trace_samples = _start_tracing(rollout)
+        self.trace_samples = _start_tracing(TraceConfig.from_root(root))
         if RolloutTraceConfig.enable_token2text():  # generate spans carry the decoded response
             set_token_decoder(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         # custom_reward_function (top level, verl's): imported once here, so a bad path fails the worker's start
-        self.rewards = TrajectoryScorer.from_config(root, self.tokenizer, int(rollout.response_length))
+        self.rewards = TrajectoryScorer.from_config(root, self.tokenizer, self.engine.response_length)
         self._loop_args = (DictConfigWrap(root), self.server_manager, self.tokenizer, self.processor)
         self._loop_kwargs = {"dataset_cls": None, "data_config": DictConfigWrap(root.get("data") or {}),
                              "hf_model_type": self.hf_model_type, "tools": ToolListWrap(self.tools)}
@@ -247,6 +244,7 @@ class AgentLoopWorker:
 
     def attach_gateways(self, gateways: list[Any]) -> None:
         """Give loops that declare ``requires_gateway`` a GatewayManager over these gateway actors."""
+        # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
         from agentloop.gateway.actor import GatewayManager
 
         manager = GatewayManager(gateways)
@@ -280,7 +278,7 @@ class AgentLoopWorker:
         Raises:
             DatasetError, UnknownAgentError: the batch check (:func:`check_batch`) failed; nothing ran.
         """
-        check_batch(batch, self.registry, str(self.rollout.agent.default_agent_loop))
+        check_batch(batch, self.registry, self.agent.default_agent_loop)
         parts = [(rows, stats) async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout)]
         rows, stats = parts[0]
         rows.meta_info["metrics"] = stats.metrics
@@ -331,9 +329,9 @@ class AgentLoopWorker:
 
     def _start_samples(self, batch: DataProto) -> tuple[np.ndarray, dict[str, np.ndarray], list[asyncio.Task]]:
         """Start one task per sample; returns the agent names, the fields and the tasks."""
-        names = agent_names(batch, str(self.rollout.agent.default_agent_loop))
+        names = agent_names(batch, self.agent.default_agent_loop)
         validate = bool(batch.meta_info.get("validate", False))
-        sampling_params = sampling_params_from_config(self.rollout, validate=validate)
+        sampling_params = self.sampling[validate].params()
         index = batch.non_tensor_batch.get("index", np.arange(len(batch)))
         infos = trajectory_info(np.asarray(index), int(batch.meta_info.get("global_steps", -1)), validate)
         fields = {k: v for k, v in batch.non_tensor_batch.items()}
@@ -391,11 +389,11 @@ class AgentLoopWorker:
         batch = postprocess(
             flat,
             trajectory_counts=[len(outs) for outs in results],
-            prompt_length=int(self.rollout.prompt_length),
-            response_length=int(self.rollout.response_length),
+            prompt_length=self.engine.prompt_length,
+            response_length=self.engine.response_length,
             pad_token_id=self.pad_token_id,
             sample_fields=sample_fields,
-            calculate_log_probs=bool(self.rollout.calculate_log_probs),
+            calculate_log_probs=self.sampling[False].calculate_log_probs,
             rewards_configured=self.rewards.configured,
         )
         return add_multimodal_outputs(batch, self.processor)  # multi_modal_inputs; M-RoPE position_ids

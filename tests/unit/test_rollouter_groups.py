@@ -26,10 +26,10 @@ def test_groups_keep_rows_of_a_uid_together_and_drop_the_batch_version():
 def test_the_default_in_flight_budget_fills_every_engine():
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
+    from agentloop.config import EngineConfig
     from agentloop.rollouter import Rollouter
 
-    manager = SimpleNamespace(server_handles=[object()] * 8, rollout=OmegaConf.create({"max_num_seqs": 256}))
+    engine = EngineConfig.from_root({"actor_rollout_ref": {"rollout": {"max_num_seqs": 256}}})
+    manager = SimpleNamespace(server_handles=[object()] * 8, config=SimpleNamespace(engine=engine))
     assert Rollouter(manager, []).max_inflight == 8 * 256  # servers x max_num_seqs, not a fixed 64
     assert Rollouter(manager, [], max_inflight=5).max_inflight == 5
