@@ -322,6 +322,13 @@ class MultiTurnConfig(Section):
     ``resolve_config``'s start-up check reports the same values first, in its one-line form."""
 
 
+def check_gateway_reward_to(value: Any) -> None:
+    """Raise the ConfigError for a ``gateway.reward_to`` that is not null, a ``multi_turn`` mode or longest."""
+    if value is not None and value not in (*REWARD_TO_MODES, "longest"):
+        raise ConfigError(f"rollout.gateway.reward_to must be null (follow multi_turn.reward_to) | "
+                          f"{' | '.join(REWARD_TO_MODES)} | longest, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GatewayConfig(Section):
     """``actor_rollout_ref.rollout.gateway``: the OpenAI-compatible gateway actors."""
@@ -334,6 +341,11 @@ class GatewayConfig(Section):
     max_concurrent_sessions: int
     trajectories: str
     reward_to: str | None
+    """null (follow ``multi_turn.reward_to``) | all | last | discounted | longest."""
+
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"reward_to": check_gateway_reward_to}
+    OVERRIDABLE: ClassVar[tuple[str, ...]] = ("session_timeout", "trajectories", "reward_to")
+    """Keys an ``openai_agent`` loop entry may override (its kwargs)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ docs/gateway.md#agent-runners-and-the-openai_agent-loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
@@ -23,11 +24,11 @@ from typing import Any, ClassVar, cast
 
 from omegaconf import DictConfig
 
+from agentloop.config import GatewayConfig
 from agentloop.errors import ConfigError
 from agentloop.imports import import_object
-from agentloop.loops.base import LOOP_CONTRACT_KWARGS, AgentLoopBase, register, rollout_config_of
+from agentloop.loops.base import LOOP_CONTRACT_KWARGS, AgentLoopBase, config_values, register, trainer_config_of
 from agentloop.loops.runners import AgentRunner, resolve_runner
-from agentloop.rewards.episode import REWARD_TO_MODES
 from agentloop.types import (
     AgentLoopMetrics,
     AgentLoopOutput,
@@ -44,6 +45,10 @@ def _resolve(value: Any, what: str) -> Any:
     if value is None or callable(value):
         return value
     return import_object(str(value), what)
+
+
+def _gateway_section(rollout: DictConfig) -> dict[str, Any]:
+    return {"gateway": GatewayConfig.from_rollout(rollout)}
 
 
 @register("openai_agent")
@@ -66,25 +71,23 @@ class OpenAIAgentLoop(AgentLoopBase):
                  **kwargs: Any) -> None:
         kwargs = {k: v for k, v in kwargs.items() if k not in LOOP_CONTRACT_KWARGS}
         super().__init__(trainer_config, server_manager, tokenizer, processor)
-        gateway = {**dict(self.rollout_config.get("gateway") or {}), **kwargs}
+        gateway: GatewayConfig = config_values(self.rollout_config, "gateway", _gateway_section)["gateway"]
+        overrides = {k: kwargs[k] for k in GatewayConfig.OVERRIDABLE if k in kwargs}
+        if overrides:  # the loop entry's own values (checked like the config's)
+            gateway = dataclasses.replace(gateway, **overrides)
         self.runner: AgentRunner | None = resolve_runner(kwargs.get("runner"), "openai_agent runner")
         self.command = kwargs.get("command")
         self.reward_fn = _resolve(kwargs.get("reward_fn"), "openai_agent reward_fn")
-        timeout = gateway.get("session_timeout")
-        self.session_timeout: float | None = float(timeout) if timeout else None
-        self.longest_only = str(gateway.get("trajectories", "all")) == "longest"
-        reward_to = gateway.get("reward_to", "all")
-        self.reward_to: str | None = None if reward_to is None else str(reward_to)
-        if self.reward_to not in (None, *REWARD_TO_MODES, "longest"):
-            raise ConfigError(f"rollout.gateway.reward_to must be null (follow multi_turn.reward_to) | "
-                              f"{' | '.join(REWARD_TO_MODES)} | longest, got {self.reward_to!r}")
+        self.session_timeout: float | None = float(gateway.session_timeout) if gateway.session_timeout else None
+        self.longest_only = gateway.trajectories == "longest"
+        self.reward_to: str | None = gateway.reward_to
 
     @classmethod
     def init_class(cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
         """Keep the worker's GatewayManager and the session semaphore (once per worker)."""
         if kwargs.get("gateway_manager") is not None:
             OpenAIAgentLoop.gateway_manager = kwargs["gateway_manager"]
-        limit = int((rollout_config_of(config).get("gateway") or {}).get("max_concurrent_sessions") or 0)
+        limit = GatewayConfig.from_root(trainer_config_of(config)).max_concurrent_sessions
         if OpenAIAgentLoop._slots is None and limit > 0:
             OpenAIAgentLoop._slots = asyncio.Semaphore(limit)
 
