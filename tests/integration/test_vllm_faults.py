@@ -224,7 +224,7 @@ def test_pause_resume_and_clear_kv_cache_go_on_past_a_dead_engine(manager):
     assert set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
     state = wait_recovered(manager)
     weights = AutoModelForCausalLM.from_pretrained(manager.config.model.path).state_dict()
-    version = manager.update_weights(weights, global_steps=manager._weight_version + 1)  # rejoins with them
+    version = manager.update_weights(weights, global_steps=manager.weight_version + 1)  # rejoins with them
     assert state["servers_awaiting_weights"] == 1 and manager.recover()["servers_down"] == 0
     nxt = manager.generate_sequences(make_batch(8))
     assert set(nxt.non_tensor_batch["max_global_steps"].tolist()) == {version}
