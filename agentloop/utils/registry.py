@@ -36,8 +36,9 @@ class Entry:
 
 
 def target_of(obj: Any) -> str:
-    """The import path ``module.qualname`` of a class or function."""
-    return f"{obj.__module__}.{obj.__qualname__}"
+    """The import path ``module.qualname`` of a class or function (of its class for other objects)."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
 
 
 def did_you_mean(name: str, known: Iterator[str] | list[str]) -> str:
@@ -110,18 +111,25 @@ class Registry(MutableMapping[str, Any]):
             self._check(name, obj)
             entry = Entry(str(name), target_of(obj), obj, dict(kwargs))
         if not replace:
-            self.refuse_taken(entry.name, entry.target)
+            self.refuse_taken(entry.name, entry.target, entry.obj)
         self._entries[entry.name] = entry
         return entry
 
-    def refuse_taken(self, name: str, target: str) -> None:
-        """Raise ConfigError if ``name`` is registered here by an object other than ``target`` (a path)."""
+    def refuse_taken(self, name: str, target: str, obj: Any = None) -> None:
+        """Raise ConfigError if ``name`` is registered here by another object than ``obj`` / ``target``.
+
+        The same import path counts as the same object for classes and functions (a module imported
+        twice or reloaded, a path entry being filled in), not for other objects (two partials).
+        """
         old = self._entries.get(name)
-        if old is not None and old.target != target:
+        if old is None or (obj is not None and old.obj is obj):
+            return
+        same_path = old.target == target and (obj is None or old.obj is None or hasattr(obj, "__qualname__"))
+        if not same_path:
             raise ConfigError(
                 f"{self.kind} {name!r} is already registered as {old.target}; refusing to register "
                 f"{target} under the same name: choose another name, or unregister the first "
-                f"(del registry[{name!r}])"
+                f"(del REGISTRY[{name!r}]; docs/concepts.md#extending-agentloop)"
             )
 
     def _check(self, name: str, obj: Any) -> None:
