@@ -38,7 +38,7 @@ def _read(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
     if not path.is_file():
         raise DatasetError(f"dataset {str(path)!r} is not a file: point data.train_files at a .parquet or .jsonl file")
     if path.suffix == ".parquet":
-        import pandas as pd
+        import pandas as pd  # heavy (~0.5 s): only for parquet files
 
         try:
             records = pd.read_parquet(path).to_dict(orient="records")
@@ -160,7 +160,7 @@ def rows_to_batch(rows: list[dict[str, Any]], prompt_key: str = "prompt", n: int
 
 
 def _build_batch(rows: list[dict[str, Any]], prompt_key: str, n: int) -> DataProto:
-    from agentloop.protocol import DataProto, object_array
+    from agentloop.protocol import DataProto, object_array  # heavy (torch): once the rows passed their checks
 
     columns: dict[str, list[Any]] = {}
     keys = sorted({k for r in rows for k in r} - {prompt_key, "raw_prompt"})
@@ -197,7 +197,7 @@ def repeat_for_rollout(batch: DataProto, n: int, *, uid_key: str = "uid") -> Dat
     if len(batch) == 0:
         raise DatasetError("repeat_for_rollout: the batch has no rows")
     if uid_key not in batch.non_tensor_batch:
-        from agentloop.protocol import DataProto, object_array
+        from agentloop.protocol import DataProto, object_array  # heavy (torch), as above
 
         uids = object_array([str(uuid.uuid4()) for _ in range(len(batch))])
         batch = DataProto(batch=batch.batch, non_tensor_batch={**batch.non_tensor_batch, uid_key: uids},

@@ -23,7 +23,7 @@ def _apply_chat_template(self: Any, conversation: Any, *args: Any, **kwargs: Any
 def with_list_chat_template(tokenizer: Any) -> Any:
     """Make ``tokenizer.apply_chat_template(..., tokenize=True)`` return ids (in place; returns it)."""
     try:
-        from transformers import PreTrainedTokenizerBase
+        from transformers import PreTrainedTokenizerBase  # heavy (~1 s); loaded by the tokenizer's owner anyway
     except ImportError:  # pragma: no cover - transformers is a dependency
         return tokenizer
     cls = type(tokenizer)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentloop.loops.prompt import apply_chat_template
-from agentloop.tokenization import encode_new_turns
+from agentloop.tokenization import encode_new_turns, turn_separator
 
 MergeKind = Literal["assistant", "context"]
 APPEND_ROLES = frozenset({"tool", "user", "system", "assistant"})
@@ -155,8 +155,6 @@ def _end_of_turn_ids(tokenizer: Any) -> set[int]:
 
 
 def _without_separator(tokenizer: Any, ids: list[int]) -> list[int]:
-    from agentloop.tokenization import turn_separator
-
     sep = turn_separator(tokenizer)
     if not sep:
         return ids

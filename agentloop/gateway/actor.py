@@ -16,7 +16,11 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import ray
+import ray.exceptions
+import uvicorn
 from omegaconf import DictConfig
+from ray.actor import ActorHandle
 
 from agentloop.config import EngineConfig, GatewayConfig, ModelConfig, MultiTurnConfig, RouterConfig, SamplingConfig
 from agentloop.errors import ConfigError, ServerError, first_line
@@ -24,7 +28,9 @@ from agentloop.gateway.app import build_app
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
 from agentloop.routing.factory import build_router
+from agentloop.tokenizer import load_tokenizer
 from agentloop.utils.hangwatch import HangWatch
+from agentloop.utils.process import restore_normal_priority
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +57,6 @@ class GatewayActor:
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
                  tokenizer: Any = None, *, router_cfg: RouterConfig | None = None, owner: str | None = None) -> None:
-        from agentloop.tokenizer import load_tokenizer
-        from agentloop.utils.process import restore_normal_priority
-
         restore_normal_priority(rollout)  # Ray starts actors at nice 15
         root = {"actor_rollout_ref": {"rollout": rollout, "model": model}}
         gateway_cfg, engine = GatewayConfig.from_root(root), EngineConfig.from_root(root)
@@ -75,8 +78,6 @@ class GatewayActor:
 
     async def start(self) -> str:
         """Start the HTTP server; returns its base URL (``http://host:port``)."""
-        import uvicorn
-
         if self._server is not None:
             return self.url
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -141,8 +142,6 @@ class GatewayActor:
 
 
 async def _maybe_remote(handle: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-    from ray.actor import ActorHandle
-
     if isinstance(handle, ActorHandle):
         return await getattr(handle, method).remote(*args, **kwargs)
     return await getattr(handle, method)(*args, **kwargs)
@@ -233,8 +232,6 @@ class GatewayManager:
 
 def _actor_gone(error: BaseException) -> bool:
     """Whether ``error`` says the actor called is gone (died, killed, its node lost)."""
-    import ray.exceptions
-
     return isinstance(error, ray.exceptions.RayActorError)
 
 
@@ -244,8 +241,6 @@ def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictC
     """Look at every gateway actor; start a new one in place of each that died (``gateways`` is changed in
     place).  Returns how many were replaced; a gateway slow to answer is left (it may be busy).  ``router_cfg``:
     as for :func:`start_gateways`."""
-    import ray
-
     refs = [g.num_sessions.remote() for g in gateways]
     answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])  # one wait for all, not one each
     dead = []
@@ -279,8 +274,6 @@ def kill_hung_gateways(gateways: list[Any], watch: HangWatch[int], hang_s: float
     ``error`` rows, new sessions go to the other gateways, and it is replaced before the next batch
     (:func:`replace_dead_gateways`).  ``tell(index, reason)`` runs before each kill (the manager tells the
     workers, whose rows then say the gateway hung).  Returns the gateways killed."""
-    import ray
-
     hung, _ = watch.look(dict(enumerate(gateways)), lambda g: g.num_sessions.remote(), hang_s)
     for i in hung:
         logger.warning("gateway %d did not answer for %g s (rollout.server.stall_timeout): its event loop is blocked; "
@@ -295,8 +288,6 @@ def kill_hung_gateways(gateways: list[Any], watch: HangWatch[int], hang_s: float
 def tell_gateways(gateways: list[Any], index: int, handle: Any) -> None:
     """Hand restarted server ``index`` to every gateway; a dead gateway is skipped (its replacement starts
     with the current servers)."""
-    import ray
-
     for gateway, ref in [(g, g.replace_server.remote(index, handle)) for g in gateways]:
         try:
             ray.get(ref, timeout=30)
@@ -310,8 +301,6 @@ def start_gateways(rollout: DictConfig, model: DictConfig, server_handles: list[
 
     ``router_cfg``: the workers' router settings (``AgentLoopConfig.router``), see :class:`GatewayActor`.
     """
-    import ray
-
     if n is None:
         n = GatewayConfig.from_rollout(rollout).num_gateways
     if n < 1:

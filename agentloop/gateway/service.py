@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import secrets
 import time
@@ -421,8 +422,6 @@ def _first_line(e: Exception) -> str:
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    import json
-
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
