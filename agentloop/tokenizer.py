@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agentloop.config import ModelConfig
+
 logger = logging.getLogger(__name__)
 
 # Files whose presence marks a multimodal processor (transformers' PROCESSOR_NAME, IMAGE_PROCESSOR_NAME /
@@ -25,25 +27,33 @@ logger = logging.getLogger(__name__)
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 
 
-def tokenizer_source(model_cfg: Mapping[str, Any] | Any) -> str:
+def model_config(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
+    """``model_cfg`` as a :class:`ModelConfig`: the ``actor_rollout_ref.model`` mapping (absent keys take the
+    YAML's values) or a ModelConfig already.
+
+    Raises:
+        ConfigError: a value is mistyped.
+    """
+    if isinstance(model_cfg, ModelConfig):
+        return model_cfg
+    return ModelConfig.from_root({"actor_rollout_ref": {"model": model_cfg}})
+
+
+def tokenizer_source(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> str:
     """Where the tokenizer comes from: ``tokenizer_path`` when set, else ``path`` (``~`` expanded)."""
-    src = model_cfg.get("tokenizer_path") or model_cfg.get("path")
-    if not src:
-        raise ValueError("model config has neither tokenizer_path nor path")
-    return os.path.expanduser(str(src))
+    model = model_config(model_cfg)
+    return model.local_tokenizer_path or model.local_path
 
 
-def _trust(model_cfg: Any) -> bool:
-    return bool(model_cfg.get("trust_remote_code", False))
-
-
-def load_tokenizer(model_cfg: Mapping[str, Any] | Any) -> Any:
-    """The HF tokenizer for ``model_cfg``: from ``tokenizer_path`` (else ``path``), with
-    ``custom_chat_template`` installed as its ``chat_template`` when set."""
+def load_tokenizer(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> Any:
+    """The HF tokenizer for ``model_cfg`` (a :class:`ModelConfig` or the model mapping): from
+    ``tokenizer_path`` (else ``path``), with ``custom_chat_template`` installed as its ``chat_template`` when
+    set."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model_cfg), trust_remote_code=_trust(model_cfg))
-    template = model_cfg.get("custom_chat_template")
+    model = model_config(model_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model), trust_remote_code=model.trust_remote_code)
+    template = model.custom_chat_template
     if template is not None:
         tokenizer.chat_template = str(template)
     return tokenizer
@@ -55,7 +65,7 @@ def is_multimodal_dir(path: str | Path) -> bool:
     return any((p / name).is_file() for name in _PROCESSOR_FILES)
 
 
-def load_processor(model_cfg: Mapping[str, Any] | Any, tokenizer: Any | None = None) -> Any | None:
+def load_processor(model_cfg: ModelConfig | Mapping[str, Any] | Any, tokenizer: Any | None = None) -> Any | None:
     """The HF processor of a multimodal model, else ``None``.
 
     Cheap for text models: a local directory without a processor config file is answered without
@@ -64,10 +74,11 @@ def load_processor(model_cfg: Mapping[str, Any] | Any, tokenizer: Any | None = N
     none (as verl does), and ``custom_chat_template`` when set.
 
     Args:
-        model_cfg: the model config slice.
+        model_cfg: a :class:`ModelConfig` or the model config slice.
         tokenizer: the already-loaded tokenizer, whose chat template a template-less processor takes.
     """
-    src = tokenizer_source(model_cfg)
+    model = model_config(model_cfg)
+    src = tokenizer_source(model)
     if os.path.isdir(src) and not is_multimodal_dir(src):
         return None
     try:
@@ -76,13 +87,13 @@ def load_processor(model_cfg: Mapping[str, Any] | Any, tokenizer: Any | None = N
         from agentloop.servers.vllm_plugin import install
 
         install()  # Qwen2-VL without torchvision: an image-only processor (a no-op with torchvision)
-        processor = AutoProcessor.from_pretrained(src, trust_remote_code=_trust(model_cfg))
+        processor = AutoProcessor.from_pretrained(src, trust_remote_code=model.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a text model with a stray config must still run
         logger.warning("no processor loaded from %s (%s: %s); continuing text-only", src, type(e).__name__, e)
         return None
     if isinstance(processor, PreTrainedTokenizerBase):  # AutoProcessor fell back to the tokenizer
         return None
-    template = model_cfg.get("custom_chat_template")
+    template = model.custom_chat_template
     if template is not None:
         processor.chat_template = str(template)
         inner = getattr(processor, "tokenizer", None)

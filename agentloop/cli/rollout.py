@@ -156,28 +156,27 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     engine's and Ray's logs go to ``<output_dir>/rollout.log`` instead of the console.
     """
     resolved = resolve_config(cfg)  # fail on a bad model path / config before Ray or the engine start
-    if not cfg.data.train_files:
+    data = resolved.data
+    if not data.train_files:
         raise ConfigError("data.train_files is not set: pass data.train_files=path/to/data.parquet (or .jsonl)")
     batch = load_dataset(
-        str(cfg.data.train_files), prompt_key=str(cfg.data.prompt_key),
-        n=int(cfg.actor_rollout_ref.rollout.n), max_samples=int(cfg.data.max_samples),
-        image_key=OmegaConf.select(cfg, "data.image_key", default="images"),
-        video_key=OmegaConf.select(cfg, "data.video_key", default="videos"),
+        str(data.train_files), prompt_key=data.prompt_key, n=resolved.sampling.n, max_samples=data.max_samples,
+        image_key=data.image_key, video_key=data.video_key,
     )
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_report(out_dir)
-    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.record_timing") is None:  # for `agentloop report`
+    if resolved.agent.record_timing is None:  # on for `agentloop report`
         OmegaConf.update(cfg, "actor_rollout_ref.rollout.agent.record_timing", True, force_add=True)
     OmegaConf.save(cfg, out_dir / "config.yaml")  # `agentloop verify` reads the sampling settings from it
     output, wall = _generate(cfg, batch, None if verbose else out_dir / "rollout.log")
     output.save_to_disk(str(out_dir / "rollout.dataproto"))
-    tokenizer = tokenizer_loader.load_tokenizer(cfg.actor_rollout_ref.model)
+    tokenizer = tokenizer_loader.load_tokenizer(resolved.model_config)
     write_trajectories(output, tokenizer, out_dir / "trajectories.jsonl")
     summary = summarize(output, wall, len(batch))
     nt = output.non_tensor_batch
     verdict = failure_verdict(nt["status"].tolist(), nt["error"].tolist(),
-                              resolved.rollout.agent.get("max_failure_fraction"))
+                              resolved.agent.max_failure_fraction)
     summary["failed_rows"] = verdict.num_failed
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     colour = use_colour()
@@ -187,7 +186,7 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     logs = "" if verbose else ", rollout.log"
     print(f"\noutputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json, config.yaml{logs}}}")
     cli = _cli_name()
-    print(f"next: {cli} report {out_dir}    {cli} verify {out_dir} --model {cfg.actor_rollout_ref.model.path}")
+    print(f"next: {cli} report {out_dir}    {cli} verify {out_dir} --model {resolved.model_config.path}")
     if verdict.message:
         print(f"agentloop: error: {verdict.message}", file=sys.stderr)
     return verdict.exit_code

@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from omegaconf import OmegaConf
 
+from agentloop.config import EngineConfig, SamplingConfig
+from agentloop.config.build import read_value
 from agentloop.errors import ConfigError, DatasetError
 from agentloop.report.outputs import HOW_TO_PRODUCE, load_rollout
 from agentloop.report.template_check import TemplateProblem, check_trajectory
@@ -35,14 +38,19 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 MAX_BATCH_TOKENS = 16384
 
 
+def _yaml_default(key: str) -> Any:
+    """A default of ``agentloop/configs/rollout.yaml`` (``actor_rollout_ref.rollout.<key>``)."""
+    return lambda: read_value(None, f"actor_rollout_ref.rollout.{key}")
+
+
 @dataclass
 class Sampling:
-    """What the saved log-probs are log-probs of."""
+    """What the saved log-probs are log-probs of (fields left out: the YAML's defaults)."""
 
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    logprobs_mode: str = "processed_logprobs"
+    temperature: float = field(default_factory=_yaml_default("temperature"))
+    top_k: int = field(default_factory=_yaml_default("top_k"))
+    top_p: float = field(default_factory=_yaml_default("top_p"))
+    logprobs_mode: str = field(default_factory=_yaml_default("logprobs_mode"))
     source: str = "defaults"
 
 
@@ -74,12 +82,10 @@ def sampling_of(output_dir: Path, temperature: float | None = None, top_k: int |
     spec = Sampling()
     config = output_dir / "config.yaml"
     if config.is_file():
-        from omegaconf import OmegaConf
-
-        rollout = OmegaConf.select(OmegaConf.load(config), "actor_rollout_ref.rollout") or {}
-        spec = Sampling(temperature=float(rollout.get("temperature", 1.0)), top_k=int(rollout.get("top_k", -1)),
-                        top_p=float(rollout.get("top_p", 1.0)),
-                        logprobs_mode=str(rollout.get("logprobs_mode") or "processed_logprobs"), source=str(config))
+        root = OmegaConf.load(config)
+        sampling, engine = SamplingConfig.from_root(root), EngineConfig.from_root(root)
+        spec = Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                        logprobs_mode=engine.logprobs_mode, source=str(config))
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "logprobs_mode": logprobs_mode}
     for key, value in given.items():
         if value is not None:
@@ -109,7 +115,7 @@ def check_log_probs(data: DataProto, path: Path) -> None:
 def check_model(model_path: str, data: DataProto) -> Any:
     """The model's HF config, after checking that ``model_path`` is a local model whose vocabulary holds every
     token id of the rollout (no weights are loaded)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy (~1 s): the CLI imports this module for every command
 
     path = Path(model_path).expanduser()
     if not (path / "config.json").is_file():
@@ -132,6 +138,7 @@ def check_model(model_path: str, data: DataProto) -> Any:
 
 def _log_probs(logits: Any, targets: Any, spec: Sampling) -> Any:
     """Log-probs of ``targets`` [N] under ``logits`` [N, V] as the engine reported them (``spec``)."""
+    # heavy (torch): the CLI imports this module for every command
     import torch
 
     if spec.logprobs_mode == "raw_logprobs":
@@ -191,6 +198,7 @@ def _media_inputs(data: DataProto) -> dict[int, dict[str, Any]]:
 def recompute(model: Any, data: DataProto, spec: Sampling, result: VerifyResult) -> None:
     """Steps 3: fill ``result``'s deltas with |rollout - HF| over every compared token.  Rows with images run one
     at a time with their ``multi_modal_inputs`` (the model computes its own M-RoPE positions from them)."""
+    # heavy (torch): the CLI imports this module for every command
     import torch
 
     media = _media_inputs(data)
@@ -266,6 +274,7 @@ def verify_rollout(output_dir: str | Path, model_path: str, spec: Sampling | Non
     check_log_probs(data, directory / "rollout.dataproto")
     check_model(model_path, data)
     spec = spec or sampling_of(directory)
+    # heavy (torch, transformers): the CLI imports this module for every command
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from agentloop.config import EngineConfig
+
 
 def in_ray_actor() -> bool:
     """True inside a Ray actor process (not the driver, not a plain test process)."""
@@ -24,13 +26,17 @@ def in_ray_actor() -> bool:
         return False
 
 
-def freeze_startup_heap(rollout: Any) -> int:
+def freeze_startup_heap(rollout: EngineConfig | Any) -> int:
     """In a Ray actor whose start-up is done: collect once, then freeze every tracked object.
+
+    Args:
+        rollout: the :class:`EngineConfig` (``gc_freeze``), or the ``actor_rollout_ref.rollout`` mapping.
 
     Returns how many objects are frozen (0 when off, or outside an actor: freezing a test process or a user's
     driver would be a surprise).
     """
-    if not rollout.get("gc_freeze", True) or not in_ray_actor():
+    engine = rollout if isinstance(rollout, EngineConfig) else EngineConfig.from_rollout(rollout)
+    if not engine.gc_freeze or not in_ray_actor():
         return 0
     gc.collect()
     gc.freeze()
