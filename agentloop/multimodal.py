@@ -35,7 +35,7 @@ class ImageDecodeError(DatasetError):
 def decode_image(image: Any, where: str = "image") -> Any:
     """``image`` as an RGB ``PIL.Image``: a PIL image, encoded bytes, a path, or a ``{"bytes"|"path"|"image"}``
     dict (the forms verl datasets hold).  Raises :class:`ImageDecodeError` saying which image and why."""
-    from PIL import Image
+    from PIL import Image  # not a declared dependency (vLLM and transformers' image stacks bring it): image rows only
 
     try:
         if isinstance(image, Image.Image):
@@ -225,7 +225,7 @@ def add_multimodal_outputs(batch: DataProto, processor: Any) -> DataProto:
     A no-op without a processor.  Rows are taken as padded by :func:`agentloop.postprocess.postprocess`
     (``input_ids`` / ``attention_mask``); images from ``non_tensor_batch["multi_modal_data"]``.
     """
-    import torch
+    import torch  # heavy: only for rows with images
 
     if processor is None or getattr(processor, "image_processor", None) is None:
         return batch
@@ -259,7 +259,7 @@ def engine_prompt(prompt_ids: Sequence[int], image_data: Sequence[Any] | None, v
     The engine expands every placeholder itself (vLLM replaces each ``<|image_pad|>`` by the image's token
     count), so each run of expanded pads (:func:`expand_image_pads`) is sent as one pad, as verl does; the
     tokens the model sees are the same."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt  # optional dependency: vLLM is an extra
 
     prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_ids)}
     if not image_data and not video_data:

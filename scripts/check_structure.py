@@ -15,8 +15,8 @@ Problems (one line each; exit status 1 when there is any):
 * ``top``: more than ``--max-top`` modules (6) directly under the package with code of their own; a
   module whose body is only a docstring, imports, ``__all__`` and ``if TYPE_CHECKING:`` imports is a face
   and does not count;
-* ``inline``: an import inside a function with no comment on its line(s) or the line above saying why
-  (optional dependency, heavy import, ...).
+* ``inline``: an import inside a function with no comment saying why (optional dependency, heavy
+  import, ...) on its line(s) or the line above; a comment above a run of adjacent imports covers the run.
 
 Usage::
 
@@ -281,13 +281,20 @@ def analyse(package_dir: Path, max_lines: int = 500) -> Report:
     """Parse ``package_dir`` and collect every finding (see the module docstring)."""
     modules = load_modules(package_dir)
     report = Report(graph={name: set() for name in modules})
-    for site in import_sites(modules):
+    sites = import_sites(modules)
+    import_lines: dict[str, set[int]] = {name: set() for name in modules}
+    for site in sites:
+        import_lines[site.module].update(range(site.lineno, site.end_lineno + 1))
+    for site in sites:
         report.graph[site.module].update(site.targets)
         if site.in_function:
             module = modules[site.module]
             where = f"{module.path.relative_to(package_dir.parent)}:{site.lineno}"
             report.inline_imports.append(where)
-            explained = any(n in module.comment_lines for n in range(site.lineno - 1, site.end_lineno + 1))
+            first = site.lineno
+            while first - 1 in import_lines[site.module]:  # the run of adjacent imports it belongs to
+                first -= 1
+            explained = any(n in module.comment_lines for n in range(first - 1, site.end_lineno + 1))
             if not explained:
                 report.unexplained_inline.append(f"inline: {where}: import inside a function without a "
                                                  "comment saying why")

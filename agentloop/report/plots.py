@@ -34,7 +34,7 @@ class Plot:
 
 
 def _figure(width: float = 6.4, height: float = 3.6) -> tuple[Any, Any]:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # heavy (~0.3 s): only when plotting
 
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     return fig, fig.subplots()
@@ -157,6 +157,7 @@ def server_timeline(table: RolloutTable, ax: Any) -> str | None:
     ax.axvline(float(np.percentile(ends, 90)), color="black", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(servers)), [f"server {s}" for s in servers])
     ax.set_xlabel("seconds since the first call")
+    # heavy (~0.3 s): only when plotting
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

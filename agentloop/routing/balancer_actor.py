@@ -14,6 +14,7 @@ import concurrent.futures
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agentloop.routing.strategies import make_balancer
 
@@ -68,8 +69,6 @@ def create_global_balancer(num_servers: int, *, name: str | None = None, **kwarg
 
     Pinned to the caller's (the manager's) node: with no CPU reserved Ray may put it on any node, and losing that
     node would take routing away from every worker (found by tests/integration/test_multinode.py)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     options: dict[str, Any] = {
         "num_cpus": 0, "max_concurrency": 1,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),

@@ -92,7 +92,8 @@ def test_checker_flags_long_modules_unexplained_inline_imports_and_counts_faces(
         "face.py": '"""A face."""\nfrom pkg.big import x\n__all__ = ["x"]\n',
         "big.py": "x = 1\n" * 501,
         "lazy.py": "def f():\n    import json\n    # optional dependency\n    import yaml\n\n"
-                   "def g():\n    import csv  # heavy\n",
+                   "def g():\n    import csv  # heavy\n\n"
+                   "def h():\n    # heavy, both\n    import csv\n    from json import (\n        dumps,\n    )\n",
     })
     report = check_structure.analyse(pkg, max_lines=500)
     assert report.long_modules == ["lines: pkg/big.py has 501 lines (at most 500)"]
