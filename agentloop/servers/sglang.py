@@ -53,7 +53,7 @@ INSTALL_HINT = "pip install -e '.[sglang]' (SGLang needs a CUDA GPU)"
 
 def load_sglang() -> tuple[Any, Any]:
     """``(sglang.Engine, sglang.srt.managers.io_struct)``, or a ConfigError naming the fix."""
-    try:
+    try:  # SGLang is an optional dependency (the [sglang] extra)
         import sglang
         from sglang.srt.managers import io_struct
     except ImportError as e:
@@ -130,7 +130,7 @@ class SGLangEngineAPI:
         await self.tm.resume_memory_occupation(self.io.ResumeMemoryOccupationReqInput(), None)
 
     async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
-        if self._serializer is None:
+        if self._serializer is None:  # SGLang is an optional dependency, installed where this engine runs
             from sglang.srt.utils import MultiprocessingSerializer
 
             self._serializer = MultiprocessingSerializer

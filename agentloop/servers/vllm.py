@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ServerError
+from agentloop.multimodal import engine_prompt
 from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.enginewatch import EngineWatch, engine_progress, kill_engine_processes
 from agentloop.servers.inflight_update import InFlightUpdate, collect_stream
@@ -25,6 +26,7 @@ from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.vllm_weights import VLLMWeights
 from agentloop.servers.weight_sync import WORKER_EXTENSION, WeightBucket, Weights
 from agentloop.types import StopReason, TokenDelta, TokenOutput
+from agentloop.utils.gcheap import freeze_startup_heap
 from agentloop.utils.process import restore_normal_priority
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class VLLMServer:
         """Create the engine; returns facts about it (platform, start seconds)."""
         t0 = time.perf_counter()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM is imported only where an engine runs (slow to import; it picks its platform on import)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -166,13 +169,12 @@ class VLLMServer:
         self.weights.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.inflight.counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
         self.watch.start()
-        from agentloop.utils.gcheap import freeze_startup_heap
-
         frozen = freeze_startup_heap(self.rollout)  # the actor's start-up objects stay out of full collections
         return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid(),
                 "priority": priority, "weight_transport": self.weight_transport, "gc_frozen": frozen}
 
     def _sampling_params(self, prompt_len: int, params: dict[str, Any], stream: bool = False) -> Any:
+        # vLLM is imported only where an engine runs (after start(): already loaded, the import is a lookup)
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -191,9 +193,7 @@ class VLLMServer:
         )
 
     def _prompt(self, prompt_ids: list[int], image_data: list[Any] | None, video_data: list[Any] | None = None) -> Any:
-        from agentloop.multimodal import engine_prompt  # images decoded; refused by a text-only model
-
-        return engine_prompt(prompt_ids, image_data, video_data, self.engine.model_config)
+        return engine_prompt(prompt_ids, image_data, video_data, self.engine.model_config)  # media refused if text-only
 
     async def generate(
         self,

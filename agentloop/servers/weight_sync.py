@@ -67,7 +67,7 @@ class WeightBucket:
 
     def add(self, name: str, tensor: Any) -> None:
         """Append ``tensor`` (any device and dtype; detached, made contiguous, moved to CPU)."""
-        import torch
+        import torch  # heavy: imported where tensors are packed, not by every user of the server protocol
 
         t = tensor.detach().to("cpu").contiguous()
         self.names.append(str(name))
@@ -159,7 +159,7 @@ def _shared_tensors(path: str, size: int, layout: Layout) -> Iterator[tuple[str,
 
 def _view(data: Any, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
     """A tensor of ``dtype`` / ``shape`` over the bytes in ``data`` (numpy array, bytes or memoryview)."""
-    import torch
+    import torch  # heavy: imported where tensors are unpacked, not by every user of the server protocol
 
     torch_dtype = getattr(torch, dtype)
     if not len(data):  # uint8 array / bytes / byte memoryview: its length is its size in bytes
@@ -226,6 +226,7 @@ class VLLMWeightSyncExtension:
 
     def agentloop_begin_weight_update(self) -> None:
         """Open vLLM's layerwise reload: layers fill up as their tensors arrive."""
+        # vLLM: runs inside the engine's worker process, where it is loaded
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -245,7 +246,7 @@ class VLLMWeightSyncExtension:
         return self._agentloop_load(pairs, aliases)
 
     def _agentloop_load(self, pairs: Iterable[tuple[str, Any]], aliases: dict[str, str]) -> int:
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # vLLM: inside the engine's worker process
 
         loaded: dict[str, Any] = {}
 
@@ -263,6 +264,7 @@ class VLLMWeightSyncExtension:
     def agentloop_finish_weight_update(self) -> None:
         """Close the layerwise reload (layers that got nothing keep their weights) and drop caches that
         depend on the weights, as vLLM's own ``reload_weights`` does."""
+        # vLLM: runs inside the engine's worker process, where it is loaded
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -302,7 +304,7 @@ class OpenWeightUpdate:
 
 def write_shard(bucket: WeightBucket, aliases: dict[str, str], update: OpenWeightUpdate) -> None:
     """File transport: the bucket becomes one safetensors shard of the update's directory."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy (torch): only the file transport needs it
 
     assert update.tmpdir is not None
     tensors = dict(bucket.tensors())
