@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from ray.exceptions import RayActorError, RayTaskError
 
+from agentloop.config import default_config
 from agentloop.errors import RoutingError, ServerError
+from agentloop.protocol import DataProto
 from agentloop.routing import AsyncLLMServerManager, make_balancer
 from agentloop.servers.base import ServerDeadError
 from agentloop.testing import ScriptedServer
+from agentloop.testing.fake_tokenizer import FakeTokenizer
+from agentloop.worker import AgentLoopWorker
 
 
 def test_balancer_never_routes_to_a_down_server_and_rebinds_its_sticky_sessions():
@@ -125,3 +131,19 @@ def test_another_server_error_reaches_the_caller_as_the_server_raised_it():
         asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
     assert str(caught.value) == "top_k must be at least 1, got -5" and not isinstance(caught.value, RayTaskError)
     assert mgr.down == set()
+
+
+def test_a_dead_engines_rows_carry_the_servers_message():
+    said = "vLLM server 0: the engine process died (EngineDeadError: boom); the request is retried on another server"
+    server = ScriptedServer([ray_wrapped(ServerDeadError(said, 0))])
+    cfg = default_config()
+    OmegaConf.resolve(cfg)
+    worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+                             tokenizer=FakeTokenizer())
+    prompts = np.empty(1, dtype=object)
+    prompts[:] = [[{"role": "user", "content": "hi"}]]
+    batch = DataProto(batch=None, non_tensor_batch={"raw_prompt": prompts, "uid": np.array(["u"], dtype=object)},
+                      meta_info={})
+    out = asyncio.run(worker.generate_sequences(batch))
+    assert list(out.non_tensor_batch["status"]) == ["error"]
+    assert out.non_tensor_batch["error"][0] == f"ServerDeadError: {said}"
