@@ -169,7 +169,7 @@ class VLLMServer:
         self.weights.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.inflight.counts_tokens = hasattr(getattr(self.engine, "output_processor", None), "request_states")
         self.watch.start()
-        frozen = freeze_startup_heap(self.rollout)  # the actor's start-up objects stay out of full collections
+        frozen = freeze_startup_heap(self.engine_cfg)  # the actor's start-up objects stay out of full collections
         return {"platform": "cpu" if on_cpu else "cuda", "start_s": time.perf_counter() - t0, "pid": os.getpid(),
                 "priority": priority, "weight_transport": self.weight_transport, "gc_frozen": frozen}
 
