@@ -295,33 +295,23 @@ class AgentLoopWorker:
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
-        group_of = np.repeat(np.arange(len(group_starts)), np.diff(bounds)) if group_starts else np.zeros(0, int)
-        left = np.diff(bounds).tolist() if group_starts else []
-        results: list[list[AgentLoopOutput]] = [[] for _ in tasks]
-        finished: asyncio.Queue[int] = asyncio.Queue()  # one put per task: O(1) per sample, any batch size
-        for i, task in enumerate(tasks):
-            task.add_done_callback(lambda _, i=i: finished.put_nowait(i))
-        ready = [g for g, n in enumerate(left) if n == 0]
+        finished: asyncio.Queue[int] = asyncio.Queue()  # groups whose samples are all done, in that order
+        waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
+                 for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        for g, wait in enumerate(waits):
+            wait.add_done_callback(lambda _, g=g: finished.put_nowait(g))
         # at the deadline every sample still running is cancelled: each then finishes as a timeout row
         deadline = asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
-        consumed = 0
         try:
-            while True:
-                for g in ready:
-                    if trace_enabled():  # the mlflow backend writes from a thread: done before the group is
-                        await asyncio.to_thread(trace_flush)
-                    a, b = bounds[g], bounds[g + 1]
-                    rows = self._postprocess(results[a:b], {k: v[a:b] for k, v in fields.items()}, names[a:b])
-                    before, failovers = failovers, self.server_manager.num_failovers
-                    yield g, rows, WorkerStats.take(rows, failovers - before)
-                if consumed == len(tasks):
-                    break
-                i = await finished.get()
-                consumed += 1
-                results[i] = _result_of(tasks[i], timeout)
-                g = int(group_of[i])
-                left[g] -= 1
-                ready = [g] if left[g] == 0 else []
+            for _ in waits:
+                g = await finished.get()
+                if trace_enabled():  # the mlflow backend writes from a thread: done before the group is
+                    await asyncio.to_thread(trace_flush)
+                a, b = bounds[g], bounds[g + 1]
+                results = [_result_of(task, timeout) for task in tasks[a:b]]
+                rows = self._postprocess(results, {k: v[a:b] for k, v in fields.items()}, names[a:b])
+                before, failovers = failovers, self.server_manager.num_failovers
+                yield g, rows, WorkerStats.take(rows, failovers - before)
         finally:
             if deadline is not None:
                 deadline.cancel()

@@ -195,3 +195,49 @@ def test_loop_settings_are_read_once_per_config_object_and_never_mixed_up():
     read = lambda c: calls.append(c) or {"n": len(calls)}  # noqa: E731
     assert config_values(short, "probe", read) == config_values(short, "probe", read) == {"n": 1}
     assert config_values(long, "probe", read) == {"n": 2}
+
+
+class NapLoop(AgentLoopBase):
+    """Sleeps the seconds its prompt ends with ("... 0.5"), then generates once."""
+
+    async def run(self, sampling_params, **kwargs):
+        await asyncio.sleep(float(kwargs["raw_prompt"][0]["content"].split()[-1]))
+        o = await self.server_manager.generate(request_id=kwargs["uid"], prompt_ids=[5, 6, 7],
+                                               sampling_params=sampling_params)
+        return AgentLoopOutput(prompt_ids=[5, 6, 7], response_ids=o.token_ids, response_mask=[1] * len(o.token_ids))
+
+
+def nap_batch(seconds: list[float]) -> DataProto:
+    batch = make_batch(len(seconds), ["nap"] * len(seconds))
+    batch.non_tensor_batch["raw_prompt"][:] = [[{"role": "user", "content": f"nap {s}"}] for s in seconds]
+    return batch
+
+
+def nap_worker() -> AgentLoopWorker:
+    registry = resolve_registry()
+    registry["nap"] = ResolvedAgentLoop(name="nap", cls=NapLoop)
+    return make_worker(ScriptedServer(lambda ids, p, rid: [80, IM_END], eos_token_id=IM_END), registry=registry)
+
+
+def test_the_stream_yields_each_group_when_done_with_its_stats():
+    worker = nap_worker()
+
+    async def go() -> list[Any]:
+        return [x async for x in worker.generate_sequences_stream(nap_batch([0.3, 0.3, 0.0, 0.0, 0.1]), [0, 2, 4, 5])]
+
+    got = run(go())
+    assert [g for g, _, _ in got] == [3, 1, 2, 0]  # the empty group at once, then in completion order
+    sizes = {g: len(rows) for g, rows, _ in got}
+    assert sizes == {0: 2, 1: 2, 2: 1, 3: 0}
+    for _, rows, stats in got:
+        assert "metrics" not in rows.meta_info and len(stats.metrics) == len(rows)
+        assert stats.server_failovers == 0
+    assert list(dict((g, r) for g, r, _ in got)[0].non_tensor_batch["index"]) == [0, 1]
+
+
+def test_a_batch_deadline_turns_the_samples_still_running_into_timeout_rows():
+    worker = nap_worker()
+    out = run(worker.generate_sequences(nap_batch([0.0, 30.0, 0.0]), timeout=0.5))
+    assert list(out.non_tensor_batch["status"]) == ["stop", "timeout", "stop"]
+    assert "agent.batch_timeout" in out.non_tensor_batch["error"][1]
+    assert len(out.meta_info["metrics"]) == 3  # in-process, the rows carry their metrics as verl's layout does
