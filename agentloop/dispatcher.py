@@ -292,16 +292,20 @@ class DispatchRun:
             ray.cancel(ref)
         self.open.clear()
 
+    def look_if_due(self) -> None:
+        """The dispatcher's periodic look (hung workers among these dispatches', then its ``tick``), every
+        ``tick_s`` seconds."""
+        if time.monotonic() >= self.next_look:
+            self.dispatcher.look([x.slot for x in self.dispatches])
+            self.next_look = time.monotonic() + self.dispatcher.tick_s
+
     def poll(self, timeout: float | None = None) -> list[Finished]:
         """Wait up to ``timeout`` seconds (None: until something happens) for the next result; returns the
         groups finished by it: rolled out, or given up on.  Dead workers' groups to try again go to
         :attr:`retry`; the periodic look runs when due."""
         d = self.dispatcher
+        self.look_if_due()
         now = time.monotonic()
-        if now >= self.next_look:
-            d.look([x.slot for x in self.dispatches])
-            now = time.monotonic()
-            self.next_look = now + d.tick_s
         end = None if self.deadline is None else self.deadline + d.batch_grace_s
         waits = [t - now for t in (end, self.next_look if d.tick or d.hang_s is not None else None) if t is not None]
         if timeout is not None:

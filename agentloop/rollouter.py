@@ -182,6 +182,7 @@ class Rollouter:
         flight = self._flight = self.manager.workers.open()  # no deadline: the Rollouter runs until stopped
         try:
             while not self._stop.is_set():
+                flight.look_if_due()  # hung workers and servers, also while the trainer lets the queue fill
                 self._fill(flight)
                 if not flight.dispatches:
                     with self._lock:  # done once every finished group was handed out (none re-queued by get)
@@ -189,7 +190,7 @@ class Rollouter:
                             break
                     time.sleep(0.01)  # the queue of finished groups is full: wait for the trainer
                     continue
-                for finished in flight.poll(timeout=0.05):  # also the periodic look for hung workers and servers
+                for finished in flight.poll(timeout=0.05):
                     self._take(finished)
                 again = flight.take_retries()  # a dead worker's groups: dispatched again first
                 self.counts["groups_rerun_fault"] += len(again)
