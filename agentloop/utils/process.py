@@ -17,12 +17,14 @@ import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
+from agentloop.config import EngineConfig
+
 __all__ = ["restore_normal_priority", "spawn_process", "start_process", "wait_process"]
 
 logger = logging.getLogger(__name__)
 
 
-def restore_normal_priority(rollout: Any) -> str:
+def restore_normal_priority(rollout: EngineConfig | Any) -> str:
     """Give this actor's threads nice 0 again unless ``rollout.normal_priority`` is false.
 
     Ray starts every worker process (so every actor) at nice 15 (``RAY_worker_niceness``) and the engine
@@ -31,12 +33,13 @@ def restore_normal_priority(rollout: Any) -> str:
     CAP_SYS_NICE; without them a warning says how to get the same effect when starting the cluster.
 
     Args:
-        rollout: the ``actor_rollout_ref.rollout`` config (anything with ``.get``).
+        rollout: the :class:`EngineConfig` (``normal_priority``) or the ``actor_rollout_ref.rollout`` mapping.
 
     Returns:
         What happened, for the start-up report (e.g. ``"nice 15 -> 0"``).
     """
-    if not rollout.get("normal_priority", True):
+    engine = rollout if isinstance(rollout, EngineConfig) else EngineConfig.from_rollout(rollout)
+    if not engine.normal_priority:
         return "unchanged (rollout.normal_priority=false)"
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if before <= 0:
