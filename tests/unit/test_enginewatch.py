@@ -1,14 +1,23 @@
 """EngineWatch: a request waiting on an engine that died is failed within the watch interval, never left
-waiting; a caller's own cancellation stays a cancellation; requests on a live engine are untouched."""
+waiting; a caller's own cancellation stays a cancellation; requests on a live engine are untouched.
+
+No test depends on how fast this box runs: the fake engine makes progress at each look of the watch (not on a
+timer), a test waits for the watch to have looked after a given time instead of sleeping, and a request that
+must be cut gets a generous deadline (it is cut within one interval when the watch works)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import pytest
 
 from agentloop.servers.base import ServerDeadError
 from agentloop.servers.enginewatch import EngineWatch
+
+CUT_WITHIN = 30.0
+"""Seconds a request that must be cut may take (it takes one watch interval; the bound only stops a hang)."""
 
 
 class ForgetfulServer:
@@ -16,7 +25,20 @@ class ForgetfulServer:
 
     def __init__(self) -> None:
         self.dead = False
-        self.watch = EngineWatch(lambda: self.dead, interval=0.01)
+        self.last_look = float("-inf")
+        self.watch = EngineWatch(self.is_dead, interval=0.01)
+
+    def is_dead(self) -> bool:
+        """The watch's look at the engine (it looks once per interval)."""
+        self.last_look = time.monotonic()
+        return self.dead
+
+    async def watched_for(self, seconds: float) -> None:
+        """Wait until the watch has looked at the engine at least ``seconds`` from now, however slow the box (or
+        has taken it for hung: then it no longer asks whether the engine is dead)."""
+        end = time.monotonic() + seconds
+        while self.last_look < end and self.watch.stalled is None:
+            await asyncio.sleep(0.005)
 
     async def generate(self, seconds: float = 3600.0) -> str:
         with self.watch.request():
@@ -35,31 +57,32 @@ def test_a_request_forgotten_by_a_dead_engine_fails_as_server_dead():
         server.watch.start()
         stuck = asyncio.ensure_future(server.generate())
         quick = asyncio.ensure_future(server.generate(0.0))
-        await asyncio.sleep(0.05)
+        await server.watched_for(0.05)
         assert not stuck.done() and await quick == "done"  # a live engine: nothing is cut
         server.dead = True
         with pytest.raises(ServerDeadError):
-            await asyncio.wait_for(stuck, 2.0)
+            await asyncio.wait_for(stuck, CUT_WITHIN)
         server.watch.stop()
 
     asyncio.run(main())
 
 
-def test_a_callers_own_cancellation_is_not_turned_into_a_server_error():
+def test_a_callers_own_cancellation_is_not_turned_into_a_server_error(caplog):
     async def main() -> None:
         server = ForgetfulServer()
         server.watch.start()
         task = asyncio.ensure_future(server.generate())
-        await asyncio.sleep(0.03)
+        await server.watched_for(0.03)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         server.dead = True
-        await asyncio.sleep(0.05)  # the watch finds nothing left to cut
-        assert not server.watch._running
+        await server.watched_for(0.05)  # the watch finds nothing left to cut
         server.watch.stop()
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "failed over" in r.getMessage()]
 
 
 def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
@@ -78,8 +101,11 @@ def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
             await asyncio.sleep(0.05)
             server.dead = True
 
+        async def collect() -> list:
+            return [item async for group in server.generate_batch([{"seconds": 0.0}, {}, {}]) for item in group]
+
         killer = asyncio.ensure_future(kill_soon())
-        got = [item async for group in server.generate_batch([{"seconds": 0.0}, {}, {}]) for item in group]
+        got = await asyncio.wait_for(collect(), CUT_WITHIN)
         await killer
         server.watch.stop()
         return sorted(got, key=lambda x: x[0])
@@ -90,22 +116,23 @@ def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
 
 
 class HangingServer(ForgetfulServer):
-    """An engine that is alive but may stop making progress (a hung collective, a stopped process)."""
+    """An engine that is alive but may stop making progress (a hung collective, a stopped process).
+
+    While ``progressing``, it has sampled a token between any two looks of the watch, however far apart."""
 
     def __init__(self, stall_timeout: float | None = 0.1) -> None:
         super().__init__()
         self.tokens = 0
+        self.progressing = False
         self.held = False
         self.stopped: list[str] = []
-        self.watch = EngineWatch(lambda: self.dead, interval=0.01, progress=lambda: self.tokens,
-                                 stall_timeout=stall_timeout, holding=lambda: self.held,
-                                 on_stall=self.stopped.append)
+        self.watch = EngineWatch(self.is_dead, interval=0.01, progress=self.progress, stall_timeout=stall_timeout,
+                                 holding=lambda: self.held, on_stall=self.stopped.append)
 
-    async def advance(self, seconds: float) -> None:
-        """The engine samples a token every 10 ms for ``seconds``."""
-        for _ in range(int(seconds / 0.01)):
+    def progress(self) -> int:
+        if self.progressing:
             self.tokens += 1
-            await asyncio.sleep(0.01)
+        return self.tokens
 
 
 def test_an_engine_without_progress_is_taken_for_hung_and_its_requests_fail_over():
@@ -113,10 +140,12 @@ def test_an_engine_without_progress_is_taken_for_hung_and_its_requests_fail_over
         server = HangingServer(stall_timeout=0.1)
         server.watch.start()
         stuck = asyncio.ensure_future(server.generate())
-        await server.advance(0.3)  # slower than the timeout in all, but progressing: not hung
+        server.progressing = True
+        await server.watched_for(0.4)  # slower than the timeout in all, but progressing: not hung
         assert not stuck.done() and server.watch.stalled is None
+        server.progressing = False
         with pytest.raises(ServerDeadError):
-            await asyncio.wait_for(stuck, 2.0)  # progress stopped: cut after ~0.1 s
+            await asyncio.wait_for(stuck, CUT_WITHIN)  # progress stopped: cut after ~0.1 s
         assert server.watch.stalled is not None and "no progress" in server.watch.stalled
         assert server.stopped == [server.watch.stalled]  # the hung engine is stopped once
         server.watch.stop()
@@ -128,23 +157,23 @@ def test_no_stall_without_running_requests_while_held_or_when_disabled():
     async def main() -> None:
         idle = HangingServer(stall_timeout=0.05)
         idle.watch.start()
-        await asyncio.sleep(0.2)  # nothing running: an idle engine makes no progress and is fine
+        await idle.watched_for(0.2)  # nothing running: an idle engine makes no progress and is fine
         assert idle.watch.stalled is None
 
         held = HangingServer(stall_timeout=0.05)
         held.held = True  # paused / a weight update open: the server itself holds its requests
         held.watch.start()
         waiting = asyncio.ensure_future(held.generate())
-        await asyncio.sleep(0.2)
+        await held.watched_for(0.2)
         assert not waiting.done() and held.watch.stalled is None
         held.held = False  # released, and still no progress: now it is a hang
         with pytest.raises(ServerDeadError):
-            await asyncio.wait_for(waiting, 2.0)
+            await asyncio.wait_for(waiting, CUT_WITHIN)
 
         off = HangingServer(stall_timeout=None)  # rollout.server.stall_timeout: null
         off.watch.start()
         forever = asyncio.ensure_future(off.generate())
-        await asyncio.sleep(0.2)
+        await off.watched_for(0.2)
         assert not forever.done() and off.watch.stalled is None
         forever.cancel()
         for s in (idle, held, off):
