@@ -98,14 +98,14 @@ def test_records_calls():
 
 
 def test_abort_ends_a_pending_request_at_once():
-    server = ScriptedServer(lambda ids, p, rid: [1, 2, 3], delay=5.0)
+    server = ScriptedServer(lambda ids, p, rid: [1, 2, 3], delay=3600.0)  # only the abort can end it
 
     async def main():
         task = asyncio.create_task(server.generate([1], {"logprobs": True}, "slow"))
         other = asyncio.create_task(server.generate([1], {}, "other"))
         await asyncio.sleep(0.01)
         await server.abort("slow")
-        out = await asyncio.wait_for(task, 1.0)
+        out = await asyncio.wait_for(task, 30.0)  # generous: it ends at once when abort works
         assert not other.done()
         other.cancel()
         return out
@@ -127,15 +127,21 @@ def test_abort_of_a_finished_request_does_not_poison_the_next_turn():
 
 
 def test_delay_lets_requests_overlap():
-    server = ScriptedServer(delay=0.1)
+    """The delay is a wait, not a block: every request has started before the first one replies (however slow
+    the box; a blocking delay would reply to each before the next one started)."""
+    started_when_replying: list[int] = []
+
+    def reply(ids, params, rid):
+        started_when_replying.append(len(server.calls))
+        return [1]
+
+    server = ScriptedServer(reply, delay=0.05)
 
     async def main():
-        loop = asyncio.get_running_loop()
-        start = loop.time()
         await asyncio.gather(*(server.generate([i], {}, f"r{i}") for i in range(5)))
-        return loop.time() - start
 
-    assert asyncio.run(main()) < 0.4
+    asyncio.run(main())
+    assert started_when_replying == [5] * 5
 
 
 def test_lifecycle_calls_are_counted_and_weights_kept():
