@@ -47,7 +47,7 @@ def _lift_control_keys(data: Any) -> Any:
     if not isinstance(data, dict):
         return data
     extra = data.get("extra_fields")
-    if not isinstance(extra, dict) or not any(k in extra for k in CONTROL_KEYS):
+    if not isinstance(extra, dict) or extra.keys().isdisjoint(CONTROL_KEYS):
         return data
     lifted = {k: v for k, v in extra.items() if k in CONTROL_KEYS}
     rest = {k: v for k, v in extra.items() if k not in CONTROL_KEYS}
