@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agentloop.config import ModelConfig
+from agentloop.servers.vllm_plugin import install
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def load_tokenizer(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> Any:
     """The HF tokenizer for ``model_cfg`` (a :class:`ModelConfig` or the model mapping): from
     ``tokenizer_path`` (else ``path``), with ``custom_chat_template`` installed as its ``chat_template`` when
     set."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy (~1 s): config and dataset checks run before it
 
     model = model_config(model_cfg)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model), trust_remote_code=model.trust_remote_code)
@@ -82,9 +83,7 @@ def load_processor(model_cfg: ModelConfig | Mapping[str, Any] | Any, tokenizer: 
     if os.path.isdir(src) and not is_multimodal_dir(src):
         return None
     try:
-        from transformers import AutoProcessor, PreTrainedTokenizerBase
-
-        from agentloop.servers.vllm_plugin import install
+        from transformers import AutoProcessor, PreTrainedTokenizerBase  # heavy, as above
 
         install()  # Qwen2-VL without torchvision: an image-only processor (a no-op with torchvision)
         processor = AutoProcessor.from_pretrained(src, trust_remote_code=model.trust_remote_code)

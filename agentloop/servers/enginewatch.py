@@ -27,6 +27,9 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import psutil
+import ray
+
 logger = logging.getLogger(__name__)
 
 
@@ -150,9 +153,6 @@ def kill_engine_processes() -> list[int]:
     engine frees its memory and its server reads as dead; returns their pids.  Only inside a Ray actor (every
     server the manager starts is its own actor, whose only children are its engine's): a server built in some
     other process kills nothing and is only marked hung."""
-    import psutil
-    import ray
-
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         logger.error("the hung engine's processes are left running: this server is not a Ray actor of its own")
         return []

@@ -98,11 +98,11 @@ def cpu_bind_env(index: int, num_servers: int) -> dict[str, str]:
 
 def _server_class(name: str) -> type:
     if name == "vllm":
-        from agentloop.servers.vllm import VLLMServer
+        from agentloop.servers.vllm import VLLMServer  # optional dependency: vLLM is an extra
 
         return VLLMServer
     if name == "sglang":
-        from agentloop.servers.sglang import SGLangServer, load_sglang
+        from agentloop.servers.sglang import SGLangServer, load_sglang  # optional dependency: SGLang is an extra
 
         load_sglang()  # not installed: one ConfigError naming the extra, before any actor starts
         return SGLangServer

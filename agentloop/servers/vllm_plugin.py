@@ -24,9 +24,13 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
+import os
 import sys
 from types import ModuleType
 from typing import Any, TypedDict
+
+from agentloop.multimodal import IMAGE_PAD, VIDEO_PAD
 
 _TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
@@ -106,9 +110,7 @@ class VideosNeedTorchvision(dict):  # type: ignore[type-arg]  # a dict so the pr
 def image_only_qwen2_vl_processor(cls: Any, path: str, **kwargs: Any) -> Any:
     """A ``cls`` (``Qwen2VLProcessor``) made of the checkpoint's tokenizer, PIL image processor and chat template;
     its video processor is :class:`VideosNeedTorchvision`."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    from agentloop.multimodal import IMAGE_PAD, VIDEO_PAD
+    from transformers import AutoImageProcessor, AutoTokenizer  # heavy: the plugin loads in every vLLM process
 
     opts = {k: kwargs[k] for k in ("trust_remote_code", "revision", "local_files_only") if k in kwargs}
     tokenizer = AutoTokenizer.from_pretrained(path, **opts)
@@ -141,9 +143,6 @@ def engine_arg_defaults(model_path: str) -> dict[str, Any]:
     """Engine arguments a Qwen2-VL-family checkpoint needs where torchvision is missing: no video inputs
     (``limit_mm_per_prompt: {video: 0}``), else vLLM's start-up profiling calls the missing video processor.
     Empty for every other model, and wherever torchvision is installed."""
-    import json
-    import os
-
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             model_type = json.load(f).get("model_type")

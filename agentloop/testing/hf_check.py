@@ -5,6 +5,7 @@ Imported on demand: it needs torch and a loaded ``transformers`` model.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 
@@ -12,7 +13,7 @@ def max_logprob_gap(hf_model: Any, out: Any) -> float:
     """Largest |engine log-prob - HF log-prob| over the sampled tokens of every row of ``out`` (a DataProto
     from ``generate_sequences`` with ``calculate_log_probs``), HF logits taken in float32, no temperature.
     Single-turn rows: the sampled tokens are the last ``response_mask.sum()`` tokens of the sequence."""
-    import torch
+    import torch  # heavy; this module is imported by tests that already hold a transformers model
 
     b, worst = out.batch, 0.0
     for i in range(len(out)):
@@ -32,9 +33,7 @@ def perturbed_weights(model: Any, scale: float = 0.05, seed: int = 123) -> tuple
     (with tied embeddings the server takes it from the embeddings); ``updated_model`` is a copy of ``model``
     holding ``new``, for the recompute; ``original`` restores the server afterwards.  ``model`` is unchanged.
     """
-    import copy
-
-    import torch
+    import torch  # heavy, as above
 
     original = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(seed)

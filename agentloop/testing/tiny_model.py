@@ -92,6 +92,7 @@ def snapshot_name(snapshot_step: int) -> str:
 
 def build_tokenizer(out_dir: Path | None = None) -> PreTrainedTokenizerBase:
     """Train the BPE tokenizer, wrap it with the chat template, and save it into ``out_dir`` if given."""
+    # heavy (tokenizers, transformers): only when building; a shipped model is copied without them
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -130,6 +131,7 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
 
 def init_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised fp32 ``Qwen2ForCausalLM`` sized to ``tokenizer``."""
+    # heavy (torch, transformers): only when building
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -151,6 +153,7 @@ def init_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedM
 
 def save_model(model: PreTrainedModel, out_dir: Path) -> None:
     """Save weights (safetensors), ``config.json`` and a ``generation_config.json`` ending at ``<|im_end|>``."""
+    # heavy (transformers): only when building
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from agentloop.servers.vllm_plugin import install
 from agentloop.testing.tiny_model import (
     CHAT_TEMPLATE,
     DEFAULT_NAME,
@@ -80,7 +81,7 @@ def tiny_vl_model_path() -> Path:
 
 def build_vl_tokenizer() -> Any:
     """The tiny text model's tokenizer with the Qwen2-VL special tokens and :data:`VL_CHAT_TEMPLATE`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: only when building
 
     shipped = SHIPPED_DIR / DEFAULT_NAME
     # the tokenizer does not depend on training: the shipped copy, else the deterministic build (seconds)
@@ -123,9 +124,7 @@ def write_processor_files(tokenizer: Any, out_dir: Path) -> None:
 def load_vl_processor(path: str | Path) -> Any:
     """The model's ``Qwen2VLProcessor`` (``AutoProcessor``).  Without torchvision (which transformers 5 needs
     for Qwen2-VL's video processor) an image-only one (:mod:`agentloop.servers.vllm_plugin`): videos raise."""
-    import transformers
-
-    from agentloop.servers.vllm_plugin import install
+    import transformers  # heavy: only when loading
 
     install()
     return transformers.AutoProcessor.from_pretrained(str(path))
@@ -133,6 +132,7 @@ def load_vl_processor(path: str | Path) -> Any:
 
 def init_vl_model(tokenizer: Any, seed: int = 0) -> Any:
     """A randomly initialised fp32 ``Qwen2VLForConditionalGeneration`` sized to ``tokenizer``."""
+    # heavy (torch, transformers): only when building
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -159,6 +159,7 @@ def init_vl_model(tokenizer: Any, seed: int = 0) -> Any:
 
 def build_vl_into(out_dir: Path) -> None:
     """Write tokenizer, processor configs, weights, generation config and the marker into ``out_dir``."""
+    # heavy (transformers): only when building
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agentloop.testing.tiny_model import CHAT_TEMPLATE, PRETOKENIZE_REGEX, TOOLS_FOOTER, TOOLS_HEADER
+from agentloop.testing.tiny_model import CHAT_TEMPLATE, PRETOKENIZE_REGEX, TOOLS_FOOTER, TOOLS_HEADER, synthetic_corpus
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -308,8 +308,6 @@ def _template_literals(template: str, specials: tuple[str, ...]) -> list[str]:
 
 
 def _corpus(fam: TemplateFamily) -> list[str]:
-    from agentloop.testing.tiny_model import synthetic_corpus
-
     docs = synthetic_corpus(n_conversations=200, n_sentences=300, seed=7)
     docs += _template_literals(fam.chat_template, fam.special_tokens + fam.added_tokens) * 20
     calls = [json.dumps({"name": "calculator", key: {"expression": f"{a} * {a + 3}"}})
@@ -325,6 +323,7 @@ def make_template_tokenizer(name: str) -> PreTrainedTokenizerFast:
     template's own boilerplate; the pre-tokenizer uses the family's split regex (Qwen2, Llama 3, o200k).
     Cached per family: callers share one instance and must not modify it.
     """
+    # heavy (tokenizers, transformers): only when a test tokenizer is built
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import ray
+
 from agentloop.config import EngineConfig
 
 
 def in_ray_actor() -> bool:
     """True inside a Ray actor process (not the driver, not a plain test process)."""
     try:
-        import ray
-
         return bool(ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None)
     except Exception:  # noqa: BLE001 - no Ray, or no runtime context: not an actor
         return False
