@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from agentloop.config import default_config
 from agentloop.gateway.actor import GatewayActor
 from agentloop.gateway.framework import register_agent_runner
-from agentloop.loops.base import resolve_registry
+from agentloop.loops.base import ResolvedAgentLoop, resolve_registry
 from agentloop.protocol import DataProto
 from agentloop.testing import ScriptedServer
 from agentloop.worker import AgentLoopWorker
@@ -94,13 +94,15 @@ def batch(rows: list[tuple[str, str, int]]) -> DataProto:
     return DataProto(batch=None, non_tensor_batch=nt, meta_info={})
 
 
-async def run_batch(tokenizer: Any, data: DataProto, **gateway: Any) -> DataProto:
+async def run_batch(tokenizer: Any, data: DataProto, registry: dict[str, Any] | None = None,
+                    **gateway: Any) -> DataProto:
     r = rollout(**gateway)
     server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
     gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
     await gw.start()
     try:
-        worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
+        worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server],
+                                 registry=registry if registry is not None else resolve_registry(),
                                  tokenizer=tokenizer, gateways=[gw])
         return await worker.generate_sequences(data)
     finally:
@@ -130,9 +132,20 @@ def test_sdk_agents_and_failures_are_isolated_in_one_batch(tokenizer):
     assert "<tool_response>" in tokenizer.decode(out.batch["responses"][row].tolist())
 
 
+def test_session_timeout_ends_an_agent_that_overruns_it(tokenizer):
+    out = asyncio.run(run_batch(tokenizer, batch([("sdk_slow", "x", 0)]), session_timeout=0.5))
+    assert out.non_tensor_batch["status"].tolist() == ["timeout"]
+    assert "session_timeout=0.5" in out.non_tensor_batch["error"][0]
+
+
 def test_session_timeout_marks_only_that_sample(tokenizer):
+    """The slow agent's own session_timeout (its registry entry overrides rollout.gateway's) ends it; the other
+    sample has no deadline, so how fast this box runs it cannot turn it into a timeout."""
+    registry = resolve_registry()
+    registry["sdk_slow"] = ResolvedAgentLoop("sdk_slow", registry["openai_agent"].cls,
+                                             {"runner": sdk_slow, "session_timeout": 0.5})
     data = batch([("sdk_slow", "x", 0), ("sdk_calc", "What is 1+2?", 3)])
-    out = asyncio.run(run_batch(tokenizer, data, session_timeout=0.5))
+    out = asyncio.run(run_batch(tokenizer, data, registry))
     status = dict(zip(out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["status"].tolist(), strict=False))
     assert status == {"u0": "timeout", "u1": "stop"}
 
@@ -179,7 +192,9 @@ def test_worker_sample_timeout_closes_the_session(tokenizer):
             worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
                                      tokenizer=tokenizer, gateways=[gw])
             out = await worker.generate_sequences(batch([("sdk_slow", "x", 0)]))
-            await asyncio.sleep(0.1)
+            deadline = asyncio.get_running_loop().time() + 30  # closed at once; the bound only stops a hang
+            while gw.service.sessions and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
             return out, len(gw.service.sessions)
         finally:
             await gw.shutdown()
