@@ -33,12 +33,12 @@ from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ConfigError, ServerError
 from agentloop.servers.base import (
     GOES_ON_WITHOUT,
-    LOST_FOR_UPDATE,
     GenerateBatcher,
     PauseGate,
     ServerDeadError,
 )
-from agentloop.servers.weight_sync import WeightBucket, iter_buckets
+from agentloop.servers.sglang_weights import SGLangWeights
+from agentloop.servers.weight_sync import WeightBucket
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -156,8 +156,9 @@ class SGLangServer:
     """One SGLang engine.  Build with :meth:`start` (async) before use; same constructor as ``VLLMServer``.
 
     Parts: ``api`` (:class:`SGLangEngineAPI`, set by :meth:`start`), ``gate`` (the
-    :class:`~agentloop.servers.base.PauseGate` behind pause / resume) and ``batcher`` (the
-    :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``).
+    :class:`~agentloop.servers.base.PauseGate` behind pause / resume), ``batcher`` (the
+    :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``) and ``weights``
+    (:class:`~agentloop.servers.sglang_weights.SGLangWeights`: weight updates, the served version).
     """
 
     supports_sleep: bool = False
@@ -173,13 +174,15 @@ class SGLangServer:
         self.prompt_length = self.engine_cfg.prompt_length
         self.response_length = self.engine_cfg.response_length
         self.api: SGLangEngineAPI | None = None
-        self.global_steps = 0
         self.gate = PauseGate()
         self.batcher = GenerateBatcher(self.generate)
-        self._weights_open: asyncio.Event = asyncio.Event()
-        self._weights_open.set()
-        self._update: dict[str, Any] | None = None
+        self.weights = SGLangWeights(server_index, self._require, self.gate, self._raise_if_dead)
         self._sleeping = False
+
+    @property
+    def global_steps(self) -> int:
+        """Version of the weights being served (verl's name; 0 before any update): ``weights.version``."""
+        return self.weights.version
 
     async def start(self, engine_api: SGLangEngineAPI | None = None) -> dict[str, Any]:
         """Create the engine (``engine_api``: an already built one, for tests); returns facts about it."""
@@ -240,10 +243,6 @@ class SGLangServer:
                 continue
         return False
 
-    async def _wait_for_weights(self, request_id: str) -> None:
-        while not self._weights_open.is_set():  # a weight update is open: wait for its end
-            await self._weights_open.wait()
-
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        image_data: list[Any] | None = None, video_data: list[Any] | None = None) -> TokenOutput:
         """Generate from token ids (verl's sampling keys; ``priority`` from the router when configured)."""
@@ -253,7 +252,7 @@ class SGLangServer:
         if max_tokens <= 0:
             return TokenOutput(token_ids=[], log_probs=[] if want_logprobs else None, stop_reason=StopReason.LENGTH,
                                extra_fields=self._extra_fields())
-        await self._wait_for_weights(request_id)
+        await self.weights.wait()  # an open weight update: wait for the new weights
         result = None
         async with self.gate.admitted(request_id) as admitted:
             if admitted:
@@ -290,7 +289,7 @@ class SGLangServer:
             yield TokenDelta(token_ids=[], log_probs=[] if want_logprobs else None, finished=True,
                              stop_reason=StopReason.LENGTH, extra_fields=self._extra_fields())
             return
-        await self._wait_for_weights(request_id)
+        await self.weights.wait()  # an open weight update: wait for the new weights
         seen, seen_lp, stop = 0, 0, None
         async with self.gate.admitted(request_id) as admitted:
             try:
@@ -374,71 +373,36 @@ class SGLangServer:
 
     async def set_global_steps(self, global_steps: int) -> None:
         """Set the reported weight version without loading weights."""
-        self.global_steps = int(global_steps)
+        self.weights.version = int(global_steps)
 
     async def begin_weight_update(self, global_steps: int | None = None, *, transport: str = "auto") -> None:
-        """Open an update: new requests wait, in-flight ones finish on the old weights first."""
-        self._require()
-        if self._sleeping:
-            raise ServerError(f"SGLang server {self.server_index} is asleep: wake_up() before updating weights")
-        if self._update is not None:
-            raise ServerError(f"SGLang server {self.server_index}: a weight update is already open; "
-                              "finish_weight_update() it first")
-        if transport not in ("auto", "direct"):
-            raise ServerError(f"SGLang server {self.server_index}: weight transport {transport!r} is not available "
-                              "(SGLang loads tensors directly: use 'auto' or 'direct')")
-        self._raise_if_dead(None, LOST_FOR_UPDATE)
-        version = self.global_steps + 1 if global_steps is None else int(global_steps)
-        self._update = {"version": version, "tensors": 0, "bytes": 0, "started": time.perf_counter()}
-        self._weights_open.clear()
-        while self.gate.in_flight:  # let running requests finish on the weights they started with
-            await asyncio.sleep(0.01)
+        """Open an update: new requests wait, in-flight ones finish on the old weights first
+        (:meth:`SGLangWeights.begin`)."""
+        self._require_awake()
+        await self.weights.begin(global_steps, transport)
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> None:
         """Load one bucket (HF names) into the engine."""
-        if self._update is None:
-            raise ServerError(f"SGLang server {self.server_index}: load_weight_bucket() without an open weight "
-                              "update; call begin_weight_update() first")
-        try:
-            await self._require().load_tensors(list(bucket.tensors()))
-        except Exception as e:
-            await self.abort_weight_update()
-            self._raise_if_dead(e, LOST_FOR_UPDATE)
-            raise ServerError(f"SGLang server {self.server_index}: loading weights {bucket.names[:3]}... failed: "
-                              f"{e}; run the update again") from e
-        self._update["tensors"] += len(bucket)
-        self._update["bytes"] += bucket.nbytes
+        await self.weights.load(bucket)
 
     async def finish_weight_update(self) -> dict[str, Any]:
         """Flush the prefix cache, publish the version, let requests run; returns what was loaded."""
-        update = self._update
-        if update is None:
-            raise ServerError(f"SGLang server {self.server_index}: finish_weight_update() without an open weight "
-                              "update; call begin_weight_update() first")
-        try:
-            await self._require().flush_cache()
-        except Exception as e:
-            self._raise_if_dead(e, LOST_FOR_UPDATE)
-            raise
-        finally:
-            self._update = None
-            self._weights_open.set()
-        self.global_steps = update["version"]
-        return {"version": update["version"], "transport": "direct", "tensors": update["tensors"],
-                "bytes": update["bytes"], "seconds": time.perf_counter() - update["started"]}
+        return await self.weights.finish()
 
     async def abort_weight_update(self) -> None:
         """Close an open update without publishing its version (no-op when none is open)."""
-        self._update = None
-        self._weights_open.set()
+        await self.weights.abort()
 
     async def update_weights(self, named_tensors: Any, global_steps: int | None = None, *,
                              transport: str = "auto") -> dict[str, Any]:
         """The whole update in one call: begin, one bucket, finish."""
-        await self.begin_weight_update(global_steps, transport=transport)
-        for bucket in iter_buckets(named_tensors, bucket_bytes=1 << 62):
-            await self.load_weight_bucket(bucket)
-        return await self.finish_weight_update()
+        self._require_awake()
+        return await self.weights.update(named_tensors, global_steps, transport)
+
+    def _require_awake(self) -> None:
+        self._require()
+        if self._sleeping:
+            raise ServerError(f"SGLang server {self.server_index} is asleep: wake_up() before updating weights")
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix (radix) cache."""
