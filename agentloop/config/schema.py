@@ -13,13 +13,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, get_args
+from typing import Any, ClassVar, TypeVar
 
 from omegaconf import OmegaConf
 
 from agentloop.config.build import build_section, check_fields, read_value
+from agentloop.config.checks import (
+    check_context_window,
+    check_engine_name,
+    check_gateway_reward_to,
+    check_max_context_edits,
+    check_prompt_truncation,
+    check_reward_block,
+    check_reward_gamma,
+    check_reward_to,
+    check_tool_executor,
+    check_tool_max_workers,
+)
 from agentloop.errors import ConfigError
-from agentloop.types import RewardTo
 
 _R = "actor_rollout_ref.rollout"
 _S = f"{_R}.server"
@@ -76,11 +87,6 @@ class ModelConfig(Section):
         return os.path.expanduser(self.tokenizer_path) if self.tokenizer_path else None
 
 
-def _check_name(name: Any) -> None:
-    if name not in ("vllm", "sglang"):
-        raise ConfigError(f"actor_rollout_ref.rollout.name must be 'vllm' or 'sglang', got {name!r}")
-
-
 @dataclass(frozen=True)
 class EngineConfig(Section):
     """The engine keys of ``actor_rollout_ref.rollout`` (what a server passes to vLLM / SGLang)."""
@@ -110,7 +116,7 @@ class EngineConfig(Section):
     engine_kwargs: dict[str, Any]
     """``{"vllm": {...}, "sglang": {...}}``: extra engine arguments per backend (values may be None)."""
 
-    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"name": _check_name}
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"name": check_engine_name}
 
     @property
     def context_length(self) -> int:
@@ -212,12 +218,6 @@ class RouterConfig(Section):
             **v, "partial_rollout": v["partial_rollout"] if v["partial_rollout"] is not None else False})
 
 
-def _check_truncation(value: Any) -> None:
-    if value not in ("left", "error"):
-        raise ConfigError(f"actor_rollout_ref.rollout.agent.prompt_truncation must be 'left' or 'error', "
-                          f"got {value!r}")
-
-
 @dataclass(frozen=True)
 class AgentConfig(Section):
     """``actor_rollout_ref.rollout.agent``: workers, loops, per-sample and per-batch limits."""
@@ -236,57 +236,7 @@ class AgentConfig(Section):
     strict_config: bool | None
     max_failure_fraction: float | None
 
-    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"prompt_truncation": _check_truncation}
-
-
-REWARD_TO_MODES: tuple[str, ...] = get_args(RewardTo)
-"""``multi_turn.reward_to``: all | last | discounted."""
-
-
-def check_reward_to(value: Any, where: str = "multi_turn") -> None:
-    """Raise the ConfigError for a ``reward_to`` that is neither null nor one of :data:`REWARD_TO_MODES`."""
-    if value is not None and value not in REWARD_TO_MODES:
-        raise ConfigError(f"{where}.reward_to must be one of {' | '.join(REWARD_TO_MODES)}, got {value!r}")
-
-
-def check_reward_gamma(value: Any, where: str = "multi_turn") -> None:
-    """Raise the ConfigError for a ``reward_gamma`` that is neither null nor a number in [0, 1]."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
-        raise ConfigError(f"{where}.reward_gamma must be a number in [0, 1] (the discount per trajectory "
-                          f"before the final one), got {value!r}")
-
-
-EXECUTOR_KINDS: tuple[str, ...] = ("thread", "process")
-"""``multi_turn.tool_executor``: where synchronous tool code runs."""
-
-
-def check_tool_executor(kind: Any) -> None:
-    """Raise the ConfigError for a ``tool_executor`` that is not one of :data:`EXECUTOR_KINDS`."""
-    if kind not in EXECUTOR_KINDS:
-        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_executor={kind!r}: expected one of "
-                          f"{', '.join(EXECUTOR_KINDS)} (thread is the default)")
-
-
-def check_tool_max_workers(max_workers: Any) -> None:
-    """Raise the ConfigError for a ``tool_max_workers`` that is not a positive int."""
-    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-        default = read_value(None, f"{_R}.multi_turn.tool_max_workers")
-        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.tool_max_workers={max_workers!r}: expected a "
-                          f"positive int (default {default})")
-
-
-def check_context_window(window: Any) -> None:
-    """Raise the ConfigError for a ``context_window`` that is neither null nor an int >= 1."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.context_window={window!r}: give the number of "
-                          "latest turns to keep whole (an integer >= 1), or null for no window")
-
-
-def check_max_context_edits(cap: Any) -> None:
-    """Raise the ConfigError for a ``max_context_edits`` that is neither null nor an int >= 0."""
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-        raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.max_context_edits={cap!r}: give the most "
-                          "snapshots per sample (an integer >= 0), or null for no cap")
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"prompt_truncation": check_prompt_truncation}
 
 
 @dataclass(frozen=True)
@@ -320,13 +270,6 @@ class MultiTurnConfig(Section):
     }
     """The components' own messages (tool executor, context window, episode reward) for direct builds;
     ``resolve_config``'s start-up check reports the same values first, in its one-line form."""
-
-
-def check_gateway_reward_to(value: Any) -> None:
-    """Raise the ConfigError for a ``gateway.reward_to`` that is not null, a ``multi_turn`` mode or longest."""
-    if value is not None and value not in (*REWARD_TO_MODES, "longest"):
-        raise ConfigError(f"rollout.gateway.reward_to must be null (follow multi_turn.reward_to) | "
-                          f"{' | '.join(REWARD_TO_MODES)} | longest, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -397,23 +340,6 @@ def _reward_default(name: str) -> Any:
     return lambda: read_value(None, f"{_REWARD}.{name}")
 
 
-def _check_reward(block: dict[str, Any]) -> None:
-    """Raise a ConfigError naming the first invalid key of a ``custom_reward_function`` block."""
-    path, name, kwargs = block.get("path"), block.get("name"), block.get("reward_kwargs")
-    if path is not None and not (isinstance(path, str) and path.strip()):
-        raise ConfigError(f"{_REWARD}.path must be null, a .py file or a module name, got {path!r}")
-    if not isinstance(name, str):
-        raise ConfigError(f"{_REWARD}.name must be a function name, got {name!r}")
-    if not isinstance(kwargs, dict):
-        raise ConfigError(f"{_REWARD}.reward_kwargs must be a mapping of keyword arguments, got {kwargs!r}")
-    timeout = block.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-        raise ConfigError(f"{_REWARD}.timeout must be null or a number of seconds >= 0 (0: no limit), "
-                          f"got {timeout!r}")
-    if not isinstance(block.get("add_tool_rewards"), bool):
-        raise ConfigError(f"{_REWARD}.add_tool_rewards must be true or false, got {block.get('add_tool_rewards')!r}")
-
-
 @dataclass(frozen=True)
 class RewardConfig:
     """``custom_reward_function`` (top level, verl's; verl 0.9's ``reward.custom_reward_function`` when the
@@ -433,7 +359,7 @@ class RewardConfig:
     add_tool_rewards: bool = field(default_factory=_reward_default("add_tool_rewards"))
 
     def __post_init__(self) -> None:
-        _check_reward({"path": self.path, "name": self.name, "reward_kwargs": self.reward_kwargs,
+        check_reward_block({"path": self.path, "name": self.name, "reward_kwargs": self.reward_kwargs,
                        "timeout": self.timeout, "add_tool_rewards": self.add_tool_rewards})
 
     @classmethod
@@ -453,7 +379,7 @@ class RewardConfig:
                 for k in ("path", "name", "reward_kwargs", "timeout", "add_tool_rewards")}
         full["name"] = full["name"] or read_value(None, f"{_REWARD}.name")
         full["reward_kwargs"] = full["reward_kwargs"] or {}
-        _check_reward(full)
+        check_reward_block(full)
         return cls(path=full["path"] or None, name=full["name"], reward_kwargs=dict(full["reward_kwargs"]),
                    timeout=float(full["timeout"]) if full["timeout"] else None,
                    add_tool_rewards=full["add_tool_rewards"])

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-from agentloop.config.schema import REWARD_TO_MODES, MultiTurnConfig, check_reward_gamma, check_reward_to
+from agentloop.config.checks import REWARD_TO_MODES, check_reward_gamma, check_reward_to
+from agentloop.config.schema import MultiTurnConfig
 from agentloop.errors import ConfigError
 from agentloop.types import RewardTo
 

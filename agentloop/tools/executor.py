@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentloop.config.build import read_value
-from agentloop.config.schema import EXECUTOR_KINDS, check_tool_executor, check_tool_max_workers
+from agentloop.config.checks import EXECUTOR_KINDS, check_tool_executor, check_tool_max_workers
 from agentloop.errors import ConfigError
 
 __all__ = ["DEFAULT_MAX_WORKERS", "EXECUTOR_KINDS", "FunctionRef", "ToolExecutor", "configure_tool_executor",
