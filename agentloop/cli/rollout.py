@@ -252,7 +252,7 @@ def _generate(cfg: DictConfig, batch: DataProto, log_file: Path | None = None) -
     try:
         manager = AgentLoopManager(cfg)
         t0 = time.perf_counter()
-        step = max(1, int(cfg.data.train_batch_size))
+        step = max(1, manager.config.data.train_batch_size)
         parts: list[DataProto] = []
         tokens = 0
         with tqdm(total=len(batch), desc="rollout", unit="sample") as bar:
