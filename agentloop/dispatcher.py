@@ -1,21 +1,12 @@
 """The one dispatcher: groups of rows out to the AgentLoopWorkers, their padded rows back, whatever a worker does.
 
-:class:`Dispatcher` owns the worker actors (:class:`~agentloop.worker_slots.WorkerSlots`) and every way rows
-travel to them.  ``AgentLoopManager.generate_sequences`` (:meth:`Dispatcher.run`: row ranges, put back in
-order), ``generate_sequences_stream`` (:meth:`Dispatcher.stream`: groups, in completion order) and the
-:class:`~agentloop.rollouter.Rollouter` (a :class:`DispatchRun` it keeps filling) are its users, so a fault is
-handled by the same code for all three:
-
-* **A worker dies** (crashed, OOM-killed, ``ray.kill``-ed, or killed because it hung): it is replaced
-  (:meth:`Dispatcher.replace_worker`) and the groups it had not finished are rolled out again, each at most
-  ``agent.max_sample_retries`` times; then, or when the batch deadline passed or no worker is left, they come
-  back as ``error`` rows saying so (:meth:`DispatchRun.poll`).
-* **A worker hangs** (its event loop is blocked): every ``tick_s`` seconds each streaming worker gets a ping,
-  and one that leaves it unanswered for ``agent.stall_timeout`` seconds is killed (then handled as dead).  With
-  ``agent.batch_timeout``, each worker cancels its own samples at the deadline (``timeout`` rows); one that has
-  not answered ``batch_grace_s`` later is killed and replaced, and its groups come back as ``timeout`` rows.
-
-Every group comes back exactly once; ``fault_counts`` says what was done.
+:class:`Dispatcher` owns the worker actors (:mod:`agentloop.worker_slots`) and every way rows travel to them;
+``generate_sequences`` (:meth:`Dispatcher.run`), ``generate_sequences_stream`` (:meth:`Dispatcher.stream`) and
+the Rollouter (a :class:`DispatchRun` it keeps filling) use it, so a fault is handled by one piece of code
+(:meth:`DispatchRun.poll`): a dead or hung worker is replaced and its unfinished groups are rolled out again, each
+at most ``agent.max_sample_retries`` times, then come back as ``error`` rows saying why; past
+``agent.batch_timeout`` plus ``batch_grace_s``, a silent worker's groups are ``timeout`` rows.  Every group comes
+back exactly once; ``fault_counts`` says what was done.  The behaviour in full: docs/faults.md.
 """
 
 from __future__ import annotations

@@ -385,21 +385,19 @@ class AgentLoopManager:
     def update_weights(self, weights: Any, *, global_steps: int | None = None, bucket_mb: float = 512) -> int:
         """Load new policy weights into every server; returns the new weight version.
 
-        ``weights``: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full, unsharded
-        tensors, any device), read once and lazily.  They travel in buckets of about ``bucket_mb`` MiB: each
-        bucket is put in the object store once and shared by all servers, the next one is packed while the
-        servers load the current one, and the model is never one object.  Sleeping servers are woken first
-        (and left awake).  New requests wait until the update is done and the prefix cache is reset.  What
-        happens to the requests in flight is ``rollout.server.weight_update`` (docs/async.md): ``abort`` (the
-        default; verl's fully-async partial rollout) cuts them (:meth:`pause`) and the routers re-issue them after
-        the update with their tokens so far (per-token ``weight_versions``); ``drain`` lets them finish on the old
-        weights first; ``keep`` (vLLM) freezes them and they go on with the new weights on their KV cache (prefix
-        cache kept; per-token ``weight_versions``).  ``global_steps`` (default: the previous version + 1; servers start
-        at 0) is what every later generation reports as ``extra_fields["global_steps"]`` and trajectories as
-        ``min_global_steps`` / ``max_global_steps``.  Protocol and engine path: :mod:`agentloop.servers.weight_sync`.
-        A server that dies during the update, or gives no answer to one of its steps within
-        ``rollout.server.weight_update_timeout`` seconds, is taken out and restarted and the update goes on with
-        the others (the restarted one loads the weights at the next update; docs/faults.md).
+        Args:
+            weights: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full, unsharded
+                tensors, any device), read once and lazily, sent in buckets shared by all servers, never as one
+                object (:mod:`agentloop.servers.weight_sync`).
+            global_steps: the new version (default: the previous + 1; servers start at 0), which later generations
+                report (``extra_fields["global_steps"]``, trajectories' ``min_global_steps`` / ``max_global_steps``).
+            bucket_mb: the bucket size in MiB.
+
+        Sleeping servers are woken first (and left awake); new requests wait until the update is done.  What
+        happens to the requests in flight is ``rollout.server.weight_update``: ``abort`` (default), ``drain`` or
+        ``keep`` (docs/async.md).  A server that dies, or does not answer a step within
+        ``rollout.server.weight_update_timeout`` seconds, is restarted and the update goes on with the others
+        (docs/faults.md).
 
         Raises:
             ServerError: see :meth:`agentloop.manager_weights.WeightSync.update`.
