@@ -173,14 +173,14 @@ def _manager_on_scripted_servers(ray: Any, monkeypatch: pytest.MonkeyPatch, **ov
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     handles = server_actors(ray, 1, delay=0.0)
-    monkeypatch.setattr(manager_module, "start_standalone_servers",
-                        lambda cfg: ServerGroup(handles=handles, placement_group=None, device="cpu", info=[]))
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
     cfg.data.max_response_length = 8
     for key, value in {"agent.num_workers": 2, "free_cache_engine": False, **overrides}.items():
         OmegaConf.update(cfg.actor_rollout_ref.rollout, key, value)
-    return manager_module.AgentLoopManager(cfg)
+    # the documented injection point for servers started elsewhere
+    return manager_module.AgentLoopManager(cfg, servers=ServerGroup(handles=handles, placement_group=None,
+                                                                    device="cpu", info=[]))
 
 
 def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session, monkeypatch, tmp_path):
@@ -258,15 +258,14 @@ def test_a_failed_sample_on_one_worker_actor_leaves_its_neighbours_reward(ray_se
     scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
                       "    return {'score': float(ground_truth == 'yes'), 'source': data_source}\n")
     handles = [ray_session.remote(num_cpus=0)(ScriptedServer).remote(reply)]
-    monkeypatch.setattr(manager_module, "start_standalone_servers",
-                        lambda cfg: ServerGroup(handles=handles, placement_group=None, device="cpu", info=[]))
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
     cfg.data.max_response_length = 8
     cfg.custom_reward_function.path = str(scorer)
     OmegaConf.update(cfg.actor_rollout_ref.rollout, "agent.num_workers", 2)
     OmegaConf.update(cfg.actor_rollout_ref.rollout, "free_cache_engine", False)
-    manager = manager_module.AgentLoopManager(cfg)
+    manager = manager_module.AgentLoopManager(cfg, servers=ServerGroup(handles=handles, placement_group=None,
+                                                                       device="cpu", info=[]))
     try:
         rows = [{"prompt": [{"role": "user", "content": "fail " * 40 if i == 0 else f"hi {i}"}],
                  "data_source": "unit", "reward_model": {"ground_truth": "yes"}} for i in range(4)]
