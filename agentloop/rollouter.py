@@ -34,6 +34,7 @@ handed out, groups re-run for staleness or faults, and the engine-busy fraction:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -104,6 +105,7 @@ class Rollouter:
                        "groups_rerun_fault": 0, "groups_failed_fault": 0,
                        "dispatches_cancelled_stale": 0}
         self.staleness: collections.Counter[int] = collections.Counter()
+        self._group_ids = itertools.count()  # a name per group, in the order the prompts came (for the logs)
 
     # ---------------------------------------------------------------------------------------------- trainer side
     def start(self) -> Rollouter:
@@ -212,7 +214,8 @@ class Rollouter:
                 except StopIteration:
                     self._exhausted = True
                 else:
-                    self._todo.extend(Group(rows) for rows in split_groups(batch, self.group_by))
+                    self._todo.extend(Group(rows, key=next(self._group_ids))
+                                      for rows in split_groups(batch, self.group_by))
             if not self._todo:
                 return
             groups = [self._todo.popleft()]
