@@ -132,8 +132,6 @@ def resolve_config(config: DictConfig | dict[str, Any], model_path: str | None =
                 "with actor_rollout_ref.model.path"
             )
         rollout = OmegaConf.to_container(config, resolve=False)
-        rollout.setdefault("prompt_length", 512)  # type: ignore[union-attr]
-        rollout.setdefault("response_length", 512)  # type: ignore[union-attr]
         root, raw, defaults = _merge_defaults(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}}))
     if model_path is not None:
         root.actor_rollout_ref.model.path = model_path
