@@ -338,7 +338,10 @@ class AsyncLLMServerManager:
         except ServerDeadError as e:  # raised by the server itself (its engine died): name it by our index
             raise ServerDeadError(_plain(str(server_cause(e))), server) from e
         except RayTaskError as e:  # any other error the server raised: its own, not Ray's traceback text
-            raise server_cause(e) from e
+            cause = server_cause(e)
+            if cause is e:
+                raise
+            raise cause from e
         finally:
             self._release_nowait(server, cancelled=cancelled)
 
