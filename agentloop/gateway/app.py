@@ -21,10 +21,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agentloop.config.build import read_value
 from agentloop.gateway.protocol import ChatCompletionBody, GatewayHTTPError
 from agentloop.gateway.service import GatewayService
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES: int = read_value(None, "actor_rollout_ref.rollout.gateway.max_body_bytes")
+"""The YAML's ``gateway.max_body_bytes`` (8 MiB): :func:`build_app`'s default."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays / objects a request body may have."""
 

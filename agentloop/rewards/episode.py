@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
+from agentloop.config.build import read_value
 from agentloop.config.checks import REWARD_TO_MODES, check_reward_gamma, check_reward_to
 from agentloop.config.schema import MultiTurnConfig
 from agentloop.errors import ConfigError
 from agentloop.types import RewardTo
 
-DEFAULT_GAMMA = 0.9
-"""What a null ``reward_gamma`` means (the YAML's value)."""
+DEFAULT_GAMMA: float = read_value(None, "actor_rollout_ref.rollout.multi_turn.reward_gamma")
+"""What a null ``reward_gamma`` means (the YAML's value, 0.9)."""
 
 
 @dataclass(frozen=True)
