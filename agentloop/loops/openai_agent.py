@@ -112,7 +112,7 @@ class OpenAIAgentLoop(AgentLoopBase):
         extra = fields.get("extra_info") or {}
         named = extra.get("agent_runner") if isinstance(extra, dict) else None
         if named:
-            return resolve_runner(named, "extra_info.agent_runner")
+            return cast(AgentRunner, resolve_runner(named, "extra_info.agent_runner"))  # named: never None
         if self.runner is not None:
             return self.runner
         if self.command:
