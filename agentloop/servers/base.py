@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from agentloop.errors import ServerError
-from agentloop.servers.weight_sync import WeightBucket
+from agentloop.servers.weight_sync import OpenWeightUpdate, WeightBucket, Weights
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at the "
@@ -198,6 +198,39 @@ class BatchGenerateMixin:
         """See :meth:`GenerateBatcher.run`."""
         async for group in GenerateBatcher(self.generate).run(requests):  # type: ignore[attr-defined]
             yield group
+
+
+@runtime_checkable
+class WeightLoader(Protocol):
+    """The weight-loading part of a server (``server.weights``): what the server's weight-update actor methods
+    delegate to.  Implementations: :class:`agentloop.servers.vllm_weights.VLLMWeights`,
+    :class:`agentloop.servers.sglang_weights.SGLangWeights`."""
+
+    version: int
+    """Version of the weights being served (the server's ``global_steps``)."""
+    open: OpenWeightUpdate | None
+    """The open update, None between updates."""
+
+    async def begin(self, global_steps: int | None = None, transport: str = "auto") -> None:
+        """Open an update (``begin_weight_update``); raises ServerError when one is open."""
+        ...
+
+    async def load(self, bucket: WeightBucket) -> None:
+        """Load one bucket into the open update (``load_weight_bucket``)."""
+        ...
+
+    async def finish(self) -> dict[str, Any]:
+        """Apply the update and publish its version; returns what was loaded (``finish_weight_update``)."""
+        ...
+
+    async def abort(self) -> None:
+        """Close the open update without publishing its version (``abort_weight_update``)."""
+        ...
+
+    async def update(self, named_tensors: Weights, global_steps: int | None = None,
+                     transport: str = "auto") -> dict[str, Any]:
+        """The whole update in one call (``update_weights``)."""
+        ...
 
 
 class CutSignals(TypedDict, total=False):

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from agentloop.errors import ConfigError, ServerError
 from agentloop.routing import AsyncLLMServerManager
-from agentloop.servers.base import ServerDeadError
+from agentloop.servers.base import ServerDeadError, WeightLoader
 from agentloop.servers.sglang import SGLangEngineAPI, SGLangServer, engine_kwargs
 from agentloop.servers.weight_sync import iter_buckets
 from agentloop.types import StopReason
@@ -232,6 +232,7 @@ def test_a_weight_update_waits_for_running_requests_and_holds_new_ones() -> None
     async def go() -> None:
         engine = FakeEngine(reply_len=10, token_delay=0.01)
         server = await started(engine)
+        assert isinstance(server.weights, WeightLoader)
         running = asyncio.ensure_future(server.generate([10], {"max_tokens": 10}, "old"))
         await asyncio.sleep(0.02)
         update = asyncio.ensure_future(server.update_weights({"w": torch.ones(2)}))

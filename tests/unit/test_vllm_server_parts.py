@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from agentloop.errors import ConfigError, ServerError
+from agentloop.servers.base import WeightLoader
 from agentloop.servers.vllm import VLLMServer
 from agentloop.types import StopReason
 
@@ -107,6 +108,7 @@ def run(coro: Any) -> Any:
 def test_a_generation_carries_the_version_and_no_control_signals():
     async def main() -> None:
         s, _ = server()
+        assert isinstance(s.weights, WeightLoader)
         out = await s.generate([1, 2, 3], PARAMS, "r")
         assert out.token_ids == list(range(4, 24)) and out.stop_reason == StopReason.LENGTH
         assert out.log_probs == [-0.5] * 20 and out.extra_fields == {"server_index": 0, "global_steps": 0}
