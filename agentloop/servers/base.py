@@ -47,7 +47,8 @@ class LLMServer(Protocol):
     Optional: ``generate_batch(requests)`` (an async generator, see :class:`GenerateBatcher`; the router uses it
     for server actors), ``busy_seconds()`` (see :meth:`PauseGate.busy_seconds`), ``check_health()``,
     ``set_weight_update(mode)``.  agentloop's servers are built from parts held as attributes: ``batcher``
-    (:class:`GenerateBatcher`), ``gate`` (:class:`PauseGate`) and, on vLLM, ``inflight`` and ``weights``.
+    (:class:`GenerateBatcher`), ``gate`` (:class:`PauseGate`), ``weights`` (a :class:`WeightLoader`) and, on
+    vLLM, ``inflight`` (keep-mode updates).
     """
 
     supports_sleep: bool
