@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
+import agentloop
 from agentloop.config import (
     AgentLoopConfig,
     GatewayConfig,
@@ -222,11 +225,6 @@ def _rollout_leaf_keys() -> set[str]:
 
 
 def test_components_read_no_rollout_config_keys_of_their_own():
-    import re
-    from pathlib import Path
-
-    import agentloop
-
     package = Path(agentloop.__file__).parent
     pattern = re.compile(r'OmegaConf\.select\(|\.get\(\s*"(' + "|".join(sorted(_rollout_leaf_keys())) + r')"')
     found: dict[str, list[str]] = {}
