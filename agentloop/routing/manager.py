@@ -174,6 +174,16 @@ class AsyncLLMServerManager:
         while self.restart_preempted and output.preempted_by_pause and not output.cut_by_update:
             self.num_restarts += 1
             output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
+        pieces, server = await self._resume(request_id, key, prompt_ids, sampling_params, media, output, server)
+        output = _join(pieces) if self.partial_rollout or len(pieces) > 1 else pieces[0]
+        return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
+
+    async def _resume(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                      media: dict[str, Any], output: TokenOutput, server: int) -> tuple[list[TokenOutput], int]:
+        """The pieces of a generation whose first piece is ``output`` (from ``server``): while a piece was cut
+        and :meth:`_resumes` says it goes on, re-issue it with the prompt plus the tokens so far and the rest of
+        ``max_tokens``.  A piece cut after its last allowed token ends the generation ``length``.  Returns the
+        pieces and the server of the last one."""
         pieces = [output]
         while self._resumes(output):
             generated = [t for piece in pieces for t in piece.token_ids]
@@ -190,9 +200,7 @@ class AsyncLLMServerManager:
             output, server = await self._generate_once(request_id, key, list(prompt_ids) + generated, params,
                                                        media)
             pieces.append(output)
-        if self.partial_rollout or len(pieces) > 1:
-            output = _join(pieces)
-        return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
+        return pieces, server
 
     def _resumes(self, piece: TokenOutput | TokenDelta) -> bool:
         """Whether a piece a server pause cut goes on after the resume: with ``partial_rollout``, or when a weight

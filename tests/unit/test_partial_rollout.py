@@ -191,6 +191,16 @@ async def test_a_cut_after_the_last_allowed_token_is_not_resumed() -> None:
 
 
 @run
+async def test_an_update_cut_after_the_last_allowed_token_ends_length_without_partial_rollout() -> None:
+    server = ScriptedServer([TokenOutput(token_ids=[7, 8], stop_reason=StopReason.ABORTED, preempted_by_pause=True,
+                                         cut_by_update=True, max_tokens=2, extra_fields={"global_steps": 0})])
+    manager = AsyncLLMServerManager([server], partial_rollout=False)
+    out = await manager.generate("r", prompt_ids=PROMPT, sampling_params={})
+    assert out.token_ids == [7, 8] and out.stop_reason == StopReason.LENGTH and len(server.calls) == 1
+    assert not (out.preempted_by_pause or out.cut_by_update) and out.max_tokens is None
+
+
+@run
 async def test_a_resume_whose_server_died_fails_over() -> None:
     servers, manager = make(servers=2)
     task = asyncio.ensure_future(manager.generate("r", prompt_ids=PROMPT, sampling_params=PARAMS))
