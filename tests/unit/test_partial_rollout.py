@@ -337,14 +337,16 @@ async def test_a_stream_cut_by_pauses_goes_on_after_the_resume_as_one_stream() -
     assert server.calls[1]["sampling_params"]["max_tokens"] == 30 - cut
 
 
-def test_a_piece_that_spans_a_keep_mode_update_keeps_its_own_token_versions() -> None:
-    from agentloop.routing.manager import _join
-
+@run
+async def test_a_piece_that_spans_a_keep_mode_update_keeps_its_own_token_versions() -> None:
     spanned = TokenOutput(token_ids=[1, 2, 3], log_probs=[-0.1] * 3, stop_reason=StopReason.ABORTED,
                           extra_fields={"global_steps": 1, "weight_versions": [0, 0, 1], "preempted_by_pause": True})
     rest = TokenOutput(token_ids=[4, 5], log_probs=[-0.2] * 2, stop_reason=StopReason.LENGTH,
                        extra_fields={"global_steps": 2})
-    out = _join([spanned, rest])
+    server = ScriptedServer([spanned, rest])
+    manager = AsyncLLMServerManager([server], partial_rollout=True)
+    out = await manager.generate("r", prompt_ids=PROMPT, sampling_params={"max_tokens": 5})
+    assert server.calls[1]["prompt_ids"] == PROMPT + [1, 2, 3] and server.calls[1]["sampling_params"]["max_tokens"] == 2
     assert out.token_ids == [1, 2, 3, 4, 5] and out.num_preempted == 1
     fields = out.extra_fields
     assert fields["weight_versions"] == [0, 0, 1, 2, 2]
