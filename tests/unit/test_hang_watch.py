@@ -175,12 +175,13 @@ def test_the_watch_stays_out_of_a_weight_update(clock):
 
 
 def test_a_worker_that_leaves_a_ping_unanswered_is_killed_and_says_why(clock):
-    from agentloop.workerpool import WorkerPool, _Slot
+    from agentloop.dispatcher import Dispatcher
+    from agentloop.worker_slots import WorkerSlot
 
     now, killed = clock
-    pool = WorkerPool(spawn=lambda i, w: None, num_workers=3, error_rows=lambda *a: None, hang_s=3)
+    pool = Dispatcher(spawn=lambda i, w: None, num_workers=3, error_rows=lambda *a: None, hang_s=3)
     fine, blocked, starting = FakeServer("w0"), FakeServer("w1", hung=True), FakeServer("w2", hung=True)
-    slots = [_Slot(0, fine, "a"), _Slot(1, blocked, "b"), _Slot(2, starting, "c", ready=Ref("ready"))]
+    slots = [WorkerSlot(0, fine, "a"), WorkerSlot(1, blocked, "b"), WorkerSlot(2, starting, "c", ready=Ref("ready"))]
     assert pool.watch_workers(slots) == []
     now[0] += 2.9
     assert pool.watch_workers(slots) == []
