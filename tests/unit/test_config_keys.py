@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from agentloop.config import CONFIG_DIR, default_config, resolve_config
 from agentloop.configcheck import DATA, HONOURED, IRRELEVANT, MODEL, ROLLOUT, SUBTREES, UNSUPPORTED, reset_warnings
 from agentloop.errors import ConfigError
-from agentloop.servers.vllm import _engine_args
+from agentloop.servers.vllm import engine_args
 
 VERL_KEYS = Path(__file__).parent / "data" / "verl091_trainer_keys.yaml"
 
@@ -307,18 +307,23 @@ def test_key_tables_cover_our_defaults_and_mark_our_keys():
     assert statuses == {HONOURED, IRRELEVANT, UNSUPPORTED}
 
 
+def vllm_args(cfg, on_cpu: bool, server_index: int = 0) -> dict:
+    """The vLLM engine arguments a server of this resolved config gets."""
+    return engine_args(cfg.engine, cfg.server, cfg.model_config, on_cpu, server_index)
+
+
 def test_engine_args_honour_verl_keys(model_dir):
     cfg = resolve_config(trainer(model_dir, {"load_format": "dummy", "logprobs_mode": "raw_logprobs",
                                              "scheduling_policy": "priority", "cudagraph_capture_sizes": [1, 2, 4]},
                                  model={"tokenizer_path": "~/tok"}))
-    cpu = _engine_args(cfg.rollout, cfg.model, on_cpu=True)
+    cpu = vllm_args(cfg, on_cpu=True)
     assert cpu["load_format"] == "dummy" and cpu["logprobs_mode"] == "raw_logprobs"
     assert cpu["scheduling_policy"] == "priority" and cpu["tokenizer"].endswith("/tok") and "~" not in cpu["tokenizer"]
     assert "cudagraph_capture_sizes" not in cpu
-    assert cpu["seed"] == 0 and _engine_args(cfg.rollout, cfg.model, on_cpu=True, server_index=3)["seed"] == 3
-    assert _engine_args(cfg.rollout, cfg.model, on_cpu=False)["cudagraph_capture_sizes"] == [1, 2, 4]
+    assert cpu["seed"] == 0 and vllm_args(cfg, on_cpu=True, server_index=3)["seed"] == 3
+    assert vllm_args(cfg, on_cpu=False)["cudagraph_capture_sizes"] == [1, 2, 4]
     plain = resolve_config(trainer(model_dir))
-    args = _engine_args(plain.rollout, plain.model, on_cpu=True)
+    args = vllm_args(plain, on_cpu=True)
     assert args["load_format"] == "auto" and args["logprobs_mode"] == "processed_logprobs" and "tokenizer" not in args
 
 
