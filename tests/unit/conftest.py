@@ -1,10 +1,13 @@
-"""Fixtures shared by the unit tests of the config and the CLI."""
+"""Fixtures shared by the unit tests: a model directory and a dataset for the config and the CLI, the tiny model's
+tokenizer for the tests that encode chats."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+
+from agentloop.testing.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture
@@ -22,3 +25,11 @@ def dataset(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(3)))
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny model's tokenizer (a Qwen-style chat template), loaded once per run; a module may define its own."""
+    from transformers import AutoTokenizer  # heavy: only for the tests that ask for it
+
+    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))

@@ -21,15 +21,6 @@ from agentloop.testing import ScriptedServer
 from agentloop.worker import AgentLoopWorker
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
 async def sdk_calc(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     question = raw_prompt[-1]["content"]
