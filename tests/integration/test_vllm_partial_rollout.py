@@ -4,6 +4,11 @@ A greedy generation (temperature 0, ``ignore_eos``, 64 tokens) is paused at rand
 while it runs through ``AsyncLLMServerManager(partial_rollout=True)``; one pause also runs a weight update.  The
 joined output must equal the uninterrupted generation token for token, with log-probs within LOGPROB_TOLERANCE.
 
+Where a scenario needs its pause or update to land part-way through a generation, it does not trust a fixed delay
+(a loaded box runs slower or faster than the timing run): it checks where the cut landed (tokens before it, the
+weight versions of the tokens) and tries again, earlier or later, up to ATTEMPTS times; the behaviour is asserted
+on the attempt that landed.
+
 What vLLM 0.32 returns for an aborted request (FINAL_ONLY outputs, the kind ``generate`` uses): its final
 output holds every token sampled before the abort (and their log-probs) with finish_reason ``abort``; the
 server turns that into ``stop_reason='aborted'`` tagged ``preempted_by_pause`` (checked below).
@@ -31,6 +36,12 @@ N_TOKENS = 64
 # and is still far below what any real difference (another token, temperature or weights) changes, > 1e-2.
 LOGPROB_TOLERANCE = 1e-4
 PARAMS = {"temperature": 0.0, "max_tokens": N_TOKENS, "ignore_eos": True, "logprobs": True}
+ATTEMPTS = 8
+
+
+def next_delay(delay: float, landed_too_late: bool) -> float:
+    """The delay of the next attempt: earlier after a cut that came too late, later after one that came too early."""
+    return delay / 2 if landed_too_late else delay * 1.5
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +108,11 @@ def generate(server: Any, request_id: str, **overrides: Any) -> Any:
     return server.generate.remote(prompt_ids=PROMPT, sampling_params={**PARAMS, **overrides}, request_id=request_id)
 
 
+async def served_version(server: Any) -> int:
+    """The weight version the server serves now (its health facts)."""
+    return int((await server.check_health.remote())["global_steps"])
+
+
 def test_a_paused_request_returns_its_tokens_so_far_and_new_ones_wait(server: Any, ray_session: Any) -> None:
     ray = ray_session
     want = ray.get(generate(server, "ref-direct"))  # also warms the engine up, so the next timing is typical
@@ -106,14 +122,16 @@ def test_a_paused_request_returns_its_tokens_so_far_and_new_ones_wait(server: An
     assert len(want.token_ids) == N_TOKENS
 
     async def scenario() -> tuple[Any, int, bool, Any]:
-        for attempt in range(4):  # pause part-way; a run that ends before the pause is tried again, pausing earlier
+        delay = 0.4 * seconds
+        for attempt in range(ATTEMPTS):  # pause part-way: after the first token, before the last
             ref = generate(server, f"cut-{attempt}")
-            await asyncio.sleep(0.4 * seconds / 2**attempt)
+            await asyncio.sleep(delay)
             n = await server.pause.remote()
             cut = await ref
-            if n:
+            if n and 0 < len(cut.token_ids) < N_TOKENS:
                 break
             await server.resume.remote()
+            delay = next_delay(delay, landed_too_late=not n or len(cut.token_ids) == N_TOKENS)
         held = generate(server, "held", max_tokens=4)
         ready, _ = ray.wait([held], timeout=0.5)
         await server.resume.remote()
@@ -134,26 +152,32 @@ def test_paused_and_resumed_greedy_generation_equals_the_uninterrupted_one(serve
 
     rng = random.Random(12)
 
-    async def scenario() -> tuple[Any, Any, list[int]]:
+    async def scenario(attempt: int, scale: float) -> tuple[Any, Any, list[int], int]:
         manager = AsyncLLMServerManager([server], partial_rollout=True)
+        old = await served_version(server)
         started = time.perf_counter()
-        want = await manager.generate("reference", prompt_ids=PROMPT, sampling_params=PARAMS)
+        want = await manager.generate(f"reference-{attempt}", prompt_ids=PROMPT, sampling_params=PARAMS)
         seconds = time.perf_counter() - started
-        task = asyncio.ensure_future(manager.generate("resumed", prompt_ids=PROMPT, sampling_params=PARAMS))
+        task = asyncio.ensure_future(manager.generate(f"resumed-{attempt}", prompt_ids=PROMPT,
+                                                      sampling_params=PARAMS))
         hits: list[int] = []
         while len(hits) < 3 and not task.done():
-            await asyncio.sleep(rng.uniform(0.1, 0.3) * seconds)
+            await asyncio.sleep(rng.uniform(0.1, 0.3) * seconds * scale)
             n = await server.pause.remote()
             if n and not hits:  # the first pause that cuts the request also updates the weights (same values)
-                await server.begin_weight_update.remote(global_steps=1)
+                await server.begin_weight_update.remote(global_steps=old + 1)
                 await server.finish_weight_update.remote()
-            await asyncio.sleep(0.05)
             await server.resume.remote()
             if n:
                 hits.append(n)
-        return want, await task, hits
+        return want, await task, hits, old
 
-    want, got, hits = asyncio.run(scenario())
+    scale = 1.0
+    for attempt in range(ATTEMPTS):  # the first cut must land after the first token (some tokens on old weights)
+        want, got, hits, old = asyncio.run(scenario(attempt, scale))
+        if hits and (got.extra_fields.get("weight_versions") or [None])[0] == old:
+            break
+        scale = next_delay(scale, landed_too_late=not hits)
     gap = max(abs(a - b) for a, b in zip(got.log_probs, want.log_probs, strict=True))
     print(f"\n{len(hits)} pauses cut the request; resumed {got.num_preempted} times; max log-prob gap {gap:.2e} "
           f"(log-probs from {min(want.log_probs):.3f} to {max(want.log_probs):.3f})")
@@ -163,8 +187,8 @@ def test_paused_and_resumed_greedy_generation_equals_the_uninterrupted_one(serve
     assert gap < LOGPROB_TOLERANCE
     versions = got.extra_fields["weight_versions"]
     assert len(versions) == N_TOKENS and versions == sorted(versions)
-    assert versions[0] == 0 and versions[-1] == 1
-    assert (got.extra_fields["min_global_steps"], got.extra_fields["max_global_steps"]) == (0, 1)
+    assert versions[0] == old and versions[-1] == old + 1
+    assert (got.extra_fields["min_global_steps"], got.extra_fields["max_global_steps"]) == (old, old + 1)
 
 
 def test_a_generation_cut_by_an_abort_update_resumes_without_partial_rollout(server: Any, ray_session: Any) -> None:
@@ -173,21 +197,28 @@ def test_a_generation_cut_by_an_abort_update_resumes_without_partial_rollout(ser
     equals the uninterrupted one."""
     from agentloop.routing.manager import AsyncLLMServerManager
 
-    async def scenario() -> tuple[Any, Any, int]:
+    async def scenario(attempt: int, delay: float | None) -> tuple[Any, Any, int, float]:
         manager = AsyncLLMServerManager([server], partial_rollout=False)
         started = time.perf_counter()
-        want = await manager.generate("abort-ref", prompt_ids=PROMPT, sampling_params=PARAMS)
-        seconds = time.perf_counter() - started
-        task = asyncio.ensure_future(manager.generate("abort-cut", prompt_ids=PROMPT, sampling_params=PARAMS))
-        await asyncio.sleep(0.4 * seconds)
+        want = await manager.generate(f"abort-ref-{attempt}", prompt_ids=PROMPT, sampling_params=PARAMS)
+        delay = 0.4 * (time.perf_counter() - started) if delay is None else delay
+        task = asyncio.ensure_future(manager.generate(f"abort-cut-{attempt}", prompt_ids=PROMPT,
+                                                      sampling_params=PARAMS))
+        await asyncio.sleep(delay)
         cut = await server.pause.remote(for_update=True)
         version = want.extra_fields["global_steps"] + 1
         await server.begin_weight_update.remote(global_steps=version)
         await server.finish_weight_update.remote()
         await server.resume.remote()
-        return want, await task, cut
+        return want, await task, cut, delay
 
-    want, got, cut = asyncio.run(scenario())
+    delay = None
+    for attempt in range(ATTEMPTS):  # the update must cut the generation after its first token
+        want, got, cut, delay = asyncio.run(scenario(attempt, delay))
+        first = got.extra_fields.get("weight_versions", [None])[0]
+        if cut == 1 and first == want.extra_fields["global_steps"]:
+            break
+        delay = next_delay(delay, landed_too_late=cut == 0)
     assert cut == 1 and got.num_preempted == 1
     assert got.token_ids == want.token_ids and got.stop_reason == "length"
     old, versions = want.extra_fields["global_steps"], got.extra_fields["weight_versions"]
@@ -197,23 +228,32 @@ def test_a_generation_cut_by_an_abort_update_resumes_without_partial_rollout(ser
 
 def _update_mid_generation(server: Any, ray: Any, name: str) -> tuple[Any, Any, bool, bool]:
     """Start a greedy generation, open a weight update (same weights) part-way, finish it; returns the reference
-    output, the output that ran across the update, and whether the request was still running when the update
-    opened and when it had finished."""
-    want = ray.get(generate(server, f"{name}-ref"))
+    output (sampled on the weights the update replaced), the output that ran across the update, and whether the
+    request was still running when the update opened and when it had finished.  Part-way: the request was still
+    running when the update was asked for and, where the update lands mid-generation (keep), has tokens on both
+    versions; an attempt that missed is run again, earlier or later."""
     started = time.perf_counter()
     ray.get(generate(server, f"{name}-timing"))
-    seconds = time.perf_counter() - started
+    delay = 0.3 * (time.perf_counter() - started)
 
-    async def scenario() -> tuple[Any, bool, bool]:
-        ref = generate(server, f"{name}-across")
-        await asyncio.sleep(0.3 * seconds)
+    async def scenario(attempt: int) -> tuple[Any, Any, bool, bool, bool]:
+        want = await generate(server, f"{name}-ref-{attempt}")
+        ref = generate(server, f"{name}-across-{attempt}")
+        await asyncio.sleep(delay)
+        running_at_begin = not ray.wait([ref], timeout=0)[0]
         await server.begin_weight_update.remote(global_steps=want.extra_fields["global_steps"] + 1)
         running_at_open = not ray.wait([ref], timeout=0)[0]
         await server.finish_weight_update.remote()
         running_at_finish = not ray.wait([ref], timeout=0)[0]
-        return await ref, running_at_open, running_at_finish
+        return want, await ref, running_at_begin, running_at_open, running_at_finish
 
-    got, at_open, at_finish = asyncio.run(scenario())
+    for attempt in range(ATTEMPTS):
+        want, got, at_begin, at_open, at_finish = asyncio.run(scenario(attempt))
+        old, versions = want.extra_fields["global_steps"], got.extra_fields.get("weight_versions")
+        too_early = versions is not None and versions[0] != old  # keep: no token before the update landed
+        if at_begin and not too_early:
+            break
+        delay = next_delay(delay, landed_too_late=not at_begin)
     return want, got, at_open, at_finish
 
 
