@@ -207,9 +207,13 @@ def run_with_server_0_dying(loops_file: Path, **keys: Any) -> tuple[DataProto, A
     """8 single-turn samples on two servers; server 0 holds its requests until its engine is killed (once it
     runs one), server 1 answers after 0.2 s."""
     manager, group = owning_manager([3600.0, 0.2], loops_file, **keys)
-    killer = kill_once_busy(group.handles[0])
-    out = manager.generate_sequences(batch([f"q{i}" for i in range(8)], "single_turn_agent"))
-    killer.join(WAIT_S)
+    try:
+        killer = kill_once_busy(group.handles[0])
+        out = manager.generate_sequences(batch([f"q{i}" for i in range(8)], "single_turn_agent"))
+        killer.join(WAIT_S)
+    except BaseException:
+        manager.shutdown()  # the caller shuts it down only once it has it
+        raise
     return out, manager, group
 
 
