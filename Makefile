@@ -46,7 +46,7 @@ test-unit: install
 lint: install
 	$(VENV)/bin/ruff check agentloop tests scripts
 	$(VENV)/bin/mypy agentloop
-	$(PY) scripts/check_structure.py --checks cycles,lines  # + top,inline once issue 29's layout lands
+	$(PY) scripts/check_structure.py
 
 bench: install
 	$(PY) scripts/bench_overhead.py

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 from agentloop.errors import AgentLoopError, ConfigError, DatasetError, ServerError, UnknownAgentError
 
 if TYPE_CHECKING:
+    from agentloop.batch.protocol import DataProto
     from agentloop.loops.base import AgentLoopBase, register
     from agentloop.loops.single_turn import SingleTurnAgentLoop
-    from agentloop.manager import AgentLoopManager
-    from agentloop.protocol import DataProto
+    from agentloop.rollout.manager import AgentLoopManager
+    from agentloop.rollout.worker import AgentLoopWorker
     from agentloop.routing import AsyncLLMServerManager
     from agentloop.types import (
         AgentLoopMetrics,
@@ -29,17 +30,16 @@ if TYPE_CHECKING:
         StopReason,
         TokenOutput,
     )
-    from agentloop.worker import AgentLoopWorker
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "AgentLoopBase": "agentloop.loops.base", "register": "agentloop.loops.base",
-    "SingleTurnAgentLoop": "agentloop.loops.single_turn", "AgentLoopManager": "agentloop.manager",
-    "DataProto": "agentloop.protocol", "AsyncLLMServerManager": "agentloop.routing",
+    "SingleTurnAgentLoop": "agentloop.loops.single_turn", "AgentLoopManager": "agentloop.rollout.manager",
+    "DataProto": "agentloop.batch.protocol", "AsyncLLMServerManager": "agentloop.routing",
     "AgentLoopMetrics": "agentloop.types", "AgentLoopOutput": "agentloop.types", "RolloutStatus": "agentloop.types",
     "MultiTrajectoryAgentLoopOutput": "agentloop.types",
-    "StopReason": "agentloop.types", "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.worker",
+    "StopReason": "agentloop.types", "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.rollout.worker",
 }
 
 

@@ -9,7 +9,7 @@ a short tool message — a long tail of slow samples, as in agentic RL.  One vLL
 
 * sync: ``--steps`` calls of ``manager.generate_sequences`` on ``--groups`` groups of ``--n`` samples each
   (the next batch starts when the slowest sample of the previous one ends);
-* async: a :class:`agentloop.rollouter.Rollouter` over the same batches with the same in-flight budget
+* async: a :class:`agentloop.rollout.rollouter.Rollouter` over the same batches with the same in-flight budget
   (``groups * n`` samples), the consumer taking ``--groups`` complete groups per step.
 
 Passes alternate (sync, async, sync, async, ...) so drift hits both alike; prints trajectories/s of each, the
@@ -71,7 +71,7 @@ class TailLoop(AgentLoopBase):
 
 
 def make_batches(args: argparse.Namespace, seed: int) -> list[Any]:
-    from agentloop.data import repeat_for_rollout, rows_to_batch
+    from agentloop.batch.data import repeat_for_rollout, rows_to_batch
 
     rng = np.random.default_rng(seed)
     batches = []
@@ -108,7 +108,7 @@ def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
     each hand-out (a trainer step, e.g. a weight update)."""
     import threading
 
-    from agentloop.rollouter import Rollouter
+    from agentloop.rollout.rollouter import Rollouter
 
     t0 = time.perf_counter()
     rollouter = Rollouter(manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1).start()
@@ -165,7 +165,7 @@ def main() -> None:
     import ray.cloudpickle
 
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     max_turns = args.max_turns if args.turn_sigma else args.turns

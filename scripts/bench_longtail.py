@@ -11,8 +11,8 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
 * ``verl``: ``manager.generate_sequences`` per batch, sticky least-in-flight routing, no priority sent (every
   request 0 = arrival order): verl's AgentLoopManager step, the batch ends with its slowest sample;
 * ``priority``: the same with ``rollout.server.priority: context`` (longer contexts first);
-* ``rollouter``: a :class:`~agentloop.rollouter.Rollouter` over the same batches with the in-flight budget of one
-  batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over;
+* ``rollouter``: a :class:`~agentloop.rollout.rollouter.Rollouter` over the same batches with the in-flight budget of
+  one batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over;
 * with ``--updates``, three more Rollouter passes that load the weights (the same values) into every server with
   ``manager.update_weights`` after each step, as a trainer does, under each ``rollout.server.weight_update``:
   ``abort`` (the default: running requests are cut and resumed, re-reading their contexts), ``drain`` (running
@@ -72,7 +72,7 @@ def main() -> None:
 
     from agentloop.config import default_config
     from agentloop.loops.base import register
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     register("bench_tail")(bench_async.TailLoop)

@@ -62,7 +62,7 @@ def make_config(model_path: str, args: argparse.Namespace):
 def make_batch(n: int, group: int = 1, step: int = 0):
     """``n`` rows: ``n / group`` distinct prompts, each ``group`` times in a row (GRPO's ``rollout.n``).  The
     prompts name the step, so every pass renders new text as a trainer's steps do (renders are cached)."""
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
 
     topics = ["the sea", "a cat", "numbers", "rain", "the moon", "bread", "a map", "music"]
     rows = [{"prompt": [{"role": "user", "content": f"Tell me about {topics[(i // group) % 8]} "
@@ -93,7 +93,7 @@ class RawEngine:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from agentloop.servers.placement import cpu_bind_env
+        from agentloop.cluster.placement import cpu_bind_env
         from agentloop.servers.vllm import _engine_args
 
         r = cfg.actor_rollout_ref.rollout
@@ -168,9 +168,9 @@ def main() -> None:
     import ray
 
     from agentloop.loops.prompt import apply_chat_template
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
-    from agentloop.tokenizer import load_tokenizer
+    from agentloop.tokenization.loader import load_tokenizer
 
     cfg = make_config(str(ensure_tiny_model()), args)
     tok = load_tokenizer(cfg.actor_rollout_ref.model)

@@ -13,7 +13,7 @@ are Python lists, as the agent loops produce them.  Three paths are timed, alter
   TensorDict built.
 * ``old``: agentloop's previous ``postprocess`` tensor step (kept below: flatten each column with
   ``np.fromiter``, scatter through a boolean mask, int64 temporaries for masks and positions).
-* ``new``: :func:`agentloop.postprocess.postprocess` as shipped.
+* ``new``: :func:`agentloop.batch.postprocess.postprocess` as shipped.
 
 Reported per path: wall seconds (alternating passes in one process) and peak RSS above the RSS just before the
 call (sampled every 2 ms, each pass in a child forked before any timed pass, so no path reuses memory another
@@ -43,7 +43,7 @@ import psutil
 import torch
 from tensordict import TensorDict
 
-import agentloop.postprocess as pp
+import agentloop.batch.postprocess as pp
 from agentloop.rewards.columns import reward_columns
 from agentloop.types import AgentLoopOutput
 

@@ -44,13 +44,13 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
+    from agentloop.batch.data import rows_to_batch
     from agentloop.config import default_config
-    from agentloop.data import rows_to_batch
     from agentloop.loops import prompt
+    from agentloop.rollout.worker import AgentLoopWorker
     from agentloop.testing import ScriptedServer
     from agentloop.testing.tiny_model import ensure_tiny_model
-    from agentloop.tokenizer import load_tokenizer
-    from agentloop.worker import AgentLoopWorker
+    from agentloop.tokenization.loader import load_tokenizer
 
     cfg = default_config()
     OmegaConf.update(cfg, "actor_rollout_ref.model.path", str(ensure_tiny_model()))

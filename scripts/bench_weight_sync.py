@@ -112,7 +112,7 @@ def make_manager(model: Path, dtype: torch.dtype) -> Any:
     from omegaconf import OmegaConf
 
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
 
     cfg = default_config()
     for k, v in {
@@ -127,7 +127,7 @@ def make_manager(model: Path, dtype: torch.dtype) -> Any:
 
 
 def greedy_logprobs(manager: Any) -> torch.Tensor:
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
 
     batch = rows_to_batch([{"prompt": [{"role": "user", "content": "Weights, please."}]}])
     batch.meta_info["validate"] = True

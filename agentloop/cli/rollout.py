@@ -26,18 +26,18 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from agentloop import tokenizer as tokenizer_loader  # called through the module: tests replace load_tokenizer
+from agentloop.batch.data import load_dataset
 from agentloop.cli.failures import EXIT_BAD_INPUT, failure_verdict
 from agentloop.cli.report import add_report_parser, run_report
 from agentloop.cli.summary import format_table, pick_rows, render_trajectory, row_scores, summary_rows, use_colour
 from agentloop.cli.verify import add_verify_parser, run_verify
 from agentloop.compat.port import add_port_parser, run_port
 from agentloop.config import default_config, resolve_config
-from agentloop.data import load_dataset
 from agentloop.errors import AgentLoopError, ConfigError
+from agentloop.tokenization import loader as tokenizer_loader  # called through the module: tests replace load_tokenizer
 
 if TYPE_CHECKING:  # torch / Ray are imported only once the input checks passed
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
 
 def build_config(config_file: str | list[str] | None, overrides: list[str]) -> DictConfig:
@@ -243,8 +243,8 @@ def _generate(cfg: DictConfig, batch: DataProto, log_file: Path | None = None) -
     """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size`` steps.
     ``log_file``: keep the workers' logs out of the console and copy them there."""
     # heavy (torch, Ray): imported only once the input checks passed
-    from agentloop.manager import AgentLoopManager
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
+    from agentloop.rollout.manager import AgentLoopManager
 
     if log_file is not None:
         _quiet_ray(log_file)

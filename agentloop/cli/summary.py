@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
 _DIM, _GREEN, _CYAN, _BOLD, _RESET = "\033[2m", "\033[32m", "\033[36m", "\033[1m", "\033[0m"
 

@@ -18,10 +18,10 @@ import numpy as np
 from agentloop.compat.import_map import MissingVerlNameError, missing_verl_name
 from agentloop.compat.wrappers import DictConfigWrap, ToolListWrap
 from agentloop.loops.base import AgentLoopBase, register
-from agentloop.manager import AgentLoopManager
+from agentloop.rollout.manager import AgentLoopManager
+from agentloop.rollout.worker import AgentLoopWorker, trajectory_info
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput
-from agentloop.worker import AgentLoopWorker, trajectory_info
 
 if TYPE_CHECKING:  # resolved lazily by __getattr__ below
     from agentloop.loops.single_turn import SingleTurnAgentLoop

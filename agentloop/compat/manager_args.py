@@ -8,7 +8,7 @@ from typing import Any
 
 from agentloop.errors import ConfigError
 
-logger = logging.getLogger("agentloop.manager")
+logger = logging.getLogger("agentloop.rollout.manager")
 
 
 def check_verl_arguments(worker_group: Any, rollout_pool: Any, rm_pool: Any, teacher: Any, reward_workers: Any,

@@ -196,7 +196,7 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
 # actor_rollout_ref.model
 # ---------------------------------------------------------------------------------------------------
 MODEL: Table = {}
-_add(MODEL, HONOURED, "model and tokenizer loading (agentloop/tokenizer.py, servers/vllm.py)", {
+_add(MODEL, HONOURED, "model and tokenizer loading (agentloop/tokenization/loader.py, servers/vllm.py)", {
     "path": "~/models/deepseek-llm-7b-chat", "tokenizer_path": None, "trust_remote_code": False,
     "custom_chat_template": None,
 })
@@ -260,7 +260,7 @@ _add(DATA, UNSUPPORTED, "changes which rows or prompts are rolled out (use data.
 _add(DATA, HONOURED, "passed to the chat template by agent loops (self.apply_chat_template_kwargs)",
      {"apply_chat_template_kwargs": {}}, open_keys=("apply_chat_template_kwargs",))
 _add(DATA, HONOURED, "multimodal dataset columns, read into multi_modal_data as verl's RLHFDataset does "
-     "(agentloop.data.media_columns)", {"image_key": "images", "video_key": "videos"})
+     "(agentloop.batch.data.media_columns)", {"image_key": "images", "video_key": "videos"})
 _add(DATA, UNSUPPORTED, "audio columns and processor options of the dataset are not read", {
     "audio_key": "audios", "image_patch_size": 14, "mm_processor_kwargs": {},
 }, open_keys=("mm_processor_kwargs",))

@@ -28,7 +28,7 @@ from agentloop.gateway.app import build_app
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
 from agentloop.routing.factory import build_router
-from agentloop.tokenizer import load_tokenizer
+from agentloop.tokenization.loader import load_tokenizer
 from agentloop.utils.hangwatch import HangWatch
 from agentloop.utils.process import restore_normal_priority
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentloop.errors import ConfigError
-from agentloop.imports import load_yaml_entries
 from agentloop.interactions.base import BaseInteraction
+from agentloop.utils.imports import load_yaml_entries
 from agentloop.utils.registry import Registry, entry_target
 
 _SUFFIX = "Interaction"

@@ -28,8 +28,8 @@ from agentloop.compat.loop_helpers import VerlLoopHelpers
 from agentloop.compat.wrappers import DictConfigWrap, ToolListWrap
 from agentloop.config import AgentConfig, DataConfig, EngineConfig
 from agentloop.errors import ConfigError, UnknownAgentError
-from agentloop.imports import load_yaml_entries
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
+from agentloop.utils.imports import load_yaml_entries
 from agentloop.utils.registry import TARGET_KEYS, EntryDictView, Registry, did_you_mean, entry_target
 
 __all__ = ["AgentLoopBase", "DictConfigWrap", "ToolListWrap", "register"]

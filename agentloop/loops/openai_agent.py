@@ -26,7 +26,6 @@ from omegaconf import DictConfig
 
 from agentloop.config import GatewayConfig
 from agentloop.errors import ConfigError
-from agentloop.imports import import_object
 from agentloop.loops.base import LOOP_CONTRACT_KWARGS, AgentLoopBase, config_values, register, trainer_config_of
 from agentloop.loops.runners import AgentRunner, resolve_runner
 from agentloop.types import (
@@ -36,6 +35,7 @@ from agentloop.types import (
     RewardTo,
     RolloutStatus,
 )
+from agentloop.utils.imports import import_object
 from agentloop.utils.process import start_process, wait_process
 
 __all__ = ["AgentRunner", "OpenAIAgentLoop"]

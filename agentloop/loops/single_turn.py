@@ -20,9 +20,9 @@ import time
 from typing import Any
 from uuid import uuid4
 
+from agentloop.batch.multimodal import decode_images, encode_images, sample_media
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
-from agentloop.multimodal import decode_images, encode_images, sample_media
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
 
 

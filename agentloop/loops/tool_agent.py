@@ -21,6 +21,7 @@ from uuid import uuid4
 
 from omegaconf import DictConfig
 
+from agentloop.batch.multimodal import decode_images, encode_images, sample_media
 from agentloop.config import MultiTurnConfig
 from agentloop.errors import ConfigError
 from agentloop.interactions.base import BaseInteraction
@@ -29,7 +30,6 @@ from agentloop.loops.base import AgentLoopBase, config_values, register, trainer
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots, edited_history
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
-from agentloop.multimodal import decode_images, encode_images, sample_media
 from agentloop.parsers.base import ToolParser, get_tool_parser
 from agentloop.rewards.loader import RewardFunctionConfig
 from agentloop.tokenization import encode_new_turns

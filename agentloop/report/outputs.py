@@ -17,7 +17,7 @@ from agentloop.errors import DatasetError, first_line
 from agentloop.report.timing import GENERATE_CALLS
 
 if TYPE_CHECKING:
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
 ROLLOUT_FILE = "rollout.dataproto"
 REQUIRED_TENSORS = ("prompts", "responses", "attention_mask", "response_mask")
@@ -41,7 +41,7 @@ def load_rollout(output_dir: str | Path) -> DataProto:
     """The DataProto saved in ``output_dir``; DatasetError when it is missing, unreadable or lacks the rollout
     tensors (``prompts``, ``responses``, ``attention_mask``, ``response_mask``)."""
     path = rollout_path(output_dir)
-    from agentloop.protocol import DataProto  # heavy (torch): the CLI imports this module for every command
+    from agentloop.batch.protocol import DataProto  # heavy (torch): the CLI imports this module for every command
 
     try:
         data = DataProto.load_from_disk(str(path))

@@ -29,7 +29,7 @@ from agentloop.report.outputs import HOW_TO_PRODUCE, load_rollout
 from agentloop.report.template_check import TemplateProblem, check_trajectory
 
 if TYPE_CHECKING:
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
 DEFAULT_ATOL = 1e-3
 """Default tolerance (nats).  Measured: vLLM CPU fp32 vs HF fp32 on the tiny model differ by at most ~3e-5

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from agentloop.batch.protocol import DataProto, object_array
 from agentloop.errors import DatasetError
-from agentloop.protocol import DataProto, object_array
 from agentloop.types import AgentLoopOutput, RolloutStatus
 
 REWARD_TENSORS = ("rm_scores", "reward_valid")

@@ -1,6 +1,6 @@
 """The backend interface every inference server implements.
 
-A server is a plain Python class; :mod:`agentloop.servers.placement` wraps it in a Ray actor.  The
+A server is a plain Python class; :mod:`agentloop.cluster.placement` wraps it in a Ray actor.  The
 router talks to it only through this Protocol, so vLLM, SGLang and the test fake
 (:class:`agentloop.testing.ScriptedServer`) are interchangeable.
 """

@@ -1,14 +1,14 @@
 """``rollout.server.weight_update``: what a weight update does to the requests running on a vLLM server.
 
 ``abort`` (default; verl's fully-async ``partial_rollout``): the manager pauses the servers first
-(:meth:`~agentloop.manager.AgentLoopManager.update_weights`), which cuts the running requests; the routers re-issue
-them after the update with their tokens so far; on the server the update then runs as a drain with nothing left to
-drain.  ``drain``: vLLM ``pause_generation(mode="wait")``: running requests finish on the old weights, new ones
-wait, the prefix cache is reset.  ``keep`` (PipelineRL's in-flight update): ``pause_generation(mode="keep")``
-freezes the running requests, the weights change, and they go on with the new weights on the KV cache the old
-ones computed (prefix cache kept).  Each token's version is then known from the token counts recorded at every
-switch while the engine is frozen (:meth:`InFlightUpdate.record_switch`, read from vLLM's output processor), or,
-where a vLLM version lacks those, by following the generation as a stream (:func:`collect_stream`).
+(:meth:`~agentloop.rollout.manager.AgentLoopManager.update_weights`), which cuts the running requests; the routers
+re-issue them after the update with their tokens so far; on the server the update then runs as a drain with nothing
+left to drain.  ``drain``: vLLM ``pause_generation(mode="wait")``: running requests finish on the old weights, new
+ones wait, the prefix cache is reset.  ``keep`` (PipelineRL's in-flight update): ``pause_generation(mode="keep")``
+freezes the running requests, the weights change, and they go on with the new weights on the KV cache the old ones
+computed (prefix cache kept).  Each token's version is then known from the token counts recorded at every switch while
+the engine is frozen (:meth:`InFlightUpdate.record_switch`, read from vLLM's output processor), or, where a vLLM
+version lacks those, by following the generation as a stream (:func:`collect_stream`).
 """
 
 from __future__ import annotations

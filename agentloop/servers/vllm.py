@@ -16,11 +16,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from agentloop.batch.multimodal import engine_prompt
+from agentloop.cluster.enginewatch import EngineWatch, engine_progress, kill_engine_processes
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ServerError
-from agentloop.multimodal import engine_prompt
 from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
-from agentloop.servers.enginewatch import EngineWatch, engine_progress, kill_engine_processes
 from agentloop.servers.inflight_update import InFlightUpdate, collect_stream
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.vllm_weights import VLLMWeights
@@ -100,7 +100,7 @@ class VLLMServer:
     (:class:`~agentloop.servers.base.GenerateBatcher`: ``generate_batch``), ``inflight``
     (:class:`~agentloop.servers.inflight_update.InFlightUpdate`: ``server.weight_update`` and keep-mode token
     versions), ``weights`` (:class:`~agentloop.servers.vllm_weights.VLLMWeights`: weight updates, the served
-    version) and ``watch`` (:class:`~agentloop.servers.enginewatch.EngineWatch`: a dead or hung engine).
+    version) and ``watch`` (:class:`~agentloop.cluster.enginewatch.EngineWatch`: a dead or hung engine).
 
     Args:
         rollout: rollout config slice.

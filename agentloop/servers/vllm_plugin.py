@@ -14,7 +14,7 @@ cannot even inspect a Qwen2-VL checkpoint.  transformers also ships a PIL backen
 
 With torchvision installed (any GPU machine) it does nothing.  vLLM runs it in each of its processes (the model
 inspection subprocess, the engine core) through the ``vllm.general_plugins`` entry point in ``pyproject.toml``;
-agentloop's own processor loading (:func:`agentloop.tokenizer.load_processor`) calls it too.  Set
+agentloop's own processor loading (:func:`agentloop.tokenization.loader.load_processor`) calls it too.  Set
 ``VLLM_PLUGINS`` to a list without ``agentloop_qwen2_vl`` to keep vLLM from loading it.
 """
 
@@ -30,7 +30,7 @@ import sys
 from types import ModuleType
 from typing import Any, TypedDict
 
-from agentloop.multimodal import IMAGE_PAD, VIDEO_PAD
+from agentloop.batch.multimodal import IMAGE_PAD, VIDEO_PAD
 
 _TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"

@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentloop.imports import import_object
 from agentloop.tools.base import BaseTool
 from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from agentloop.utils.imports import import_object
 
 SUMMARY_PREFIX = "Summary of earlier messages: "
 

@@ -29,10 +29,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from agentloop.errors import ConfigError
-from agentloop.imports import load_yaml_entries
 from agentloop.tools.base import BaseTool
 from agentloop.tools.function_tool import FUNCTION_TOOL_REGISTRY, FunctionTool, load_function_tools_from_path
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
+from agentloop.utils.imports import load_yaml_entries
 from agentloop.utils.registry import Registry, did_you_mean, entry_target
 
 _HINT = "a tool is a BaseTool subclass or a function decorated with @agentloop.tools.function_tool"

@@ -5,8 +5,8 @@ returns, a deadlock).  :class:`HangWatch` keeps at most one such probe in flight
 reports the actors whose probe has gone unanswered for ``hang_s`` seconds.  A probe still in flight when a batch
 ends is judged at the next batch's first look: answered by then, it counts as answered; still unanswered, the
 actor has been blocked all that time.  Used while batches run for rollout
-servers (:class:`agentloop.servers.supervisor.ServerSupervisor`), agent-loop workers
-(:class:`agentloop.workerpool.WorkerPool`) and gateways (:mod:`agentloop.gateway.actor`).
+servers (:class:`agentloop.cluster.supervisor.ServerSupervisor`), agent-loop workers
+(:class:`agentloop.rollout.dispatcher.Dispatcher`) and gateways (:mod:`agentloop.gateway.actor`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.errors import ConfigError
-from agentloop.imports import import_object, import_subclass
+from agentloop.utils.imports import import_object, import_subclass
 
 __all__ = ["Entry", "Registry", "did_you_mean", "entry_target", "target_of"]
 

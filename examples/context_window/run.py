@@ -7,7 +7,7 @@ one word problem followed by ``--questions - 1`` follow-up problems (``FollowUpI
 keeps the system prompt, the first question and the last ``--window`` turns, so every follow-up pushes an
 older calculator result out of the window: the trajectory so far is closed as a snapshot and a new one starts
 from the edited conversation.  Prints, per episode, its trajectories (rows), how each ended and its reward,
-then the GRPO advantages of ``agentloop.grpo.group_advantages`` (each episode counted once in its group), and
+then the GRPO advantages of ``agentloop.batch.grpo.group_advantages`` (each episode counted once in its group), and
 a JSON summary; checks that every row is a full chat-template render of its own conversation.
 """
 
@@ -108,8 +108,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from agentloop import AgentLoopManager
-    from agentloop.data import repeat_for_rollout, rows_to_batch
-    from agentloop.grpo import group_advantages
+    from agentloop.batch.data import repeat_for_rollout, rows_to_batch
+    from agentloop.batch.grpo import group_advantages
     from agentloop.testing.tiny_model import ensure_tiny_model
     from agentloop.tools.calculator import CALCULATOR_TOOL_DICT
 

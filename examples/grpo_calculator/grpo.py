@@ -5,7 +5,7 @@ The pieces ``train.py`` (the example) and ``tests/integration/test_grpo_smoke.py
 * :func:`rollout_config`: the rollout config (defaults ← ``agentloop/configs/cpu_train.yaml`` ← this task:
   ``tool_agent`` with the calculator tool, lengths, temperature);
 * :func:`make_batch`: dataset rows → a batch of ``n`` samples per prompt sharing a ``uid``
-  (:func:`agentloop.data.repeat_for_rollout`, verl's contract);
+  (:func:`agentloop.batch.data.repeat_for_rollout`, verl's contract);
 * :func:`sequence_rewards`: the rollout's ``rm_scores`` / ``reward_valid`` when it has them (the workers run
   ``custom_reward_function``, here ``agentloop.rewards.calculator.compute_score``), else the same answer match
   on the decoded response, in the driver;
@@ -31,8 +31,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from agentloop import DataProto
+from agentloop.batch.data import repeat_for_rollout, rows_to_batch
 from agentloop.config import CONFIG_DIR, default_config
-from agentloop.data import repeat_for_rollout, rows_to_batch
 from agentloop.testing.tiny_model import word_problem_rows
 
 REPO = Path(__file__).resolve().parents[2]

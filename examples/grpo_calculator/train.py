@@ -7,12 +7,12 @@
 2. Starts an :class:`agentloop.AgentLoopManager` (``cpu_train`` preset, ``tool_agent`` + calculator tool) and
    loads the same checkpoint as the HF ``Qwen2ForCausalLM`` policy.
 3. Greedy evaluation on held-out problems.
-4. Each step: ``prompts`` new problems × ``n`` samples (:func:`agentloop.data.repeat_for_rollout`) →
+4. Each step: ``prompts`` new problems × ``n`` samples (:func:`agentloop.batch.data.repeat_for_rollout`) →
    ``manager.generate_sequences`` → rewards → group advantages → PPO-clip updates →
    ``manager.update_weights(policy.state_dict())``.
 5. Greedy evaluation again; writes ``outputs/grpo_calculator/{metrics.json, reward_curve.png}``.
 
-``--async``: the rollout runs ahead of training (:class:`agentloop.rollouter.Rollouter`, one step of data in
+``--async``: the rollout runs ahead of training (:class:`agentloop.rollout.rollouter.Rollouter`, one step of data in
 flight beyond the step being trained, ``max_staleness`` 1 weight version): each step takes the first ``prompts``
 complete groups, trains on them while the engine keeps generating, then syncs the weights.
 """
@@ -114,7 +114,7 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
                      for s in range(1, cfg.steps + 1)]
         rollouter = None
         if cfg.async_rollout:
-            from agentloop.rollouter import Rollouter
+            from agentloop.rollout.rollouter import Rollouter
 
             # one step of samples generating while the previous step trains; at most one step finished and waiting
             rollouter = Rollouter(manager, (make_batch(rows, cfg.n) for rows in step_rows),

@@ -28,7 +28,7 @@ def report(out: Path) -> dict:
     """Tool-call rate and mean reward over the recorded trajectories."""
     import numpy as np
 
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
     rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     data = DataProto.load_from_disk(str(out / "rollout.dataproto"))

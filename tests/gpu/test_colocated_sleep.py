@@ -26,10 +26,10 @@ def test_colocated_server_shares_the_trainer_gpu_and_frees_it_when_asleep():
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from agentloop.batch.data import rows_to_batch
+    from agentloop.cluster.colocated import TrainerWorkers
     from agentloop.config import default_config
-    from agentloop.data import rows_to_batch
-    from agentloop.manager import AgentLoopManager
-    from agentloop.servers.colocated import TrainerWorkers
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     ray.init(include_dashboard=False)

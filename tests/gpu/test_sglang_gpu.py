@@ -21,7 +21,7 @@ def manager():
     from omegaconf import OmegaConf
 
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     ray.init(include_dashboard=False)
@@ -47,7 +47,7 @@ def manager():
 
 
 def test_rollout_on_sglang(manager):
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
 
     rows = [{"prompt": [{"role": "user", "content": f"item {i}"}]} for i in range(16)]
     out = manager.generate_sequences(rows_to_batch(rows))
@@ -61,7 +61,7 @@ def test_weight_update_sleep_and_abort_on_sglang(manager):
     import ray
     from transformers import AutoModelForCausalLM
 
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()))

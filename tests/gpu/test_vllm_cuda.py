@@ -21,9 +21,9 @@ def test_rollout_on_cuda(tmp_path):
     import ray
     from omegaconf import OmegaConf
 
+    from agentloop.batch.data import rows_to_batch
     from agentloop.config import default_config
-    from agentloop.data import rows_to_batch
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     ray.init(include_dashboard=False)

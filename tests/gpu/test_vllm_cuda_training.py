@@ -34,7 +34,7 @@ def manager():
     from omegaconf import OmegaConf
 
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -65,7 +65,7 @@ def manager():
 
 
 def word_problem_batch(n: int):
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
     from agentloop.testing.tiny_model import word_problem_rows
 
     batch = rows_to_batch(word_problem_rows(n, agent_name="tool_agent", data_source="calculator", seed=3))
@@ -76,7 +76,7 @@ def word_problem_batch(n: int):
 def test_tool_agent_masks_tool_turns(manager):
     """The trained tiny model calls the calculator; tool responses are in the sequence with mask 0, sampled
     tokens with mask 1 and finite log-probs, and mask-0 positions carry log-prob 0."""
-    from agentloop.tokenizer import load_tokenizer
+    from agentloop.tokenization.loader import load_tokenizer
 
     out = manager.generate_sequences(word_problem_batch(8))
     calls = np.array(out.non_tensor_batch["num_tool_calls"].tolist())
@@ -100,7 +100,7 @@ def test_streamed_weight_update_changes_logprobs_as_predicted(manager):
     row carries the new version."""
     from transformers import AutoModelForCausalLM
 
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
     from agentloop.testing.hf_check import max_logprob_gap, perturbed_weights
     from agentloop.testing.tiny_model import ensure_tiny_model
 

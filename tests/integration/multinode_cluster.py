@@ -44,10 +44,10 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
     from omegaconf import OmegaConf
     from ray.cluster_utils import Cluster
 
-    import agentloop.servers.placement as placement
+    import agentloop.cluster.placement as placement
+    from agentloop.batch.data import rows_to_batch
     from agentloop.config import default_config
-    from agentloop.data import rows_to_batch
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing import ScriptedServer
 
     delay = {"s": 0.0}

@@ -47,11 +47,11 @@ def main(report_path: str, model_path: str) -> None:
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    import agentloop.servers.placement as placement
+    import agentloop.cluster.placement as placement
+    from agentloop.batch.data import rows_to_batch
+    from agentloop.cluster.colocated import TrainerWorkers, start_colocated_servers
     from agentloop.config import default_config, resolve_config
-    from agentloop.data import rows_to_batch
-    from agentloop.manager import AgentLoopManager
-    from agentloop.servers.colocated import TrainerWorkers, start_colocated_servers
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing import ScriptedServer
 
     class NodeServer(ScriptedServer):

@@ -167,9 +167,9 @@ def test_a_cancelled_batched_call_aborts_the_request_on_the_server(ray_session):
 
 def _manager_on_scripted_servers(ray: Any, monkeypatch: pytest.MonkeyPatch, **overrides: Any) -> Any:
     """An AgentLoopManager whose servers are ScriptedServer actors (the workers are real actors)."""
-    import agentloop.manager as manager_module
+    import agentloop.rollout.manager as manager_module
+    from agentloop.cluster.placement import ServerGroup
     from agentloop.config import default_config
-    from agentloop.servers.placement import ServerGroup
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     handles = server_actors(ray, 1, delay=0.0)
@@ -199,7 +199,7 @@ def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session
         assert len(infos) == 2 and all("tool_agent" in i["agent_loops"] for i in infos)
         assert all(i["priority"].startswith("nice") for i in infos)
         assert all(i["gc_frozen"] > 10_000 for i in infos)  # start-up heap out of full collections
-        from agentloop.data import rows_to_batch
+        from agentloop.batch.data import rows_to_batch
 
         out = manager.generate_sequences(rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 4))
         assert len(out) == 4 and set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
@@ -210,10 +210,10 @@ def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session
 def test_manager_takes_verl_entry_points_and_shares_an_llm_client(ray_session, monkeypatch):
     """verl 0.9's AgentLoopManager.create(config, llm_client): the client's servers are used as they are (none
     started, none stopped); clear_kv_cache / profiling reach every server; verl's unsupported hooks are refused."""
+    from agentloop.batch.data import rows_to_batch
     from agentloop.config import default_config
-    from agentloop.data import rows_to_batch
     from agentloop.errors import ConfigError
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.routing import LLMServerClient
     from agentloop.testing.tiny_model import ensure_tiny_model
 
@@ -243,10 +243,10 @@ def test_manager_takes_verl_entry_points_and_shares_an_llm_client(ray_session, m
 def test_a_failed_sample_on_one_worker_actor_leaves_its_neighbours_reward(ray_session, monkeypatch, tmp_path):
     """Two real worker actors, verl's custom_reward_function: worker A's first sample fails in the engine, its
     neighbour's reward (and worker B's) stays 1.0; the failed row is reward_valid 0 with its reason."""
-    import agentloop.manager as manager_module
+    import agentloop.rollout.manager as manager_module
+    from agentloop.batch.data import rows_to_batch
+    from agentloop.cluster.placement import ServerGroup
     from agentloop.config import default_config
-    from agentloop.data import rows_to_batch
-    from agentloop.servers.placement import ServerGroup
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     def reply(prompt_ids: list[int], params: dict, request_id: str) -> list[int]:

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.cluster.placement import ServerGroup
 from agentloop.loops.base import AgentLoopBase, register
-from agentloop.servers.placement import ServerGroup
 from agentloop.testing import ScriptedServer
 from agentloop.types import AgentLoopOutput
 
@@ -114,7 +114,7 @@ def make_manager(ray: Any, *, num_servers: int, delay: float, num_workers: int =
                  **agent: Any) -> Any:
     """A manager over ScriptedServer actors it owns (the ``servers=`` injection point: restarted, stopped)."""
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     handles = [ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=1000).remote(
@@ -133,7 +133,7 @@ def make_manager(ray: Any, *, num_servers: int, delay: float, num_workers: int =
 
 
 def batch(texts: list[str], agent_name: str = "single_turn_agent"):
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
 
     return rows_to_batch([{"prompt": [{"role": "user", "content": t}], "agent_name": agent_name,
                            "extra_info": {"index": i}} for i, t in enumerate(texts)])
@@ -463,7 +463,7 @@ def test_a_gateway_whose_event_loop_hangs_is_killed_and_replaced(ray_session, mo
 
 def grouped(texts_per_group: list[list[str]]):
     """Group g's rows share ``group`` g (rows of different groups interleaved on purpose)."""
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
 
     rows = [{"prompt": [{"role": "user", "content": t}], "agent_name": "sleepy_probe", "group": f"g{g}",
              "extra_info": {"index": g}} for g, texts in enumerate(texts_per_group) for t in texts]
@@ -513,7 +513,7 @@ def test_stream_survives_a_dead_worker_and_closing_it_cancels_the_rest(ray_sessi
 
 
 def prompt_batches(num_batches: int, groups: int, n: int, seconds: float):
-    from agentloop.data import repeat_for_rollout, rows_to_batch
+    from agentloop.batch.data import repeat_for_rollout, rows_to_batch
 
     for b in range(num_batches):
         rows = [{"prompt": [{"role": "user", "content": f"sleep {seconds}"}], "agent_name": "sleepy_probe",
@@ -522,7 +522,7 @@ def prompt_batches(num_batches: int, groups: int, n: int, seconds: float):
 
 
 def test_rollouter_hands_out_every_group_once_within_its_inflight_budget(ray_session, monkeypatch):
-    from agentloop.rollouter import Rollouter
+    from agentloop.rollout.rollouter import Rollouter
 
     manager = make_manager(ray_session, num_servers=2, delay=0.0)
     try:
@@ -545,8 +545,8 @@ def test_rollouter_hands_out_every_group_once_within_its_inflight_budget(ray_ses
 def test_rollouter_hands_out_failed_groups_together_with_good_ones(ray_session, monkeypatch):
     """A group whose samples all failed lacks columns the others have (versions, prompt_truncated): get() used
     to raise DataProtoError into the training loop when it handed both out together."""
-    from agentloop.data import repeat_for_rollout, rows_to_batch
-    from agentloop.rollouter import Rollouter
+    from agentloop.batch.data import repeat_for_rollout, rows_to_batch
+    from agentloop.rollout.rollouter import Rollouter
 
     manager = make_manager(ray_session, num_servers=1, delay=0.0)
     try:
@@ -572,8 +572,8 @@ def test_rollouter_gives_up_on_a_sample_that_hangs_every_worker_it_runs_on(ray_s
     """Before, a group whose worker died was rolled out again with no limit: a sample that blocks its worker's
     event loop would have killed a worker every agent.stall_timeout, forever.  Now, after max_sample_retries, it is
     handed out as error rows saying why, and the rollout ends."""
-    from agentloop.data import repeat_for_rollout, rows_to_batch
-    from agentloop.rollouter import Rollouter
+    from agentloop.batch.data import repeat_for_rollout, rows_to_batch
+    from agentloop.rollout.rollouter import Rollouter
 
     monkeypatch.setenv("AGENTLOOP_TEST_BLOCK_S", "600")
     manager = make_manager(ray_session, num_servers=1, delay=0.0, stall_timeout=2)
@@ -599,7 +599,7 @@ def test_rollouter_gives_up_on_a_sample_that_hangs_every_worker_it_runs_on(ray_s
 def test_rollouter_bounds_staleness_across_weight_updates(ray_session, monkeypatch):
     import torch
 
-    from agentloop.rollouter import Rollouter
+    from agentloop.rollout.rollouter import Rollouter
 
     manager = make_manager(ray_session, num_servers=1, delay=0.0)
     try:

@@ -81,8 +81,8 @@ def server(request: pytest.FixtureRequest, ray_session: Any, model_path: str) ->
     setting) through agentloop's standalone placement.  Module-scoped and parametrised, so pytest runs every
     test against one engine, stops it, then starts the other: on a small CPU machine two engines starting side
     by side take longer than one after the other."""
+    from agentloop.cluster.placement import start_standalone_servers, stop_servers
     from agentloop.config import default_config, resolve_config
-    from agentloop.servers.placement import start_standalone_servers, stop_servers
 
     mode = request.param
     cfg = default_config()

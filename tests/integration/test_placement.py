@@ -16,8 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from agentloop.errors import ConfigError
-from agentloop.servers.colocated import (
+from agentloop.cluster.colocated import (
     TrainerWorkerGroup,
     TrainerWorkers,
     WorkerLocation,
@@ -26,6 +25,7 @@ from agentloop.servers.colocated import (
     locate_workers,
     replica_size,
 )
+from agentloop.errors import ConfigError
 
 SCRIPT = Path(__file__).with_name("placement_cluster.py")
 

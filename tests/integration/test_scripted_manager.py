@@ -23,14 +23,14 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from agentloop.batch.data import rows_to_batch
+from agentloop.batch.protocol import DataProto
+from agentloop.cluster.placement import ServerGroup
 from agentloop.config import default_config
-from agentloop.data import rows_to_batch
 from agentloop.loops.base import AgentLoopBase
-from agentloop.manager import AgentLoopManager
-from agentloop.protocol import DataProto
-from agentloop.rollouter import Rollouter
+from agentloop.rollout.manager import AgentLoopManager
+from agentloop.rollout.rollouter import Rollouter
 from agentloop.routing import AsyncLLMServerManager
-from agentloop.servers.placement import ServerGroup
 from agentloop.testing import ScriptedServer
 from agentloop.testing.tiny_model import ensure_tiny_model
 from agentloop.types import AgentLoopOutput

@@ -76,7 +76,7 @@ def test_verify_passes_on_a_real_rollout(rollout_dir: Path, model_path: str, cap
 
 def test_verify_fails_on_a_corrupted_log_prob(rollout_dir: Path, tmp_path: Path, model_path: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
     data = DataProto.load_from_disk(str(rollout_dir / "rollout.dataproto"))
     assert data.batch is not None
@@ -95,7 +95,7 @@ def test_report_on_a_real_rollout(rollout_dir: Path, capsys: pytest.CaptureFixtu
     page = (rollout_dir / "report.html").read_text()
     assert "mean reward" in page and "tool-call rate" in page
     assert all(p.stat().st_size > 2000 for p in (rollout_dir / "report").glob("*.png"))
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
     calls = DataProto.load_from_disk(str(rollout_dir / "rollout.dataproto")).non_tensor_batch["generate_calls"]
     per_sample = [c for c in calls.tolist() if c]  # on each sample's first trajectory

@@ -66,7 +66,7 @@ def engine(model_path):
     stopped by it), since only the agent loop's config differs."""
     import ray
 
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from examples.context_window.run import rollout_config
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -83,8 +83,8 @@ def engine(model_path):
 def rollout(engine, model_path, source, tokenizer):
     from omegaconf import OmegaConf
 
-    from agentloop.data import rows_to_batch
-    from agentloop.manager import AgentLoopManager
+    from agentloop.batch.data import rows_to_batch
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.routing import LLMServerClient
     from examples.context_window.run import make_rows, rollout_config
 

@@ -25,7 +25,7 @@ def manager():
     import ray
 
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -50,7 +50,7 @@ def manager():
 
 
 def make_batch(n: int):
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
 
     return rows_to_batch([{"prompt": [{"role": "user", "content": f"Tell me about item {i}."}],
                            "extra_info": {"index": i}} for i in range(n)])

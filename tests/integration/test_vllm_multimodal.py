@@ -21,8 +21,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from agentloop.batch.data import rows_to_batch
 from agentloop.config import default_config
-from agentloop.data import rows_to_batch
 from agentloop.loops.base import register
 from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.parsers.base import FunctionCall
@@ -107,7 +107,7 @@ def manager(model_path, tool_file):
     import ray.cloudpickle
 
     from agentloop.loops.base import _agent_loop_registry
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
 
     register("it_drawing_agent")(DrawingAgent)  # only while this module's manager lives
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

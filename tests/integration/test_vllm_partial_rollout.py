@@ -56,8 +56,8 @@ def ray_session() -> Iterator[Any]:
 
 def start_server(weight_update: str = "drain") -> Any:
     """One vLLM CPU server actor started through agentloop's standalone placement (returns its group)."""
+    from agentloop.cluster.placement import start_standalone_servers
     from agentloop.config import default_config, resolve_config
-    from agentloop.servers.placement import start_standalone_servers
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     cfg = default_config()
@@ -80,7 +80,7 @@ def start_server(weight_update: str = "drain") -> Any:
 
 @pytest.fixture(scope="module")
 def server(ray_session: Any) -> Iterator[Any]:
-    from agentloop.servers.placement import stop_servers
+    from agentloop.cluster.placement import stop_servers
 
     group = start_server()
     try:
@@ -92,7 +92,7 @@ def server(ray_session: Any) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def keep_server(ray_session: Any) -> Iterator[Any]:
     """A second server with ``server.weight_update: keep``."""
-    from agentloop.servers.placement import stop_servers
+    from agentloop.cluster.placement import stop_servers
 
     group = start_server("keep")
     try:

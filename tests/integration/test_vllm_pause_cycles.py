@@ -29,7 +29,7 @@ def manager() -> Any:
     import ray
 
     from agentloop.config import default_config
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -60,7 +60,7 @@ def manager() -> Any:
 
 
 def calculator_batch(n: int) -> Any:
-    from agentloop.data import rows_to_batch
+    from agentloop.batch.data import rows_to_batch
     from agentloop.testing.tiny_model import word_problem_rows
 
     return rows_to_batch(word_problem_rows(n, agent_name="tool_agent", data_source="calculator", seed=3))

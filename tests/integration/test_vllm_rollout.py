@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from agentloop.batch.data import rows_to_batch
 from agentloop.config import default_config
-from agentloop.data import rows_to_batch
 from agentloop.gateway.framework import register_agent_runner
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.types import AgentLoopOutput
@@ -58,7 +58,7 @@ def manager(model_path):
     import ray.cloudpickle
 
     from agentloop.loops.base import _agent_loop_registry
-    from agentloop.manager import AgentLoopManager
+    from agentloop.rollout.manager import AgentLoopManager
 
     # Registered only while this module's manager lives: at import time (pytest collects every module
     # first) they would reach the workers of other modules' managers, which cannot import this module.
@@ -167,7 +167,7 @@ def test_unknown_agent_name_fails_with_names(manager):
 
 
 def test_output_round_trips_through_disk(manager, tmp_path):
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
     out = manager.generate_sequences(make_batch(2, n=1))
     out.save_to_disk(str(tmp_path / "o.dp"))
@@ -241,7 +241,7 @@ def assert_matches_full_render(tok: Any, out: Any, i: int) -> None:
 
 
 def manager_tokenizer(manager):
-    from agentloop.tokenizer import load_tokenizer
+    from agentloop.tokenization.loader import load_tokenizer
 
     return load_tokenizer(manager.config.model)
 

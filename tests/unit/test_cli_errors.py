@@ -156,8 +156,8 @@ def test_rollout_with_mostly_failed_rows_writes_outputs_and_exits_3(model_dir, d
     from tensordict import TensorDict
 
     import agentloop.cli.rollout as cli
-    import agentloop.tokenizer
-    from agentloop.protocol import DataProto
+    import agentloop.tokenization.loader
+    from agentloop.batch.protocol import DataProto
 
     def fake_generate(cfg, batch, log_file=None):
         n = len(batch)
@@ -175,7 +175,7 @@ def test_rollout_with_mostly_failed_rows_writes_outputs_and_exits_3(model_dir, d
             return "x" * len(ids)
 
     monkeypatch.setattr(cli, "_generate", fake_generate)
-    monkeypatch.setattr(agentloop.tokenizer, "load_tokenizer", lambda model: Tok())
+    monkeypatch.setattr(agentloop.tokenization.loader, "load_tokenizer", lambda model: Tok())
     out_dir = tmp_path / "out"
     args = ["rollout", f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={dataset}",
             f"output_dir={out_dir}"]

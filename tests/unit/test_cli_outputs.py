@@ -11,11 +11,11 @@ import torch
 from tensordict import TensorDict
 
 import agentloop.cli.rollout as cli
-import agentloop.tokenizer
+import agentloop.tokenization.loader
+from agentloop.batch.protocol import DataProto
 from agentloop.cli.failures import EXIT_OK
 from agentloop.cli.rollout import build_config, main
 from agentloop.errors import ConfigError
-from agentloop.protocol import DataProto
 
 
 def fake_generate(cfg, batch, log_file=None):
@@ -41,7 +41,7 @@ def rollout(model_dir, dataset, tmp_path, monkeypatch):
             return "x" * len(ids)
 
     monkeypatch.setattr(cli, "_generate", fake_generate)
-    monkeypatch.setattr(agentloop.tokenizer, "load_tokenizer", lambda model: Tok())
+    monkeypatch.setattr(agentloop.tokenization.loader, "load_tokenizer", lambda model: Tok())
     out_dir = tmp_path / "out"
 
     def run() -> None:

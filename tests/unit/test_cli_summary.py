@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from agentloop.batch.postprocess import postprocess
 from agentloop.cli.summary import format_table, pick_rows, render_trajectory, summary_rows
-from agentloop.postprocess import postprocess
 from agentloop.types import AgentLoopOutput, RolloutStatus
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.data import load_dataset, repeat_for_rollout, rows_to_batch
 from agentloop.cli.rollout import build_config, main
 from agentloop.config import resolve_config, sampling_params_from_config
-from agentloop.data import load_dataset, repeat_for_rollout, rows_to_batch
 from agentloop.errors import ConfigError, DatasetError
 
 
@@ -183,7 +183,7 @@ def test_repeat_for_rollout_adds_one_uid_per_prompt_and_interleaves():
     import torch
     from tensordict import TensorDict
 
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
     batch = DataProto(batch=TensorDict({"x": torch.arange(3)}, batch_size=[3]),
                       non_tensor_batch={"raw_prompt": np.array(["a", "b", "c"], dtype=object)},
@@ -221,7 +221,7 @@ def test_server_priority_is_reset_from_rays_nice_15_in_all_threads():
         import os, threading
         os.nice(15)
         threading.Thread(target=lambda: __import__("time").sleep(2), daemon=True).start()
-        from agentloop.servers.placement import restore_normal_priority
+        from agentloop.cluster.placement import restore_normal_priority
         print(restore_normal_priority({"normal_priority": False}), os.getpriority(os.PRIO_PROCESS, 0))
         print(restore_normal_priority({}))
         print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))

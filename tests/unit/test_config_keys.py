@@ -346,7 +346,7 @@ def _save_word_tokenizer(path: Path) -> None:
 
 
 def test_tokenizer_path_and_custom_chat_template_are_honoured(tmp_path, model_dir, caplog):
-    from agentloop.tokenizer import load_processor, load_tokenizer
+    from agentloop.tokenization.loader import load_processor, load_tokenizer
 
     tok_dir = tmp_path / "tok"
     _save_word_tokenizer(tok_dir)
@@ -359,7 +359,7 @@ def test_tokenizer_path_and_custom_chat_template_are_honoured(tmp_path, model_di
     assert custom.apply_chat_template(msgs, tokenize=False) == "<hello world>"
     assert load_processor(model) is None  # text-only: answered from the directory listing
     (tok_dir / "preprocessor_config.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="agentloop.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="agentloop.tokenization.loader"):
         assert load_processor(model) is None  # a broken processor never stops a text rollout
     assert any("no processor loaded" in r.getMessage() for r in caplog.records)
 

@@ -10,11 +10,11 @@ import pytest
 import ray
 import ray.exceptions
 
-from agentloop.dispatcher import Dispatcher, Group, split_groups
-from agentloop.protocol import DataProto
-from agentloop.rollouter import Rollouter
+from agentloop.batch.protocol import DataProto
+from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
+from agentloop.rollout.rollouter import Rollouter
+from agentloop.rollout.worker import WorkerStats
 from agentloop.types import RolloutStatus
-from agentloop.worker import WorkerStats
 
 
 class Value:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from agentloop.cluster.enginewatch import EngineWatch
 from agentloop.servers.base import ServerDeadError
-from agentloop.servers.enginewatch import EngineWatch
 
 CUT_WITHIN = 30.0
 """Seconds a request that must be cut may take (it takes one watch interval; the bound only stops a hang)."""
@@ -185,7 +185,7 @@ def test_no_stall_without_running_requests_while_held_or_when_disabled():
 def test_engine_progress_reads_vllm_request_states():
     from types import SimpleNamespace
 
-    from agentloop.servers.enginewatch import engine_progress
+    from agentloop.cluster.enginewatch import engine_progress
 
     def state(n: int) -> SimpleNamespace:
         return SimpleNamespace(detokenizer=SimpleNamespace(num_output_tokens=lambda: n))
@@ -200,7 +200,7 @@ def test_outside_a_ray_actor_a_hung_engine_kills_none_of_the_callers_processes()
     import subprocess
     import sys
 
-    from agentloop.servers.enginewatch import kill_engine_processes
+    from agentloop.cluster.enginewatch import kill_engine_processes
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -12,13 +12,13 @@ import pytest
 from gateway_helpers import FakePolicy, run_calculator_agent
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.gateway.actor import GatewayActor
 from agentloop.gateway.framework import register_agent_runner
 from agentloop.loops.base import ResolvedAgentLoop, resolve_registry
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
-from agentloop.worker import AgentLoopWorker
 
 
 async def sdk_calc(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> dict:

@@ -20,15 +20,15 @@ from gateway_helpers import LiveGateway, client_for
 from omegaconf import OmegaConf
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.gateway.actor import GatewayActor
 from agentloop.gateway.framework import OpenAIAgentLoop
 from agentloop.loops.base import ResolvedAgentLoop
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.servers.base import ServerDeadError
 from agentloop.testing import ScriptedServer
 from agentloop.utils import process
-from agentloop.worker import AgentLoopWorker
 
 
 @pytest.fixture(scope="module")

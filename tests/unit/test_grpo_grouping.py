@@ -1,4 +1,4 @@
-"""agentloop.grpo.group_advantages against a hand-computed example: an episode counts once in its group."""
+"""agentloop.batch.grpo.group_advantages against a hand-computed example: an episode counts once in its group."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from agentloop.batch.grpo import group_advantages
+from agentloop.batch.protocol import DataProto
 from agentloop.errors import DatasetError
-from agentloop.grpo import group_advantages
-from agentloop.protocol import DataProto
 
 R = 4
 SQRT3 = math.sqrt(3.0)

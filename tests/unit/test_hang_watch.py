@@ -10,9 +10,9 @@ import pytest
 import ray
 
 import agentloop.utils.hangwatch as hangwatch_module
+from agentloop.cluster.placement import ServerGroup
+from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.servers.base import ServerDeadError
-from agentloop.servers.placement import ServerGroup
-from agentloop.servers.supervisor import ServerSupervisor
 
 
 @dataclass(eq=False)
@@ -175,8 +175,8 @@ def test_the_watch_stays_out_of_a_weight_update(clock):
 
 
 def test_a_worker_that_leaves_a_ping_unanswered_is_killed_and_says_why(clock):
-    from agentloop.dispatcher import Dispatcher
-    from agentloop.worker_slots import WorkerSlot
+    from agentloop.rollout.dispatcher import Dispatcher
+    from agentloop.rollout.worker_slots import WorkerSlot
 
     now, killed = clock
     pool = Dispatcher(spawn=lambda i, w: None, num_workers=3, error_rows=lambda *a: None, hang_s=3)

@@ -11,16 +11,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from agentloop import MultiTrajectoryAgentLoopOutput
-from agentloop.batch_metrics import align_keys, performance_metrics
+from agentloop.batch.metrics import align_keys, performance_metrics
+from agentloop.batch.postprocess import episode_columns, postprocess
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.errors import DatasetError
 from agentloop.loops.base import AgentLoopBase, ResolvedAgentLoop, resolve_registry
-from agentloop.postprocess import episode_columns, postprocess
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import AgentLoopWorker, error_batch
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
 from agentloop.types import AgentLoopOutput, RolloutStatus
-from agentloop.worker import AgentLoopWorker, error_batch
 
 
 class EpisodeLoop(AgentLoopBase):

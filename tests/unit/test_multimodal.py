@@ -19,10 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from agentloop.config import default_config
-from agentloop.errors import ConfigError, DatasetError
-from agentloop.loops.tool_agent import ToolAgentLoop
-from agentloop.multimodal import (
+from agentloop.batch.multimodal import (
     ImageDecodeError,
     add_multimodal_outputs,
     decode_image,
@@ -30,7 +27,10 @@ from agentloop.multimodal import (
     expand_image_pads,
     mrope_position_ids,
 )
-from agentloop.postprocess import postprocess
+from agentloop.batch.postprocess import postprocess
+from agentloop.config import default_config
+from agentloop.errors import ConfigError, DatasetError
+from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import ScriptedServer
 from agentloop.testing.tiny_vl_model import ensure_tiny_vl_model, load_vl_processor
@@ -256,8 +256,8 @@ def test_sample_videos_are_passed_through_the_router_as_video_data(vl, tool_yaml
 
 
 def test_worker_output_has_verls_multimodal_layout_and_keeps_a_failed_sample(vl):
-    from agentloop.protocol import DataProto
-    from agentloop.worker import AgentLoopWorker
+    from agentloop.batch.protocol import DataProto
+    from agentloop.rollout.worker import AgentLoopWorker
 
     tok = vl.tok
     cfg = default_config()
@@ -313,7 +313,7 @@ def _png_of(image: Any) -> bytes:
 
 
 def test_verl_dataset_columns_become_multi_modal_data_and_content_parts():
-    from agentloop.data import media_columns
+    from agentloop.batch.data import media_columns
 
     row = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "<image>Which?<image>"}],
            "images": [{"bytes": b"a"}, {"bytes": b"b"}], "data_source": "x"}

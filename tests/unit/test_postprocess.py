@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from agentloop.batch.postprocess import pad_rows, postprocess
 from agentloop.errors import DatasetError
-from agentloop.postprocess import pad_rows, postprocess
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
 
 PAD = 9
@@ -170,8 +170,8 @@ def test_pad_rows_matches_a_naive_reference() -> None:
 
 
 def test_align_keys_builds_reward_columns_by_the_rule_and_never_zero_fills() -> None:
-    from agentloop.manager import align_keys
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
+    from agentloop.rollout.manager import align_keys
 
     scored = three_outputs()
     scored[0].extra_fields = {"reward_extra_info": {"score": 1.0, "acc": 1.0}}
@@ -200,8 +200,8 @@ def test_align_keys_builds_reward_columns_by_the_rule_and_never_zero_fills() -> 
 def test_stream_parts_with_their_own_timing_concatenate() -> None:
     """docs/async.md: `DataProto.concat(align_keys(parts))` joins `generate_sequences_stream` parts, each of which
     carries its own `meta_info["timing"]` (before, concat refused the differing values)."""
-    from agentloop.manager import align_keys
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
+    from agentloop.rollout.manager import align_keys
 
     a, b = run(three_outputs()), run(three_outputs())
     a.meta_info["timing"], b.meta_info["timing"] = {"agent_loop/wall": 1.0}, {"agent_loop/wall": 2.5}

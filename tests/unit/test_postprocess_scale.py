@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentloop.postprocess import postprocess
+from agentloop.batch.postprocess import postprocess
 from agentloop.routing.strategies import Balancer, LeastInFlight, RouteContext, StickySession
 from agentloop.types import AgentLoopOutput
 

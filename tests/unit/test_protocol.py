@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from agentloop.batch.protocol import DataProto, DataProtoItem, pad_dataproto_to_divisor, split_rows, unpad_dataproto
 from agentloop.errors import DatasetError
-from agentloop.protocol import DataProto, DataProtoItem, pad_dataproto_to_divisor, split_rows, unpad_dataproto
 
 
 def obj(values: list) -> np.ndarray:

@@ -9,8 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from agentloop.errors import DatasetError
-from agentloop.protocol import (
+from agentloop.batch.protocol import (
     DataProto,
     DataProtoConfig,
     DataProtoError,
@@ -29,6 +28,7 @@ from agentloop.protocol import (
     union_numpy_dict,
     union_tensor_dict,
 )
+from agentloop.errors import DatasetError
 from agentloop.utils import tensordict_utils
 
 

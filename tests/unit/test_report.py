@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from agentloop.batch.postprocess import postprocess
 from agentloop.cli.rollout import main
-from agentloop.postprocess import postprocess
 from agentloop.report.plots import PLOTS, lanes, timeline_stats
 from agentloop.report.timing import GENERATE_CALLS, attach_generate_calls, collect_generate_calls
 from agentloop.types import AgentLoopOutput, RolloutStatus
@@ -100,7 +100,7 @@ def test_report_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.Capt
     if layout == "not_a_dataproto":
         (target / "rollout.dataproto").write_text("hello")
     if layout == "not_a_rollout":
-        from agentloop.protocol import DataProto
+        from agentloop.batch.protocol import DataProto
 
         DataProto.from_dict({"x": torch.zeros(2, 3)}).save_to_disk(str(target / "rollout.dataproto"))
     code, _, err = run_cli(["report", str(target)], capsys)
@@ -255,7 +255,7 @@ def test_verify_fails_at_the_wrong_temperature(verifiable: Path, model_path: str
 
 def test_verify_fails_on_a_corrupted_log_prob_and_names_it(verifiable: Path, tmp_path: Path, model_path: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from agentloop.protocol import DataProto
+    from agentloop.batch.protocol import DataProto
 
     data = DataProto.load_from_disk(str(verifiable / "rollout.dataproto"))
     assert data.batch is not None

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.errors import ConfigError
 from agentloop.loops.base import AgentLoopBase, ResolvedAgentLoop, resolve_registry
-from agentloop.protocol import DataProto
 from agentloop.rewards.episode import EpisodeRewardConfig, reward_shares
 from agentloop.rewards.loader import RewardFunctionConfig
 from agentloop.rewards.scoring import TrajectoryScorer
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
-from agentloop.worker import AgentLoopWorker
 
 TOK = FakeTokenizer()
 CALLS: list[dict[str, Any]] = []

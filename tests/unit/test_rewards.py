@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto, split_rows
 from agentloop.config import default_config
 from agentloop.errors import ConfigError
 from agentloop.loops.base import AgentLoopBase, ResolvedAgentLoop, resolve_registry
-from agentloop.manager import align_keys, performance_metrics
-from agentloop.protocol import DataProto, split_rows
 from agentloop.rewards import (
     RewardFunctionConfig,
     TrajectoryScorer,
@@ -25,10 +24,11 @@ from agentloop.rewards import (
     load_reward_function,
     parse_result,
 )
+from agentloop.rollout.manager import align_keys, performance_metrics
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
 from agentloop.types import AgentLoopOutput, RolloutStatus
-from agentloop.worker import AgentLoopWorker
 
 TOK = FakeTokenizer()
 CALLS: list[dict[str, Any]] = []
@@ -301,7 +301,7 @@ def test_gsm8k_scorer():
 
 
 def test_gateway_reward_function_still_imports():
-    from agentloop.imports import import_object
+    from agentloop.utils.imports import import_object
 
     fn = import_object("agentloop.rewards:final_answer_match", "test")
     assert fn([{"role": "assistant", "content": "The answer is 72."}], reward_model={"ground_truth": "72"}) == 1.0

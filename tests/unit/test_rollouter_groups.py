@@ -3,9 +3,9 @@ weight versions) can be dispatched together."""
 
 from __future__ import annotations
 
-from agentloop.data import repeat_for_rollout, rows_to_batch
-from agentloop.dispatcher import split_groups
-from agentloop.protocol import DataProto
+from agentloop.batch.data import repeat_for_rollout, rows_to_batch
+from agentloop.batch.protocol import DataProto
+from agentloop.rollout.dispatcher import split_groups
 
 
 def test_groups_keep_rows_of_a_uid_together_and_drop_the_batch_version():
@@ -27,7 +27,7 @@ def test_the_default_in_flight_budget_fills_every_engine():
     from types import SimpleNamespace
 
     from agentloop.config import EngineConfig
-    from agentloop.rollouter import Rollouter
+    from agentloop.rollout.rollouter import Rollouter
 
     engine = EngineConfig.from_root({"actor_rollout_ref": {"rollout": {"max_num_seqs": 256}}})
     manager = SimpleNamespace(server_handles=[object()] * 8, config=SimpleNamespace(engine=engine))

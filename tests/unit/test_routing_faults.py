@@ -10,14 +10,14 @@ import pytest
 from omegaconf import OmegaConf
 from ray.exceptions import RayActorError, RayTaskError
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.errors import RoutingError, ServerError
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager, make_balancer
 from agentloop.servers.base import ServerDeadError
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import FakeTokenizer
-from agentloop.worker import AgentLoopWorker
 
 
 def test_balancer_never_routes_to_a_down_server_and_rebinds_its_sticky_sessions():

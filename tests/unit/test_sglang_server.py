@@ -334,7 +334,7 @@ def test_engine_kwargs_follow_verl_keys_and_engine_kwargs_sglang_wins() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
 def test_rollout_name_sglang_without_sglang_says_how_to_install_it() -> None:
-    from agentloop.servers.placement import _server_class
+    from agentloop.cluster.placement import _server_class
 
     with pytest.raises(ConfigError, match=r"name=sglang but SGLang is not installed.*pip install -e '.\[sglang\]'"):
         _server_class("sglang")

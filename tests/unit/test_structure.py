@@ -40,13 +40,11 @@ def test_no_module_over_500_lines(report) -> None:  # type: ignore[no-untyped-de
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 29 layout phase (modules move into packages) has not landed yet")
 def test_at_most_six_top_level_modules_with_code(report) -> None:  # type: ignore[no-untyped-def]
     problems = report.problems(("top",), 6)
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 29: in-function imports are moved or commented module by module")
 def test_every_import_inside_a_function_says_why(report) -> None:  # type: ignore[no-untyped-def]
     problems = report.problems(("inline",), 6)
     assert not problems, "\n".join(problems)

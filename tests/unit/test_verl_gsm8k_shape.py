@@ -10,11 +10,11 @@ import pandas as pd
 from omegaconf import OmegaConf
 from test_tools_verl_api import GSM8K_YAML
 
+from agentloop.batch.data import load_dataset
 from agentloop.config import default_config
-from agentloop.data import load_dataset
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
-from agentloop.worker import AgentLoopWorker
 
 TOK = FakeTokenizer()
 

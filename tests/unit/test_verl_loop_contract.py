@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.compat.chat_template import with_list_chat_template
 from agentloop.compat.profiler import simple_timer
 from agentloop.compat.wrappers import DictConfigWrap, ToolListWrap
 from agentloop.config import default_config
 from agentloop.loops.base import AgentLoopBase, ResolvedAgentLoop, resolve_registry
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager, LLMServerClient
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
 from agentloop.tokenization.templates import make_template_tokenizer
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, StopReason, TokenOutput
-from agentloop.worker import AgentLoopWorker
 
 
 def trainer_config(**rollout: Any):

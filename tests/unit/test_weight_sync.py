@@ -14,18 +14,18 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.errors import ServerError
 from agentloop.loops.single_turn import SingleTurnAgentLoop
 from agentloop.loops.tool_agent import ToolAgentLoop
-from agentloop.manager_weights import WeightSync
-from agentloop.protocol import DataProto
+from agentloop.rollout.weights import WeightSync
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.servers.weight_sync import SharedBucket, WeightBucket, _shared_tensors, _view, iter_buckets, tied_aliases
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
 from agentloop.types import TokenOutput
-from agentloop.worker import AgentLoopWorker
 
 MIB = 1 << 20
 TOK = FakeTokenizer()
@@ -161,8 +161,8 @@ def fake_ray(monkeypatch):
     return puts
 
 
-from agentloop.servers.placement import ServerGroup  # noqa: E402
-from agentloop.servers.supervisor import ServerSupervisor  # noqa: E402
+from agentloop.cluster.placement import ServerGroup  # noqa: E402
+from agentloop.cluster.supervisor import ServerSupervisor  # noqa: E402
 
 
 def make_manager(servers: list[ScriptedServer], sleeping: bool = False, mode: str = "drain") -> WeightSync:

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from agentloop.batch.postprocess import postprocess
 from agentloop.errors import DatasetError
-from agentloop.postprocess import postprocess
 from agentloop.types import AgentLoopOutput
 
 

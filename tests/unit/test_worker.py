@@ -10,14 +10,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.errors import DatasetError, UnknownAgentError
 from agentloop.loops.base import AgentLoopBase, ResolvedAgentLoop, register, resolve_registry
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
 from agentloop.types import AgentLoopOutput
-from agentloop.worker import AgentLoopWorker
 
 
 def rollout_cfg(**over: Any):
@@ -166,7 +166,7 @@ def test_missing_agent_name_values_use_default():
 
 
 def test_chunks_with_different_columns_concatenate():
-    from agentloop.manager import align_keys
+    from agentloop.rollout.manager import align_keys
 
     ok = make_worker(ScriptedServer(lambda ids, p, rid: [70, IM_END], eos_token_id=IM_END))
     bad = make_worker(ScriptedServer(lambda ids, p, rid: (_ for _ in ()).throw(RuntimeError("x"))))

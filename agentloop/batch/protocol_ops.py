@@ -1,8 +1,8 @@
 """Module-level DataProto operations (verl's ``verl.protocol`` functions), re-exported from
-:mod:`agentloop.protocol`.
+:mod:`agentloop.batch.protocol`.
 
 They only use a DataProto's rows and methods (:class:`DataProtoLike`) and ``type(data)``, so this module
-never imports :mod:`agentloop.protocol`, which imports it.
+never imports :mod:`agentloop.batch.protocol`, which imports it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from agentloop.protocol_utils import DataProtoError
+from agentloop.batch.protocol_utils import DataProtoError
 
 
 class DataProtoLike(Protocol):
-    """What these operations use of a :class:`~agentloop.protocol.DataProto`."""
+    """What these operations use of a :class:`~agentloop.batch.protocol.DataProto`."""
 
     batch: TensorDict | None
     non_tensor_batch: dict[str, Any]

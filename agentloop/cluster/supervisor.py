@@ -32,9 +32,9 @@ from typing import Any
 
 import ray
 
+from agentloop.cluster.placement import ServerGroup
 from agentloop.errors import first_line
 from agentloop.servers.base import ServerDeadError
-from agentloop.servers.placement import ServerGroup
 from agentloop.utils.hangwatch import HangWatch
 
 logger = logging.getLogger(__name__)

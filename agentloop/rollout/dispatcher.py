@@ -1,6 +1,6 @@
 """The one dispatcher: groups of rows out to the AgentLoopWorkers, their padded rows back, whatever a worker does.
 
-:class:`Dispatcher` owns the worker actors (:mod:`agentloop.worker_slots`) and every way rows travel to them;
+:class:`Dispatcher` owns the worker actors (:mod:`agentloop.rollout.worker_slots`) and every way rows travel to them;
 ``generate_sequences`` (:meth:`Dispatcher.run`), ``generate_sequences_stream`` (:meth:`Dispatcher.stream`) and
 the Rollouter (a :class:`DispatchRun` it keeps filling) use it, so a fault is handled by one piece of code
 (:meth:`DispatchRun.poll`): a dead or hung worker is replaced and its unfinished groups are rolled out again, each
@@ -20,11 +20,11 @@ import numpy as np
 import ray
 import ray.exceptions
 
+from agentloop.batch.protocol import DataProto
 from agentloop.errors import first_line
-from agentloop.protocol import DataProto
+from agentloop.rollout.worker import WorkerStats
+from agentloop.rollout.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
 from agentloop.types import RolloutStatus
-from agentloop.worker import WorkerStats
-from agentloop.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
 
 ErrorRows = Callable[[DataProto, RolloutStatus, str], DataProto]
 """``error_rows(chunk, status, message)``: the padded rows of samples no worker could roll out."""
@@ -94,7 +94,7 @@ class Dispatcher:
     """Worker actors and the dispatch of rows to them; see the module docstring.
 
     Args:
-        spawn: creates one worker actor (see :data:`~agentloop.worker_slots.Spawn`).
+        spawn: creates one worker actor (see :data:`~agentloop.rollout.worker_slots.Spawn`).
         num_workers: how many workers to keep.
         error_rows: builds the rows of samples that could not be rolled out (see :data:`ErrorRows`).
         balancer: the GlobalBalancer actor (its slots of a dead worker are released), or None.

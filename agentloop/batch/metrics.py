@@ -6,8 +6,8 @@ from collections import Counter
 
 import numpy as np
 
+from agentloop.batch.protocol import DataProto
 from agentloop.errors import DatasetError
-from agentloop.protocol import DataProto
 from agentloop.rewards.columns import complete_reward_columns
 
 
@@ -42,7 +42,7 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
             raise DatasetError(
                 f"worker chunk {i} of {len(parts)} lacks the tensor column(s) {missing} that other chunks have; "
                 "filling them would invent values. A tensor column must be built for every row by every worker "
-                "(agentloop.postprocess does so for its own columns; a custom column needs the same rule)"
+                "(agentloop.batch.postprocess does so for its own columns; a custom column needs the same rule)"
             )
     non_tensor_keys = set().union(*(p.non_tensor_batch for p in parts)) if parts else set()
     for p in parts:

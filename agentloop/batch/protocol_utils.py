@@ -1,7 +1,7 @@
-"""Helpers behind :mod:`agentloop.protocol` that need no DataProto: errors, auto-padding config, unions,
+"""Helpers behind :mod:`agentloop.batch.protocol` that need no DataProto: errors, auto-padding config, unions,
 meta_info merging, equality, tensor (de)serialization and TensorDict conversion.
 
-Everything here is re-exported from :mod:`agentloop.protocol`, with the names verl's ``verl.protocol``
+Everything here is re-exported from :mod:`agentloop.batch.protocol`, with the names verl's ``verl.protocol``
 uses (``union_tensor_dict``, ``union_numpy_dict``, ``serialize_tensordict``, ``DataProtoConfig`` ...).
 """
 

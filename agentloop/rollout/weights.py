@@ -1,7 +1,7 @@
 """The manager's weight-sync component: streamed weight updates to every rollout server and what they do to the
 requests in flight (``rollout.server.weight_update``: abort, drain or keep; docs/async.md).
 
-:class:`WeightSync` is held by :class:`agentloop.manager.AgentLoopManager` (``manager.weights``); the manager's
+:class:`WeightSync` is held by :class:`agentloop.rollout.manager.AgentLoopManager` (``manager.weights``); the manager's
 ``update_weights``, ``pause``, ``resume`` and ``set_weight_update`` delegate to it.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import ray
 
+from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.errors import ServerError, first_line
 from agentloop.servers.inflight_update import WEIGHT_UPDATE_MODES
-from agentloop.servers.supervisor import ServerSupervisor
 from agentloop.servers.weight_sync import iter_buckets
 
-logger = logging.getLogger("agentloop.manager")
+logger = logging.getLogger("agentloop.rollout.manager")
 
 
 class WeightSync:
@@ -83,7 +83,7 @@ class WeightSync:
         """Load ``weights`` (a state dict or ``(name, tensor)`` pairs, read once and lazily) into every server in
         buckets of about ``bucket_mb`` MiB; returns the new version (``global_steps``, default: previous + 1).
         ``abort`` cuts what runs first and resumes after (unless the caller paused: then the resume is theirs).
-        The contract in full: :meth:`agentloop.manager.AgentLoopManager.update_weights`.
+        The contract in full: :meth:`agentloop.rollout.manager.AgentLoopManager.update_weights`.
 
         Raises:
             ServerError: the servers could not be paused for an ``abort`` update, no server is left, or a server

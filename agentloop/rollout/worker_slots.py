@@ -10,7 +10,7 @@
   flight each) and kills one that leaves it unanswered for ``hang_s`` seconds (``agent.stall_timeout``); its
   streams then end with an actor error, which the dispatcher handles as a death.
 
-What the samples of a dead worker become is the dispatcher's (:mod:`agentloop.dispatcher`).
+What the samples of a dead worker become is the dispatcher's (:mod:`agentloop.rollout.dispatcher`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import ray.exceptions
 from agentloop.errors import ConfigError, first_line
 from agentloop.utils.hangwatch import HangWatch
 
-logger = logging.getLogger("agentloop.workerpool")
+logger = logging.getLogger(__name__)
 
 Spawn = Callable[[int, str], Any]
 """``spawn(slot_index, worker_id) -> actor handle``: create (not wait for) one AgentLoopWorker actor."""
