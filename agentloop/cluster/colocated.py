@@ -288,11 +288,11 @@ def colocated_slots(replicas: list[list[WorkerLocation]], device: str, tp: int) 
 
 def start_colocated_servers(cfg: AgentLoopConfig, worker_group: Any, resource_pool: Any = None) -> ServerGroup:
     """Start one server per replica of ``worker_group``'s workers, beside them (module docstring)."""
-    device = detect_device(str(cfg.rollout.server.device))
+    device = detect_device(cfg.server.device)
     locations = locate_workers(worker_group, resource_pool)
     size = replica_size(cfg.rollout, device, len(locations))
-    slots = colocated_slots(group_replicas(locations, size), device, int(cfg.rollout.tensor_model_parallel_size))
-    if device == "cuda" and not cfg.rollout.free_cache_engine:
+    slots = colocated_slots(group_replicas(locations, size), device, cfg.engine.tensor_model_parallel_size)
+    if device == "cuda" and not cfg.engine.free_cache_engine:
         logger.warning("colocated rollout servers with free_cache_engine=false never release GPU memory: the "
                        "engine keeps gpu_memory_utilization of every trainer GPU during training steps")
     handles, info = launch_servers(cfg, slots)

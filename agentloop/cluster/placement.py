@@ -71,12 +71,12 @@ def detect_device(setting: str) -> str:
 
 def count_servers(cfg: AgentLoopConfig, device: str, trainer_gpus: int | None = None) -> int:
     """Configured ``server.num_servers``, else all GPUs / TP on GPU clusters, else 1."""
-    configured = cfg.rollout.server.num_servers
+    configured = cfg.server.num_servers
     if configured:
         return int(configured)
     if device == "cpu":
         return 1
-    tp = int(cfg.rollout.tensor_model_parallel_size)
+    tp = cfg.engine.tensor_model_parallel_size
     gpus = trainer_gpus or int(ray.cluster_resources().get("GPU", 0))
     if gpus < tp:
         raise ConfigError(f"tensor_model_parallel_size={tp} but the cluster has only {gpus} GPUs")
@@ -125,7 +125,7 @@ class ServerSlot:
 
 def create_server_actor(cfg: AgentLoopConfig, slot: ServerSlot, index: int) -> Any:
     """Create server ``index``'s actor in ``slot`` (its ``start`` is not called here)."""
-    cls: Any = ray.remote(_server_class(str(cfg.rollout.name)))
+    cls: Any = ray.remote(_server_class(cfg.engine.name))
     env = {
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -159,12 +159,12 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 def start_standalone_servers(cfg: AgentLoopConfig, trainer_gpus: int | None = None) -> ServerGroup:
     """Create and start the server actors; raises :class:`ServerError` naming what failed."""
-    device = detect_device(str(cfg.rollout.server.device))
+    device = detect_device(cfg.server.device)
     n = count_servers(cfg, device, trainer_gpus)
-    tp = int(cfg.rollout.tensor_model_parallel_size)
-    cpus = float(cfg.rollout.server.num_cpus_per_server)
+    tp = cfg.engine.tensor_model_parallel_size
+    cpus = cfg.server.num_cpus_per_server
     bundle = {"GPU": float(tp), "CPU": 1.0} if device == "cuda" else {"CPU": cpus}
-    strategy = str(cfg.rollout.server.get("placement_strategy") or "PACK").upper()
+    strategy = cfg.server.placement_strategy.upper()
     if strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(f"actor_rollout_ref.rollout.server.placement_strategy={strategy!r}: use one of "
                           f"{', '.join(PLACEMENT_STRATEGIES)} (Ray placement-group strategies; SPREAD puts the "

@@ -207,8 +207,6 @@ def test_router_config_reads_partial_rollout_from_async_training():
 # Reads of rollout config keys the sections hold, outside agentloop/config* and the compat seam.
 _GENERIC = {"path", "name", "format", "timeout", "n", "seed", "dtype", "host", "backend", "device", "enable", "type",
             "data", "mode", "custom", "trace", "priority", "vllm", "sglang"}
-_PENDING: set[str] = {"agentloop/cluster/placement.py"}
-"""Files another helper of issue 29 is still converting; empty it when they are done."""
 
 
 def _rollout_leaf_keys() -> set[str]:
@@ -235,4 +233,4 @@ def test_components_read_no_rollout_config_keys_of_their_own():
         hits = [line.strip() for line in path.read_text().splitlines() if pattern.search(line)]
         if hits:
             found[rel] = hits
-    assert set(found) <= _PENDING, {k: v for k, v in found.items() if k not in _PENDING}
+    assert not found, found
