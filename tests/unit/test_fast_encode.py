@@ -8,9 +8,9 @@ import random
 import pytest
 
 import agentloop.tokenization.incremental as inc
+from agentloop.testing.templates import FAMILIES, STOP_TOKENS, make_template_tokenizer
 from agentloop.tokenization import turn_separator
 from agentloop.tokenization.fast import encode_text, fast_backend
-from agentloop.tokenization.templates import FAMILIES, STOP_TOKENS, make_template_tokenizer
 
 PIECES = ["<tool_response>", "</tool_response>", "\n", "  ", "12 + 30", "é", "🙂", "{\"a\": [1, 2]}", "Tab\there",
           "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|return|>", "<|call|>", "not<|special", "ÿ"]

@@ -391,7 +391,7 @@ def test_token_id_entry_points():
 )
 def test_round_trip_through_a_template_tokenizer(family, fmt, response):
     pytest.importorskip("tokenizers")
-    from agentloop.tokenization.templates import make_template_tokenizer
+    from agentloop.testing.templates import make_template_tokenizer
 
     tok = make_template_tokenizer(family)
     ids = tok.encode(response, add_special_tokens=False)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import agentloop.tokenization.incremental as inc
+from agentloop.testing.templates import FAMILIES, STOP_TOKENS, make_template_tokenizer
 from agentloop.tokenization import TemplateMismatchError, check_incremental, encode_new_turns, turn_separator
-from agentloop.tokenization.templates import FAMILIES, STOP_TOKENS, make_template_tokenizer
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",

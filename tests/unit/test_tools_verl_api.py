@@ -165,7 +165,7 @@ def test_no_stop_token_ids_when_the_tokenizer_lacks_the_token():
 
 def test_stop_token_ids_with_a_real_tokenizer():
     pytest.importorskip("tokenizers")
-    from agentloop.tokenization.templates import make_template_tokenizer
+    from agentloop.testing.templates import make_template_tokenizer
 
     tok = make_template_tokenizer("harmony")
     (call_id,) = get_tool_parser("gpt-oss", tok).stop_token_ids

@@ -25,7 +25,7 @@ from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager, LLMServerClient
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
-from agentloop.tokenization.templates import make_template_tokenizer
+from agentloop.testing.templates import make_template_tokenizer
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, StopReason, TokenOutput
 
 
