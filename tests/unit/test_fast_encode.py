@@ -43,7 +43,7 @@ def test_the_separator_is_found_once_per_tokenizer_template_and_stop_token(monke
     found: list[str] = []
     real = inc._find_separator
     monkeypatch.setattr(inc, "_find_separator", lambda tokenizer, eos: found.append(eos) or real(tokenizer, eos))
-    tok = make_template_tokenizer("harmony")
+    tok = copy.deepcopy(make_template_tokenizer("harmony"))  # a copy: the shared one may be cached by other tests
     for _ in range(5):
         for stop in STOP_TOKENS["harmony"]:
             assert turn_separator(tok, stop) == ""
