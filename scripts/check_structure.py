@@ -1,5 +1,5 @@
 """Check the package's shape without importing it: import cycles, module size, top-level modules,
-explained in-function imports.
+explained in-function imports, no nested conditional expressions.
 
 Reads every ``.py`` file under the package (``agentloop/`` by default) with :mod:`ast` and builds the
 graph of imports between its modules: module-level and in-function imports alike, relative imports
@@ -16,7 +16,10 @@ Problems (one line each; exit status 1 when there is any):
   module whose body is only a docstring, imports, ``__all__`` and ``if TYPE_CHECKING:`` imports is a face
   and does not count;
 * ``inline``: an import inside a function with no comment saying why (optional dependency, heavy
-  import, ...) on its line(s) or the line above; a comment above a run of adjacent imports covers the run.
+  import, ...) on its line(s) or the line above; a comment above a run of adjacent imports covers the run;
+* ``nested-ifexp``: a conditional expression (``x if c else y``) whose test, value or alternative is
+  another one, reported once per outermost such expression: write it as ``if``/``elif`` statements or a
+  small function.
 
 Usage::
 
@@ -36,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CHECKS = ("cycles", "lines", "top", "inline")
+CHECKS = ("cycles", "lines", "top", "inline", "nested-ifexp")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -73,6 +76,7 @@ class Report:
     top_modules: list[str] = field(default_factory=list)
     inline_imports: list[str] = field(default_factory=list)
     unexplained_inline: list[str] = field(default_factory=list)
+    nested_ifexps: list[str] = field(default_factory=list)
 
     def problems(self, checks: tuple[str, ...], max_top: int) -> list[str]:
         """The problem lines of the selected ``checks``."""
@@ -89,6 +93,8 @@ class Report:
                        f"{max_top}): {', '.join(self.top_modules)}")
         if "inline" in checks:
             out += self.unexplained_inline
+        if "nested-ifexp" in checks:
+            out += self.nested_ifexps
         return out
 
 
@@ -269,12 +275,31 @@ def _is_face(tree: ast.Module) -> bool:
         if isinstance(stmt, ast.If) and _is_type_checking(stmt.test) and not stmt.orelse and all(
                 isinstance(s, (ast.Import, ast.ImportFrom)) for s in stmt.body):
             continue
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
-            [stmt.target] if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) else [])
+        targets: list[ast.expr] = []
+        if isinstance(stmt, ast.Assign):
+            targets = stmt.targets
+        elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)):
+            targets = [stmt.target]
         if targets and all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
             continue
         return False
     return True
+
+
+def nested_ifexp_lines(tree: ast.AST) -> list[int]:
+    """The lines of the conditional expressions whose test, value or alternative is another conditional
+    expression; an expression nested that way is not reported again (``a if x else b if y else c if z else d``
+    is one finding)."""
+    inner: set[int] = set()  # ids of conditional expressions directly inside another one
+    lines: list[int] = []
+    for node in ast.walk(tree):  # breadth first: an expression comes before the ones inside it
+        if not isinstance(node, ast.IfExp):
+            continue
+        nested = [part for part in (node.test, node.body, node.orelse) if isinstance(part, ast.IfExp)]
+        if nested and id(node) not in inner:
+            lines.append(node.lineno)
+        inner.update(id(part) for part in nested)
+    return sorted(lines)
 
 
 def analyse(package_dir: Path, max_lines: int = 500) -> Report:
@@ -301,9 +326,11 @@ def analyse(package_dir: Path, max_lines: int = 500) -> Report:
     report.components = _sccs(report.graph)
     report.cycles = [_shortest_cycle(report.graph, c) for c in report.components]
     for module in modules.values():
+        rel = module.path.relative_to(package_dir.parent)
         if module.lines > max_lines:
-            report.long_modules.append(f"lines: {module.path.relative_to(package_dir.parent)} has "
-                                       f"{module.lines} lines (at most {max_lines})")
+            report.long_modules.append(f"lines: {rel} has {module.lines} lines (at most {max_lines})")
+        report.nested_ifexps += [f"nested-ifexp: {rel}:{line}: nested conditional expression"
+                                 for line in nested_ifexp_lines(module.tree)]
     package = package_dir.name
     report.top_modules = sorted(
         name for name, module in modules.items()

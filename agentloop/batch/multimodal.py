@@ -73,7 +73,11 @@ def sample_media(sample: dict[str, Any], kind: str = "image") -> list[Any]:
     """The images (``kind="video"``: videos) of a sample's ``multi_modal_data`` cell (a list / object array, or
     one item; key ``image`` or verl's ``images``), else []."""
     mm = sample.get("multi_modal_data")
-    items = (mm.get(kind) if mm.get(kind) is not None else mm.get(kind + "s")) if isinstance(mm, dict) else None
+    if not isinstance(mm, dict):
+        return []
+    items = mm.get(kind)
+    if items is None:
+        items = mm.get(kind + "s")
     if items is None:
         return []
     if isinstance(items, (list, tuple)) or (isinstance(items, np.ndarray) and items.dtype == object):

@@ -174,10 +174,14 @@ def _extra_columns(outputs: list[AgentLoopOutput], base: dict[str, np.ndarray]) 
     columns: dict[str, np.ndarray] = {}
     for key in keys:
         fallback = base.get(key)
-        values = [
-            o.extra_fields[key] if key in o.extra_fields else (None if fallback is None else fallback[i])
-            for i, o in enumerate(outputs)
-        ]
+        values: list[Any] = []
+        for i, o in enumerate(outputs):
+            if key in o.extra_fields:
+                values.append(o.extra_fields[key])
+            elif fallback is None:
+                values.append(None)
+            else:
+                values.append(fallback[i])
         columns[key] = object_array(values)
     return columns
 

@@ -164,8 +164,13 @@ class OpenAIAgentLoop(AgentLoopBase):
         outputs = []
         for traj, score in zip(trajectories, scores, strict=True):
             finish = traj.finish_reason
-            st = status if status != RolloutStatus.STOP else (
-                RolloutStatus.LENGTH if finish == "length" else RolloutStatus.STOP)
+            st: RolloutStatus
+            if status != RolloutStatus.STOP:
+                st = status
+            elif finish == "length":
+                st = RolloutStatus.LENGTH
+            else:
+                st = RolloutStatus.STOP
             outputs.append(AgentLoopOutput(
                 prompt_ids=list(traj.prompt_ids), response_ids=list(traj.response_ids),
                 response_mask=list(traj.response_mask), response_logprobs=traj.response_logprobs,

@@ -90,7 +90,12 @@ _CONVERTERS: dict[str, Callable[[str], tuple[bool, Any]]] = {
 def _declared_types(schema: Any) -> list[str]:
     """The schema's known types, ``null`` then ``string`` last ([] when untyped)."""
     declared = schema.get("type") if isinstance(schema, dict) else None
-    names = [declared] if isinstance(declared, str) else declared if isinstance(declared, list) else []
+    if isinstance(declared, str):
+        names = [declared]
+    elif isinstance(declared, list):
+        names = declared
+    else:
+        names = []
     types = [_TYPE_ALIASES.get(str(t), str(t)) for t in names]
     types = [t for t in types if t in _CONVERTERS or t == "string"]
     return sorted(types, key=lambda t: (t == "string", t == "null"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,8 +78,15 @@ def reward_extra_columns(
     columns = {}
     for key in keys:
         fallback = base.get(key)
-        columns[key] = object_array([info[key] if key in info else (None if fallback is None else fallback[i])
-                                     for i, info in enumerate(infos)])
+        values: list[Any] = []
+        for i, info in enumerate(infos):
+            if key in info:
+                values.append(info[key])
+            elif fallback is None:
+                values.append(None)
+            else:
+                values.append(fallback[i])
+        columns[key] = object_array(values)
     return columns, keys
 
 

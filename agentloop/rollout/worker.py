@@ -431,15 +431,24 @@ def _episode(output: Any, name: str) -> MultiTrajectoryAgentLoopOutput:
     ``session_id`` in ``extra_fields``: the episode's own, else one a trajectory carries (the first), else a
     fresh one."""
     episode = output if isinstance(output, MultiTrajectoryAgentLoopOutput) else None
-    outputs = episode.trajectories if episode is not None else output if isinstance(output, list) else [output]
+    if episode is not None:
+        outputs = episode.trajectories
+    elif isinstance(output, list):
+        outputs = output
+    else:
+        outputs = [output]
     if not outputs or not all(isinstance(o, AgentLoopOutput) for o in outputs):
         msg = (f"agent loop {name!r} returned {type(output).__name__}; expected AgentLoopOutput, a list of them or "
                "a MultiTrajectoryAgentLoopOutput")
         outputs, episode = [_failed(RolloutStatus.ERROR, msg)], None
     outputs = [_checked(o, name) for o in outputs]
     given = [o.extra_fields.get("session_id") for o in outputs if o.extra_fields.get("session_id") is not None]
-    session_id = str(episode.session_id if episode is not None and episode.session_id is not None else
-                     given[0] if given else uuid.uuid4().hex)
+    if episode is not None and episode.session_id is not None:
+        session_id = str(episode.session_id)
+    elif given:
+        session_id = str(given[0])
+    else:
+        session_id = uuid.uuid4().hex
     for o in outputs:
         o.extra_fields = {**o.extra_fields, "session_id": session_id}
     if episode is None:

@@ -124,7 +124,11 @@ SYSTEM_PROMPTS = (
 
 def calculate(a: int, op: str, b: int) -> int:
     """``a op b`` for the three operators of the synthetic corpus."""
-    return a + b if op == "+" else a - b if op == "-" else a * b
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
 
 
 def word_problem(rng: random.Random) -> tuple[str, str, int]:

@@ -37,7 +37,12 @@ def load_yaml_entries(path: str | Path, key: str | None, label: str) -> list[Any
     if not path.is_file():
         raise ConfigError(f"{label} {str(path)!r} does not exist")
     data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    entries = data if key is None else (data.get(key) if isinstance(data, dict) else None)
+    if key is None:
+        entries: Any = data
+    elif isinstance(data, dict):
+        entries = data.get(key)
+    else:
+        entries = None
     if not isinstance(entries, list):
         expected = "a YAML list" if key is None else f"a top-level '{key}:' list"
         raise ConfigError(f"{path}: expected {expected}")

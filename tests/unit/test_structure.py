@@ -1,5 +1,6 @@
 """The package's shape (scripts/check_structure.py): no import cycles, no module over 500 lines, few
-top-level modules, explained in-function imports; and the checker itself on small trees it must judge."""
+top-level modules, explained in-function imports, no nested conditional expressions; and the checker itself
+on small trees it must judge."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def test_at_most_six_top_level_modules_with_code(report) -> None:  # type: ignor
 
 def test_every_import_inside_a_function_says_why(report) -> None:  # type: ignore[no-untyped-def]
     problems = report.problems(("inline",), 6)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_nested_conditional_expressions(report) -> None:  # type: ignore[no-untyped-def]
+    problems = report.problems(("nested-ifexp",), 6)
     assert not problems, "\n".join(problems)
 
 
@@ -99,6 +105,23 @@ def test_checker_flags_long_modules_unexplained_inline_imports_and_counts_faces(
     assert report.unexplained_inline == ["inline: pkg/lazy.py:2: import inside a function without a comment "
                                          "saying why"]
     assert report.problems(("top",), 1)[0].startswith("top: 2 top-level modules")
+
+
+def test_checker_flags_each_outermost_nested_conditional_expression_once(tmp_path: Path) -> None:
+    pkg = _tree(tmp_path, {
+        "__init__.py": "",
+        "flat.py": "x = 1 if a else 2\ny = (1 if a else 2) + (3 if b else 4)\nz = [i if i else 0 for i in r]\n",
+        "deep.py": "def f(a, b, c):\n"
+                   "    return 1 if a else 2 if b else 3 if c else 4\n"  # a chain: one finding
+                   "x = (1 if a else 2) if b else 3\n"  # in the value
+                   "y = 1 if (a if b else c) else 2\n"  # in the test
+                   "z = 1 if a else (2 or (3 if b else 4))\n",  # not directly inside: allowed
+    })
+    report = check_structure.analyse(pkg)
+    assert report.nested_ifexps == [f"nested-ifexp: pkg/deep.py:{line}: nested conditional expression"
+                                    for line in (2, 3, 4)]
+    assert check_structure.main(["--package", str(pkg)]) == 1
+    assert check_structure.main(["--package", str(pkg), "--checks", "cycles,lines,top,inline"]) == 0
 
 
 def test_command_line_fails_on_a_problem_and_reports_without_failing(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
