@@ -1,40 +1,19 @@
 """Colocated placement: one rollout server per replica of the trainer's workers, beside those workers.
 
-verl's hybrid idea, with the engine in its own process: the trainer already holds the accelerators (one
-worker per GPU, usually each in a placement-group bundle); each rollout replica, ``k`` consecutive trainer
-ranks, gets one server actor next to them that reserves nothing of its own and sees the replica's GPUs.
-Trainer and engine then take turns on the same memory: ``manager.sleep()`` before the training step,
-``manager.wake_up()`` before rollout (automatic with ``free_cache_engine``); freeing memory for real needs
-an engine that can sleep (vLLM's CUDA sleep mode; see ``AgentLoopManager.can_sleep``).
+``start_colocated_servers(cfg, worker_group, resource_pool=None)`` asks every worker once where it runs,
+groups consecutive ranks into replicas (``tensor_model_parallel_size`` ranks on GPUs; on CPU
+``world_size // server.num_servers`` when that is set) and starts one server per replica in the bundle of its
+first worker (else on that worker's node). The servers reserve no CPU or GPU of their own; the returned
+``ServerGroup`` kills them on shutdown and leaves the trainer's workers and bundles alone.
 
-What ``worker_group`` must provide (:class:`TrainerWorkerGroup`; verl's ``RayWorkerGroup`` already does):
+``worker_group`` provides ``workers`` and ``world_size`` (:class:`TrainerWorkerGroup`; verl's
+``RayWorkerGroup`` does), and optionally its bundles: :class:`TrainerWorkers` (``placement_group`` +
+``bundle_indices``) or a verl resource pool (``worker_group.resource_pool`` or ``resource_pool``).
 
-* ``workers``: the trainer's worker actor handles, in rank order;
-* ``world_size``: how many there are;
+Raises ``ConfigError`` when the workers cannot be reached or located, when the replica size does not divide
+``world_size`` (or ``num_servers`` contradicts it on GPUs), or when a replica spans nodes.
 
-and, optionally, the bundles they run in (else the servers are placed by node only):
-
-* ``placement_group`` + ``bundle_indices`` (:class:`TrainerWorkers`, the form for agentloop's own
-  trainers): worker ``i`` runs in bundle ``bundle_indices[i]`` of ``placement_group`` (one group for all
-  workers, or a list with one group per worker; ``bundle_indices`` defaults to ``0..world_size-1``);
-* a verl resource pool (``worker_group.resource_pool`` as verl 0.9 keeps it, or the manager's
-  ``rollout_resource_pool`` argument): ``pgs`` + ``store`` (+ ``start_bundle_index`` for a sub-pool); rank
-  ``r`` runs in bundle ``(start + r) % store[0]`` of the pool's placement group the worker reports as its own.
-
-Placement rules, in order:
-
-1. Every worker is asked once (``__ray_call__``) for its node id, placement group id and GPU ids.
-2. Replica size ``k``: ``tensor_model_parallel_size`` on GPUs; on CPU ``world_size // server.num_servers``
-   when ``num_servers`` is set, else ``tensor_model_parallel_size``.  ``world_size`` must be a multiple of
-   ``k``, and a replica's workers must share one node (one server actor per replica).
-3. Server ``r`` goes into the bundle of replica ``r``'s first worker (``PlacementGroupSchedulingStrategy``)
-   when that bundle is known and Ray reports it on the worker's node; otherwise onto the worker's node
-   (hard ``NodeAffinitySchedulingStrategy``).
-4. The server reserves no CPU or GPU (``num_cpus=0, num_gpus=0``): it shares the workers'.  On GPUs it sees
-   exactly the replica's GPUs through ``CUDA_VISIBLE_DEVICES``, which Ray is told not to overwrite
-   (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``), as verl does; on CPU the engines of one node split its
-   cores between them (``VLLM_CPU_OMP_THREADS_BIND``).
-5. The trainer owns the bundles: shutting the manager down kills the servers and leaves the bundles alone.
+Spec (placement rules, bundles, ``CUDA_VISIBLE_DEVICES``, sleep): docs/concepts.md#placement.
 """
 
 from __future__ import annotations
@@ -227,7 +206,7 @@ def _checked(bundle: Bundle | None, node_id: str, rank: int) -> Bundle | None:
 
 
 def replica_size(rollout: DictConfig, device: str, world_size: int) -> int:
-    """Trainer workers per rollout server (see the module docstring, rule 2)."""
+    """Trainer workers per rollout server (docs/concepts.md#placement); ConfigError when it cannot divide them."""
     tp = int(rollout.tensor_model_parallel_size)
     configured = rollout.server.num_servers
     if device == "cpu" and configured:
@@ -287,7 +266,7 @@ def colocated_slots(replicas: list[list[WorkerLocation]], device: str, tp: int) 
 
 
 def start_colocated_servers(cfg: AgentLoopConfig, worker_group: Any, resource_pool: Any = None) -> ServerGroup:
-    """Start one server per replica of ``worker_group``'s workers, beside them (module docstring)."""
+    """Start one server per replica of ``worker_group``'s workers, beside them (see the module docstring)."""
     device = detect_device(cfg.server.device)
     locations = locate_workers(worker_group, resource_pool)
     size = replica_size(cfg.rollout, device, len(locations))
