@@ -10,25 +10,14 @@
         manager.update_weights(policy.state_dict())  # generation goes on meanwhile
     rollouter.stop()
 
-A background thread (the only one; everything else is Ray) takes prompt batches from the iterator, splits
-them into groups (rows sharing ``group_by``, e.g. ``uid``: the ``n`` samples of a prompt) and keeps up to
-``max_inflight`` samples running on the AgentLoopWorkers through the manager's dispatcher
-(:mod:`agentloop.rollout.dispatcher`: each dispatch a Ray streaming generator whose groups come back as they finish).
-Finished groups wait in a queue for :meth:`Rollouter.get`.
+One background thread splits the prompt batches into groups (rows sharing ``group_by``) and keeps up to
+``max_inflight`` samples running through the manager's dispatcher; :meth:`Rollouter.get` hands out finished
+groups as one DataProto. With ``max_staleness`` set, groups (and dispatches) that lag the weights by more than
+that many versions are re-run; a dead or hung worker is replaced and its groups re-run, at most
+``agent.max_sample_retries`` times, then handed out as ``error`` rows. :meth:`Rollouter.metrics` reports
+queues, staleness and the engine-busy fraction.
 
-Staleness (AReaL's eta): a group's staleness is the current weight version minus the oldest version its tokens
-were generated with (``min_global_steps``).  With ``max_staleness`` set, a group that is too stale when it
-finishes or when :meth:`Rollouter.get` would hand it out is dropped and its prompts rolled out again, and a
-dispatch still running when the weights have moved more than
-``max_staleness`` versions past the version it started at is cancelled (its engine requests aborted) and its
-unfinished groups are rolled out again.  ``max_staleness=None``: no bound.  A dead (or hung, killed) worker is
-handled by the dispatcher as in ``generate_sequences``: it is replaced and its unfinished groups are rolled out
-again, each at most ``agent.max_sample_retries`` times, then handed out as ``error`` rows.
-
-:meth:`Rollouter.metrics` reports queue lengths, samples in flight, the staleness histogram of the groups
-handed out, groups re-run for staleness or faults, and the engine-busy fraction: the share of wall time since
-:meth:`Rollouter.start` during which a server had at least one request in its engine, averaged over the servers
-(each server counts its own busy seconds; :meth:`AgentLoopManager.engine_busy_seconds`).
+Spec (staleness, faults, metrics): docs/async.md#the-rollouter-generation-runs-ahead-of-training.
 """
 
 from __future__ import annotations
