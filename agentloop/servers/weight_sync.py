@@ -1,28 +1,19 @@
 """Streaming new policy weights into the rollout servers, bucket by bucket.
 
-Driver side (:func:`iter_buckets`): a state dict or any iterable of ``(name, tensor)`` pairs is cut into
-:class:`WeightBucket` s of about ``bucket_bytes`` each, in the order given.  A tensor larger than the
-bucket size travels alone; a bucket never splits a tensor.  Each bucket holds the raw bytes of its
-tensors as uint8 numpy arrays, so Ray stores it without pickling tensor storages and every server maps
-the same object-store copy.
-
-Server protocol (every :class:`~agentloop.servers.base.LLMServer`)::
+Driver side: :func:`iter_buckets` cuts a state dict or any iterable of ``(name, tensor)`` pairs into
+:class:`WeightBucket` s of about ``bucket_bytes`` each, in order (a larger tensor travels alone; a tensor is
+never split). Server protocol (every :class:`~agentloop.servers.base.LLMServer`)::
 
     begin_weight_update(global_steps)   # pause new requests, open the update
     load_weight_bucket(bucket)          # any number of times, any order
     finish_weight_update()              # apply, reset the prefix cache, publish the version, resume
 
-Engine side for vLLM (:class:`VLLMWeightSyncExtension`, installed as vLLM's ``worker_extension_cls``):
-the engine worker opens vLLM's layerwise reload once, feeds every bucket to ``model.load_weights``
-(a layer is processed, e.g. repacked for the CPU kernels, as soon as all of its tensors have arrived,
-so a fused q/k/v or gate/up layer may straddle buckets), and closes it at the end.  vLLM's loader logging
-is raised to ERROR while this runs.  How a bucket's bytes reach the worker process:
+Engine side for vLLM: :class:`VLLMWeightSyncExtension` (vLLM's ``worker_extension_cls``, qualified name
+:data:`WORKER_EXTENSION`) feeds every bucket to vLLM's layerwise reload; a bucket reaches the worker through a
+:class:`SharedBucket` (a ``/dev/shm`` segment; ``create`` returns None where none can be made) or, failing
+that, inside the engine's RPC message (:meth:`WeightBucket.to_wire`).
 
-* :class:`SharedBucket`: the server copies the bucket once into a bucket-sized POSIX shared-memory segment
-  (``/dev/shm``, RAM) and sends only its name and layout; the worker maps it and loads from the mapping;
-  the name is unlinked as soon as the call returns (the memory goes when the last view of it does).
-* when no segment can be made (no ``/dev/shm``, or it is full), the bytes ride inside the engine's RPC
-  message (:meth:`WeightBucket.to_wire`): same result, ~4 more copies of the bucket (measured ~2.5x slower).
+Spec: docs/concepts.md#weight-sync; measurements: docs/benchmarks.md.
 """
 
 from __future__ import annotations
