@@ -1,24 +1,16 @@
 """Dead rollout servers: found, taken out of routing, restarted in the background, put back.
 
 The router fails requests over the moment a server dies (:mod:`agentloop.routing.manager`); this module is
-the manager's side.  :class:`ServerSupervisor`
+the manager's side. :class:`ServerSupervisor` finds dead servers after every batch (:meth:`~ServerSupervisor.check`),
+kills hung ones during a batch (:meth:`~ServerSupervisor.watch`, ``rollout.server.stall_timeout``), goes on
+without the lost ones during a weight update or another call to every server (:meth:`~ServerSupervisor.settle`,
+:meth:`~ServerSupervisor.each`), restarts each in its own placement slot while batches go on, and puts it back
+in routing once started (:meth:`~ServerSupervisor.poll`; after a weight update only once the next
+``update_weights`` has loaded the current weights: :meth:`~ServerSupervisor.weights_loaded`). Servers the
+manager did not start (an ``llm_client``'s) are taken out but not restarted. ``counts`` holds
+``server_restarts`` and ``servers_hung`` for the batch metrics.
 
-1. **finds** dead servers after every batch: each server's ``check_health`` (a dead actor, or a live actor
-   whose engine process died, raises), plus the ones the routers marked down; and **hung** ones during a
-   batch (:meth:`ServerSupervisor.watch`): a server whose actor has not answered a health probe for
-   ``rollout.server.stall_timeout`` seconds (its event loop is blocked, so its own engine watch cannot run
-   either) is killed, so its running requests fail over at once, and restarted;
-2. **restarts** each in its own placement slot (same bundle / node, same config): the old actor is shut down
-   and killed, a new one is created and its ``start`` runs in the background while batches go on;
-3. **puts it back** once started: at version 0 (no weight update yet) at once; after weight updates, the
-   restarted engine holds the initial weights, so it waits out of routing until the next
-   :meth:`AgentLoopManager.update_weights` loads the current ones into it.  Putting back means: the handle
-   replaces the dead one in the manager, in every worker's router and in the shared balancer (``mark_up``).
-
-A server found dead (or not answering in time) **during a weight update** is handled the same way there
-(:meth:`ServerSupervisor.settle`): the update goes on with the others instead of failing or hanging.
-Servers the manager did not start (an ``llm_client``'s) are marked down but not restarted.
-``counts`` holds ``server_restarts`` and ``servers_down`` for the batch metrics.
+Spec: docs/faults.md#restarting-a-server.
 """
 
 from __future__ import annotations
