@@ -14,8 +14,8 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Any, Union
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Union, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -135,7 +135,7 @@ def _cast(tp: Any, value: Any) -> Any:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -194,5 +194,5 @@ def build_section(cls: type[Any], root: Any, keys: Mapping[str, str] | None = No
     errors = field_errors(cls, values, names)
     if errors:
         raise invalid_values(errors)
-    hints = _hints(cls)
+    hints = _hints(cast(Hashable, cls))
     return cls(**{name: _cast(hints[name], v) for name, v in values.items()})

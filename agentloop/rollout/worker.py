@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -299,7 +300,7 @@ class AgentLoopWorker:
         waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for g, wait in enumerate(waits):
-            wait.add_done_callback(lambda _, g=g: finished.put_nowait(g))
+            wait.add_done_callback(functools.partial(_put_group, finished, g))
         # at the deadline every sample still running is cancelled: each then finishes as a timeout row
         deadline = asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
         try:
@@ -474,3 +475,8 @@ def _checked(output: AgentLoopOutput, name: str) -> AgentLoopOutput:
 
 def _failed(status: RolloutStatus, message: str) -> AgentLoopOutput:
     return AgentLoopOutput(prompt_ids=[], response_ids=[], response_mask=[], status=status, error=message)
+
+
+def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
+    """Done-callback of a group's gather: queue the group as finished."""
+    finished.put_nowait(group)
