@@ -1,20 +1,14 @@
-"""No request waits forever on a dead engine.
+"""No request waits forever on a dead or hung engine.
 
-vLLM is meant to fail its requests when its engine-core process dies, but it does not always: requests can
-wait for outputs that never come (measured with vLLM 0.32 CPU and the tiny model: the engine SIGKILLed as soon
-as a request was in flight on it left all 4 of its requests unanswered in 5 of 5 rounds, 2 of 3 with
-``gc_freeze`` off, and a batch hung for good before this watch existed).  :class:`EngineWatch` keeps
-the tasks of the requests running on a server and, once the engine is seen dead (polled every ``interval``
-seconds: nothing on the per-token path), cancels them; the server turns that cancellation into
-:class:`~agentloop.servers.base.ServerDeadError`, so the router fails the request over as for any dead engine.
+:class:`EngineWatch` keeps the tasks of the requests running on a server and looks at the engine every
+``interval`` seconds (nothing on the per-token path). Once the engine is seen dead, it cancels them; the server
+turns that cancellation into :class:`~agentloop.servers.base.ServerDeadError`, so the router fails the
+request over. With ``stall_timeout`` set it also reads a progress counter: when requests run, the server is not
+holding them (paused, updating weights) and the counter has not moved for ``stall_timeout`` seconds, the
+engine is taken for hung: :attr:`EngineWatch.stalled` says why, ``on_stall`` is called (the vLLM server kills
+its engine processes) and the running requests are cut as for a dead engine.
 
-An engine can also hang without dying (a stuck collective, a deadlocked or stopped process): its requests then
-wait forever too, and so does the batch (measured: the tiny model's engine core SIGSTOPped with requests in
-flight held ``generate_sequences`` past 90 s, with no end).  With ``stall_timeout`` set, the watch also reads a
-progress counter (the engine's tokens so far) at each look; when requests are running, the server is not holding
-them (paused, updating weights) and the counter has not moved for ``stall_timeout`` seconds, the engine is taken
-for hung: :attr:`EngineWatch.stalled` says why, ``on_stall`` is called (the vLLM server kills its engine
-processes) and the running requests are cut as for a dead engine.
+Why (vLLM leaves requests unanswered when its engine dies or hangs; measurements): docs/faults.md#the-engine-watch.
 """
 
 from __future__ import annotations
