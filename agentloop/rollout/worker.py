@@ -1,24 +1,15 @@
 """AgentLoopWorker: runs one agent loop per sample of a batch chunk and pads the results.
 
-A plain class (usable in-process with :class:`agentloop.testing.ScriptedServer`); the manager wraps
-it in a Ray actor and the dispatcher streams groups of rows to it (``generate_sequences_stream``: each group's
-rows and a :class:`WorkerStats` as soon as the group is done); ``generate_sequences`` is that stream collected
-as one group.  For one batch:
+A plain class (usable in-process with :class:`agentloop.testing.ScriptedServer`); the manager wraps it in a
+Ray actor and the dispatcher streams groups of rows to it: ``generate_sequences_stream`` yields each group's
+rows and a :class:`WorkerStats` as soon as the group is done; ``generate_sequences`` is that stream collected
+as one group. Each sample runs ``registry[agent_name](...).run(sampling_params, **fields)`` in its own task
+(under ``agent.sample_timeout``); an exception or timeout becomes an ``error`` / ``timeout`` row, a failing
+scorer marks only its row, so the batch always comes back whole. Rows are padded into verl's DataProto layout
+(:func:`agentloop.batch.postprocess.postprocess`). :func:`check_batch` raises ``DatasetError`` /
+``UnknownAgentError`` before anything runs.
 
-1. Check the batch (``raw_prompt`` present, every ``agent_name`` registered) before any generation: once, by
-   whoever receives it first (the manager before dispatching; ``generate_sequences`` in-process).
-2. Build sampling params from the rollout config (``val_kwargs`` when ``meta_info['validate']``).
-3. Start one asyncio task per sample: registry[agent_name](...).run(sampling_params, **fields),
-   under the optional ``agent.sample_timeout``.  An exception or timeout becomes a row with
-   ``status`` ``error`` / ``timeout`` and the message in ``error``: the batch always comes back whole.
-4. When a sample's loop returns, score each of its trajectories (``custom_reward_function``, else the loop's
-   reward_score; tool rewards: :mod:`agentloop.rewards.scoring`); a failing scorer marks its row
-   (``reward_valid`` 0, ``reward_error``), never the batch.
-5. Flatten list outputs (multi-trajectory: a list or a MultiTrajectoryAgentLoopOutput); each row keeps its
-   sample's non-tensor fields (uid, index...) and gets ``trajectory_index``, ``num_trajectories`` and the
-   episode's ``session_id`` (docs/context.md).
-6. Pad into the DataProto layout (:func:`agentloop.batch.postprocess.postprocess`); with a multimodal processor add
-   ``multi_modal_inputs`` and M-RoPE ``position_ids`` (:func:`agentloop.batch.multimodal.add_multimodal_outputs`).
+Spec: docs/concepts.md#one-samples-life; the output layout: docs/concepts.md#the-output-layout.
 """
 
 from __future__ import annotations
