@@ -1,21 +1,14 @@
 """SGLang backend: one ``sglang.Engine`` hosted in a Ray actor behind the same protocol as vLLM.
 
-Selected with ``actor_rollout_ref.rollout.name: sglang`` (install with ``pip install -e .[sglang]``; GPU only:
-SGLang does not run on CPU machines).  Token in, token out: the engine starts with ``skip_tokenizer_init`` and gets
-``input_ids``; each request carries its router request id as SGLang's ``rid``, so :meth:`SGLangServer.abort` reaches
-it.  Outputs keep ``stop`` / ``length`` / ``aborted`` apart (SGLang's ``finish_reason.type``) and carry the sampled
-tokens' log-probs (``meta_info["output_token_logprobs"]``) when asked.
+Selected with ``actor_rollout_ref.rollout.name: sglang`` (``pip install -e .[sglang]``; GPU only). Token in,
+token out: each request carries its router request id as SGLang's ``rid``, so :meth:`SGLangServer.abort`
+reaches it; outputs keep ``stop`` / ``length`` / ``aborted`` apart and carry log-probs when asked.
+:class:`SGLangEngineAPI` is the one place that touches SGLang (its ``Engine`` API of the 0.5 line);
+:class:`SGLangServer` holds what is ours (pause gate, weight-update protocol, stop reasons, versions).
+:func:`engine_kwargs` maps verl's rollout keys to SGLang's server arguments (``engine_kwargs.sglang`` last,
+overriding anything). Status: **untested on a GPU so far**.
 
-Matched against SGLang's ``Engine`` API of the 0.5 line (``async_generate`` with ``rid`` / ``priority`` /
-``stream``; the tokenizer manager's coroutines for abort, memory release, tensor weight updates and the prefix
-cache, called directly since the Engine's synchronous wrappers cannot run inside the actor's event loop).  All of
-that is in :class:`SGLangEngineAPI`, the one place that touches SGLang; :class:`SGLangServer` holds what is ours
-(the pause gate, weight-update protocol, stop reasons, versions).  CI checks both against a contract fake of the
-engine (``tests/unit/test_sglang_server.py``); ``tests/gpu/test_sglang_gpu.py`` runs the real engine on a GPU.
-Status: **untested on a GPU so far** (docs/sglang.md).
-
-Config: verl's rollout keys map to SGLang's server arguments (:func:`engine_kwargs`); ``engine_kwargs.sglang``
-is passed through last, so it overrides anything.
+Spec (protocol mapping, config, status): docs/sglang.md.
 """
 
 from __future__ import annotations
