@@ -1,21 +1,15 @@
 """vLLM general plugin: Qwen2-VL image rollouts where torchvision is not installed.
 
-transformers 5 builds Qwen2-VL's image processor on torchvision by default and its video processor only with
-torchvision, and vLLM's Qwen2-VL support imports ``smart_resize`` from the torchvision module; where torchvision
-cannot be installed (our CPU machines: PyPI has only CUDA-linked builds, which fail against the CPU torch), vLLM
-cannot even inspect a Qwen2-VL checkpoint.  transformers also ships a PIL backend of the same image processor
-(``Qwen2VLImageProcessorPil``, same resizing and patching).  When torchvision is missing, :func:`install`:
+:func:`install` (idempotent; returns True when the patches are in place, False where torchvision is installed
+and nothing is done) answers imports of transformers' torchvision-backed Qwen2-VL image processor with its
+PIL twin (``Qwen2VLImageProcessorPil``) and makes ``Qwen2VLProcessor.from_pretrained`` (so ``AutoProcessor``)
+assemble an image-only processor: images work, a video raises ``RuntimeError`` (videos need torchvision).
+:func:`engine_arg_defaults` gives such engines ``limit_mm_per_prompt: {video: 0}``. :func:`register` is the
+``vllm.general_plugins`` entry point (``agentloop_qwen2_vl``: vLLM runs it in each of its processes;
+leave it out of ``VLLM_PLUGINS`` to disable it); :func:`agentloop.tokenization.loader.load_processor` calls
+:func:`install` too.
 
-1. answers imports of ``transformers.models.qwen2_vl.image_processing_qwen2_vl`` with that PIL module (plus
-   ``Qwen2VLImageProcessor`` naming the PIL class);
-2. makes ``Qwen2VLProcessor.from_pretrained`` (and so ``AutoProcessor``) assemble the processor from the
-   tokenizer, the PIL image processor and the chat template, with a video processor that raises a clear error:
-   images work, videos need torchvision.
-
-With torchvision installed (any GPU machine) it does nothing.  vLLM runs it in each of its processes (the model
-inspection subprocess, the engine core) through the ``vllm.general_plugins`` entry point in ``pyproject.toml``;
-agentloop's own processor loading (:func:`agentloop.tokenization.loader.load_processor`) calls it too.  Set
-``VLLM_PLUGINS`` to a list without ``agentloop_qwen2_vl`` to keep vLLM from loading it.
+Spec (why, what is patched): docs/multimodal.md#without-torchvision-cpu-machines.
 """
 
 from __future__ import annotations
