@@ -191,16 +191,6 @@ class GenerateBatcher:
                 task.cancel()
 
 
-class BatchGenerateMixin:
-    """Compat for server classes of users' own written against it: adds ``generate_batch`` (a
-    :class:`GenerateBatcher` over the class's ``generate``).  agentloop's servers hold a GenerateBatcher."""
-
-    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
-        """See :meth:`GenerateBatcher.run`."""
-        async for group in GenerateBatcher(self.generate).run(requests):  # type: ignore[attr-defined]
-            yield group
-
-
 @runtime_checkable
 class WeightLoader(Protocol):
     """The weight-loading part of a server (``server.weights``): what the server's weight-update actor methods

@@ -88,10 +88,12 @@ def test_a_callers_own_cancellation_is_not_turned_into_a_server_error(caplog):
 def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
     """generate_batch runs each request in its own task and waits for all: a cut request must come back as
     an error (not vanish as a cancelled task), or the batch waits forever."""
-    from agentloop.servers.base import BatchGenerateMixin
+    from agentloop.servers.base import GenerateBatcher
 
-    class Batched(ForgetfulServer, BatchGenerateMixin):
-        pass
+    class Batched(ForgetfulServer):
+        async def generate_batch(self, requests):  # what agentloop's servers do: a GenerateBatcher part
+            async for group in GenerateBatcher(self.generate).run(requests):
+                yield group
 
     async def main() -> list:
         server = Batched()
