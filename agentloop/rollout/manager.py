@@ -54,27 +54,23 @@ class AgentLoopManager:
 
     Args (verl's, 0.6–0.9):
         config: trainer-shaped config (``actor_rollout_ref...``) or the rollout subtree.
-        worker_group: the trainer's workers (verl's ``RayWorkerGroup``, or
-            :class:`agentloop.cluster.colocated.TrainerWorkers`): one server per rollout replica is placed
-            beside them, on their nodes / placement-group bundles (colocated placement, see
-            :mod:`agentloop.cluster.colocated`).  None: standalone servers with their own resources.  (verl 0.9
-            passes an ``llm_client`` second; an :class:`AsyncLLMServerManager` given here or as ``llm_client``
-            is used as it is: its servers are shared, none are started.)
-        rollout_resource_pool: with a worker group, verl's resource pool the workers run in (their bundles);
-            unused (warned) without one.
+        worker_group: the trainer's workers: one server per rollout replica is placed beside them (colocated).
+            None: standalone servers. An :class:`AsyncLLMServerManager` here is taken as ``llm_client``.
+        rollout_resource_pool: with a worker group, verl's resource pool its workers run in; else unused.
         rm_resource_pool: verl's reward-model pool; accepted, unused (warned).
-        llm_client: an AsyncLLMServerManager over servers started elsewhere (verl 0.9's form).
-        teacher_client, reward_loop_worker_handles: verl 0.9's distillation / reward-loop hooks; not
-            supported (a ConfigError when given).
+        llm_client: an AsyncLLMServerManager over servers started elsewhere, shared as they are (verl 0.9).
+        teacher_client, reward_loop_worker_handles: not supported.
         model_path: required with a rollout-only config; overrides the model path otherwise.
-        servers: servers started elsewhere that this manager owns as if it had started them (it restarts a dead
-            one through ``servers.relaunch`` and stops them at :meth:`shutdown`): the injection point for tests
-            (e.g. :class:`agentloop.testing.ScriptedServer` actors) and placements of your own.  None: started
-            from the config.
+        servers: servers this manager owns as if it had started them (restarts, :meth:`shutdown`): the
+            injection point for tests and placements of your own.
 
-    Parts: ``workers`` (:class:`agentloop.rollout.dispatcher.Dispatcher`: the worker actors and every dispatch to them),
-    ``supervisor`` (:class:`agentloop.cluster.supervisor.ServerSupervisor`: dead servers found and restarted),
-    ``weights`` (:class:`agentloop.rollout.weights.WeightSync`: weight updates, pause and resume).
+    Raises:
+        ConfigError: a bad config, or ``teacher_client`` / ``reward_loop_worker_handles`` given.
+
+    Parts: ``workers`` (:class:`~agentloop.rollout.dispatcher.Dispatcher`), ``supervisor``
+    (:class:`~agentloop.cluster.supervisor.ServerSupervisor`), ``weights``
+    (:class:`~agentloop.rollout.weights.WeightSync`). Spec: docs/concepts.md#placement,
+    docs/porting-from-verl.md (Placement), docs/architecture.md#extension-points.
     """
 
     def __init__(
