@@ -41,23 +41,19 @@ class AsyncLLMServerManager:
         server_handles: Ray actor handles or in-process LLMServer objects.
         balancer: a GlobalBalancer actor handle or a local Balancer (default: a new local one).
         max_cache_size: sticky LRU size for the default local balancer.
-        batch_calls: coalesce the generate calls made in one event-loop iteration for the same server
-            actor into one Ray call (:mod:`agentloop.routing.batcher`); in-process servers are called
-            directly either way.
-        owner: who holds this client's in-flight slots in a shared balancer (default: a fresh id); the
-            AgentLoopManager releases them all when the worker owning this client dies.
-        max_failovers: how many times one request may move to another server after its server died
-            (default: once to every other server).
-        partial_rollout: resume generations a server pause interrupted and join the pieces (verl's
-            ``async_training.partial_rollout``); False returns them ``aborted``, unless ``restart_preempted``.
-        restart_preempted: without ``partial_rollout``, run such a generation again from its start (its
-            earlier tokens dropped) instead of returning it ``aborted``.
-        priority: an engine priority policy (``(request_id, prompt_len) -> int``, e.g.
-            :class:`agentloop.routing.tail.ContextPriority`) sent as ``sampling_params["priority"]``; None
-            (default): no priority, the engines serve in arrival order.
+        batch_calls: send the generate calls of one event-loop iteration for one server actor as one Ray call.
+        owner: who holds this client's in-flight slots in a shared balancer (default: a fresh id).
+        max_failovers: how many times one request may move on after its server died (default: once to every
+            other server).
+        partial_rollout: resume generations a server pause interrupted and join the pieces; False returns them
+            ``aborted``, or with ``restart_preempted`` runs them again from their start.
+        priority: ``(request_id, prompt_len) -> int`` sent as ``sampling_params["priority"]`` (e.g.
+            :class:`agentloop.routing.tail.ContextPriority`); None: arrival order.
 
     Raises:
         RoutingError: ``server_handles`` is empty.
+
+    Spec: docs/routing.md; pauses and partial rollouts: docs/async.md.
     """
 
     def __init__(
