@@ -91,22 +91,23 @@ class Dispatch:
 
 @dataclass
 class Dispatcher:
-    """Worker actors and the dispatch of rows to them; see the module docstring.
+    """Worker actors and the dispatch of rows to them (see the module docstring).
 
     Args:
-        spawn: creates one worker actor (see :data:`~agentloop.rollout.worker_slots.Spawn`).
+        spawn: creates one worker actor (:data:`~agentloop.rollout.worker_slots.Spawn`).
         num_workers: how many workers to keep.
-        error_rows: builds the rows of samples that could not be rolled out (see :data:`ErrorRows`).
-        balancer: the GlobalBalancer actor (its slots of a dead worker are released), or None.
-        max_sample_retries: how many times a group whose worker died is rolled out again.
-        batch_timeout: seconds one :meth:`run` / :meth:`stream` may take (None: no deadline).
-        batch_grace_s: how long after the deadline a worker may take to send its rows before it is killed.
-        replacement_wait_s: how long a dispatch waits for a replacement when no worker is left.
-        chunks_per_worker: :meth:`run` cuts a batch into this many row ranges per live worker.
-        tick: called every ``tick_s`` seconds while rows stream (the manager's look for hung servers).
-        tick_s: the period of the look (hung workers, then ``tick``).
-        hang_s: ``agent.stall_timeout``: a streaming worker that leaves a ping unanswered this long is killed.
-        weight_version: returns the weight version the servers serve (recorded per dispatch).
+        error_rows: builds the rows of samples that could not run (:data:`ErrorRows`).
+        balancer: the GlobalBalancer actor (a dead worker's slots are released there), or None.
+        max_sample_retries: re-runs of a group whose worker died.
+        batch_timeout: seconds one :meth:`run` / :meth:`stream` may take (None: no deadline); a worker
+            still sending rows ``batch_grace_s`` seconds after it is killed.
+        replacement_wait_s: seconds to wait for a replacement when no worker is left.
+        chunks_per_worker: row ranges per live worker that :meth:`run` cuts a batch into.
+        tick, tick_s: ``tick()`` runs every ``tick_s`` seconds while rows stream, after the look for hung workers.
+        hang_s: ``agent.stall_timeout``: a streaming worker leaving a ping unanswered this long is killed.
+        weight_version: the weight version the servers serve (recorded per dispatch).
+
+    Spec: docs/async.md#streaming-complete-groups, docs/faults.md.
     """
 
     spawn: Spawn
