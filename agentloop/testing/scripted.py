@@ -48,15 +48,13 @@ class ScriptedServer:
         token_delay: seconds per token of the reply, handed out one by one (a pause or abort can cut it).
         name: shown in error messages.
 
-    Attributes:
-        calls: one dict per ``generate`` call: request_id, prompt_ids, sampling_params, image_data.
-        counts: how many times ``wake_up``, ``sleep``, ``update_weights`` and ``abort`` were called.
-        weights: the tensors of the last update (``update_weights`` or the buckets of a streamed one).
+    Attributes (what a test reads):
+        calls: one dict per ``generate`` call (request_id, prompt_ids, sampling_params, image_data).
+        counts: calls of ``wake_up``, ``sleep``, ``update_weights`` and ``abort``.
+        weights, buckets: the tensors of the last update; the tensor names of each bucket of a streamed one.
         global_steps: the weight version put in every reply.
-        buckets: the tensor names of each bucket of the last streamed update.
-        lifecycle: the lifecycle calls (sleep, wake_up, weight-update steps, pause, resume) in order.
-        gate: the :class:`~agentloop.servers.base.PauseGate` behind pause / resume.
-        batcher: the :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``.
+        lifecycle: sleep, wake_up, weight-update steps, pause and resume, in call order.
+        gate, batcher: the ``PauseGate`` behind pause / resume, the ``GenerateBatcher`` behind ``generate_batch``.
     """
 
     supports_sleep = True
