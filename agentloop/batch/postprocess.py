@@ -263,16 +263,13 @@ def postprocess(
 
     Args:
         outputs: trajectories in row order; several may come from the same sample.
-        prompt_length: width P of ``prompts`` (left-padded, over-long prompts keep their tail).
-        response_length: width R of ``responses`` (right-padded, over-long responses keep their head).
-        pad_token_id: id written into padded cells of ``prompts``, ``responses`` and ``input_ids``.
-        sample_fields: per-row columns copied into ``non_tensor_batch`` (e.g. ``uid``), already repeated
-            so that entry ``i`` belongs to ``outputs[i]``.
-        calculate_log_probs: add ``rollout_log_probs``; rows without log-probs are filled with 0.0.
-        rewards_configured: a reward function is configured, so the reward columns are added even when no
-            row has a ``reward_score`` (every row then invalid, with its ``reward_error``).
-        trajectory_counts: how many consecutive ``outputs`` each sample has (its episode's trajectories), for
-            the episode columns; None: every output is its own sample (``trajectory_index`` 0 of 1).
+        prompt_length: width P of ``prompts`` (left-padded; a longer prompt keeps its tail).
+        response_length: width R of ``responses`` (right-padded; a longer response keeps its head).
+        pad_token_id: the id in padded cells of ``prompts``, ``responses`` and ``input_ids``.
+        sample_fields: per-row ``non_tensor_batch`` columns (e.g. ``uid``), entry ``i`` for ``outputs[i]``.
+        calculate_log_probs: add ``rollout_log_probs`` (0.0 on rows without log-probs).
+        rewards_configured: add the reward columns even when no row has a ``reward_score``.
+        trajectory_counts: consecutive ``outputs`` per sample, for the episode columns; None: one each.
 
     Returns:
         A DataProto of ``len(outputs)`` rows (columns: docs/concepts.md#the-output-layout).

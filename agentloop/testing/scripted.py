@@ -48,7 +48,7 @@ class ScriptedServer:
         token_delay: seconds per token of the reply, handed out one by one (a pause or abort can cut it).
         name: shown in error messages.
 
-    Attributes (what a test reads):
+    Attributes:
         calls: one dict per ``generate`` call (request_id, prompt_ids, sampling_params, image_data).
         counts: calls of ``wake_up``, ``sleep``, ``update_weights`` and ``abort``.
         weights, buckets: the tensors of the last update; the tensor names of each bucket of a streamed one.
