@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.errors import AgentLoopError
-from agentloop.tokenization.incremental import TemplateMismatchError, _assistant_text, encode_new_turns
+from agentloop.tokenization.incremental import TemplateMismatchError, assistant_text, encode_new_turns
 
 logger = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ class SessionStore:
                 continue
             ids += encode_new_turns(self.tokenizer, run, system=system, tools=tools, previous=previous,
                                     end_of_turn=stop, chat_template_kwargs=self._kwargs)
-            text, stop = _assistant_text(self.tokenizer, msg, tools, self._stops, self._kwargs)
+            text, stop = assistant_text(self.tokenizer, msg, tools, self._stops, self._kwargs)
             ids += self._encode(text) + [self._stop_ids[stop]]
             previous, run = msg, []
         ids += encode_new_turns(self.tokenizer, run, system=system, tools=tools, previous=previous,

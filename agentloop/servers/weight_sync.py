@@ -78,7 +78,7 @@ class WeightBucket:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` pairs viewing the bucket's bytes (no copy: treat them as read-only)."""
         for name, dtype, shape, data in zip(self.names, self.dtypes, self.shapes, self.data, strict=True):
-            yield name, _view(data, dtype, shape)
+            yield name, tensor_view(data, dtype, shape)
 
     def to_wire(self) -> list[tuple[str, str, list[int], list[memoryview]]]:
         """The bucket as msgpack-friendly tuples ``(name, dtype, shape, [byte pieces])`` for the engine RPC
@@ -137,19 +137,21 @@ class SharedBucket:
             os.unlink(self.path)
 
 
-def _shared_tensors(path: str, size: int, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors viewing a :class:`SharedBucket` segment (read-only; each keeps the mapping alive)."""
+def shared_tensors(path: str, size: int, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs viewing the :class:`SharedBucket` segment at ``path`` of ``size`` bytes, as
+    ``layout`` places them (read-only; each keeps the mapping alive).  Raises OSError if it cannot be mapped."""
     fd = os.open(path, os.O_RDONLY)
     try:
         segment = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     for name, dtype, shape, offset, nbytes in layout:
-        yield name, _view(np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=offset), dtype, shape)
+        yield name, tensor_view(np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=offset), dtype, shape)
 
 
-def _view(data: Any, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
-    """A tensor of ``dtype`` / ``shape`` over the bytes in ``data`` (numpy array, bytes or memoryview)."""
+def tensor_view(data: Any, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """A tensor of ``dtype`` (a torch dtype's name) and ``shape`` over the bytes in ``data`` (uint8 numpy array,
+    bytes or memoryview), without a copy where the buffer allows (treat it as read-only)."""
     import torch  # heavy: imported where tensors are unpacked, not by every user of the server protocol
 
     torch_dtype = getattr(torch, dtype)
@@ -227,13 +229,14 @@ class VLLMWeightSyncExtension:
     def agentloop_load_shared(self, path: str, size: int, layout: Layout, aliases: dict[str, str]) -> int:
         """Load one bucket from a :class:`SharedBucket` segment; each ``aliases`` entry ``new → source`` loads a
         tensor of the bucket under a second name too (the tied ``lm_head``).  Returns the tensors loaded."""
-        return self._agentloop_load(_shared_tensors(path, size, layout), aliases)
+        return self._agentloop_load(shared_tensors(path, size, layout), aliases)
 
     def agentloop_load_weights(self, wire: list[tuple[str, str, list[int], list[bytes]]],
                                aliases: dict[str, str]) -> int:
         """Load one bucket sent inside the RPC message (:meth:`WeightBucket.to_wire`), as
         :meth:`agentloop_load_shared` does."""
-        pairs = ((name, _view(p[0] if len(p) == 1 else b"".join(p), dtype, shape)) for name, dtype, shape, p in wire)
+        pairs = ((name, tensor_view(p[0] if len(p) == 1 else b"".join(p), dtype, shape))
+                 for name, dtype, shape, p in wire)
         return self._agentloop_load(pairs, aliases)
 
     def _agentloop_load(self, pairs: Iterable[tuple[str, Any]], aliases: dict[str, str]) -> int:

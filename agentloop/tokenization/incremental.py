@@ -168,9 +168,14 @@ def _token_id(tokenizer: Any, token: str) -> int:
     return ids[0]
 
 
-def _assistant_text(tokenizer: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None,
-                    stops: tuple[str, ...], kwargs: dict[str, Any]) -> tuple[str, str]:
-    """What the policy would have sampled for ``message`` before its stop token, and that token."""
+def assistant_text(tokenizer: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None,
+                   stops: tuple[str, ...], kwargs: dict[str, Any]) -> tuple[str, str]:
+    """What the policy would have sampled for the assistant ``message`` before its stop token, and that token.
+
+    ``stops`` are the end-of-turn strings to look for in the template's render of the message (with ``tools`` and
+    the chat-template ``kwargs``).  Returns ``(text, stop)``.  Raises :class:`TemplateMismatchError` where the
+    render ends with none of ``stops`` or does not hold the message's content verbatim.
+    """
     body = _assistant_body(tokenizer, message, tools, kwargs)
     end, stop = max((body.rfind(s), s) for s in stops)
     if end < 0:
@@ -211,7 +216,7 @@ def _replay(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str
     i = first
     while i < len(messages):
         if messages[i]["role"] == "assistant":
-            text, stop = _assistant_text(tokenizer, messages[i], tools, stops, kwargs)
+            text, stop = assistant_text(tokenizer, messages[i], tools, stops, kwargs)
             ids += _encode(tokenizer, text) + [_token_id(tokenizer, stop)]
             i += 1
             continue

@@ -29,8 +29,8 @@ from agentloop.config.build import read_value
 from agentloop.config.checks import EXECUTOR_KINDS, check_tool_executor, check_tool_max_workers
 from agentloop.errors import ConfigError
 
-__all__ = ["DEFAULT_MAX_WORKERS", "EXECUTOR_KINDS", "FunctionRef", "ToolExecutor", "configure_tool_executor",
-           "function_reference", "shutdown_tool_executor", "tool_executor"]
+__all__ = ["DEFAULT_MAX_WORKERS", "EXECUTOR_KINDS", "FunctionRef", "ToolExecutor", "call_ref",
+           "configure_tool_executor", "function_reference", "shutdown_tool_executor", "tool_executor"]
 
 DEFAULT_MAX_WORKERS: int = read_value(None, "actor_rollout_ref.rollout.multi_turn.tool_max_workers")
 """The pool size before the tool agent loop configures one (``multi_turn.tool_max_workers``'s default)."""
@@ -150,8 +150,10 @@ def _attribute(module: Any, qualname: str) -> Any:
     return obj
 
 
-def _call_ref(ref: FunctionRef, kwargs: dict[str, Any]) -> Any:
-    """Run in a pool process: call the function ``ref`` names."""
+def call_ref(ref: FunctionRef, kwargs: dict[str, Any]) -> Any:
+    """Call the function ``ref`` names with ``kwargs`` (what a pool process runs): its module is taken from
+    ``sys.modules``, run from ``ref.path`` or imported by name; a ``@function_tool`` class stands for its ``fn``.
+    Returns what the function returns; raises what it raises."""
     return _resolve(ref)(**kwargs)
 
 
@@ -186,7 +188,7 @@ class ToolExecutor:
         ref = self._refs.get(fn) or function_reference(fn, label)
         pool = self._process_pool()
         try:
-            future = pool.submit(fn, **kwargs) if ref.direct else pool.submit(_call_ref, ref, kwargs)
+            future = pool.submit(fn, **kwargs) if ref.direct else pool.submit(call_ref, ref, kwargs)
             return await asyncio.wrap_future(future)
         except BrokenProcessPool as e:
             self._drop_process_pool(pool)

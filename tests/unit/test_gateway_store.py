@@ -20,7 +20,7 @@ from agentloop.gateway.store import (
 from agentloop.testing import FakeTokenizer
 from agentloop.testing.fake_tokenizer import IM_END
 from agentloop.tokenization import TemplateMismatchError, check_incremental, encode_new_turns, turn_separator
-from agentloop.tokenization.incremental import _assistant_text
+from agentloop.tokenization.incremental import assistant_text
 
 SYS = {"role": "system", "content": "You are helpful. Reply in 1 short sentence."}
 USR = {"role": "user", "content": "Pick any random English word and reply with just that word."}
@@ -50,7 +50,7 @@ def tool(content: str, call_id: str = "call_0") -> dict[str, Any]:
 
 def sampled_ids(tok: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> list[int]:
     """What the policy samples for ``message``: the template's text for it, then the end-of-turn token."""
-    text, _ = _assistant_text(tok, message, tools, (tok.eos_token,), {})
+    text, _ = assistant_text(tok, message, tools, (tok.eos_token,), {})
     return list(tok.encode(text, add_special_tokens=False)) + [tok.eos_token_id]
 
 
@@ -66,7 +66,12 @@ def turn(store: SessionStore, messages: list[dict[str, Any]], reply: dict[str, A
     ids = sampled_ids(store.tokenizer, reply, tools)
     ids = ids[:-1] if cut else ids
     lps = None if logprob is None else [logprob] * len(ids)
-    finish = "length" if cut else "tool_calls" if reply.get("tool_calls") else "stop"
+    if cut:
+        finish = "length"
+    elif reply.get("tool_calls"):
+        finish = "tool_calls"
+    else:
+        finish = "stop"
     store.commit(res, ids, lps, stored or reply, finish)
     return res
 

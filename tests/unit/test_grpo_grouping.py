@@ -64,8 +64,13 @@ def test_row_level_grpo_counts_trajectories():
 def test_last_uses_the_final_trajectory_and_per_row_keeps_own_scores():
     """reward_to=last puts a's reward on its final trajectory only; "last" reads that one (verl's session-level
     GRPO) and broadcasts the episode's advantage to all of a's rows."""
-    rows = [(u, s, t, 1.0 if (s, t) == ("a", 2) else (0.0 if s == "a" else sc), v, st)
-            for u, s, t, sc, v, st in ROWS]
+
+    def score(session: str, turn: int, own: float) -> float:
+        if session != "a":
+            return own
+        return 1.0 if turn == 2 else 0.0
+
+    rows = [(u, s, t, score(s, t, sc), v, st) for u, s, t, sc, v, st in ROWS]
     last = group_advantages(batch(rows), episode_weight="last", epsilon=0.0)
     assert last.advantages.tolist() == pytest.approx(
         group_advantages(batch(ROWS), episode_weight="mean", epsilon=0.0).advantages.tolist(), abs=1e-6)

@@ -16,9 +16,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from agentloop.config import resolve_config
 from agentloop.errors import ConfigError, ServerError
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.servers.base import ServerDeadError, WeightLoader
+from agentloop.servers.placement import ServerSlot, create_server_actor
 from agentloop.servers.sglang import SGLangEngineAPI, SGLangServer, engine_kwargs
 from agentloop.servers.weight_sync import iter_buckets
 from agentloop.types import StopReason
@@ -108,7 +110,12 @@ class FakeEngine:
             if finish is None:
                 yield self._chunk(out, None, logprob, len(ids) - len(out))
         self.aborted.discard(rid)
-        out = (ids[-1:] if finish != "abort" else []) if incremental else ids
+        if not incremental:
+            out = ids
+        elif finish == "abort":
+            out = []
+        else:
+            out = ids[-1:]
         yield self._chunk(out, finish, logprob, len(ids) - len(out))
 
     @staticmethod
@@ -333,10 +340,14 @@ def test_engine_kwargs_follow_verl_keys_and_engine_kwargs_sglang_wins() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
-def test_rollout_name_sglang_without_sglang_says_how_to_install_it() -> None:
-    from agentloop.cluster.placement import _server_class
-
+def test_rollout_name_sglang_without_sglang_says_how_to_install_it(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    cfg = resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)}, "rollout": {"name": "sglang"}},
+                          "data": {}})
+    slot = ServerSlot(scheduling_strategy=None)
+    # the server class is chosen before any actor is created: no Ray needed to see the errors
     with pytest.raises(ConfigError, match=r"name=sglang but SGLang is not installed.*pip install -e '.\[sglang\]'"):
-        _server_class("sglang")
+        create_server_actor(cfg, slot, 0)
+    unchecked = SimpleNamespace(engine=SimpleNamespace(name="trtllm"))  # a config the config check would refuse
     with pytest.raises(ConfigError, match="use 'vllm' or 'sglang'"):
-        _server_class("trtllm")
+        create_server_actor(unchecked, slot, 0)

@@ -11,7 +11,7 @@ from agentloop.errors import ConfigError
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.routing.strategies import make_balancer
 from agentloop.routing.tail import ContextPriority, make_priority
-from agentloop.servers.vllm import _engine_args
+from agentloop.servers.vllm import engine_args
 from agentloop.testing import ScriptedServer
 from agentloop.testing.sim_rollout import ServerModel, Workload, simulate, simulate_stream
 
@@ -45,7 +45,7 @@ def test_priority_context_switches_the_engine_to_priority_scheduling(tmp_path):
     def args(server):
         cfg = resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)},
                                                     "rollout": {"server": server}}, "data": {}})
-        return _engine_args(cfg.rollout, cfg.model, on_cpu=True)
+        return engine_args(cfg.engine, cfg.server, cfg.model_config, on_cpu=True)
 
     assert args({})["scheduling_policy"] == "fcfs"
     assert args({"priority": "context"})["scheduling_policy"] == "priority"

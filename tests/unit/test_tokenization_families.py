@@ -274,10 +274,11 @@ def test_broken_encoder_is_caught(family, breakage, monkeypatch):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prompt_encoding_fast_path_gives_hf_ids(family):
     """agent loops encode prompts with the Rust backend directly; the ids must be exactly HF's."""
-    from agentloop.loops.prompt import _fast_backend, apply_chat_template
+    from agentloop.loops.prompt import apply_chat_template
+    from agentloop.tokenization.fast import fast_backend
 
     tok = make_template_tokenizer(family)
-    assert _fast_backend(tok) is not None
+    assert fast_backend(tok) is not None
     rng = random.Random(f"fast-path-{family}")
     for _ in range(20):
         msgs, tools, kwargs = random_conversation(rng, family)
@@ -290,14 +291,15 @@ def test_prompt_encoding_fast_path_gives_hf_ids(family):
 
 def test_prompt_encoding_falls_back_when_the_backend_would_truncate():
     """Truncation left on the Rust tokenizer (HF resets it per call) must not leak into a prompt."""
-    from agentloop.loops.prompt import _fast_backend, apply_chat_template
+    from agentloop.loops.prompt import apply_chat_template
+    from agentloop.tokenization.fast import fast_backend
 
     tok = make_template_tokenizer("chatml_hermes")
     msgs = [{"role": "user", "content": "What is 12 + 30? " * 20}]
     expected = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
     tok._tokenizer.enable_truncation(max_length=8)
     try:
-        assert _fast_backend(tok) is None
+        assert fast_backend(tok) is None
         assert apply_chat_template(tok, msgs, add_generation_prompt=True) == expected
     finally:
         tok._tokenizer.no_truncation()

@@ -288,11 +288,11 @@ def test_process_executor_refuses_functions_a_new_process_cannot_find_at_load_ti
 
 
 def test_process_executor_finds_decorated_and_function_tool_path_functions(tmp_path):
-    from agentloop.tools.executor import _call_ref
+    from agentloop.tools.executor import call_ref
     from agentloop.tools.function_tool import load_function_tools_from_path
 
     ref = function_reference(echo_long.fn, "echo_long")
-    assert not ref.direct and _call_ref(ref, {"n": 2}) == "ab"  # via the tool class that replaced the function
+    assert not ref.direct and call_ref(ref, {"n": 2}) == "ab"  # via the tool class that replaced the function
     file = tmp_path / "my_tools.py"
     file.write_text("from agentloop.tools import function_tool\n\n\n@function_tool\n"
                     "def shout_in_file(text: str) -> str:\n    \"\"\"Shout.\"\"\"\n    return text.upper()\n")
@@ -302,7 +302,7 @@ def test_process_executor_finds_decorated_and_function_tool_path_functions(tmp_p
         assert ref.path == str(file.resolve())
         module = sys.modules.pop(ref.module)  # as in a new process: the module is found again from its file
         try:
-            assert _call_ref(ref, {"text": "hi"}) == "HI"
+            assert call_ref(ref, {"text": "hi"}) == "HI"
         finally:
             sys.modules[ref.module] = module
     finally:

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from agentloop.servers import vllm_plugin
-from agentloop.servers.vllm import _engine_args
+from agentloop.servers.vllm import engine_args
 from agentloop.testing.tiny_vl_model import ensure_tiny_vl_model
 
 needs_no_torchvision = pytest.mark.skipif(vllm_plugin.torchvision_available(),
@@ -60,14 +60,16 @@ def test_qwen2_vl_engines_start_without_video_inputs_and_text_models_are_untouch
     assert vllm_plugin.engine_arg_defaults(str(tmp_path)) == {}
     assert vllm_plugin.engine_arg_defaults(str(tmp_path / "missing")) == {}
 
-    from agentloop.config import default_config
+    from agentloop.config import default_config, resolve_config
 
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = vl_path
-    args = _engine_args(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, on_cpu=True)
+    resolved = resolve_config(cfg)
+    args = engine_args(resolved.engine, resolved.server, resolved.model_config, on_cpu=True)
     assert args["limit_mm_per_prompt"] == {"video": 0}
     cfg.actor_rollout_ref.rollout.engine_kwargs.vllm = {"limit_mm_per_prompt": {"image": 3, "video": 0}}
-    args = _engine_args(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, on_cpu=True)
+    resolved = resolve_config(cfg)
+    args = engine_args(resolved.engine, resolved.server, resolved.model_config, on_cpu=True)
     assert args["limit_mm_per_prompt"] == {"image": 3, "video": 0}  # the user's engine_kwargs win
 
 

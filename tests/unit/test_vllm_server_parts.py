@@ -54,7 +54,13 @@ class FakeAsyncLLM:
                 if delta and len(ids) < params.max_tokens:
                     yield _out(ids[-1:], None, False)
             reason = "abort" if request_id in self.aborted else "length"
-            yield _out(ids[-1:] if delta and reason == "length" else [] if delta else ids, reason, True)
+            if not delta:
+                final = ids
+            elif reason == "length":
+                final = ids[-1:]
+            else:
+                final = []
+            yield _out(final, reason, True)
         finally:
             self.running.pop(request_id, None)
             self.aborted.discard(request_id)

@@ -22,7 +22,14 @@ from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.rollout.weights import WeightSync
 from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager
-from agentloop.servers.weight_sync import SharedBucket, WeightBucket, _shared_tensors, _view, iter_buckets, tied_aliases
+from agentloop.servers.weight_sync import (
+    SharedBucket,
+    WeightBucket,
+    iter_buckets,
+    shared_tensors,
+    tensor_view,
+    tied_aliases,
+)
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
 from agentloop.types import TokenOutput
@@ -82,7 +89,7 @@ def test_bucket_keeps_every_dtype_and_shape_exactly_through_pickle_and_wire():
         assert t.dtype == weights[name].dtype and torch.equal(t, weights[name].detach()), name
     for name, dtype, shape, pieces in restored.to_wire():  # what the engine worker rebuilds
         data = b"".join(bytes(p) for p in pieces)
-        assert torch.equal(_view(data, dtype, shape), weights[name].detach()), name
+        assert torch.equal(tensor_view(data, dtype, shape), weights[name].detach()), name
 
 
 def test_shared_bucket_round_trips_through_a_mapping_and_unlinks(monkeypatch, tmp_path):
@@ -91,7 +98,7 @@ def test_shared_bucket_round_trips_through_a_mapping_and_unlinks(monkeypatch, tm
     monkeypatch.setattr(SharedBucket, "SHM_DIR", str(tmp_path))  # a plain directory maps the same way
     shared = SharedBucket.create(bucket)
     assert shared is not None and shared.size == bucket.nbytes
-    restored = dict(_shared_tensors(shared.path, shared.size, shared.layout))
+    restored = dict(shared_tensors(shared.path, shared.size, shared.layout))
     shared.close()
     assert list(tmp_path.iterdir()) == []  # the name is gone, the mapping still serves the tensors
     for name, t in weights.items():
