@@ -162,8 +162,8 @@ _add(ROLLOUT, HONOURED, "function tools loaded once per worker (load_all_tools)"
 _add(ROLLOUT, UNSUPPORTED, "extra outputs/hooks not implemented", {"agent.agent_loop_manager_class": None},
      origin="verl-dataclass")
 _add(ROLLOUT, UNSUPPORTED, "multimodal prompts per request", {"limit_images": None}, origin="verl-dataclass")
-_add(ROLLOUT, HONOURED, "rollout traces (agentloop.trace): backend jsonl (verl's weave/mlflow/trackio are refused "
-     "with a ConfigError when the workers start)", {
+_add(ROLLOUT, HONOURED, "rollout traces (agentloop.trace): backends jsonl and mlflow (verl's weave/trackio are "
+     "refused with a ConfigError when the workers start)", {
          "trace.backend": None, "trace.token2text": False, "trace.max_samples_per_step_per_worker": None,
      })
 _add(ROLLOUT, UNSUPPORTED, "metrics export not implemented", {
