@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from agentloop.loops.base import _agent_loop_registry  # verl's name for the users' loop registry
 from agentloop.testing.tiny_model import ensure_tiny_model
 
 
@@ -33,3 +34,13 @@ def tokenizer():
     from transformers import AutoTokenizer  # heavy: only for the tests that ask for it
 
     return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _loops_registered_only_while_their_module_runs():
+    """A loop a test module registers (``@register`` in a test) is unregistered when the module ends: Ray workers
+    of later (integration) tests cannot import test modules, and the manager ships the driver's registry to them."""
+    before = set(_agent_loop_registry)
+    yield
+    for name in set(_agent_loop_registry) - before:
+        _agent_loop_registry.pop(name, None)
