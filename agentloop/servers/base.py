@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from agentloop.errors import ServerError
-from agentloop.servers.weight_sync import OpenWeightUpdate, WeightBucket, Weights
+from agentloop.servers.weight_sync import OpenWeightUpdate, WeightBucket, Weights, iter_buckets
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at the "
@@ -218,10 +218,16 @@ class WeightLoader(Protocol):
         """Close the open update without publishing its version (``abort_weight_update``)."""
         ...
 
-    async def update(self, named_tensors: Weights, global_steps: int | None = None,
+
+
+async def load_whole(loader: WeightLoader, named_tensors: Weights, global_steps: int | None = None,
                      transport: str = "auto") -> dict[str, Any]:
-        """The whole update in one call (``update_weights``)."""
-        ...
+    """A whole weight update in one call (a server's ``update_weights``): begin, every tensor as one bucket,
+    finish; returns :meth:`WeightLoader.finish`'s result."""
+    await loader.begin(global_steps, transport)
+    for bucket in iter_buckets(named_tensors, bucket_bytes=1 << 62):
+        await loader.load(bucket)
+    return await loader.finish()
 
 
 class CutSignals(TypedDict, total=False):

@@ -29,6 +29,7 @@ from agentloop.servers.base import (
     GenerateBatcher,
     PauseGate,
     ServerDeadError,
+    load_whole,
 )
 from agentloop.servers.sglang_weights import SGLangWeights
 from agentloop.servers.weight_sync import WeightBucket
@@ -390,7 +391,7 @@ class SGLangServer:
                              transport: str = "auto") -> dict[str, Any]:
         """The whole update in one call: begin, one bucket, finish."""
         self._require_awake()
-        return await self.weights.update(named_tensors, global_steps, transport)
+        return await load_whole(self.weights, named_tensors, global_steps, transport)
 
     def _require_awake(self) -> None:
         self._require()

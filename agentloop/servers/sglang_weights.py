@@ -14,7 +14,7 @@ from typing import Any
 
 from agentloop.errors import ServerError
 from agentloop.servers.base import LOST_FOR_UPDATE, PauseGate
-from agentloop.servers.weight_sync import OpenWeightUpdate, WeightBucket, Weights, iter_buckets
+from agentloop.servers.weight_sync import OpenWeightUpdate, WeightBucket
 
 RaiseIfDead = Callable[[BaseException | None, str], None]
 """``(error, then)``: raise ServerDeadError (ending ``then``) when the engine's processes died, else return."""
@@ -118,11 +118,3 @@ class SGLangWeights:
         """Close an open update without publishing its version (no-op when none is open)."""
         self.open = None
         self._closed.set()
-
-    async def update(self, named_tensors: Weights, global_steps: int | None = None,
-                     transport: str = "auto") -> dict[str, Any]:
-        """The whole update in one call: begin, one bucket, finish; returns :meth:`finish`'s result."""
-        await self.begin(global_steps, transport)
-        for bucket in iter_buckets(named_tensors, bucket_bytes=1 << 62):
-            await self.load(bucket)
-        return await self.finish()

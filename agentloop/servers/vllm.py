@@ -20,7 +20,7 @@ from agentloop.batch.multimodal import engine_prompt
 from agentloop.cluster.enginewatch import EngineWatch, engine_progress, kill_engine_processes
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ServerError
-from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
+from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError, load_whole
 from agentloop.servers.inflight_update import InFlightUpdate, collect_stream
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.vllm_weights import VLLMWeights
@@ -439,7 +439,7 @@ class VLLMServer:
         """The whole update in one call (one bucket): begin, load, finish.  With tied embeddings and no
         ``lm_head.weight`` given, the output layer is loaded from ``model.embed_tokens.weight``."""
         self._require_awake()
-        return await self.weights.update(named_tensors, global_steps, transport)
+        return await load_whole(self.weights, named_tensors, global_steps, transport)
 
     def _require_awake(self) -> None:
         self._require_started()

@@ -22,8 +22,6 @@ from agentloop.servers.weight_sync import (
     OpenWeightUpdate,
     SharedBucket,
     WeightBucket,
-    Weights,
-    iter_buckets,
     tied_aliases,
     write_shard,
 )
@@ -150,14 +148,6 @@ class VLLMWeights:
             with contextlib.suppress(Exception):
                 await self._engine().collective_rpc("agentloop_finish_weight_update")
         await self._close()
-
-    async def update(self, named_tensors: Weights, global_steps: int | None = None,
-                     transport: str = "auto") -> dict[str, Any]:
-        """The whole update in one call (one bucket): begin, load, finish; returns :meth:`finish`'s result."""
-        await self.begin(global_steps, transport)
-        for bucket in iter_buckets(named_tensors, bucket_bytes=1 << 62):
-            await self.load(bucket)
-        return await self.finish()
 
     async def _load_direct(self, bucket: WeightBucket, aliases: dict[str, str]) -> None:
         """Through a shared-memory segment, or inside the RPC message where none can be made."""
