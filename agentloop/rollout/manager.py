@@ -18,6 +18,7 @@ Usage from a trainer::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -411,6 +412,7 @@ class AgentLoopManager:
         """
         self.weights.set_mode(mode)
         self.rollout.server.weight_update = mode  # servers restarted later start with it
+        self.config = dataclasses.replace(self.config)  # its typed sections rebuilt from the edited slice
 
     def _update_weights_whole(self, named_tensors: dict[str, Any], *, global_steps: int | None = None,
                               transport: str = "file") -> int:
