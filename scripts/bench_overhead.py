@@ -13,7 +13,7 @@ throughputs and the ratio agentloop / raw (goal: >= 0.97).
     python scripts/bench_overhead.py --device cuda     # on a GPU: the CUDA build of vLLM, bfloat16, CUDA graphs
 
 On CUDA both engines share the one GPU (``--gpu-memory-utilization`` each); the raw engine and the server
-actor are built from the same ``_engine_args``, so they compile and capture the same graphs.
+actor are built from the same ``engine_args``, so they compile and capture the same graphs.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class RawEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from agentloop.cluster.placement import cpu_bind_env
-        from agentloop.servers.vllm import _engine_args
+        from agentloop.config import resolve_config
+        from agentloop.servers.vllm import engine_args
 
         r = cfg.actor_rollout_ref.rollout
         on_cpu = r.server.device == "cpu"
@@ -108,7 +109,9 @@ class RawEngine:
         self.loop = asyncio.new_event_loop()
 
         async def build():
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**_engine_args(r, cfg.actor_rollout_ref.model, on_cpu)))
+            typed = resolve_config(cfg)  # the sections the server actor builds from the same config
+            args = engine_args(typed.engine, typed.server, typed.model_config, on_cpu)
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         self.engine = self.loop.run_until_complete(build())
 

@@ -77,12 +77,6 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
     return args
 
 
-def _engine_args(rollout: DictConfig, model: DictConfig, on_cpu: bool, server_index: int = 0) -> dict[str, Any]:
-    """:func:`engine_args` from the rollout and model slices (a server's constructor arguments)."""
-    return engine_args(EngineConfig.from_rollout(rollout), ServerConfig.from_rollout(rollout),
-                       ModelConfig.from_root({"actor_rollout_ref": {"model": model}}), on_cpu, server_index)
-
-
 async def _empty() -> AsyncIterator[Any]:
     return
     yield
