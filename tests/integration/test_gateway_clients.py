@@ -3,7 +3,9 @@
 Each client library talks to its own session exactly as it would talk to its provider (only the base
 URL and key set); the tests check that the recorded trajectory is token for token what the client
 received.  One manager (1 vLLM server, 1 worker) is shared by the module; a test's agent is an
-in-process runner registered (with :func:`runner`) only while the module's manager lives.
+in-process runner registered (with :func:`runner`) only while the module's manager lives; it runs
+in the worker's process, so it hands what its client received back through a JSON file whose path
+the test puts in ``extra_info`` (see :func:`run_agents`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ pytestmark = pytest.mark.integration
 
 PROMPT_LEN, RESPONSE_LEN = 512, 128
 RUNNERS: dict[str, Callable[..., Any]] = {}
-SEEN: dict[str, list[Any]] = {}
-"""What each agent received from its client library, by ``extra_info.key`` (runners fill it)."""
 
 
 def runner(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
