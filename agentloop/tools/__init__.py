@@ -11,6 +11,7 @@ from agentloop.tools.context_tools import (
 )
 from agentloop.tools.function_tool import (
     FUNCTION_TOOL_REGISTRY,
+    FUNCTION_TOOLS,
     FunctionTool,
     function_tool,
     get_function_tool,
@@ -32,6 +33,7 @@ from agentloop.tools.schemas import (
 
 __all__ = [
     "FUNCTION_TOOL_REGISTRY",
+    "FUNCTION_TOOLS",
     "BaseTool",
     "CalculatorTool",
     "ContextEdit",

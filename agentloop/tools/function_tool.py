@@ -13,10 +13,11 @@
 
 The decorator returns a :class:`FunctionTool` subclass named after the function (a YAML tool file loads it
 by ``class_name``; ``get_weather.fn`` is the function), with the OpenAI schema inferred from the type hints and
-docstring, and registers it in :data:`FUNCTION_TOOL_REGISTRY`.  Raises :class:`~agentloop.errors.ConfigError`
-at decoration time for a parameter it cannot describe.  Async functions are awaited; sync ones run in the
-tool executor.  Spec (verl's decorator forms, schema inference, timeouts, return values):
-docs/tools.md#function-tools.
+docstring, and registers it in :data:`FUNCTION_TOOLS` (a :class:`~agentloop.utils.registry.Registry`; the
+latest tool under a name wins; YAML tool files find it by name through ``TOOLS``).  Raises
+:class:`~agentloop.errors.ConfigError` at decoration time for a parameter it cannot describe.  Async
+functions are awaited; sync ones run in the tool executor.  Spec (verl's decorator forms, schema
+inference, timeouts, return values): docs/tools.md#function-tools.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import inspect
 import json
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, overload
 
@@ -36,13 +37,12 @@ from agentloop.tools.base import BaseTool
 from agentloop.tools.executor import tool_executor
 from agentloop.tools.schema_inference import fn_label, infer_schema, json_schema_for, parse_docstring
 from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from agentloop.utils.registry import Registry
 
-__all__ = ["FUNCTION_TOOL_REGISTRY", "FunctionTool", "function_tool", "get_function_tool", "infer_schema",
-           "json_schema_for", "load_function_tools_from_path", "make_function_tool", "normalize_function_tool_return",
-           "parse_docstring"]
+__all__ = ["FUNCTION_TOOLS", "FUNCTION_TOOL_REGISTRY", "FunctionTool", "FunctionToolInstances", "function_tool",
+           "get_function_tool", "infer_schema", "json_schema_for", "load_function_tools_from_path",
+           "make_function_tool", "normalize_function_tool_return", "parse_docstring"]
 
-FUNCTION_TOOL_REGISTRY: dict[str, FunctionTool] = {}
-"""Tool name → an instance of the latest tool made by :func:`function_tool` under that name."""
 _collecting: list[list[type[FunctionTool]]] = []  # open load_function_tools_from_path calls, innermost last
 _loaded_paths: dict[Path, list[FunctionTool]] = {}
 
@@ -121,6 +121,48 @@ class FunctionTool(BaseTool):
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
         """Call the function; docs/tools.md#function-tools says how return values become the triple."""
         return _to_triple(await self.call(parameters), self.name)
+
+
+FUNCTION_TOOLS = Registry(
+    "function tool", decorator="function_tool", base=FunctionTool,
+    how="Decorate a function with @function_tool (in a file given as function_tool_path).",
+)
+"""Tool name -> the latest :class:`FunctionTool` subclass made by :func:`function_tool` under that name.
+``del FUNCTION_TOOLS[name]`` unregisters one.  ``TOOLS`` (tools/registry.py) looks names up here after
+its own, so YAML ``class_name`` / ``_target_`` finds function tools by name."""
+
+
+class FunctionToolInstances(Mapping[str, FunctionTool]):
+    """Read-only view of :data:`FUNCTION_TOOLS` as name -> tool instance (one instance per tool class,
+    made on first lookup).  Deprecated: it backs the old name :data:`FUNCTION_TOOL_REGISTRY`; use
+    :data:`FUNCTION_TOOLS` (classes) or :func:`get_function_tool` (an instance)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._made: dict[str, FunctionTool] = {}
+
+    def __getitem__(self, name: str) -> FunctionTool:
+        """The instance of the tool class registered as ``name``; KeyError if none is."""
+        cls = self.registry[name]
+        made = self._made.get(name)
+        if type(made) is not cls:
+            made = self._made[name] = cls()
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.registry)
+
+    def __len__(self) -> int:
+        return len(self.registry)
+
+    def __repr__(self) -> str:
+        return f"FunctionToolInstances({self.registry.names()})"
+
+
+FUNCTION_TOOL_REGISTRY: Mapping[str, FunctionTool] = FunctionToolInstances(FUNCTION_TOOLS)
+"""Deprecated read-only mapping tool name -> an instance of the latest tool made by :func:`function_tool`
+under that name (verl's spelling); register with ``@function_tool`` and unregister with
+``del FUNCTION_TOOLS[name]``."""
 
 
 def _to_triple(value: Any, name: str) -> tuple[ToolResponse, float, dict[str, Any]]:
@@ -249,7 +291,8 @@ def make_function_tool(
     }
     cls = types.new_class(getattr(fn, "__name__", tool_schema.function.name), (FunctionTool,), {},
                           lambda ns: ns.update(namespace))
-    FUNCTION_TOOL_REGISTRY[tool_schema.function.name] = cls()
+    cls()  # a tool that cannot be built fails here, at decoration
+    FUNCTION_TOOLS.add(tool_schema.function.name, cls, replace=True)
     for created in _collecting:
         created.append(cls)
     return cls

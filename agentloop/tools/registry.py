@@ -10,7 +10,8 @@
 
 ``class_name`` (verl's key) and ``_target_`` are aliases: an import path, or a name registered with
 :func:`register_tool` (built in: ``calculator``, ``calc_gsm8k_reward``, ``delete_context``,
-``summarize_context``) or with ``@function_tool``.
+``summarize_context``) or with ``@function_tool`` (``FUNCTION_TOOLS``, which :data:`TOOLS` consults for
+names it lacks: one lookup for both).
 
 ``config.type`` is optional; when given it must be ``native`` (verl's MCP tools are not supported).
 :func:`load_all_tools` is verl 0.9.1's entry point: the YAML's tools, then the ``@function_tool`` functions of
@@ -30,19 +31,20 @@ from pydantic import ValidationError
 
 from agentloop.errors import ConfigError
 from agentloop.tools.base import BaseTool
-from agentloop.tools.function_tool import FUNCTION_TOOL_REGISTRY, FunctionTool, load_function_tools_from_path
+from agentloop.tools.function_tool import FUNCTION_TOOLS, FunctionTool, load_function_tools_from_path
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
 from agentloop.utils.imports import load_yaml_entries
-from agentloop.utils.registry import Registry, did_you_mean, entry_target
+from agentloop.utils.registry import Registry, entry_target
 
 _HINT = "a tool is a BaseTool subclass or a function decorated with @agentloop.tools.function_tool"
 
 TOOLS = Registry(
-    "tool", decorator="register_tool", base=BaseTool,
+    "tool", decorator="register_tool", base=BaseTool, fallback=FUNCTION_TOOLS,
     how="Register one with @register_tool(name) on a BaseTool subclass (or @function_tool on a function), "
         "or give its import path.",
 )
-"""Tool classes by name, for a YAML entry's ``class_name`` / ``_target_``; built-ins imported on first use."""
+"""Tool classes by name, for a YAML entry's ``class_name`` / ``_target_``; built-ins imported on first use.
+Names registered here come first, then the ``@function_tool`` tools of its fallback ``FUNCTION_TOOLS``."""
 for _name, _path in {"calculator": "calculator.CalculatorTool", "calc_gsm8k_reward": "gsm8k.Gsm8kTool",
                      "delete_context": "context_tools.DeleteContextTool",
                      "summarize_context": "context_tools.SummarizeContextTool"}.items():
@@ -62,12 +64,8 @@ def tool_class(spec: str, where: str = "tool class_name") -> type[BaseTool]:
     """The tool class for ``spec``: a registered name (:func:`register_tool`, ``@function_tool``) or an
     import path.  Raises ConfigError (prefixed by ``where``) for an unknown name or a bad path."""
     spec = str(spec)
-    if spec not in TOOLS and spec in FUNCTION_TOOL_REGISTRY:
-        return type(FUNCTION_TOOL_REGISTRY[spec])
-    if spec not in TOOLS and "." not in spec:
-        known = sorted({*TOOLS, *FUNCTION_TOOL_REGISTRY})
-        raise ConfigError(f"{where}: unknown tool {spec!r}; {did_you_mean(spec, known)}registered: {known}. "
-                          f"{TOOLS.how}")
+    if spec not in TOOLS and "." not in spec:  # "a:b" too is an unknown name here, not an import path
+        raise ConfigError(f"{where}: {TOOLS.unknown_message(spec)}")
     return TOOLS.resolve(spec, where, hint=_HINT)
 
 

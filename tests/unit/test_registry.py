@@ -27,7 +27,7 @@ from agentloop.loops.runners import AGENT_RUNNERS, resolve_runner
 from agentloop.parsers import ToolParser, get_tool_parser
 from agentloop.parsers.base import TOOL_PARSERS
 from agentloop.tools import TOOLS, BaseTool, function_tool, initialize_tools_from_config, register_tool
-from agentloop.tools.function_tool import FUNCTION_TOOL_REGISTRY
+from agentloop.tools.function_tool import FUNCTION_TOOL_REGISTRY, FUNCTION_TOOLS, get_function_tool
 from agentloop.utils.registry import Registry, target_of
 
 
@@ -268,7 +268,41 @@ def test_tools_by_registered_name_target_alias_and_function_tool(tmp_path):
             initialize_tools_from_config(path)
     finally:
         del TOOLS["t_reg_tool"]
-        FUNCTION_TOOL_REGISTRY.pop("t_reg_fn", None)
+        FUNCTION_TOOLS.pop("t_reg_fn", None)
+
+
+def test_function_tools_register_in_a_registry_that_tools_consults(tmp_path):
+    @function_tool
+    def t_reg_fn_one(x: int) -> str:
+        """Echo x."""
+        return str(x)
+
+    try:
+        assert isinstance(FUNCTION_TOOLS, Registry) and FUNCTION_TOOLS["t_reg_fn_one"] is t_reg_fn_one
+        assert "t_reg_fn_one" in TOOLS and TOOLS["t_reg_fn_one"] is t_reg_fn_one  # one lookup for both kinds
+        assert "t_reg_fn_one" in TOOLS.names() and "calculator" in TOOLS.names()
+        # the deprecated name: a read-only mapping name -> one instance of the latest tool of that name
+        old = FUNCTION_TOOL_REGISTRY["t_reg_fn_one"]
+        assert type(old) is t_reg_fn_one and FUNCTION_TOOL_REGISTRY["t_reg_fn_one"] is old
+        assert get_function_tool("t_reg_fn_one") is old and "t_reg_fn_one" in dict(FUNCTION_TOOL_REGISTRY)
+        assert not hasattr(FUNCTION_TOOL_REGISTRY, "pop") and not hasattr(FUNCTION_TOOL_REGISTRY, "__setitem__")
+
+        @function_tool(name="t_reg_fn_one")
+        def again(x: int) -> str:
+            """Echo x again."""
+            return str(x)
+
+        assert TOOLS["t_reg_fn_one"] is again and type(FUNCTION_TOOL_REGISTRY["t_reg_fn_one"]) is again
+        path = tmp_path / "tools.yaml"
+        path.write_text("tools:\n  - _target_: t_reg_fn_onee\n")
+        with pytest.raises(ConfigError, match=r"unknown tool 't_reg_fn_onee'; did you mean 't_reg_fn_one'\? "
+                                              r"registered: \[.*'calculator'.*'t_reg_fn_one'.*\]\. Register one"):
+            initialize_tools_from_config(path)
+    finally:
+        del FUNCTION_TOOLS["t_reg_fn_one"]
+    assert "t_reg_fn_one" not in TOOLS and "t_reg_fn_one" not in FUNCTION_TOOL_REGISTRY
+    with pytest.raises(ConfigError, match="no function tool named 't_reg_fn_one' is registered"):
+        get_function_tool("t_reg_fn_one")
 
 
 class TRegInteraction(BaseInteraction):

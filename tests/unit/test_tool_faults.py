@@ -22,7 +22,7 @@ from agentloop.parsers.base import FunctionCall
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
-from agentloop.tools import FUNCTION_TOOL_REGISTRY, BaseTool, FunctionTool, ToolResponse, function_tool
+from agentloop.tools import FUNCTION_TOOLS, BaseTool, FunctionTool, ToolResponse, function_tool
 from agentloop.tools.executor import (
     configure_tool_executor,
     function_reference,
@@ -98,7 +98,7 @@ def _cleanup():
     yield
     UNBLOCK.set()
     for name in MODULE_TOOLS:
-        FUNCTION_TOOL_REGISTRY.pop(name, None)
+        FUNCTION_TOOLS.pop(name, None)
     shutdown_tool_executor()
 
 
@@ -283,7 +283,7 @@ def test_process_executor_refuses_functions_a_new_process_cannot_find_at_load_ti
                 ToolRunner({tool.name: tool})
         ToolRunner({"echo_long": echo_long(), "hang_async": hang_async()})  # module level / async: fine
     finally:
-        FUNCTION_TOOL_REGISTRY.pop("nested_fn", None), FUNCTION_TOOL_REGISTRY.pop("lam", None)
+        FUNCTION_TOOLS.pop("nested_fn", None), FUNCTION_TOOLS.pop("lam", None)
         configure_tool_executor()
 
 
@@ -306,7 +306,7 @@ def test_process_executor_finds_decorated_and_function_tool_path_functions(tmp_p
         finally:
             sys.modules[ref.module] = module
     finally:
-        FUNCTION_TOOL_REGISTRY.pop("shout_in_file", None)
+        FUNCTION_TOOLS.pop("shout_in_file", None)
 
 
 def test_process_executor_runs_a_sync_function_in_another_process(tmp_path, monkeypatch):
