@@ -100,6 +100,17 @@ def canonical_tools(tools: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False, default=str)
 
 
+def _placeable(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as a list; :class:`StoreError` when empty or ending with an assistant message."""
+    messages = list(messages)
+    if not messages:
+        raise StoreError("messages is empty: send at least one message")
+    if messages[-1].get("role") == "assistant":
+        raise StoreError("the last message is an assistant message; continuing a partial assistant turn is not "
+                         "supported: end the request with a user, system or tool message")
+    return messages
+
+
 # ---- nodes -------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class ContextNode:
@@ -210,12 +221,7 @@ class SessionStore:
         Raises:
             StoreError: no messages, or the last message is an assistant message.
         """
-        messages = list(messages)
-        if not messages:
-            raise StoreError("messages is empty: send at least one message")
-        if messages[-1].get("role") == "assistant":
-            raise StoreError("the last message is an assistant message; continuing a partial assistant turn is not "
-                             "supported: end the request with a user, system or tool message")
+        messages = _placeable(messages)
         canon = [canonical_message(m) for m in messages]
         tools_key = canonical_tools(tools)
         parent, start = self._match(canon, tools_key)
@@ -225,6 +231,29 @@ class SessionStore:
         prompt = [t for part in path for t in part.ids]
         return Reservation(node=node, prompt_ids=prompt, num_encoded_tokens=encoded,
                            remaining=self.max_length - len(prompt), prompt_len=len(path[0].ids))
+
+    def count_prompt_tokens(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> int:
+        """Length of the prompt :meth:`prepare` would give ``messages`` now; nothing is placed or counted.
+
+        Raises:
+            StoreError: as :meth:`prepare`.
+        """
+        messages = _placeable(messages)
+        canon = [canonical_message(m) for m in messages]
+        tools_key = canonical_tools(tools)
+        parent, start = self._match(canon, tools_key)
+        existing = self._children(parent).get((tools_key, tuple(canon[start:])))
+        if existing is not None:
+            return sum(len(part.ids) for part in self._path(existing))
+        tool_list = list(tools) if tools else None
+        if parent is not None:
+            try:
+                suffix = self._encode_after(parent, messages, start, tool_list)
+            except TemplateMismatchError:  # prepare falls back to a full render too
+                return len(self._encode_full(messages, tool_list))
+            return sum(len(part.ids) for part in self._path(parent)) + len(suffix)
+        return len(self._encode_full(messages, tool_list))
 
     def commit(self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
                message: dict[str, Any], finish_reason: str) -> SampledNode:
