@@ -280,6 +280,7 @@ class GatewayConfig(Section):
     num_gateways: int
     host: str
     max_body_bytes: int
+    max_image_bytes: int
     session_timeout: float | None
     max_concurrent_sessions: int
     trajectories: str
