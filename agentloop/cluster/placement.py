@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from agentloop.config import AgentLoopConfig
 from agentloop.errors import ConfigError, ServerError
 from agentloop.utils.process import restore_normal_priority  # noqa: F401 - re-exported from its former home
+from agentloop.utils.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,25 @@ def cpu_bind_env(index: int, num_servers: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + per - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+SERVER_CLASSES = Registry(
+    "server class", decorator="SERVER_CLASSES.register", where="actor_rollout_ref.rollout.name",
+    check=lambda obj: isinstance(obj, type), expected="a server class",
+    how="Register one with SERVER_CLASSES.register(name) on a class taking VLLMServer's constructor.",
+)
+"""Server actor classes by ``rollout.name`` that stand in for the built-in backends (``vllm``, ``sglang``) in
+every placement (standalone, colocated, restarts): the injection point for tests (a ScriptedServer with
+VLLMServer's constructor) and backends of your own.  Empty by default; ``del SERVER_CLASSES[name]``
+restores the built-in."""
+
+
 def _server_class(name: str) -> type:
+    """The server actor class for ``rollout.name``: a :data:`SERVER_CLASSES` entry, else the built-in backend.
+
+    Raises:
+        ConfigError: an unknown name, or ``sglang`` without SGLang installed.
+    """
+    if name in SERVER_CLASSES:
+        return SERVER_CLASSES[name]
     if name == "vllm":
         from agentloop.servers.vllm import VLLMServer  # optional dependency: vLLM is an extra
 

@@ -2,6 +2,7 @@
 
 from agentloop.cluster.placement import (  # noqa: F401
     PLACEMENT_STRATEGIES,
+    SERVER_CLASSES,
     ServerGroup,
     ServerSlot,
     count_servers,
@@ -16,6 +17,7 @@ from agentloop.cluster.placement import (  # noqa: F401
 
 __all__ = [
     "PLACEMENT_STRATEGIES",
+    "SERVER_CLASSES",
     "ServerGroup",
     "ServerSlot",
     "count_servers",

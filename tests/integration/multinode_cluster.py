@@ -62,9 +62,8 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         async def start(self) -> dict[str, Any]:
             return {"platform": "scripted"}
 
-    real_server_class = placement._server_class
-
-    def slow_servers(name: str) -> type:
+    def slow_servers() -> type:
+        """NodeServer replying after ``delay["s"]`` seconds (the value now)."""
         wait = delay["s"]
 
         class Slow(NodeServer):
@@ -104,7 +103,7 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
 
     try:
         delay["s"] = 2.0
-        placement._server_class = slow_servers
+        placement.SERVER_CLASSES["vllm"] = slow_servers()  # stands in for VLLMServer, restarts included
         manager = AgentLoopManager(config())
         try:
             servers, workers = list(manager.server_handles), list(manager.agent_loop_workers)
@@ -151,7 +150,7 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         report["scripted_s"] = time.monotonic() - t0
 
         if with_vllm:
-            placement._server_class = real_server_class
+            del placement.SERVER_CLASSES["vllm"]  # the real VLLMServer again
             t1 = time.monotonic()
             cfg = config(**{"server.num_servers": 2, "server.placement_strategy": "STRICT_SPREAD",
                             "agent.num_workers": 2, "dtype": "float32", "enforce_eager": True, "max_num_seqs": 8,

@@ -64,7 +64,7 @@ def main(report_path: str, model_path: str) -> None:
         async def start(self) -> dict[str, Any]:
             return {"platform": "scripted", "env_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 
-    placement._server_class = lambda name: NodeServer  # stands in for VLLMServer in every start_*_servers
+    placement.SERVER_CLASSES["vllm"] = NodeServer  # stands in for VLLMServer in every start_*_servers
 
     t0 = time.monotonic()
     cluster = Cluster(initialize_head=True,
