@@ -185,7 +185,7 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
         print(f"\n--- trajectory {n + 1} (row {row}) ---\n" + render_trajectory(output, row, tokenizer, colour))
     logs = "" if verbose else ", rollout.log"
     print(f"\noutputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json, config.yaml{logs}}}")
-    cli = _cli_name()
+    cli = cli_name()
     print(f"next: {cli} report {out_dir}    {cli} verify {out_dir} --model {resolved.model_config.path}")
     if verdict.message:
         print(f"agentloop: error: {verdict.message}", file=sys.stderr)
@@ -199,7 +199,7 @@ def _remove_stale_report(out_dir: Path) -> None:
         shutil.rmtree(out_dir / "report", ignore_errors=True)
 
 
-def _cli_name() -> str:
+def cli_name() -> str:
     """How to call this CLI again: ``agentloop`` when it is on PATH, else its path (e.g. ``.venv/bin/agentloop``
     in a virtualenv that is not activated)."""
     beside = Path(sys.executable).parent / "agentloop"

@@ -14,7 +14,7 @@ import agentloop.cli.rollout as cli
 import agentloop.tokenization.loader
 from agentloop.batch.protocol import DataProto
 from agentloop.cli.failures import EXIT_OK
-from agentloop.cli.rollout import build_config, main
+from agentloop.cli.rollout import build_config, cli_name, main
 from agentloop.errors import ConfigError
 
 
@@ -111,6 +111,6 @@ def test_the_next_step_hint_names_a_command_that_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert cli._cli_name() == ".venv/bin/agentloop"
+    assert cli_name() == ".venv/bin/agentloop"
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/local/bin/agentloop")  # on PATH: the short name
-    assert cli._cli_name() == "agentloop"
+    assert cli_name() == "agentloop"
