@@ -1,22 +1,24 @@
-"""Sessions/s and per-turn latency through the OpenAI gateway vs a direct router call, same engine.
+"""Sessions/s and per-turn latency through 1, 2, 4 … gateway actors vs direct router calls, same engine.
 
 ``--sessions`` concurrent conversations of ``--turns`` turns each (a user question, ``--max-tokens``
-sampled tokens with EOS ignored, then a follow-up user turn) run twice in one process on one engine:
+sampled tokens with EOS ignored, then a follow-up user turn) run on local Ray, as a rollout runs them:
+the engine is a Ray actor and each path is measured in one run, passes alternating:
 
-* direct (the baseline): the client renders the whole conversation with the chat template and calls
-  ``AsyncLLMServerManager.generate`` with the ids (what an agent loop does per turn, minus its
+* direct (the baseline): the driver renders the whole conversation with the chat template and calls
+  ``AsyncLLMServerManager.generate`` on the engine actor (what an agent loop does per turn, minus its
   incremental encoding);
-* gateway: the same conversation as OpenAI chat requests over HTTP on loopback (``aiohttp``, in the
-  gateway's event loop), through the session store (only the new suffix is encoded), each session
-  opened and finalized as the ``openai_agent`` loop does.
+* ``gateways=N``: the same conversation as OpenAI chat requests over HTTP on loopback (``aiohttp`` in the
+  driver) to N :class:`~agentloop.gateway.actor.GatewayActor` actors (sessions spread by
+  :class:`~agentloop.gateway.actor.GatewayManager`, opened and finalized as the ``openai_agent`` loop
+  does), each routing to the same engine actor.
 
 ``--engine fake`` (default) is :class:`agentloop.testing.ScriptedServer` replying after ``--delay``
 seconds, so the numbers are the gateway's own overhead at N concurrent sessions (try ``--sessions
-1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints sessions/s, p50 / p99 per-turn latency
-of both, their ratio last, and the tokens the gateway encoded per turn against the full prompt length.
+1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints sessions/s, p50 / p99 per-turn
+latency of each path and its ratio to direct; every trajectory is checked to be its own conversation.
 
     python scripts/bench_gateway.py [--engine fake|vllm] [--sessions 16] [--turns 4] [--max-tokens 16]
-                                    [--repeats 3] [--delay 0.01]
+                                    [--repeats 3] [--delay 0.01] [--gateways 1,2,4]
 """
 
 from __future__ import annotations
@@ -56,26 +58,25 @@ async def direct_session(router: Any, tokenizer: Any, first: str, args: argparse
         messages = conversation_step(messages, reply, turn)
 
 
-async def gateway_session(client: Any, gateway: Any, first: str, args: argparse.Namespace,
-                          lat: list[float], stats: dict[str, int]) -> None:
-    handle = await gateway.create_session(sampling_params={"ignore_eos": True})
+async def gateway_session(client: Any, gateways: Any, tokenizer: Any, first: str,
+                          args: argparse.Namespace, lat: list[float], stats: dict[str, int]) -> None:
+    handle = await gateways.create_session(sampling_params={"ignore_eos": True})
     messages = [{"role": "user", "content": first}]
     headers = {"Authorization": f"Bearer {handle.api_key}"}
     for turn in range(args.turns):
         t0 = time.perf_counter()
-        async with client.post(f"{handle.base_url}/chat/completions", headers=headers,
-                               json={"model": "m", "messages": messages, "temperature": 0,
-                                     "max_tokens": args.max_tokens}) as r:
+        body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": args.max_tokens}
+        async with client.post(f"{handle.base_url}/chat/completions", headers=headers, json=body) as r:
             r.raise_for_status()
             reply = (await r.json())["choices"][0]["message"]["content"]
         lat.append(time.perf_counter() - t0)
         messages = conversation_step(messages, reply, turn)
-    done = await gateway.finalize(handle.session_id)
+    done = await gateways.finalize(handle.session_id)
     stats["encoded"] += done["stats"]["num_encoded_tokens"]
     [traj] = done["trajectories"]  # one session, one branch: exactly one trajectory
-    text = gateway.service.tokenizer.decode(list(traj.prompt_ids) + list(traj.response_ids))
+    text = tokenizer.decode(list(traj.prompt_ids) + list(traj.response_ids))
     if text.count("topic number") != 1 or first not in text:  # a lost or merged trajectory
-        raise AssertionError(f"session {first!r} got a trajectory that is not its own: {text[:200]!r}")
+        raise AssertionError(f"session {first!r} got a trajectory not its own: {text[:200]!r}")
     stats["sessions_checked"] += 1
     stats["prompt_lens"] += _prompt_tokens_per_turn(traj)
 
@@ -91,29 +92,46 @@ def rollout_config(args: argparse.Namespace) -> Any:
     })
 
 
-async def start_engine(args: argparse.Namespace, rollout: Any, model: Any, tokenizer: Any) -> Any:
-    """The engine both paths share: the fake one (fixed replies after ``--delay``) or vLLM CPU."""
+def start_engine(args: argparse.Namespace, rollout: Any, model: Any, tokenizer: Any) -> Any:
+    """The engine actor both paths share: the fake one (fixed replies after ``--delay``) or vLLM CPU."""
+    import ray
+
     if args.engine == "fake":
         from agentloop.testing import ScriptedServer
 
         word = tokenizer.encode(" story", add_special_tokens=False)[0]
+        n = args.max_tokens
 
         def reply(prompt_ids: list[int], params: dict[str, Any], request_id: str) -> list[int]:
-            return [word] * int(params.get("max_tokens") or args.max_tokens)
+            return [word] * int(params.get("max_tokens") or n)
 
-        return ScriptedServer(reply, eos_token_id=tokenizer.eos_token_id, delay=args.delay)
+        cls = ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=100000)
+        return cls.remote(reply, eos_token_id=tokenizer.eos_token_id, delay=args.delay)
     from agentloop.servers.vllm import VLLMServer
 
-    server = VLLMServer(rollout, model)
-    await server.start()
+    server = ray.remote(num_cpus=0)(VLLMServer).options(max_concurrency=100000).remote(rollout, model)
+    ray.get(server.start.remote())
     return server
+
+
+async def run_pass(side: str, args: argparse.Namespace, env: dict[str, Any], firsts: list[str],
+                   lat: list[float], stats: dict[str, int]) -> None:
+    """One pass: every session once, all concurrent."""
+    if side == "direct":
+        await asyncio.gather(*(direct_session(env["router"], env["tokenizer"], f, args, lat)
+                               for f in firsts))
+        return
+    gateways = env["gateways"][side]
+    await asyncio.gather(*(gateway_session(env["client"], gateways, env["tokenizer"], f, args, lat,
+                                           stats) for f in firsts))
 
 
 async def main_async(args: argparse.Namespace) -> None:
     import aiohttp
+    import ray
     from transformers import AutoTokenizer
 
-    from agentloop.gateway.actor import GatewayActor
+    from agentloop.gateway.actor import GatewayManager, start_gateways
     from agentloop.routing import AsyncLLMServerManager
     from agentloop.testing.tiny_model import ensure_tiny_model
 
@@ -121,39 +139,43 @@ async def main_async(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rollout = rollout_config(args)
     model = OmegaConf.create({"path": model_path})
-    server = await start_engine(args, rollout, model, tokenizer)
-    router = AsyncLLMServerManager([server])
-    gateway = GatewayActor(rollout, model, [server], tokenizer=tokenizer)
-    await gateway.start()
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    server = start_engine(args, rollout, model, tokenizer)
+    env: dict[str, Any] = {"router": AsyncLLMServerManager([server]), "tokenizer": tokenizer,
+                           "gateways": {}}
+    counts = [int(n) for n in args.gateways.split(",")]
+    for n in counts:
+        env["gateways"][f"gateways={n}"] = GatewayManager(start_gateways(rollout, model, [server], n=n))
+    sides = ["direct", *env["gateways"]]
     firsts = [f"Tell me a story about topic number {i}." for i in range(args.sessions)]
-    results: dict[str, list[float]] = {"direct": [], "gateway": []}
-    walls: dict[str, float] = {"direct": 0.0, "gateway": 0.0}
+    results: dict[str, list[float]] = {side: [] for side in sides}
+    walls = dict.fromkeys(sides, 0.0)
     stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=600)) as client:
-            for rep in range(args.repeats + 1):  # the first round warms both paths up
-                for side in ("direct", "gateway") if rep % 2 == 0 else ("gateway", "direct"):
+            env["client"] = client
+            for rep in range(args.repeats + 1):  # the first round warms every path up
+                order = sides[rep % len(sides):] + sides[:rep % len(sides)]  # rotate: A B C, B C A...
+                for side in order:
                     lat: list[float] = []
                     round_stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
                     t0 = time.perf_counter()
-                    if side == "direct":
-                        await asyncio.gather(*(direct_session(router, tokenizer, f, args, lat) for f in firsts))
-                    else:
-                        await asyncio.gather(*(gateway_session(client, gateway, f, args, lat, round_stats)
-                                               for f in firsts))
+                    await run_pass(side, args, env, firsts, lat, round_stats)
+                    await asyncio.sleep(0.5)  # let the actors settle between passes
                     if rep > 0:
-                        walls[side] += time.perf_counter() - t0
+                        walls[side] += time.perf_counter() - t0 - 0.5
                         results[side] += lat
                         for k, v in round_stats.items():
                             stats[k] += v
     finally:
-        await gateway.shutdown()
+        for manager in env["gateways"].values():
+            for actor in manager.gateways:
+                ray.get(actor.shutdown.remote())
         if args.engine == "vllm":
-            await server.shutdown()
-    report(results, walls, stats["encoded"], stats["prompt_lens"], args)
-    print(f"trajectories checked: {stats['sessions_checked']} sessions, each exactly one trajectory holding only its "
-          "own conversation")
+            ray.get(server.shutdown.remote())
+        ray.shutdown()
+    report(results, walls, stats, args)
 
 
 def _prompt_tokens_per_turn(traj: Any) -> int:
@@ -163,22 +185,23 @@ def _prompt_tokens_per_turn(traj: Any) -> int:
     return sum(len(traj.prompt_ids) + i for i in starts)
 
 
-def report(results: dict[str, list[float]], walls: dict[str, float], encoded: int, prompt_lens: int,
+def report(results: dict[str, list[float]], walls: dict[str, float], stats: dict[str, int],
            args: argparse.Namespace) -> None:
-    n_turns = len(results["gateway"])
     n_sessions = args.sessions * args.repeats
-    print(f"engine {args.engine}: {args.sessions} concurrent sessions x {args.turns} turns x {args.max_tokens} "
-          f"tokens, {args.repeats} repeats")
-    print(f"{'path':<18}{'sessions/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}")
-    for side, label in (("direct", "direct (baseline)"), ("gateway", "gateway (HTTP)")):
-        vals = results[side]
-        print(f"{label:<18}{n_sessions / walls[side]:>12.1f}{percentile(vals, 50) * 1e3:>10.1f}"
-              f"{percentile(vals, 99) * 1e3:>10.1f}{statistics.mean(vals) * 1e3:>10.1f}")
-    print(f"tokens encoded per turn: gateway {encoded / n_turns:.1f} vs full prompt {prompt_lens / n_turns:.1f}")
-    rate = (n_sessions / walls["gateway"]) / (n_sessions / walls["direct"])
-    p50 = percentile(results["gateway"], 50) / percentile(results["direct"], 50)
-    p99 = percentile(results["gateway"], 99) / percentile(results["direct"], 99)
-    print(f"ratio gateway/direct: sessions/s {rate:.2f}  p50 {p50:.2f}  p99 {p99:.2f}")
+    print(f"engine {args.engine}: {args.sessions} concurrent sessions x {args.turns} turns x "
+          f"{args.max_tokens} tokens, {args.repeats} repeats (passes alternating)")
+    print(f"{'path':<14}{'sessions/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'ratio':>8}")
+    direct_rate = n_sessions / walls["direct"]
+    for side, vals in results.items():
+        rate = n_sessions / walls[side]
+        print(f"{side:<14}{rate:>12.1f}{percentile(vals, 50) * 1e3:>10.1f}"
+              f"{percentile(vals, 99) * 1e3:>10.1f}{statistics.mean(vals) * 1e3:>10.1f}"
+              f"{rate / direct_rate:>8.2f}")
+    n_turns = max(1, stats["sessions_checked"] * args.turns)
+    print(f"tokens encoded per turn: gateway {stats['encoded'] / n_turns:.1f} vs full prompt "
+          f"{stats['prompt_lens'] / n_turns:.1f}")
+    print(f"trajectories checked: {stats['sessions_checked']} sessions, each exactly one trajectory "
+          "holding only its own conversation")
 
 
 def main() -> None:
@@ -189,6 +212,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gateways", default="1,2,4", help="gateway actor counts to compare, e.g. 1,2,4")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     asyncio.run(main_async(args))
