@@ -52,7 +52,7 @@ def make_example(
     return ids, mask
 
 
-class _ExampleMaker:
+class ExampleMaker:
     """:func:`make_example` for a batch sharing one system prompt, about 4 times faster.
 
     The chat template renders once per system prompt; the questions are spliced into the rendered text and
@@ -101,7 +101,9 @@ class _ExampleMaker:
         return out
 
 
-def _batch(maker: _ExampleMaker, rng: random.Random, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prefix_batch(
+    maker: ExampleMaker, rng: random.Random, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One system prompt, ``size`` conversations: (shared prefix [P], suffixes [B, S], loss mask [B, S]).
 
     Suffixes are right-padded; ``mask[b, j]`` says whether predicting ``suffix[b, j]`` counts.  The prefix is
@@ -148,7 +150,7 @@ def train_tool_use(
         raise ValueError(f"stop_after must be in 1..steps={steps}, got {stop_after}")
     torch.manual_seed(seed)
     rng = random.Random(seed + 1)
-    maker = _ExampleMaker(tokenizer)
+    maker = ExampleMaker(tokenizer)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
@@ -158,7 +160,7 @@ def train_tool_use(
     start, loss_value = time.perf_counter(), float("nan")
     run = steps if stop_after is None else stop_after
     for _ in range(run):
-        loss = batch_loss(model, *_batch(maker, rng, batch_size))
+        loss = batch_loss(model, *prefix_batch(maker, rng, batch_size))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

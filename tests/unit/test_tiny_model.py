@@ -180,8 +180,8 @@ def test_model_loads_and_runs(model_dir: Path, tok) -> None:  # type: ignore[no-
 @pytest.mark.parametrize("which", ["built", "auto"])
 def test_fast_examples_match_make_example(tok, which: str) -> None:  # type: ignore[no-untyped-def]
     tokenizer = tiny_model.build_tokenizer() if which == "built" else tok
-    maker = train_tiny._ExampleMaker(tokenizer)
-    for system_prompt in tiny_model._SYSTEM_PROMPTS:
+    maker = train_tiny.ExampleMaker(tokenizer)
+    for system_prompt in tiny_model.SYSTEM_PROMPTS:
         fast_rng, ref_rng = random.Random(5), random.Random(5)
         fast = maker.examples(fast_rng, 40, system_prompt)
         ref = [train_tiny.make_example(tokenizer, ref_rng, system_prompt=system_prompt) for _ in range(40)]
@@ -191,7 +191,7 @@ def test_fast_examples_match_make_example(tok, which: str) -> None:  # type: ign
 
 def test_prefix_cached_loss_matches_full_forward(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prefix, suffix, mask = train_tiny._batch(train_tiny._ExampleMaker(tok), random.Random(3), 4)
+    prefix, suffix, mask = train_tiny.prefix_batch(train_tiny.ExampleMaker(tok), random.Random(3), 4)
     assert prefix.shape[0] > 150 and not mask[:, 0].any()
     loss = train_tiny.batch_loss(model, prefix, suffix, mask)
     loss.backward()
