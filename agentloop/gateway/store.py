@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.errors import AgentLoopError
+from agentloop.gateway.images import ImageEncoder
 from agentloop.tokenization.incremental import TemplateMismatchError, assistant_text, encode_new_turns
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class ContextNode:
     seq: int
     samples: list[SampledNode] = field(default_factory=list)
     pending: int = 0
+    images: list[bytes] = field(default_factory=list)  # encoded image files of the image parts, in order
 
 
 @dataclass(eq=False)
@@ -152,6 +154,7 @@ class Reservation:
         remaining: ``max_length - len(prompt_ids)``; may be zero or negative.
         prompt_len: ids of the branch's first context node (what a trajectory row calls the prompt);
             ``len(prompt_ids) - prompt_len`` is the response budget the branch has used so far.
+        images: the encoded image files on the path, in order: the engine's ``image_data``.
     """
 
     node: ContextNode
@@ -160,6 +163,7 @@ class Reservation:
     remaining: int
     prompt_len: int = 0
     done: bool = False
+    images: list[bytes] = field(default_factory=list)
 
     @property
     def response_used(self) -> int:
@@ -178,6 +182,7 @@ class Trajectory:
     messages: list[dict[str, Any]]
     num_turns: int
     finish_reason: str
+    multi_modal_data: dict[str, list[bytes]] | None = None  # {"image": [encoded files]} of the path, in order
 
 
 # ---- the store ---------------------------------------------------------------------------------------
@@ -190,10 +195,11 @@ class SessionStore:
         end_of_turn: the token(s) the engine ends a turn with (default ``tokenizer.eos_token``); the first
             one is inserted after a sample that ended without any of them.
         chat_template_kwargs: extra template variables passed to every render.
+        images: decodes and places image parts (default: a text-only model, which refuses them).
     """
 
     def __init__(self, tokenizer: Any, *, max_length: int, end_of_turn: str | Sequence[str] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, images: ImageEncoder | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
         stops = end_of_turn if end_of_turn is not None else tokenizer.eos_token
@@ -201,6 +207,7 @@ class SessionStore:
         self._stop_ids = {token: self._token_id(token) for token in self._stops}
         self._stop_by_id = {i: token for token, i in self._stop_ids.items()}
         self._kwargs = dict(chat_template_kwargs or {})
+        self._media = images if images is not None else ImageEncoder()
         self._roots: dict[Key, ContextNode] = {}
         self._seq = itertools.count()
         self._num_encoded = 0
@@ -230,7 +237,8 @@ class SessionStore:
         path = self._path(node)
         prompt = [t for part in path for t in part.ids]
         return Reservation(node=node, prompt_ids=prompt, num_encoded_tokens=encoded,
-                           remaining=self.max_length - len(prompt), prompt_len=len(path[0].ids))
+                           remaining=self.max_length - len(prompt), prompt_len=len(path[0].ids),
+                           images=[i for part in path if isinstance(part, ContextNode) for i in part.images])
 
     def count_prompt_tokens(self, messages: Sequence[dict[str, Any]],
                             tools: Sequence[dict[str, Any]] | None = None) -> int:
@@ -350,7 +358,7 @@ class SessionStore:
                 self._num_fallbacks += 1
                 return self._context(None, messages, canon, 0, tools, tools_key)
         node = ContextNode(parent=parent, key=key, messages=copy.deepcopy(messages[start:]), ids=ids,
-                           seq=next(self._seq))
+                           seq=next(self._seq), images=self._media.sources(messages[start:], start))
         self._children(parent)[key] = node
         self._num_encoded += len(ids)
         return node, len(ids)
@@ -362,7 +370,7 @@ class SessionStore:
     def _encode_full(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
                                                   **self._kwargs)
-        return self._encode(text)
+        return self._media.expand(self._encode(text), messages)
 
     def _encode_after(self, parent: SampledNode, messages: list[dict[str, Any]], start: int,
                       tools: list[dict[str, Any]] | None) -> list[int]:
@@ -386,7 +394,7 @@ class SessionStore:
             previous, run = msg, []
         ids += encode_new_turns(self.tokenizer, run, system=system, tools=tools, previous=previous,
                                 end_of_turn=stop, chat_template_kwargs=self._kwargs)
-        return ids
+        return self._media.expand(ids, messages[start:], start)
 
     @staticmethod
     def _path(node: ContextNode | SampledNode) -> list[ContextNode | SampledNode]:
@@ -440,10 +448,12 @@ class SessionStore:
                 logprobs += [0.0] * len(part.ids)
                 messages += part.messages
         end = max((k + 1 for k, m in enumerate(mask) if m), default=0)  # drop context after the last sampled id
+        images = [i for part in [first, *rest] if isinstance(part, ContextNode) for i in part.images]
         return Trajectory(prompt_ids=list(first.ids), response_ids=response[:end], response_mask=mask[:end],
                           response_logprobs=logprobs[:end] if has_logprobs else None,
                           messages=copy.deepcopy(messages), num_turns=len(messages),
-                          finish_reason="length" if leaf.budget_spent else leaf.finish_reason)
+                          finish_reason="length" if leaf.budget_spent else leaf.finish_reason,
+                          multi_modal_data={"image": images} if images else None)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: nodes, sampled nodes, trajectories, tokens encoded, reuses, fallbacks."""
