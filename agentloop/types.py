@@ -88,6 +88,8 @@ class TokenOutput(BaseModel):
     """MoE routing record (verl field; unused by the dense engines here)."""
     stop_reason: StopReason = StopReason.STOP
     """Why generation stopped: ``stop``, ``length`` or ``aborted``."""
+    stop_sequence: str | None = None
+    """The request's stop string that ended the generation (vLLM; None otherwise and for other engines)."""
     num_preempted: int = 0
     """How many times the engine preempted this request (-1 when unknown; verl's None becomes -1)."""
     extra_fields: dict[str, Any] = Field(default_factory=dict)
@@ -130,6 +132,8 @@ class TokenDelta(BaseModel):
     """True on the last chunk."""
     stop_reason: StopReason | None = None
     """Set on the last chunk: ``stop``, ``length`` or ``aborted``."""
+    stop_sequence: str | None = None
+    """On the last chunk: see :attr:`TokenOutput.stop_sequence`."""
     extra_fields: dict[str, Any] = Field(default_factory=dict)
     """Backend extras on the last chunk (e.g. ``server_index``)."""
     preempted_by_pause: bool = False

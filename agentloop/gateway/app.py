@@ -1,11 +1,12 @@
 """The gateway's HTTP surface (FastAPI) over a :class:`~agentloop.gateway.service.GatewayService`.
 
-Routes: ``POST /sessions/{id}/v1/chat/completions`` (streaming or not), ``GET /sessions/{id}/v1/models``,
-``POST /sessions/{id}/complete`` and ``GET /health``; every session route needs ``Authorization: Bearer
-<session api_key>``.  Errors are OpenAI-shaped bodies with a request id (also in every response's
-``x-request-id`` header): 4xx for the client's faults, 5xx only for the gateway's own (details only in
-the server log line ``request <id>: ...``).  Spec (every status code): docs/gateway.md#http-api.
-"""
+Routes: one ``POST /sessions/{id}/v1{path}`` per dialect (:data:`agentloop.gateway.dialects.DIALECTS`:
+``/chat/completions``, …; streaming or not; also under ``/sessions/{id}/v1/v1``), ``GET
+/sessions/{id}/v1/models``, ``POST /sessions/{id}/complete`` and ``GET /health``; every session route needs
+the session's api_key as ``Authorization: Bearer <key>`` or ``x-api-key: <key>``.  Errors carry a request id
+(also in every response's ``x-request-id`` header), in the shape of the dialect whose route was hit (OpenAI's
+elsewhere): 4xx for the client's faults, 5xx only for the gateway's own (details only in the server log
+line ``request <id>: ...``).  Spec (every status code): docs/gateway.md#http-api."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentloop.config.build import read_value
-from agentloop.gateway.protocol import ChatCompletionBody, GatewayHTTPError
+from agentloop.gateway.dialects import DIALECTS, Dialect, dialect_for_path
+from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.service import GatewayService
 
 DEFAULT_MAX_BODY_BYTES: int = read_value(None, "actor_rollout_ref.rollout.gateway.max_body_bytes")
@@ -33,8 +35,11 @@ MAX_JSON_DEPTH = 64
 logger = logging.getLogger(__name__)
 
 
-def _error(e: GatewayHTTPError) -> JSONResponse:
-    return JSONResponse(status_code=e.status, content=e.body())
+def _error(e: GatewayHTTPError, request: Request | None = None) -> JSONResponse:
+    """``e`` as a response, in the error shape of the dialect whose route ``request`` hit (else OpenAI's)."""
+    dialect = None if request is None else dialect_for_path(request.url.path)
+    body = e.body() if dialect is None else dialect.error_body(e)
+    return JSONResponse(status_code=e.status, content=body)
 
 
 async def read_json(request: Request, max_body_bytes: int, *, required: bool = True) -> Any:
@@ -96,29 +101,13 @@ def json_depth_over(value: Any, limit: int) -> bool:
     return False
 
 
-def _bearer(request: Request) -> str | None:
+def _api_key(request: Request) -> str | None:
+    """The session key: ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``x-api-key: <key>`` (Anthropic's)."""
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-_MESSAGE_SCHEMA = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {"type": "object"}}]},
-        "name": {"type": "string"},
-        "tool_call_id": {"type": "string"},
-        "tool_calls": {"type": "array", "items": {"type": "object"}},
-    },
-}
-
-
-def _chat_openapi() -> dict[str, Any]:
-    schema = ChatCompletionBody.model_json_schema()
-    schema["properties"]["messages"]["items"] = _MESSAGE_SCHEMA
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 _COMPLETE_OPENAPI = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
@@ -178,19 +167,19 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
     async def _gateway_error(request: Request, e: GatewayHTTPError) -> JSONResponse:
         if e.request_id is None:
             e.request_id = request_id_of(request)
-        return _error(e)
+        return _error(e, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
         return _error(GatewayHTTPError(400, f"invalid request: {where}: {first.get('msg', 'invalid')}",
-                                       param=where or None, request_id=request_id_of(request)))
+                                       param=where or None, request_id=request_id_of(request)), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(GatewayHTTPError(e.status_code, str(e.detail), type_="invalid_request_error",
-                                       request_id=request_id_of(request)))
+                                       request_id=request_id_of(request)), request)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -198,23 +187,16 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str, request: Request) -> dict[str, Any]:
-        service.session(session_id, _bearer(request), check_key=True)
+        service.session(session_id, _api_key(request), check_key=True)
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": int(time.time()), "owned_by": "agentloop"}]}
 
-    @app.post("/sessions/{session_id}/v1/chat/completions", openapi_extra=_chat_openapi())
-    async def chat_completions(session_id: str, request: Request) -> Any:
-        service.session(session_id, _bearer(request), check_key=True)
-        body = await read_json(request, max_body_bytes)
-        result = await service.chat(session_id, body, request_id=request_id_of(request))
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    for dialect in DIALECTS.values():
+        _add_dialect_routes(app, service, dialect, max_body_bytes)
 
     @app.post("/sessions/{session_id}/complete", openapi_extra=_COMPLETE_OPENAPI)
     async def complete(session_id: str, request: Request) -> dict[str, Any]:
-        service.session(session_id, _bearer(request), check_key=True)
+        service.session(session_id, _api_key(request), check_key=True)
         body = await read_json(request, max_body_bytes, required=False)
         if body is not None and not isinstance(body, dict):
             raise GatewayHTTPError(400, "the body must be a JSON object like {\"reward_info\": {...}}")
@@ -225,3 +207,42 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
         return service.complete(session_id, reward_info)
 
     return app
+
+
+def _add_dialect_routes(app: FastAPI, service: GatewayService, dialect: Dialect, max_body_bytes: int) -> None:
+    """``POST /sessions/{id}/v1{path}`` (and ``/v1/v1{path}``, for SDKs that append ``/v1`` to a base URL
+    ending in ``/v1``), plus ``{path}/count_tokens`` when the dialect counts."""
+
+    async def serve(session_id: str, request: Request) -> Any:
+        service.session(session_id, _api_key(request), check_key=True)
+        body = await read_json(request, max_body_bytes)
+        result = await service.handle(session_id, dialect, body, request_id=request_id_of(request))
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    for prefix in ("/sessions/{session_id}/v1", "/sessions/{session_id}/v1/v1"):
+        alias = prefix.endswith("/v1/v1")
+        suffix = "_alias" if alias else ""
+        app.add_api_route(f"{prefix}{dialect.path}", serve, methods=["POST"], openapi_extra=dialect.openapi,
+                          include_in_schema=not alias, name=f"{dialect.name}{suffix}")
+        counter = _count_route(service, dialect, max_body_bytes)
+        if counter is not None:
+            app.add_api_route(f"{prefix}{dialect.path}/count_tokens", counter, methods=["POST"],
+                              include_in_schema=not alias, name=f"{dialect.name}_count_tokens{suffix}")
+
+
+def _count_route(service: GatewayService, dialect: Dialect, max_body_bytes: int) -> Any:
+    """The ``count_tokens`` endpoint of ``dialect`` (None when it does not count)."""
+    parse_count, render_count = dialect.parse_count, dialect.render_count
+    if parse_count is None or render_count is None:
+        return None
+
+    async def count(session_id: str, request: Request) -> Any:
+        service.session(session_id, _api_key(request), check_key=True)
+        body = await read_json(request, max_body_bytes)
+        request_ = parse_count(body, service.dialect_state(session_id, dialect.name))
+        return JSONResponse(render_count(service.count_tokens(session_id, request_)))
+
+    return count

@@ -1,11 +1,12 @@
 """The OpenAI chat-completions dialect: request checking and response shapes.
 
-:func:`parse_chat_request` turns a JSON body into a :class:`ChatRequest` or raises
+:func:`parse_chat_request` turns a JSON body into a canonical
+:class:`~agentloop.gateway.turn.TurnRequest` (alias :data:`ChatRequest`) or raises
 :class:`GatewayHTTPError` (400 naming the parameter; rendered as an OpenAI-shaped error body by the app):
 messages are checked and text parts joined, sampling keys are whitelisted and range-checked before any
 engine sees them, and unsupported options (``n != 1``, non-text ``response_format``, ``tool_choice`` other
-than ``auto`` / ``none``, image parts) are refused.  Spec (accepted values, kept and ignored keys):
-docs/gateway.md#errors-and-request-ids.
+than ``auto`` / ``none``, image parts other than base64 data URLs) are refused.  Spec (accepted values, kept
+and ignored keys): docs/gateway.md#errors-and-request-ids.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentloop.gateway.images import ImagePartError, image_url_part
+from agentloop.gateway.turn import TurnRequest
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
@@ -75,26 +78,15 @@ class ChatCompletionBody(BaseModel):
     response_format: dict[str, Any] | None = None
 
 
-@dataclass
-class ChatRequest:
-    """A checked chat-completions request."""
-
-    model: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    sampling: dict[str, Any]
-    stream: bool = False
-    include_usage: bool = False
-    want_logprobs: bool = False
-    parse_tools: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+ChatRequest = TurnRequest
+"""The checked chat-completions request: the canonical :class:`~agentloop.gateway.turn.TurnRequest`."""
 
 
 def _bad(message: str, param: str | None = None) -> GatewayHTTPError:
     return GatewayHTTPError(400, message, param=param)
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any) -> TurnRequest:
     """Check a decoded JSON body; raises :class:`GatewayHTTPError` (400) on anything we refuse."""
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -117,7 +109,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise _bad(f"tool_choice={tool_choice!r} is not supported; use 'auto' or 'none'", param="tool_choice")
     messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
     tools = [_check_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None
-    return ChatRequest(
+    return TurnRequest(
         model=req.model,
         messages=messages,
         tools=tools,
@@ -125,7 +117,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stream=req.stream,
         include_usage=bool((req.stream_options or {}).get("include_usage")),
         want_logprobs=bool(req.logprobs),
-        parse_tools=tool_choice == "auto",
+        tool_choice="none" if tool_choice == "none" else "auto",
     )
 
 
@@ -184,23 +176,29 @@ def normalize_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, i: int) -> str:
+def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
+    """The text (parts joined), or the parts in order when there is an image (docs/gateway.md#images)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise _bad(f"messages[{i}].content must be a string, null or a list of parts", param=f"messages.{i}.content")
     texts = []
-    for part in content:
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image"):
-            raise _bad(f"messages[{i}]: image content is not supported by this gateway yet",
-                       param=f"messages.{i}.content")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            try:
+                parts.append(image_url_part(part, f"messages.{i}.content.{j}"))
+            except ImagePartError as e:
+                raise _bad(str(e), param=e.param) from None
         else:
-            raise _bad(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}, got {part!r}",
+            raise _bad(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}} or {{'type': "
+                       f"'image_url', 'image_url': {{'url': 'data:image/...;base64,...'}}}}, got {part!r}",
                        param=f"messages.{i}.content")
-    return "".join(texts)
+    return parts if len(parts) > len(texts) else "".join(texts)
 
 
 def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:

@@ -110,5 +110,6 @@ async def collect_stream(deltas: AsyncIterator[TokenDelta], want_logprobs: bool)
         last = delta
     assert last is not None and last.finished
     return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=last.stop_reason or StopReason.STOP,
-                       extra_fields=last.extra_fields, preempted_by_pause=last.preempted_by_pause,
-                       cut_by_update=last.cut_by_update, max_tokens=last.max_tokens)
+                       stop_sequence=last.stop_sequence, extra_fields=last.extra_fields,
+                       preempted_by_pause=last.preempted_by_pause, cut_by_update=last.cut_by_update,
+                       max_tokens=last.max_tokens)

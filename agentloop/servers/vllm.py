@@ -77,6 +77,13 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
     return args
 
 
+def _stop_sequence(completion: Any) -> str | None:
+    """The stop string that ended a completion: vLLM reports it as ``stop_reason`` (a token id there is an
+    end-of-turn / stop token, not a stop string)."""
+    reason = getattr(completion, "stop_reason", None)
+    return reason if isinstance(reason, str) and completion.finish_reason == "stop" else None
+
+
 async def _empty() -> AsyncIterator[Any]:
     return
     yield
@@ -272,6 +279,7 @@ class VLLMServer:
                         versions += [self.global_steps] * len(ids)
                         extra = self.inflight.versioned(self._extra_fields(), versions) if finished else {}
                         yield TokenDelta(token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
+                                         stop_sequence=_stop_sequence(completion) if finished else None,
                                          extra_fields=extra, **self.gate.signals(stop, request_id, params.max_tokens))
                 except BaseException as e:
                     if isinstance(e, Exception) or self.watch.cut_by_death(e):
@@ -364,6 +372,7 @@ class VLLMServer:
             token_ids=token_ids,
             log_probs=log_probs,
             stop_reason=_FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP),
+            stop_sequence=_stop_sequence(completion),
             num_preempted=int(preempted) if preempted is not None else -1,
             extra_fields=self._extra_fields(),
         )

@@ -27,6 +27,10 @@ class Dialect:
             (``"event: …\\ndata: …\\n\\n"``); a :class:`GatewayHTTPError` raised by ``events`` is rendered
             as the dialect's in-stream error.
         error_body: ``(error) -> dict``: the error in this dialect's shape.
+        parse_count: optional ``(body, state) -> TurnRequest`` for ``POST …/v1{path}/count_tokens`` (the
+            route exists when this and ``render_count`` are set).
+        render_count: optional ``(prompt_tokens) -> dict``: the count_tokens reply body.
+        openapi: optional ``openapi_extra`` of the route (its request-body schema).
     """
 
     name: str
@@ -35,3 +39,6 @@ class Dialect:
     render: Callable[[TurnResult, TurnRequest, dict[str, Any]], dict[str, Any]]
     render_stream: Callable[[AsyncIterator[TurnEvent], TurnRequest, dict[str, Any]], AsyncIterator[str]]
     error_body: Callable[[GatewayHTTPError], dict[str, Any]]
+    parse_count: Callable[[Any, dict[str, Any]], TurnRequest] | None = None
+    render_count: Callable[[int], dict[str, Any]] | None = None
+    openapi: dict[str, Any] | None = None
