@@ -24,6 +24,7 @@ from typing import Any, ClassVar, cast
 
 from omegaconf import DictConfig
 
+from agentloop.batch.multimodal import decode_images
 from agentloop.config import GatewayConfig
 from agentloop.errors import ConfigError
 from agentloop.loops.base import LOOP_CONTRACT_KWARGS, AgentLoopBase, config_values, register, trainer_config_of
@@ -175,7 +176,7 @@ class OpenAIAgentLoop(AgentLoopBase):
                 prompt_ids=list(traj.prompt_ids), response_ids=list(traj.response_ids),
                 response_mask=list(traj.response_mask), response_logprobs=traj.response_logprobs,
                 num_turns=int(traj.num_turns), reward_score=score, status=st, error=error,
-                metrics=AgentLoopMetrics(generate_sequences=elapsed),
+                metrics=AgentLoopMetrics(generate_sequences=elapsed), multi_modal_data=_row_media(traj),
                 extra_fields={"gateway_session_id": result["session_id"], "finish_reason": finish},
             ))
         return outputs
@@ -196,6 +197,13 @@ class OpenAIAgentLoop(AgentLoopBase):
             score = 0.0  # a failed or timed-out agent run earns nothing unless it posted a reward
         other = 0.0 if self.reward_to == "longest" and score is not None else None
         return [score if i == chosen else other for i in range(len(trajectories))]
+
+
+def _row_media(traj: Any) -> dict[str, Any] | None:
+    """A trajectory's images (encoded files, docs/gateway.md#images) as RGB PIL images: ``tool_agent``'s row
+    layout, from which the worker adds ``multi_modal_inputs``; None without images."""
+    images = (getattr(traj, "multi_modal_data", None) or {}).get("image")
+    return {"image": decode_images(images, "gateway image")} if images else None
 
 
 async def _discard(gm: Any, session_id: str) -> None:
