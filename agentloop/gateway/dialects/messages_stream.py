@@ -278,9 +278,8 @@ async def render_stream(
     try:
         async for event in events:
             if isinstance(event, TurnResult):
-                result = event
-                break
-            if isinstance(event, (ReasoningDelta, TextDelta)):
+                result = event  # the last event: the iterator ends (and cleans up) after it
+            elif isinstance(event, (ReasoningDelta, TextDelta)):
                 kind = "thinking" if isinstance(event, ReasoningDelta) else "text"
                 for out in blocks.delta(kind, event.text):
                     yield sse(out)
