@@ -14,6 +14,7 @@ Spec (protocol mapping, config, status): docs/sglang.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -43,6 +44,29 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "
              "frequency_penalty": "frequency_penalty", "stop_token_ids": "stop_token_ids", "stop": "stop",
              "ignore_eos": "ignore_eos", "seed": "sampling_seed", "n": "n"}
 INSTALL_HINT = "pip install -e '.[sglang]' (SGLang needs a CUDA GPU)"
+_STRUCTURED = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "grammar": "ebnf",
+               "structural_tag": "structural_tag"}
+
+
+def structured_sampling(entry: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's sampling keys for a ``structured_outputs`` entry (vLLM's field names; gateway/constraints.py).
+
+    Raises:
+        ServerError: a constraint SGLang has no sampling key for (``choice``, whitespace options).
+    """
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        if value is None or value is False:
+            continue
+        if key not in _STRUCTURED:
+            raise ServerError(f"structured output {key!r} is not supported with rollout.name=sglang; SGLang takes "
+                              f"{sorted(_STRUCTURED)}")
+        if key == "json_object":
+            value = '{"type": "object"}'
+        elif key == "json" and not isinstance(value, str):
+            value = json.dumps(value)
+        out[_STRUCTURED[key]] = value
+    return out
 
 
 def load_sglang() -> tuple[Any, Any]:
@@ -204,6 +228,8 @@ class SGLangServer:
         out = {ours: params[theirs] for theirs, ours in _SAMPLING.items() if params.get(theirs) is not None}
         if "top_k" in out and int(out["top_k"]) <= 0:
             out["top_k"] = -1  # verl's "no top-k"
+        if params.get("structured_outputs"):  # a grammar from the gateway (gateway/constraints.py)
+            out.update(structured_sampling(params["structured_outputs"]))
         out["max_new_tokens"] = max_tokens
         return out, max_tokens
 

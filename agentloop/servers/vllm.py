@@ -177,7 +177,7 @@ class VLLMServer:
     def _sampling_params(self, prompt_len: int, params: dict[str, Any], stream: bool = False) -> Any:
         # vLLM is imported only where an engine runs (after start(): already loaded, the import is a lookup)
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         budget = self.prompt_length + self.response_length - prompt_len
         max_tokens = params.get("max_tokens") or min(self.response_length, budget)
@@ -186,6 +186,8 @@ class VLLMServer:
             kwargs["logprobs"] = 0
         if params.get("stop"):  # stop strings need the engine to detokenize
             kwargs["stop"] = params["stop"]
+        if params.get("structured_outputs"):  # a grammar (gateway/constraints.py): vLLM's own field names
+            kwargs["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
         return SamplingParams(
             max_tokens=int(min(max_tokens, budget)),
             detokenize=bool(params.get("stop")),

@@ -146,8 +146,11 @@ class ScriptedServer:
             if output is None:  # aborted before the reply was made
                 output = TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
                                      stop_reason=StopReason.ABORTED, extra_fields={"global_steps": self.global_steps})
-            signals = self.gate.signals(output.stop_reason, request_id, sampling_params.get("max_tokens"))
-            return output.model_copy(update=signals) if signals else output
+            update: dict[str, Any] = dict(self.gate.signals(output.stop_reason, request_id,
+                                                            sampling_params.get("max_tokens")))
+            if sampling_params.get("structured_outputs"):  # a grammar the script cannot follow (rule 9)
+                update["extra_fields"] = {**output.extra_fields, "structured_outputs_ignored": True}
+            return output.model_copy(update=update) if update else output
 
     async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
         """Many ``generate`` calls in one, results in groups as they finish (see
