@@ -120,29 +120,28 @@ def test_system_messages_inside_messages_are_kept_in_place():
     assert req.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
 
 
-def test_images_become_image_url_parts_next_to_the_text():
+def test_images_become_image_url_parts_with_data_urls_next_to_the_text():
     png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
-    req = parse(
-        body(
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "What is this?"},
-                    {"type": "image", "source": png},
-                    {
-                        "type": "image",
-                        "source": {"type": "url", "url": "https://example.com/a.jpg"},
-                    },
-                ],
-            }
-        ),
-        {},
-    )
+    inline = {"type": "url", "url": "data:image/jpeg;base64,/9j/4AAQ"}
+    content = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image", "source": png},
+        {"type": "image", "source": inline},
+    ]
+    req = parse(body({"role": "user", "content": content}), {})
     assert req.messages[0]["content"] == [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-        {"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}},
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/4AAQ"}},
     ]
+
+
+def test_an_image_url_is_refused_naming_the_block():
+    remote = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.jpg"}}
+    with pytest.raises(GatewayHTTPError) as info:
+        parse(body({"role": "user", "content": [{"type": "text", "text": "x"}, remote]}), {})
+    assert info.value.status == 400 and info.value.param == "messages.0.content.1"
+    assert "does not fetch image URLs" in info.value.message
 
 
 def test_tool_use_and_tool_result_map_to_tool_calls_and_tool_messages_in_order():

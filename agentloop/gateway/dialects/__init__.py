@@ -11,9 +11,11 @@ import re
 
 from agentloop.gateway.dialects.base import Dialect
 from agentloop.gateway.dialects.chat import CHAT
+from agentloop.gateway.dialects.responses import DIALECT as RESPONSES
 
 DIALECTS: dict[str, Dialect] = {
     CHAT.name: CHAT,
+    RESPONSES.name: RESPONSES,
 }
 """Every served dialect, by name."""
 

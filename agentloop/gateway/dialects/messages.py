@@ -17,6 +17,7 @@ from typing import Any
 
 from agentloop.gateway.dialects.base import Dialect
 from agentloop.gateway.dialects.messages_stream import error_body, render, render_stream
+from agentloop.gateway.images import ImagePartError, data_url, image_url_part
 from agentloop.gateway.protocol import MAX_STOP, MAX_STOP_CHARS, GatewayHTTPError
 from agentloop.gateway.turn import ToolChoice, TurnRequest
 
@@ -458,7 +459,8 @@ def _tool_result(block: dict[str, Any], where: str, call_ids: set[str]) -> dict[
 
 
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
-    """An image block as a chat ``image_url`` part (base64 as a data URL, a URL kept)."""
+    """An image block as a chat ``image_url`` part with a base64 data URL (docs/gateway.md#images:
+    the gateway never fetches a URL, so ``url`` sources other than data URLs are refused)."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64":
@@ -470,19 +472,21 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
             )
         if not isinstance(data, str) or not data:
             raise _bad("must be a non-empty base64 string", f"{where}.source.data")
-        url = f"data:{media};base64,{data}"
+        url = data_url(media, data)
     elif kind == "url":
         url = source.get("url")
         if not isinstance(url, str) or not url:
             raise _bad("must be a non-empty string", f"{where}.source.url")
     else:
         raise _bad(
-            f'an image source must be {{"type": "base64", ...}} or {{"type": "url", ...}}, got '
-            f"{kind!r} (file sources need Anthropic's Files API, which this gateway does not "
-            "serve)",
+            f'an image source must be {{"type": "base64", ...}}, got {kind!r} (file sources need '
+            "Anthropic's Files API, which this gateway does not serve)",
             f"{where}.source",
         )
-    return {"type": "image_url", "image_url": {"url": url}}
+    try:
+        return image_url_part({"type": "image_url", "image_url": {"url": url}}, where)
+    except ImagePartError as e:
+        raise GatewayHTTPError(400, str(e), param=e.param) from None
 
 
 DIALECT = Dialect(
