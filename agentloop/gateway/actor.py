@@ -25,10 +25,11 @@ from ray.actor import ActorHandle
 from agentloop.config import EngineConfig, GatewayConfig, ModelConfig, MultiTurnConfig, RouterConfig, SamplingConfig
 from agentloop.errors import ConfigError, ServerError, first_line
 from agentloop.gateway.app import build_app
+from agentloop.gateway.images import ImageEncoder
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
 from agentloop.routing.factory import build_router
-from agentloop.tokenization.loader import load_tokenizer
+from agentloop.tokenization.loader import load_processor, load_tokenizer
 from agentloop.utils.hangwatch import HangWatch
 from agentloop.utils.process import restore_normal_priority
 
@@ -45,6 +46,8 @@ class GatewayActor:
         server_handles: the engines (Ray actor handles or in-process servers).
         balancer: the GlobalBalancer actor, a local Balancer, or None.
         tokenizer: pass one to skip loading it from ``model.path``.
+        processor: the model's HF processor for image requests (docs/gateway.md#images); loaded from
+            ``model.path`` only when neither it nor ``tokenizer`` is given (a text-only model: None).
         router_cfg: the router settings (``AgentLoopConfig.router``: failover, partial rollouts, priority, ...),
             the same the workers route with; None reads them from ``rollout`` (``async_training`` then false).
         owner: the router's owner id (its balancer slots are released under it).
@@ -56,13 +59,16 @@ class GatewayActor:
     """
 
     def __init__(self, rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
-                 tokenizer: Any = None, *, router_cfg: RouterConfig | None = None, owner: str | None = None) -> None:
+                 tokenizer: Any = None, *, router_cfg: RouterConfig | None = None, owner: str | None = None,
+                 processor: Any = None) -> None:
         restore_normal_priority(rollout)  # Ray starts actors at nice 15
         root = {"actor_rollout_ref": {"rollout": rollout, "model": model}}
         gateway_cfg, engine = GatewayConfig.from_root(root), EngineConfig.from_root(root)
         self.host = gateway_cfg.host
         self.max_body_bytes = gateway_cfg.max_body_bytes
         tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+        if processor is None and tokenizer is None:
+            processor = load_processor(model, tok)
         fmt = MultiTurnConfig.from_root(root).format
         router = build_router(router_cfg if router_cfg is not None else RouterConfig.from_root(root),
                               server_handles, balancer, owner=owner)
@@ -71,6 +77,7 @@ class GatewayActor:
             prompt_length=engine.prompt_length, response_length=engine.response_length,
             calculate_log_probs=SamplingConfig.from_root(root).calculate_log_probs,
             model_name=ModelConfig.from_root(root).path,
+            images=ImageEncoder(processor, gateway_cfg.max_image_bytes, ModelConfig.from_root(root).path),
         )
         self._server: Any = None
         self._task: asyncio.Task | None = None

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from agentloop.gateway.dialects import DIALECTS
 from agentloop.gateway.dialects.base import Dialect
+from agentloop.gateway.images import ImageEncoder
 from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.serving import PLACEMENT_ERRORS, Session, TurnServer, placement_error
 from agentloop.gateway.store import SessionStore
@@ -57,12 +58,15 @@ class GatewayService(TurnServer):
         base_url: this gateway's URL; sessions live under ``{base_url}/sessions/{id}/v1``.
         calculate_log_probs: record the engine's logprobs in trajectories.
         model_name: the name ``GET /v1/models`` lists.
+        images: decodes and places image parts (:class:`~agentloop.gateway.images.ImageEncoder` with the
+            model's processor and ``rollout.gateway.max_image_bytes``); None: a text-only model (images 400).
     """
 
     def __init__(
         self, tokenizer: Any, router: Any, parser: ToolParser | None, *, max_length: int | None = None,
         prompt_length: int | None = None, response_length: int | None = None,
         base_url: str = "", calculate_log_probs: bool = True, model_name: str = "agentloop",
+        images: ImageEncoder | None = None,
     ) -> None:
         if max_length is None:
             if prompt_length is None or response_length is None:
@@ -77,6 +81,7 @@ class GatewayService(TurnServer):
         self.base_url = base_url
         self.calculate_log_probs = calculate_log_probs
         self.model_name = model_name
+        self.images = images if images is not None else ImageEncoder(model_name=model_name)
         self.sessions: dict[str, Session] = {}
 
     # ---- sessions -------------------------------------------------------------------------
@@ -89,7 +94,7 @@ class GatewayService(TurnServer):
         if sid in self.sessions:
             raise GatewayHTTPError(409, f"session {sid!r} already exists", type_="conflict")
         session = Session(session_id=sid, api_key=f"sk-agentloop-{secrets.token_urlsafe(24)}",
-                          store=SessionStore(self.tokenizer, max_length=self.max_length),
+                          store=SessionStore(self.tokenizer, max_length=self.max_length, images=self.images),
                           metadata=dict(metadata or {}), sampling_params=dict(sampling_params or {}))
         self.sessions[sid] = session
         return SessionHandle(session_id=sid, base_url=f"{self.base_url}/sessions/{sid}/v1", api_key=session.api_key)

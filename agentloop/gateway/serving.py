@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError, RayError
 
 from agentloop.errors import RoutingError
 from agentloop.gateway.decode import StreamDecoder, decode_turn
+from agentloop.gateway.images import ImagePartError
 from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.store import SessionStore, StoreError
 from agentloop.gateway.turn import TextDelta, TurnEvent, TurnRequest, TurnResult
@@ -145,7 +146,7 @@ class TurnServer:
         try:
             out = await self.router.generate(
                 turn.request_id, prompt_ids=list(turn.reservation.prompt_ids), sampling_params=turn.params,
-                sticky_key=turn.sticky_key,
+                sticky_key=turn.sticky_key, image_data=turn.reservation.images or None,
             )
         except Exception as e:
             turn.session.store.release(turn.reservation)
@@ -212,7 +213,7 @@ class TurnServer:
             try:
                 async for delta in self.router.generate_stream(
                     turn.request_id, prompt_ids=list(turn.reservation.prompt_ids), sampling_params=turn.params,
-                    sticky_key=turn.sticky_key,
+                    sticky_key=turn.sticky_key, image_data=turn.reservation.images or None,
                 ):
                     ids.extend(delta.token_ids)
                     if lps is not None:
@@ -256,6 +257,8 @@ def placement_error(e: Exception, http_id: str) -> GatewayHTTPError:
     """The 400 for one of :data:`PLACEMENT_ERRORS` (the template's text logged, trimmed for the client)."""
     if isinstance(e, StoreError):
         return GatewayHTTPError(400, str(e), param="messages")
+    if isinstance(e, ImagePartError):  # a bad image, or images for a text-only model: the part is named
+        return GatewayHTTPError(400, str(e), param=e.param)
     logger.info("request %s: the chat template cannot render the messages: %r", http_id, e)
     return GatewayHTTPError(400, f"the chat template cannot render these messages ({type(e).__name__}: "
                                  f"{str(e)[:200]}); check the roles, contents and tool calls", param="messages")
