@@ -281,6 +281,8 @@ class GatewayConfig(Section):
     host: str
     max_body_bytes: int
     max_image_bytes: int
+    reasoning_parser: str | None
+    """A registered :class:`~agentloop.parsers.reasoning.ReasoningParser` name (null: no reasoning split)."""
     session_timeout: float | None
     max_concurrent_sessions: int
     trajectories: str

@@ -4,101 +4,32 @@ An external agent sends the whole message list on every chat request; :meth:`Ses
 longest branch the request continues and encodes only the new suffix (raises :class:`StoreError` for a
 request it cannot place), :meth:`~SessionStore.commit` records the engine's sampled ids exactly, and
 :meth:`~SessionStore.trajectories` returns every root-to-leaf path as a token-exact RL trajectory (mask 1 on
-sampled ids, ending with a sampled id).  Not thread-safe (one asyncio loop).  Spec (canonical messages,
-node kinds, placement, fallbacks): docs/gateway.md#the-trie.
+sampled ids, ending with a sampled id).  Not thread-safe (one asyncio loop).  Canonical messages live in
+:mod:`agentloop.gateway.canonical` (re-exported here).  Spec (canonical messages, node kinds, placement,
+fallbacks): docs/gateway.md#the-trie.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentloop.errors import AgentLoopError
+from agentloop.gateway.canonical import Canon, canonical_message, canonical_tools
 from agentloop.gateway.images import ImageEncoder
 from agentloop.tokenization.incremental import TemplateMismatchError, assistant_text, encode_new_turns
 
 logger = logging.getLogger(__name__)
 
-Canon = tuple[Any, ...]
 Key = tuple[str, tuple[Canon, ...]]
-_TEXT_PARTS = ("text", "input_text", "output_text")
-_IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 class StoreError(AgentLoopError, ValueError):
     """A request the store cannot place or a misuse of a reservation (the gateway answers 400)."""
-
-
-# ---- canonical form -------------------------------------------------------------------------------
-def _image_ref(part: dict[str, Any]) -> str:
-    value = part.get(part.get("type") or "image_url", part.get("url"))
-    if isinstance(value, dict):
-        value = value.get("url", value)
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-
-
-def _canonical_content(content: Any) -> Any:
-    """A string for text (``None``, ``""`` and text parts included); a tuple with image markers otherwise."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        return ("value", json.dumps(content, sort_keys=True, default=str))
-    pieces: list[Any] = [""]
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(part, dict) and kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            if isinstance(pieces[-1], str):
-                pieces[-1] += part["text"]
-            else:
-                pieces.append(part["text"])
-        elif isinstance(part, dict) and kind in _IMAGE_PARTS:
-            pieces.append(("image", _image_ref(part)))
-        else:
-            pieces.append(("part", json.dumps(part, sort_keys=True, default=str)))
-    if len(pieces) == 1:
-        return pieces[0]
-    return tuple(p for p in pieces if p != "")
-
-
-def _canonical_arguments(arguments: Any) -> tuple[str, str]:
-    """Parsed JSON (dumped with sorted keys), or the stripped string when it is not JSON."""
-    if arguments is None:
-        arguments = {}
-    if isinstance(arguments, str):
-        text = arguments.strip()
-        if not text:
-            arguments = {}
-        else:
-            try:
-                arguments = json.loads(text)
-            except ValueError:
-                return ("text", text)
-    return ("json", json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str))
-
-
-def _canonical_tool_calls(calls: Any) -> tuple[tuple[Any, tuple[str, str]], ...]:
-    out = []
-    for call in calls or ():
-        fn = call.get("function", call) if isinstance(call, dict) else {}
-        fn = fn if isinstance(fn, dict) else {}
-        out.append((fn.get("name"), _canonical_arguments(fn.get("arguments"))))
-    return tuple(out)
-
-
-def canonical_message(msg: dict[str, Any]) -> Canon:
-    """Hashable form of an OpenAI message: ``(role, content, name, tool_calls)`` (docs/gateway.md#the-trie)."""
-    return (msg.get("role"), _canonical_content(msg.get("content")), msg.get("name") or None,
-            _canonical_tool_calls(msg.get("tool_calls")))
-
-
-def canonical_tools(tools: Sequence[dict[str, Any]] | None) -> str:
-    """The tools list as sorted-keys JSON (``None`` == ``[]``)."""
-    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False, default=str)
 
 
 def _placeable(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,6 +72,8 @@ class SampledNode:
     children: dict[Key, ContextNode] = field(default_factory=dict)
     budget_spent: bool = False
     """A request continuing this turn found no response budget left (:meth:`SessionStore.release_spent`)."""
+    constrained: bool = False
+    """Sampled under a grammar (tool_choice / response_format, docs/gateway.md#tool-choice-and-structured-output)."""
 
 
 @dataclass
@@ -183,6 +116,7 @@ class Trajectory:
     num_turns: int
     finish_reason: str
     multi_modal_data: dict[str, list[bytes]] | None = None  # {"image": [encoded files]} of the path, in order
+    constrained: bool = False  # a sampled turn of it was sampled under a grammar (tool_choice / response_format)
 
 
 # ---- the store ---------------------------------------------------------------------------------------
@@ -231,7 +165,7 @@ class SessionStore:
         messages = _placeable(messages)
         canon = [canonical_message(m) for m in messages]
         tools_key = canonical_tools(tools)
-        parent, start = self._match(canon, tools_key)
+        parent, start = self._match(canon, tools_key, messages, tools)
         node, encoded = self._context(parent, messages, canon, start, tools, tools_key)
         node.pending += 1
         path = self._path(node)
@@ -250,7 +184,7 @@ class SessionStore:
         messages = _placeable(messages)
         canon = [canonical_message(m) for m in messages]
         tools_key = canonical_tools(tools)
-        parent, start = self._match(canon, tools_key)
+        parent, start = self._match(canon, tools_key, messages, tools)
         existing = self._children(parent).get((tools_key, tuple(canon[start:])))
         if existing is not None:
             return sum(len(part.ids) for part in self._path(existing))
@@ -264,8 +198,9 @@ class SessionStore:
         return len(self._encode_full(messages, tool_list))
 
     def commit(self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
-               message: dict[str, Any], finish_reason: str) -> SampledNode:
-        """Record a generation as a new sampled child (always a new sibling) of the reservation's node.
+               message: dict[str, Any], finish_reason: str, constrained: bool = False) -> SampledNode:
+        """Record a generation as a new sampled child (always a new sibling) of the reservation's node;
+        ``constrained``: the engine sampled it under a grammar.
 
         Raises:
             StoreError: the reservation was already committed or released, or ``log_probs`` is not
@@ -279,7 +214,7 @@ class SessionStore:
         node = SampledNode(parent=reservation.node, ids=[int(t) for t in token_ids],
                            log_probs=None if log_probs is None else [float(x) for x in log_probs],
                            message=message, finish_reason=finish_reason, canon=canonical_message(message),
-                           seq=next(self._seq))
+                           seq=next(self._seq), constrained=constrained)
         reservation.node.samples.append(node)
         return node
 
@@ -315,11 +250,14 @@ class SessionStore:
     def _children(self, node: SampledNode | None) -> dict[Key, ContextNode]:
         return self._roots if node is None else node.children
 
-    def _match(self, canon: list[Canon], tools_key: str) -> tuple[SampledNode | None, int]:
+    def _match(self, canon: list[Canon], tools_key: str, messages: Sequence[dict[str, Any]] | None = None,
+               tools: Sequence[dict[str, Any]] | None = None) -> tuple[SampledNode | None, int]:
         """The deepest sampled node whose path equals a prefix of ``canon``, and where that prefix ends.
 
         Depth-first over every context child whose run equals the next messages and is followed by an
-        assistant message equal to one of its samples; on a tie the earliest branch wins.
+        assistant message equal to one of its samples (:meth:`_same_turn`: with ``messages``, one sent
+        without its sample's reasoning matches where the template drops that reasoning anyway); on a tie
+        the earliest branch wins.
         """
         best: SampledNode | None = None
         best_end = 0
@@ -334,9 +272,27 @@ class SessionStore:
                 end = start + len(run)
                 if key_tools != tools_key or end >= len(canon) or tuple(canon[start:end]) != run:
                     continue
-                found += [(s, end + 1) for s in ctx.samples if s.canon == canon[end]]
+                found += [(s, end + 1) for s in ctx.samples if self._same_turn(s, canon, end, messages, tools)]
             stack.extend(reversed(found))
         return best, best_end
+
+    def _same_turn(self, sample: SampledNode, canon: list[Canon], k: int,
+                   messages: Sequence[dict[str, Any]] | None, tools: Sequence[dict[str, Any]] | None) -> bool:
+        """Whether request message ``k`` is the turn ``sample``: equal canonical forms, or the client
+        left out the sample's reasoning (and nothing else) and the template renders the request the same
+        with it put back: it drops that past reasoning anyway (docs/gateway.md#reasoning)."""
+        sent = canon[k]
+        if sample.canon == sent:
+            return True
+        if messages is None or sent[4] or not sample.canon[4] or sample.canon[:4] != sent[:4]:
+            return False
+        restored = list(messages)
+        restored[k] = {**messages[k], "reasoning_content": sample.message.get("reasoning_content")}
+        tool_list = list(tools) if tools else None
+        try:
+            return self._render(restored, tool_list) == self._render(list(messages), tool_list)
+        except Exception:  # a template that cannot render the request: no match, prepare reports it
+            return False
 
     def _context(self, parent: SampledNode | None, messages: list[dict[str, Any]], canon: list[Canon],
                  start: int, tools: Sequence[dict[str, Any]] | None, tools_key: str) -> tuple[ContextNode, int]:
@@ -367,10 +323,13 @@ class SessionStore:
     def _encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The template's text for ``messages`` with the generation prompt."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                  tokenize=False, **self._kwargs)
+
     def _encode_full(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                  **self._kwargs)
-        return self._media.expand(self._encode(text), messages)
+        return self._media.expand(self._encode(self._render(messages, tools)), messages)
 
     def _encode_after(self, parent: SampledNode, messages: list[dict[str, Any]], start: int,
                       tools: list[dict[str, Any]] | None) -> list[int]:
@@ -453,7 +412,8 @@ class SessionStore:
                           response_logprobs=logprobs[:end] if has_logprobs else None,
                           messages=copy.deepcopy(messages), num_turns=len(messages),
                           finish_reason="length" if leaf.budget_spent else leaf.finish_reason,
-                          multi_modal_data={"image": images} if images else None)
+                          multi_modal_data={"image": images} if images else None,
+                          constrained=any(p.constrained for p in rest if isinstance(p, SampledNode)))
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: nodes, sampled nodes, trajectories, tokens encoded, reuses, fallbacks."""

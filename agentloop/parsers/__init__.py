@@ -10,8 +10,9 @@ from agentloop.parsers.kimi import KimiToolParser
 from agentloop.parsers.llama3_json import Llama3JsonToolParser
 from agentloop.parsers.minimax import MiniMaxToolParser
 from agentloop.parsers.qwen3_coder import Qwen3CoderToolParser
+from agentloop.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from agentloop.parsers.seed import SeedToolParser
 
 __all__ = ["DeepSeekV4ToolParser", "FunctionCall", "Gemma4ToolParser", "GlmToolParser", "GptOssToolParser",
            "HermesToolParser", "KimiToolParser", "Llama3JsonToolParser", "MiniMaxToolParser", "Qwen3CoderToolParser",
-           "SeedToolParser", "ToolParser", "get_tool_parser"]
+           "ReasoningParser", "SeedToolParser", "ToolParser", "get_reasoning_parser", "get_tool_parser"]
