@@ -63,10 +63,11 @@ class FakePolicy:
 
 
 class LiveGateway:
-    """A GatewayActor (in-process, no Ray) serving HTTP on a background event loop."""
+    """A GatewayActor (in-process, no Ray) serving HTTP on a background event loop (``processor``: the
+    model's processor, for image requests)."""
 
     def __init__(self, tokenizer: Any, server: Any = None, *, policy: Callable[..., list[int] | TokenOutput]
-                 | None = None, **gateway: Any) -> None:
+                 | None = None, processor: Any = None, **gateway: Any) -> None:
         self.tokenizer = tokenizer
         self.policy = policy or FakePolicy(tokenizer)
         self.server = server or ScriptedServer(self.policy, eos_token_id=tokenizer.eos_token_id)
@@ -74,7 +75,7 @@ class LiveGateway:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.actor = GatewayActor(rollout_config(**gateway), OmegaConf.create({"path": "tiny"}), [self.server],
-                                  tokenizer=tokenizer)
+                                  tokenizer=tokenizer, processor=processor)
         self.url = self.run(self.actor.start())
 
     def run(self, coro: Any, timeout: float = 30) -> Any:
