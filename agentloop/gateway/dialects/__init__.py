@@ -8,18 +8,16 @@ docs/gateway.md#dialects.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
-from agentloop.gateway.dialects import messages
 from agentloop.gateway.dialects.base import Dialect
 from agentloop.gateway.dialects.chat import CHAT
+from agentloop.gateway.dialects.messages import DIALECT as MESSAGES
 from agentloop.gateway.dialects.responses import DIALECT as RESPONSES
 
 DIALECTS: dict[str, Dialect] = {
     CHAT.name: CHAT,
     RESPONSES.name: RESPONSES,
-    "messages": replace(messages.DIALECT, parse_count=messages.parse_count_tokens,
-                        render_count=messages.count_tokens_body),
+    MESSAGES.name: MESSAGES,
 }
 """Every served dialect, by name."""
 
