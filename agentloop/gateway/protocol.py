@@ -4,9 +4,10 @@
 :class:`~agentloop.gateway.turn.TurnRequest` (alias :data:`ChatRequest`) or raises
 :class:`GatewayHTTPError` (400 naming the parameter; rendered as an OpenAI-shaped error body by the app):
 messages are checked and text parts joined, sampling keys are whitelisted and range-checked before any
-engine sees them, and unsupported options (``n != 1``, non-text ``response_format``, ``tool_choice`` other
-than ``auto`` / ``none``, image parts other than base64 data URLs) are refused.  Spec (accepted values, kept
-and ignored keys): docs/gateway.md#errors-and-request-ids.
+engine sees them, and unsupported options (``n != 1``, a ``response_format`` other than text / JSON, a
+``tool_choice`` other than auto / none / required / a named function, image parts other than base64 data
+URLs) are refused.  Spec (accepted values, kept and
+ignored keys): docs/gateway.md#errors-and-request-ids.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentloop.gateway.images import ImagePartError, image_url_part
-from agentloop.gateway.turn import TurnRequest
+from agentloop.gateway.turn import ToolChoice, TurnRequest
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16
@@ -101,12 +102,11 @@ def parse_chat_request(body: Any) -> TurnRequest:
     if req.n not in (None, 1):
         raise _bad(f"n={req.n} is not supported: the gateway returns one choice per request; send n requests",
                    param="n")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise _bad("response_format is not supported (the policy's raw output is what gets trained)",
+    kind = (req.response_format or {}).get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _bad(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'",
                    param="response_format")
-    tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
-    if tool_choice not in ("auto", "none"):
-        raise _bad(f"tool_choice={tool_choice!r} is not supported; use 'auto' or 'none'", param="tool_choice")
+    tool_choice = _tool_choice(req.tool_choice)
     messages = [normalize_message(m, i) for i, m in enumerate(req.messages)]
     tools = [_check_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None
     return TurnRequest(
@@ -117,8 +117,23 @@ def parse_chat_request(body: Any) -> TurnRequest:
         stream=req.stream,
         include_usage=bool((req.stream_options or {}).get("include_usage")),
         want_logprobs=bool(req.logprobs),
-        tool_choice="none" if tool_choice == "none" else "auto",
+        tool_choice=tool_choice,
+        response_format=None if kind == "text" else req.response_format,
     )
+
+
+def _tool_choice(raw: str | dict[str, Any] | None) -> ToolChoice:
+    """Chat's ``tool_choice`` in canonical form (a named function becomes ``{"type": "function", "name"}``);
+    whether it can be honoured (tools, the served format) is checked when it is served (gateway/constraints.py)."""
+    if raw is None:
+        return "auto"
+    if raw in ("auto", "none", "required"):
+        return raw  # type: ignore[return-value]
+    fn = raw.get("function") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+        return {"type": "function", "name": fn["name"]}
+    raise _bad(f"tool_choice={raw!r} is not supported; use 'auto', 'none', 'required' or "
+               "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
 
 
 def _check_stop(stop: str | list[str] | None) -> None:

@@ -24,6 +24,7 @@ from jinja2 import TemplateError
 from ray.exceptions import RayActorError, RayError
 
 from agentloop.errors import RoutingError
+from agentloop.gateway import constraints
 from agentloop.gateway.decode import StreamDecoder, decode_turn
 from agentloop.gateway.images import ImagePartError
 from agentloop.gateway.protocol import GatewayHTTPError
@@ -68,6 +69,7 @@ class Turn:
     params: dict[str, Any]
     sticky_key: str
     http_id: str
+    constrained: bool = False  # sampled under a grammar (gateway/constraints.py)
 
 
 class TurnServer:
@@ -113,14 +115,17 @@ class TurnServer:
             raise placement_error(e, http_id) from None
 
     def _reserve(self, session: Session, request: TurnRequest, http_id: str) -> Turn:
+        grammar: dict[str, Any] = {}
+        constrained = constraints.apply(request, self.parser, grammar)  # its 400 comes before anything is placed
         reservation = self.reserve_prompt(session, request, http_id)
         session.num_requests += 1
-        params = {**session.sampling_params, **request.sampling}
+        params = {**session.sampling_params, **request.sampling, **grammar}
         params["logprobs"] = bool(self.calculate_log_probs or request.want_logprobs)
         remaining = self._budget(reservation)
         params["max_tokens"] = min(int(params.get("max_tokens") or remaining), remaining)
         engine_id = f"{session.session_id}-{uuid.uuid4().hex[:12]}"
-        return Turn(session, request, reservation, engine_id, params, _branch_key(session, reservation), http_id)
+        return Turn(session, request, reservation, engine_id, params, _branch_key(session, reservation), http_id,
+                    constrained)
 
     def _budget(self, reservation: Any) -> int:
         """Tokens this request may generate (the response budget, docs/gateway.md); <= 0: none."""
@@ -180,10 +185,12 @@ class TurnServer:
             decoded.message["content"] = seen or (None if decoded.message.get("tool_calls") else "")
         turn.session.num_parse_errors += decoded.num_parse_errors
         lps = list(log_probs) if log_probs is not None and len(log_probs) == len(ids) else None
-        turn.session.store.commit(turn.reservation, list(ids), lps, decoded.message, decoded.finish_reason)
+        turn.session.store.commit(turn.reservation, list(ids), lps, decoded.message, decoded.finish_reason,
+                                  constrained=turn.constrained)
         return TurnResult(message=decoded.message, finish_reason=decoded.finish_reason,
                           prompt_tokens=len(turn.reservation.prompt_ids), completion_tokens=len(ids),
-                          stop_sequence=stop_sequence if decoded.finish_reason == "stop" else None)
+                          stop_sequence=stop_sequence if decoded.finish_reason == "stop" else None,
+                          constrained=turn.constrained)
 
     def _openai_logprobs(self, ids: list[int], log_probs: list[float] | None) -> dict[str, Any] | None:
         if log_probs is None:

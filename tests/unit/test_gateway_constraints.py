@@ -11,7 +11,9 @@ import asyncio
 import json
 from typing import Any
 
+import openai
 import pytest
+from gateway_helpers import CALC_TOOL, LiveGateway, client_for
 
 from agentloop.errors import ServerError
 from agentloop.gateway.constraints import (
@@ -304,3 +306,73 @@ def test_the_scripted_server_flags_a_grammar_it_does_not_follow():
     out = asyncio.run(server.generate([1], {"max_tokens": 8, STRUCTURED_OUTPUTS: entry}, "b"))
     assert out.token_ids == [5, 6, 2] and out.extra_fields["structured_outputs_ignored"] is True
     assert server.calls[-1]["sampling_params"][STRUCTURED_OUTPUTS] == entry
+
+
+# ---- through the gateway (chat dialect, the fake engine) --------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+
+
+@pytest.fixture
+def gateway(tokenizer):
+    gw = LiveGateway(tokenizer)
+    yield gw
+    gw.close()
+
+
+def ask(client: Any, **kwargs: Any) -> Any:
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    return client.chat.completions.create(model="m", messages=messages, **kwargs)
+
+
+def test_required_reaches_the_engine_and_flags_the_trajectory(gateway):
+    handle = gateway.session()
+    client = client_for(handle)
+    free = ask(client, tools=[CALC_TOOL])
+    forced = ask(client, tools=[CALC_TOOL], tool_choice="required")
+    assert free.choices[0].finish_reason == forced.choices[0].finish_reason == "tool_calls"
+    sent = [c["sampling_params"] for c in gateway.server.calls]
+    assert STRUCTURED_OUTPUTS not in sent[0]
+    parser = HermesToolParser(None)
+    assert sent[1][STRUCTURED_OUTPUTS] == engine_entry("required", [CALC_TOOL], None, parser)
+    trajectories = gateway.finalize(handle.session_id)["trajectories"]
+    assert [t.constrained for t in trajectories] == [False, True]
+
+
+def test_a_named_function_in_chats_spelling(gateway):
+    handle = gateway.session()
+    choice = {"type": "function", "function": {"name": "calculator"}}
+    ask(client_for(handle), tools=[CALC_TOOL], tool_choice=choice)
+    entry = gateway.server.calls[-1]["sampling_params"][STRUCTURED_OUTPUTS]
+    named = {"type": "function", "name": "calculator"}
+    assert entry == engine_entry(named, [CALC_TOOL], None, HermesToolParser(None))
+
+
+def test_a_json_schema_response_format_reaches_the_engine(gateway):
+    handle = gateway.session()
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    ask(client_for(handle), response_format=fmt)
+    entry = gateway.server.calls[-1]["sampling_params"][STRUCTURED_OUTPUTS]
+    assert entry == engine_entry("auto", None, fmt, None)
+    assert accepts(entry, '{"answer": "no"}')
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"tools": [CALC_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}},
+     "response_format.json_schema.schema"),
+])
+def test_refused_requests_reach_no_engine_and_record_nothing(gateway, kwargs, param):
+    handle = gateway.session()
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client_for(handle), **kwargs)
+    assert err.value.status_code == 400 and err.value.body["param"] == param
+    assert gateway.server.calls == []
+    assert gateway.finalize(handle.session_id)["trajectories"] == []

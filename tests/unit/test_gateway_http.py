@@ -210,8 +210,9 @@ HELLO = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
     ({"model": "m", "messages": []}, None, "messages"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, None, "messages.0.role"),
     ({**HELLO, "n": 2}, None, "n"),
-    ({**HELLO, "response_format": {"type": "json_object"}}, None, "response_format"),
-    ({**HELLO, "tool_choice": "required"}, None, "tool_choice"),
+    ({**HELLO, "response_format": {"type": "grammar"}}, None, "response_format"),
+    ({**HELLO, "tool_choice": "any"}, None, "tool_choice"),
+    ({**HELLO, "tool_choice": "required"}, None, "tools"),  # required needs tools (gateway/constraints.py)
     ({**HELLO, "temperature": "hot"}, None, "temperature"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
      None, "messages"),
