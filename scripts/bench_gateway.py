@@ -107,9 +107,11 @@ def start_engine(args: argparse.Namespace, rollout: Any, model: Any, tokenizer: 
 
         cls = ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=100000)
         return cls.remote(reply, eos_token_id=tokenizer.eos_token_id, delay=args.delay)
+    from agentloop.config import ServerSections
     from agentloop.servers.vllm import VLLMServer
 
-    server = ray.remote(num_cpus=0)(VLLMServer).options(max_concurrency=100000).remote(rollout, model)
+    sections = ServerSections.from_slices(rollout, model)
+    server = ray.remote(num_cpus=0)(VLLMServer).options(max_concurrency=100000).remote(sections)
     ray.get(server.start.remote())
     return server
 
@@ -131,6 +133,7 @@ async def main_async(args: argparse.Namespace) -> None:
     import ray
     from transformers import AutoTokenizer
 
+    from agentloop.config import GatewaySections
     from agentloop.gateway.actor import GatewayManager, start_gateways
     from agentloop.routing import AsyncLLMServerManager
     from agentloop.testing.tiny_model import ensure_tiny_model
@@ -145,7 +148,8 @@ async def main_async(args: argparse.Namespace) -> None:
                            "gateways": {}}
     counts = [int(n) for n in args.gateways.split(",")]
     for n in counts:
-        env["gateways"][f"gateways={n}"] = GatewayManager(start_gateways(rollout, model, [server], n=n))
+        sections = GatewaySections.from_slices(rollout, model)
+        env["gateways"][f"gateways={n}"] = GatewayManager(start_gateways(sections, [server], n=n))
     sides = ["direct", *env["gateways"]]
     firsts = [f"Tell me a story about topic number {i}." for i in range(args.sessions)]
     results: dict[str, list[float]] = {side: [] for side in sides}

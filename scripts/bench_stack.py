@@ -79,7 +79,8 @@ def main() -> None:
         return call
 
     server = ScriptedServer(reply, eos_token_id=eos)
-    worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server], tokenizer=tok)
+    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server],
+                                         tokenizer=tok)
     steps = itertools.count()
 
     def batch(group: int):

@@ -27,12 +27,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import ray
 import ray.exceptions
-from omegaconf import DictConfig
 from ray.util.placement_group import PlacementGroup, placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from agentloop.cluster.placement import ServerGroup, ServerSlot, cpu_bind_env, detect_device, launch_servers
-from agentloop.config import AgentLoopConfig
+from agentloop.config import AgentLoopConfig, EngineConfig, ServerConfig
 from agentloop.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -205,10 +204,10 @@ def _checked(bundle: Bundle | None, node_id: str, rank: int) -> Bundle | None:
     return bundle
 
 
-def replica_size(rollout: DictConfig, device: str, world_size: int) -> int:
+def replica_size(engine: EngineConfig, server: ServerConfig, device: str, world_size: int) -> int:
     """Trainer workers per rollout server (docs/concepts.md#placement); ConfigError when it cannot divide them."""
-    tp = int(rollout.tensor_model_parallel_size)
-    configured = rollout.server.num_servers
+    tp = engine.tensor_model_parallel_size
+    configured = server.num_servers
     if device == "cpu" and configured:
         n = int(configured)
         if n <= 0 or world_size % n:
@@ -269,7 +268,7 @@ def start_colocated_servers(cfg: AgentLoopConfig, worker_group: Any, resource_po
     """Start one server per replica of ``worker_group``'s workers, beside them (see the module docstring)."""
     device = detect_device(cfg.server.device)
     locations = locate_workers(worker_group, resource_pool)
-    size = replica_size(cfg.rollout, device, len(locations))
+    size = replica_size(cfg.engine, cfg.server, device, len(locations))
     slots = colocated_slots(group_replicas(locations, size), device, cfg.engine.tensor_model_parallel_size)
     if device == "cuda" and not cfg.engine.free_cache_engine:
         logger.warning("colocated rollout servers with free_cache_engine=false never release GPU memory: the "

@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agentloop.config import AgentLoopConfig
+from agentloop.config import AgentLoopConfig, ServerSections
 from agentloop.errors import ConfigError, ServerError
 from agentloop.utils.process import restore_normal_priority  # noqa: F401 - re-exported from its former home
 from agentloop.utils.registry import Registry
@@ -156,7 +156,7 @@ def create_server_actor(cfg: AgentLoopConfig, slot: ServerSlot, index: int) -> A
         scheduling_strategy=slot.scheduling_strategy,
         runtime_env={"env_vars": env},
         max_concurrency=100000,
-    ).remote(cfg.rollout, cfg.model, index)
+    ).remote(ServerSections.of(cfg), index)
 
 
 def launch_servers(cfg: AgentLoopConfig, slots: list[ServerSlot]) -> tuple[list[Any], list[dict[str, Any]]]:

@@ -6,7 +6,8 @@ as in verl) or just the rollout subtree plus a model path.  :func:`resolve_confi
 unknown keys with a did-you-mean, unsupported verl features, value types) and returns an
 :class:`AgentLoopConfig`: the omegaconf slices (``rollout``, ``model``, ``root``; verl loops receive ``root``)
 plus one frozen, typed section per component (``cfg.server``, ``cfg.router``, ``cfg.agent``, ...;
-:mod:`agentloop.config.schema`).
+:mod:`agentloop.config.schema`).  Actors receive small bundles of those sections
+(:mod:`agentloop.config.sections`: ``ServerSections``, ``WorkerSections``, ``GatewaySections``).
 """
 
 from agentloop.config.load import (
@@ -33,10 +34,11 @@ from agentloop.config.schema import (
     TraceConfig,
     weight_update_mode,
 )
+from agentloop.config.sections import GatewaySections, SectionBundle, ServerSections, WorkerSections
 
 __all__ = [
     "CONFIG_DIR", "AgentConfig", "AgentLoopConfig", "AsyncConfig", "DataConfig", "EngineConfig", "GatewayConfig",
     "ModelConfig", "MultiTurnConfig", "RewardConfig", "RouterConfig", "SamplingConfig", "Section", "ServerConfig",
     "TraceConfig", "build_sections", "default_config", "resolve_config", "sampling_params_from_config", "validate",
-    "weight_update_mode",
+    "weight_update_mode", "SectionBundle", "ServerSections", "WorkerSections", "GatewaySections",
 ]

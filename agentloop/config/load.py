@@ -37,6 +37,7 @@ from agentloop.config.schema import (
     TraceConfig,
     weight_update_mode,
 )
+from agentloop.config.sections import SECTION_BUILDERS
 from agentloop.configcheck import check_keys, check_load_format, check_types, fill_verl_defaults
 from agentloop.errors import ConfigError
 
@@ -94,15 +95,7 @@ def build_sections(root: Any) -> dict[str, Any]:
     Raises:
         ConfigError: a value is mistyped or out of range.
     """
-    return {
-        "agent": AgentConfig.from_root(root), "engine": EngineConfig.from_root(root),
-        "model_config": ModelConfig.from_root(root), "sampling": SamplingConfig.from_root(root),
-        "val_sampling": SamplingConfig.validation_from_root(root), "server": ServerConfig.from_root(root),
-        "router": RouterConfig.from_root(root), "multi_turn": MultiTurnConfig.from_root(root),
-        "gateway": GatewayConfig.from_root(root), "trace": TraceConfig.from_root(root),
-        "reward": RewardConfig.from_root(root), "async_training": AsyncConfig.from_root(root),
-        "data": DataConfig.from_root(root),
-    }
+    return {name: build(root) for name, build in SECTION_BUILDERS.items()}
 
 
 def _merge_defaults(config: DictConfig) -> tuple[DictConfig, dict[str, Any], dict[str, Any]]:

@@ -19,10 +19,9 @@ from typing import Any
 import ray
 import ray.exceptions
 import uvicorn
-from omegaconf import DictConfig
 from ray.actor import ActorHandle
 
-from agentloop.config import EngineConfig, GatewayConfig, ModelConfig, MultiTurnConfig, RouterConfig, SamplingConfig
+from agentloop.config import GatewaySections
 from agentloop.errors import ConfigError, ServerError, first_line
 from agentloop.gateway.app import build_app
 from agentloop.gateway.images import ImageEncoder
@@ -40,48 +39,43 @@ class GatewayActor:
     """One OpenAI-compatible gateway.  Call :meth:`start` (async) before opening sessions.
 
     Args:
-        rollout: rollout config slice (``prompt_length``, ``response_length``, ``multi_turn.format``,
-            ``calculate_log_probs``, ``gateway.{host, max_body_bytes}``).
-        model: model config slice (``path``).
+        sections: the typed sections it reads (``GatewaySections.of(cfg)``: ``gateway.{host, max_body_bytes}``,
+            the engine's lengths, ``multi_turn.format``, ``calculate_log_probs``, the model, and ``router``,
+            the same router section the workers route with).
         server_handles: the engines (Ray actor handles or in-process servers).
         balancer: the GlobalBalancer actor, a local Balancer, or None.
-        tokenizer: pass one to skip loading it from ``model.path``.
-        processor: the model's HF processor for image requests (docs/gateway.md#images); loaded from
-            ``model.path`` only when neither it nor ``tokenizer`` is given (a text-only model: None).
-        router_cfg: the router settings (``AgentLoopConfig.router``: failover, partial rollouts, priority, ...),
-            the same the workers route with; None reads them from ``rollout`` (``async_training`` then false).
+        tokenizer: pass one to skip loading it from the model section.
+        processor: the model's HF processor for image requests (docs/gateway.md#images); loaded from the
+            model section only when neither it nor ``tokenizer`` is given (a text-only model: None).
         owner: the router's owner id (its balancer slots are released under it).
-
-    Keys ``rollout`` / ``model`` lack take the values of ``agentloop/configs/rollout.yaml``.
-
-    Raises:
-        ConfigError: a config value is mistyped (one line naming it).
     """
 
-    def __init__(self, rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
-                 tokenizer: Any = None, *, router_cfg: RouterConfig | None = None, owner: str | None = None,
-                 processor: Any = None) -> None:
-        restore_normal_priority(rollout)  # Ray starts actors at nice 15
-        root = {"actor_rollout_ref": {"rollout": rollout, "model": model}}
-        gateway_cfg, engine = GatewayConfig.from_root(root), EngineConfig.from_root(root)
-        self.host = gateway_cfg.host
-        self.max_body_bytes = gateway_cfg.max_body_bytes
-        tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+    def __init__(self, sections: GatewaySections, server_handles: list[Any], balancer: Any = None,
+                 tokenizer: Any = None, *, owner: str | None = None, processor: Any = None) -> None:
+        restore_normal_priority(sections.engine.normal_priority)  # Ray starts actors at nice 15
+        self.host = sections.gateway.host
+        self.max_body_bytes = sections.gateway.max_body_bytes
+        tok = tokenizer if tokenizer is not None else load_tokenizer(sections.model_config)
         if processor is None and tokenizer is None:
-            processor = load_processor(model, tok)
-        fmt = MultiTurnConfig.from_root(root).format
-        router = build_router(router_cfg if router_cfg is not None else RouterConfig.from_root(root),
-                              server_handles, balancer, owner=owner)
+            processor = load_processor(sections.model_config, tok)
+        router = build_router(sections.router, server_handles, balancer, owner=owner)
         self.service = GatewayService(
-            tok, router, get_tool_parser(fmt, tok),
-            prompt_length=engine.prompt_length, response_length=engine.response_length,
-            calculate_log_probs=SamplingConfig.from_root(root).calculate_log_probs,
-            model_name=ModelConfig.from_root(root).path,
-            images=ImageEncoder(processor, gateway_cfg.max_image_bytes, ModelConfig.from_root(root).path),
+            tok, router, get_tool_parser(sections.multi_turn.format, tok),
+            prompt_length=sections.engine.prompt_length, response_length=sections.engine.response_length,
+            calculate_log_probs=sections.sampling.calculate_log_probs, model_name=sections.model_config.path,
+            images=ImageEncoder(processor, sections.gateway.max_image_bytes, sections.model_config.path),
         )
         self._server: Any = None
         self._task: asyncio.Task | None = None
         self.url = ""
+
+    @classmethod
+    def from_slices(cls, rollout: Any, model: Any, server_handles: list[Any], *args: Any,
+                    **kwargs: Any) -> GatewayActor:
+        """A gateway from the ``rollout`` / ``model`` config slices (:meth:`GatewaySections.from_slices`: absent
+        keys take the YAML's values, ``async_training.partial_rollout`` reads as false); ``args`` / ``kwargs``:
+        the constructor's arguments after ``server_handles``."""
+        return cls(GatewaySections.from_slices(rollout, model), server_handles, *args, **kwargs)
 
     async def start(self) -> str:
         """Start the HTTP server; returns its base URL (``http://host:port``)."""
@@ -242,12 +236,11 @@ def _actor_gone(error: BaseException) -> bool:
     return isinstance(error, ray.exceptions.RayActorError)
 
 
-def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictConfig, server_handles: list[Any],
-                          balancer: Any = None, timeout: float = 30.0, *,
-                          router_cfg: RouterConfig | None = None) -> int:
+def replace_dead_gateways(gateways: list[Any], sections: GatewaySections, server_handles: list[Any],
+                          balancer: Any = None, timeout: float = 30.0) -> int:
     """Look at every gateway actor; start a new one in place of each that died (``gateways`` is changed in
-    place).  Returns how many were replaced; a gateway slow to answer is left (it may be busy).  ``router_cfg``:
-    as for :func:`start_gateways`."""
+    place), built from ``sections`` as :func:`start_gateways` does.  Returns how many were replaced; a gateway
+    slow to answer is left (it may be busy)."""
     refs = [g.num_sessions.remote() for g in gateways]
     answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])  # one wait for all, not one each
     dead = []
@@ -265,9 +258,7 @@ def replace_dead_gateways(gateways: list[Any], rollout: DictConfig, model: DictC
             else:
                 logger.warning("gateway %d did not answer (%s); left as it is", i, first_line(e))
     if dead:
-        for i, fresh in zip(dead, start_gateways(rollout, model, server_handles, balancer, n=len(dead),
-                                                     router_cfg=router_cfg),
-                            strict=True):
+        for i, fresh in zip(dead, start_gateways(sections, server_handles, balancer, n=len(dead)), strict=True):
             with contextlib.suppress(Exception):
                 ray.kill(gateways[i], no_restart=True)
             gateways[i] = fresh
@@ -302,19 +293,19 @@ def tell_gateways(gateways: list[Any], index: int, handle: Any) -> None:
             logger.warning("gateway %s was not told about restarted server %d: %s", gateway, index, first_line(e))
 
 
-def start_gateways(rollout: DictConfig, model: DictConfig, server_handles: list[Any], balancer: Any = None,
-                   n: int | None = None, *, router_cfg: RouterConfig | None = None) -> list[Any]:
-    """Start ``n`` (default ``rollout.gateway.num_gateways``) GatewayActor actors and their HTTP servers.
+def start_gateways(sections: GatewaySections, server_handles: list[Any], balancer: Any = None,
+                   n: int | None = None) -> list[Any]:
+    """Start ``n`` (default ``sections.gateway.num_gateways``) GatewayActor actors and their HTTP servers.
 
-    ``router_cfg``: the workers' router settings (``AgentLoopConfig.router``), see :class:`GatewayActor`.
+    Raises:
+        ConfigError: ``n`` is below 1.
     """
     if n is None:
-        n = GatewayConfig.from_rollout(rollout).num_gateways
+        n = sections.gateway.num_gateways
     if n < 1:
         raise ConfigError(f"rollout.gateway.num_gateways must be >= 1 when a loop needs the gateway, got {n}")
     cls = ray.remote(GatewayActor)
-    actors = [cls.options(num_cpus=0, max_concurrency=10000).remote(rollout, model, server_handles, balancer,
-                                                                    router_cfg=router_cfg)
+    actors = [cls.options(num_cpus=0, max_concurrency=10000).remote(sections, server_handles, balancer)
               for _ in range(n)]
     urls = ray.get([a.start.remote() for a in actors])  # type: ignore[attr-defined]
     logger.info("gateways listening at %s", urls)

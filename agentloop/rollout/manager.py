@@ -36,7 +36,7 @@ from agentloop.cluster.colocated import start_colocated_servers
 from agentloop.cluster.placement import ServerGroup, sleep_support, start_standalone_servers, stop_servers
 from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
-from agentloop.config import AgentLoopConfig, resolve_config
+from agentloop.config import AgentLoopConfig, GatewaySections, WorkerSections, resolve_config
 from agentloop.loops.base import resolve_registry
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.weights import WeightSync
@@ -146,12 +146,13 @@ class AgentLoopManager:
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
             max_concurrency=10000,
-        ).remote(self.rollout, self.config.model, list(self.server_handles), self.balancer, self.registry,
-                 trainer_config=self.config.root, worker_id=worker_id)
+        ).remote(WorkerSections.of(self.config), self.config.root, list(self.server_handles), self.balancer,
+                 self.registry, worker_id=worker_id)
 
     def _error_rows(self, chunk: DataProto, status: RolloutStatus, message: str) -> DataProto:
         pad = self.tokenizer.pad_token_id
-        return error_batch(chunk, status, message, rollout=self.rollout,
+        return error_batch(chunk, status, message, engine=self.config.engine,
+                           calculate_log_probs=self.config.sampling.calculate_log_probs,
                            pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
                            default_agent=self.config.agent.default_agent_loop)
 
@@ -275,8 +276,8 @@ class AgentLoopManager:
         # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
         from agentloop.gateway.actor import replace_dead_gateways
 
-        replaced = replace_dead_gateways(self.gateways, self.rollout, self.config.model, self.server_handles,
-                                         self.balancer, router_cfg=self.config.router)
+        replaced = replace_dead_gateways(self.gateways, GatewaySections.of(self.config), self.server_handles,
+                                         self.balancer)
         if replaced:
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
             self._gateway_restarts += replaced
@@ -363,8 +364,7 @@ class AgentLoopManager:
             # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
             from agentloop.gateway.actor import start_gateways
 
-            self.gateways = start_gateways(self.rollout, self.config.model, self.server_handles, self.balancer,
-                                           router_cfg=self.config.router)
+            self.gateways = start_gateways(GatewaySections.of(self.config), self.server_handles, self.balancer)
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
         return self.gateways
 
@@ -412,7 +412,9 @@ class AgentLoopManager:
         """
         self.weights.set_mode(mode)
         self.rollout.server.weight_update = mode  # servers restarted later start with it
-        self.config = dataclasses.replace(self.config)  # its typed sections rebuilt from the edited slice
+        before, self.config = self.config, dataclasses.replace(self.config)  # sections rebuilt from the slice
+        if self.servers.config is before:  # servers restarted later are built from the new sections
+            self.servers.config = self.config
 
     def _update_weights_whole(self, named_tensors: dict[str, Any], *, global_steps: int | None = None,
                               transport: str = "file") -> int:

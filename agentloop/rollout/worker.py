@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -35,10 +36,11 @@ from agentloop.batch.postprocess import postprocess
 from agentloop.batch.protocol import DataProto
 from agentloop.compat.chat_template import with_list_chat_template
 from agentloop.compat.rollout_trace import RolloutTraceConfig, rollout_trace_attr, select_traced_rows
-from agentloop.config import AgentConfig, EngineConfig, MultiTurnConfig, RouterConfig, SamplingConfig, TraceConfig
+from agentloop.config import EngineConfig, ModelConfig, MultiTurnConfig, TraceConfig, WorkerSections
 from agentloop.errors import DatasetError
 from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, lookup, resolve_registry
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
+from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.routing import build_router
 from agentloop.routing.tail import make_priority
@@ -78,10 +80,10 @@ def _start_tracing(trace: TraceConfig) -> int | None:
     return trace.max_samples_per_step_per_worker
 
 
-def _model_type(model: DictConfig) -> str | None:
+def _model_type(model: ModelConfig) -> str | None:
     """``model_type`` of the model's config.json (verl passes it to loops as ``hf_model_type``)."""
     try:
-        return json.loads((Path(os.path.expanduser(str(model.path))) / "config.json").read_text()).get("model_type")
+        return json.loads((Path(model.local_path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return None
 
@@ -145,51 +147,48 @@ class AgentLoopWorker:
     """Runs agent loops for a chunk of samples.
 
     Args:
-        rollout: rollout config slice.
-        model: model config slice.
+        sections: the typed sections it reads (``WorkerSections.of(cfg)``, built once in the driver).
+        trainer_config: the whole trainer-shaped config (``data`` included) that verl loops receive as
+            ``trainer_config`` / ``self.config`` (verl's contract: the worker only hands it on).
         server_handles: server actor handles (or in-process LLMServer objects).
         balancer: a GlobalBalancer actor handle or a local Balancer; None builds a local one.
         registry: resolved agent loops (the manager passes the driver's, so loops registered in the
             driver's ``__main__`` work too); None resolves it here.
-        tokenizer: pass one to skip loading it from ``model.path``.
+        tokenizer: pass one to skip loading it from the model section.
         gateways: gateway actor handles, for loops that declare ``requires_gateway``.
-        trainer_config: the whole trainer-shaped config (``data`` included) that loops receive as verl's
-            ``trainer_config``; default: one holding just ``rollout`` and ``model``.
         processor: a HF processor for multimodal models (default: loaded for multimodal models only).
         worker_id: the owner id of this worker's in-flight slots in the shared balancer (the manager
             releases them if this worker dies); default: a fresh id.
+
+    Raises:
+        ConfigError: a bad tool config or reward function (the worker fails to start).
     """
 
     def __init__(
         self,
-        rollout: DictConfig,
-        model: DictConfig,
+        sections: WorkerSections,
+        trainer_config: DictConfig,
         server_handles: list[Any],
         balancer: Any = None,
         registry: dict[str, ResolvedAgentLoop] | None = None,
         tokenizer: Any = None,
         gateways: list[Any] | None = None,
-        trainer_config: DictConfig | None = None,
         processor: Any = None,
         worker_id: str | None = None,
     ) -> None:
-        root = trainer_config if trainer_config is not None else OmegaConf.create(
-            {"actor_rollout_ref": {"rollout": rollout, "model": model}, "data": {}})
-        self.trainer_config = root
-        self.rollout = rollout = root.actor_rollout_ref.rollout
-        self.priority = restore_normal_priority(rollout)  # Ray starts actors at nice 15
+        self.trainer_config = trainer_config
+        self.agent, self.engine, model = sections.agent, sections.engine, sections.model_config
+        self.priority = restore_normal_priority(self.engine.normal_priority)  # Ray starts actors at nice 15
         # transformers 4's apply_chat_template(tokenize=True) -> ids, which verl 0.6/0.7 loops rely on
         self.tokenizer = with_list_chat_template(tokenizer if tokenizer is not None else load_tokenizer(model))
         self.processor = (processor if processor is not None or tokenizer is not None
                           else load_processor(model, self.tokenizer))
-        self.server_manager = build_router(RouterConfig.from_root(root), server_handles, balancer, owner=worker_id)
-        self.agent, self.engine = AgentConfig.from_root(root), EngineConfig.from_root(root)
-        self.sampling = {False: SamplingConfig.from_root(root), True: SamplingConfig.validation_from_root(root)}
+        self.server_manager = build_router(sections.router, server_handles, balancer, owner=worker_id)
+        self.sampling = {False: sections.sampling, True: sections.val_sampling}
         """Sampling by ``meta_info["validate"]`` (verl's ``val_kwargs`` when validating)."""
         self.record_timing = bool(self.agent.record_timing)
         self.registry = registry if registry is not None else resolve_registry(self.agent.agent_loop_config_path)
-        # once per worker (verl 0.9); a bad tool config fails here
-        self.tools = load_rollout_tools(MultiTurnConfig.from_root(root))
+        self.tools = load_rollout_tools(sections.multi_turn)  # once per worker (verl 0.9); a bad config fails here
         self.hf_model_type = _model_type(model)
         self.init_errors: dict[str, str] = {}
         for entry in self.registry.values():
@@ -200,15 +199,29 @@ class AgentLoopWorker:
         self.sample_timeout = self.agent.sample_timeout or None
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.trace_samples = _start_tracing(TraceConfig.from_root(root))
+        self.trace_samples = _start_tracing(sections.trace)
         if RolloutTraceConfig.enable_token2text():  # generate spans carry the decoded response
             set_token_decoder(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         # custom_reward_function (top level, verl's): imported once here, so a bad path fails the worker's start
-        self.rewards = TrajectoryScorer.from_config(root, self.tokenizer, self.engine.response_length)
-        self._loop_args = (DictConfigWrap(root), self.server_manager, self.tokenizer, self.processor)
-        self._loop_kwargs = {"dataset_cls": None, "data_config": DictConfigWrap(root.get("data") or {}),
+        episode = EpisodeRewardConfig.checked(sections.multi_turn.reward_to, sections.multi_turn.reward_gamma)
+        self.rewards = TrajectoryScorer(sections.reward, self.tokenizer, self.engine.response_length, episode)
+        self._loop_args = (DictConfigWrap(trainer_config), self.server_manager, self.tokenizer, self.processor)
+        self._loop_kwargs = {"dataset_cls": None, "data_config": DictConfigWrap(trainer_config.get("data") or {}),
                              "hf_model_type": self.hf_model_type, "tools": ToolListWrap(self.tools)}
-        self.gc_frozen = freeze_startup_heap(rollout)  # last: everything start-up made stays out of full GCs
+        self.gc_frozen = freeze_startup_heap(self.engine)  # last: everything start-up made stays out of full GCs
+
+    @classmethod
+    def from_slices(cls, rollout: Any, model: Any, server_handles: list[Any], *args: Any,
+                    trainer_config: DictConfig | None = None, **kwargs: Any) -> AgentLoopWorker:
+        """A worker from the ``rollout`` / ``model`` config slices (tests, in-process use; absent keys take the
+        YAML's values).  The model section comes from ``model``, the others from ``trainer_config`` when given,
+        else from ``rollout``; verl loops receive ``trainer_config``, else one holding just ``rollout`` and
+        ``model``.  ``args`` / ``kwargs``: the constructor's arguments after ``server_handles``."""
+        root = trainer_config if trainer_config is not None else OmegaConf.create(
+            {"actor_rollout_ref": {"rollout": rollout, "model": model}, "data": {}})
+        sections = dataclasses.replace(WorkerSections.from_root(root),
+                                       model_config=ModelConfig.from_root({"actor_rollout_ref": {"model": model}}))
+        return cls(sections, root, server_handles, *args, **kwargs)
 
     def _init_loop_class(self, entry: ResolvedAgentLoop, **extra: Any) -> None:
         """verl's once-per-class set-up; a failure is kept, named, and fails only that loop's samples."""
@@ -401,17 +414,17 @@ def _result_of(task: asyncio.Task, timeout: float | None) -> list[AgentLoopOutpu
     return task.result()
 
 
-def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, rollout: DictConfig, pad_token_id: int,
-                default_agent: str) -> DataProto:
+def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, engine: EngineConfig,
+                calculate_log_probs: bool, pad_token_id: int, default_agent: str) -> DataProto:
     """The rows of ``chunk`` when no worker could roll them out (its worker died and retries ran out, or it hung
-    past the batch deadline): one ``status`` row per sample with ``message``, in verl's padded layout, keeping
-    each sample's non-tensor fields (uid, index...)."""
+    past the batch deadline): one ``status`` row per sample with ``message``, in verl's padded layout (the
+    ``engine`` section's lengths), keeping each sample's non-tensor fields (uid, index...)."""
     fields = {k: v for k, v in chunk.non_tensor_batch.items()}
     fields["agent_name"] = agent_names(chunk, default_agent)
     output = postprocess(
         [_failed(status, message) for _ in range(len(chunk))],
-        prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
-        pad_token_id=pad_token_id, sample_fields=fields, calculate_log_probs=bool(rollout.calculate_log_probs),
+        prompt_length=engine.prompt_length, response_length=engine.response_length,
+        pad_token_id=pad_token_id, sample_fields=fields, calculate_log_probs=calculate_log_probs,
         rewards_configured=False,
     )
     return output

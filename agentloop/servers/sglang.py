@@ -21,9 +21,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from omegaconf import DictConfig
-
-from agentloop.config import EngineConfig, ModelConfig, ServerConfig
+from agentloop.config import EngineConfig, ModelConfig, ServerConfig, ServerSections
 from agentloop.errors import ConfigError, ServerError
 from agentloop.servers.base import (
     GOES_ON_WITHOUT,
@@ -107,10 +105,10 @@ def server_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
     return kwargs
 
 
-def engine_kwargs(rollout: DictConfig, model: DictConfig, server_index: int = 0) -> dict[str, Any]:
-    """:func:`server_args` from the rollout and model slices (a server's constructor arguments)."""
-    return server_args(EngineConfig.from_rollout(rollout), ServerConfig.from_rollout(rollout),
-                       ModelConfig.from_root({"actor_rollout_ref": {"model": model}}), server_index)
+def engine_kwargs(rollout: Any, model: Any, server_index: int = 0) -> dict[str, Any]:
+    """:func:`server_args` from the rollout and model slices (:meth:`ServerSections.from_slices`)."""
+    sections = ServerSections.from_slices(rollout, model)
+    return server_args(sections.engine, sections.server, sections.model_config, server_index)
 
 
 class SGLangEngineAPI:
@@ -177,15 +175,22 @@ class SGLangServer:
     :class:`~agentloop.servers.base.PauseGate` behind pause / resume), ``batcher`` (the
     :class:`~agentloop.servers.base.GenerateBatcher` behind ``generate_batch``) and ``weights``
     (:class:`~agentloop.servers.sglang_weights.SGLangWeights`: weight updates, the served version).
+
+    Args:
+        sections: the typed engine, server and model sections (``ServerSections.of(cfg)``).
+        server_index: rank of this server among all servers (for logs and seeds).
+
+    Raises:
+        ConfigError: ``server.weight_update`` is ``keep`` (vLLM only).
     """
 
     supports_sleep: bool = False
 
-    def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
-        self.rollout, self.model, self.server_index = rollout, model, server_index
-        self.engine_cfg = EngineConfig.from_rollout(rollout)
-        self.server_cfg = ServerConfig.from_rollout(rollout)
-        self.model_cfg = ModelConfig.from_root({"actor_rollout_ref": {"model": model}})
+    def __init__(self, sections: ServerSections, server_index: int = 0) -> None:
+        self.server_index = server_index
+        self.engine_cfg = sections.engine
+        self.server_cfg = sections.server
+        self.model_cfg = sections.model_config
         if self.server_cfg.weight_update not in ("abort", "drain"):
             raise ConfigError("actor_rollout_ref.rollout.server.weight_update: keep is implemented for vLLM only; use "
                               "abort (the default) or drain with rollout.name: sglang")
@@ -196,6 +201,11 @@ class SGLangServer:
         self.batcher = GenerateBatcher(self.generate)
         self.weights = SGLangWeights(server_index, self._require, self.gate, self._raise_if_dead)
         self._sleeping = False
+
+    @classmethod
+    def from_slices(cls, rollout: Any, model: Any, server_index: int = 0) -> SGLangServer:
+        """A server from the ``rollout`` and ``model`` config slices (:meth:`ServerSections.from_slices`)."""
+        return cls(ServerSections.from_slices(rollout, model), server_index)
 
     @property
     def global_steps(self) -> int:

@@ -14,11 +14,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from omegaconf import DictConfig
-
 from agentloop.batch.multimodal import engine_prompt
 from agentloop.cluster.enginewatch import EngineWatch, engine_progress, kill_engine_processes
-from agentloop.config import EngineConfig, ModelConfig, ServerConfig
+from agentloop.config import EngineConfig, ModelConfig, ServerConfig, ServerSections
 from agentloop.errors import ServerError
 from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError, load_whole
 from agentloop.servers.inflight_update import InFlightUpdate, collect_stream
@@ -104,20 +102,17 @@ class VLLMServer:
     version) and ``watch`` (:class:`~agentloop.cluster.enginewatch.EngineWatch`: a dead or hung engine).
 
     Args:
-        rollout: rollout config slice.
-        model: model config slice (``path``, ``trust_remote_code``).
+        sections: the typed engine, server and model sections (``ServerSections.of(cfg)``).
         server_index: rank of this server among all servers (for logs and seeds).
     """
 
     supports_sleep: bool = False
 
-    def __init__(self, rollout: DictConfig, model: DictConfig, server_index: int = 0) -> None:
-        self.rollout = rollout
-        self.model = model
+    def __init__(self, sections: ServerSections, server_index: int = 0) -> None:
         self.server_index = server_index
-        self.engine_cfg = EngineConfig.from_rollout(rollout)
-        self.server_cfg = ServerConfig.from_rollout(rollout)
-        self.model_cfg = ModelConfig.from_root({"actor_rollout_ref": {"model": model}})
+        self.engine_cfg = sections.engine
+        self.server_cfg = sections.server
+        self.model_cfg = sections.model_config
         self.prompt_length = self.engine_cfg.prompt_length
         self.response_length = self.engine_cfg.response_length
         self.engine: Any = None
@@ -132,6 +127,11 @@ class VLLMServer:
             stall_timeout=self.server_cfg.stall_timeout,
             holding=lambda: self.weights.open is not None or self.gate.paused or self._sleeping,
             on_stall=lambda why: kill_engine_processes())
+
+    @classmethod
+    def from_slices(cls, rollout: Any, model: Any, server_index: int = 0) -> VLLMServer:
+        """A server from the ``rollout`` and ``model`` config slices (:meth:`ServerSections.from_slices`)."""
+        return cls(ServerSections.from_slices(rollout, model), server_index)
 
     @property
     def global_steps(self) -> int:
@@ -159,7 +159,8 @@ class VLLMServer:
 
         on_cpu = current_platform.is_cpu()
         args = engine_args(self.engine_cfg, self.server_cfg, self.model_cfg, on_cpu, self.server_index)
-        priority = restore_normal_priority(self.rollout)  # before the engine's processes exist: they inherit it
+        # before the engine's processes exist: they inherit it
+        priority = restore_normal_priority(self.engine_cfg.normal_priority)
         try:
             self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         except Exception as e:

@@ -15,17 +15,16 @@ import os
 import signal
 import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import IO, Any
-
-from agentloop.config import EngineConfig
+from typing import IO
 
 __all__ = ["restore_normal_priority", "spawn_process", "start_process", "wait_process"]
 
 logger = logging.getLogger(__name__)
 
 
-def restore_normal_priority(rollout: EngineConfig | Any) -> str:
-    """Give this actor's threads nice 0 again unless ``rollout.normal_priority`` is false.
+def restore_normal_priority(normal_priority: bool) -> str:
+    """Give this actor's threads nice 0 again unless ``normal_priority`` (``rollout.normal_priority``,
+    :attr:`agentloop.config.EngineConfig.normal_priority`) is false.
 
     Ray starts every worker process (so every actor) at nice 15 (``RAY_worker_niceness``) and the engine
     processes an actor spawns inherit it, so an engine sharing cores with anything at normal priority gets
@@ -33,13 +32,12 @@ def restore_normal_priority(rollout: EngineConfig | Any) -> str:
     CAP_SYS_NICE; without them a warning says how to get the same effect when starting the cluster.
 
     Args:
-        rollout: the :class:`EngineConfig` (``normal_priority``) or the ``actor_rollout_ref.rollout`` mapping.
+        normal_priority: False leaves the priority as it is.
 
     Returns:
         What happened, for the start-up report (e.g. ``"nice 15 -> 0"``).
     """
-    engine = rollout if isinstance(rollout, EngineConfig) else EngineConfig.from_rollout(rollout)
-    if not engine.normal_priority:
+    if not normal_priority:
         return "unchanged (rollout.normal_priority=false)"
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if before <= 0:

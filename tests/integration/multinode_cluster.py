@@ -56,7 +56,7 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         """ScriptedServer with VLLMServer's constructor and ``start``; replies after ``delay["s"]`` seconds (the
         value when the actor was created)."""
 
-        def __init__(self, rollout: Any, model: Any, server_index: int = 0, wait: float = delay["s"]) -> None:
+        def __init__(self, sections: Any, server_index: int = 0, wait: float = delay["s"]) -> None:
             super().__init__(name=f"s{server_index}", delay=wait)
 
         async def start(self) -> dict[str, Any]:
@@ -67,8 +67,8 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         wait = delay["s"]
 
         class Slow(NodeServer):
-            def __init__(self, rollout: Any, model: Any, server_index: int = 0) -> None:
-                super().__init__(rollout, model, server_index, wait)
+            def __init__(self, sections: Any, server_index: int = 0) -> None:
+                super().__init__(sections, server_index, wait)
 
         return Slow
 

@@ -57,7 +57,7 @@ def main(report_path: str, model_path: str) -> None:
     class NodeServer(ScriptedServer):
         """ScriptedServer with VLLMServer's constructor and ``start``; server 1 cannot sleep (as a CPU engine)."""
 
-        def __init__(self, rollout: Any, model: Any, server_index: int = 0) -> None:
+        def __init__(self, sections: Any, server_index: int = 0) -> None:
             super().__init__(name=f"s{server_index}")
             self.supports_sleep = server_index != 1
 

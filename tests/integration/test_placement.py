@@ -25,6 +25,7 @@ from agentloop.cluster.colocated import (
     locate_workers,
     replica_size,
 )
+from agentloop.config import EngineConfig, ServerConfig
 from agentloop.errors import ConfigError
 
 SCRIPT = Path(__file__).with_name("placement_cluster.py")
@@ -70,8 +71,10 @@ def test_servers_land_beside_their_trainer_workers_on_a_two_node_cluster(tmp_pat
 
 
 def _rollout(**kw):
+    """The (engine, server) sections replica_size reads, from a rollout slice."""
     base = {"tensor_model_parallel_size": 1, "server": {"num_servers": None}}
-    return OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(kw))
+    rollout = OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(kw))
+    return EngineConfig.from_rollout(rollout), ServerConfig.from_rollout(rollout)
 
 
 _NODE = {"a": "a" * 56, "b": "b" * 56}  # node ids are 28-byte hex strings
@@ -85,15 +88,15 @@ def _locations(nodes: list[str], gpus: list[list[str]] | None = None, bundles: b
 
 
 def test_replica_size_follows_tp_on_gpus_and_num_servers_on_cpu():
-    assert replica_size(_rollout(tensor_model_parallel_size=2), "cuda", 8) == 2
-    assert replica_size(_rollout(), "cpu", 4) == 1
-    assert replica_size(_rollout(server={"num_servers": 2}), "cpu", 4) == 2
+    assert replica_size(*_rollout(tensor_model_parallel_size=2), "cuda", 8) == 2
+    assert replica_size(*_rollout(), "cpu", 4) == 1
+    assert replica_size(*_rollout(server={"num_servers": 2}), "cpu", 4) == 2
     with pytest.raises(ConfigError, match="must divide the trainer's 4 workers"):
-        replica_size(_rollout(server={"num_servers": 3}), "cpu", 4)
+        replica_size(*_rollout(server={"num_servers": 3}), "cpu", 4)
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=4 must divide"):
-        replica_size(_rollout(tensor_model_parallel_size=4), "cuda", 6)
+        replica_size(*_rollout(tensor_model_parallel_size=4), "cuda", 6)
     with pytest.raises(ConfigError, match="leave num_servers null"):
-        replica_size(_rollout(tensor_model_parallel_size=2, server={"num_servers": 1}), "cuda", 8)
+        replica_size(*_rollout(tensor_model_parallel_size=2, server={"num_servers": 1}), "cuda", 8)
 
 
 def test_replicas_are_consecutive_ranks_on_one_node():

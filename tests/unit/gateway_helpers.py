@@ -74,8 +74,8 @@ class LiveGateway:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.actor = GatewayActor(rollout_config(**gateway), OmegaConf.create({"path": "tiny"}), [self.server],
-                                  tokenizer=tokenizer, processor=processor)
+        self.actor = GatewayActor.from_slices(rollout_config(**gateway), OmegaConf.create({"path": "tiny"}),
+                                              [self.server], tokenizer=tokenizer, processor=processor)
         self.url = self.run(self.actor.start())
 
     def run(self, coro: Any, timeout: float = 30) -> Any:

@@ -222,8 +222,9 @@ def test_server_priority_is_reset_from_rays_nice_15_in_all_threads():
         os.nice(15)
         threading.Thread(target=lambda: __import__("time").sleep(2), daemon=True).start()
         from agentloop.cluster.placement import restore_normal_priority
-        print(restore_normal_priority({"normal_priority": False}), os.getpriority(os.PRIO_PROCESS, 0))
-        print(restore_normal_priority({}))
+        from agentloop.config import EngineConfig
+        print(restore_normal_priority(False), os.getpriority(os.PRIO_PROCESS, 0))
+        print(restore_normal_priority(EngineConfig.from_rollout({}).normal_priority))  # on by default
         print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

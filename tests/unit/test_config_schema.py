@@ -17,10 +17,12 @@ import agentloop
 from agentloop.config import (
     AgentLoopConfig,
     GatewayConfig,
+    GatewaySections,
     RewardConfig,
     RouterConfig,
     SamplingConfig,
     ServerConfig,
+    WorkerSections,
     build_sections,
     default_config,
     resolve_config,
@@ -184,9 +186,9 @@ def test_gateway_and_worker_routers_get_the_same_settings_from_one_config(model_
     server = ScriptedServer(eos_token_id=tokenizer.eos_token_id)
 
     async def build() -> tuple[Any, Any]:
-        gateway = GatewayActor(cfg.rollout, cfg.model, [server], tokenizer=tokenizer, router_cfg=cfg.router)
-        worker = AgentLoopWorker(cfg.rollout, cfg.model, [server], registry=resolve_registry(), tokenizer=tokenizer,
-                                 trainer_config=cfg.root)
+        gateway = GatewayActor(GatewaySections.of(cfg), [server], tokenizer=tokenizer)
+        worker = AgentLoopWorker(WorkerSections.of(cfg), cfg.root, [server], registry=resolve_registry(),
+                                 tokenizer=tokenizer)
         return gateway.service.router, worker.server_manager
 
     gateway_router, worker_router = asyncio.run(build())

@@ -89,12 +89,12 @@ async def run_batch(tokenizer: Any, data: DataProto, registry: dict[str, Any] | 
                     **gateway: Any) -> DataProto:
     r = rollout(**gateway)
     server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+    gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
     await gw.start()
     try:
-        worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server],
-                                 registry=registry if registry is not None else resolve_registry(),
-                                 tokenizer=tokenizer, gateways=[gw])
+        worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
+                                             registry=registry if registry is not None else resolve_registry(),
+                                             tokenizer=tokenizer, gateways=[gw])
         return await worker.generate_sequences(data)
     finally:
         await gw.shutdown()
@@ -157,11 +157,11 @@ def test_subprocess_runner_gets_the_session_in_its_environment(tokenizer, tmp_pa
     async def go() -> DataProto:
         r = rollout()
         server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
         await gw.start()
         try:
-            worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
-                                     tokenizer=tokenizer, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
+                                                 tokenizer=tokenizer, gateways=[gw])
             return await worker.generate_sequences(batch([("cli_agent", "say a word", 0)]))
         finally:
             await gw.shutdown()
@@ -177,11 +177,11 @@ def test_worker_sample_timeout_closes_the_session(tokenizer):
         r = rollout()
         r.agent.sample_timeout = 0.5
         server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
         await gw.start()
         try:
-            worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
-                                     tokenizer=tokenizer, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
+                                                 registry=resolve_registry(), tokenizer=tokenizer, gateways=[gw])
             out = await worker.generate_sequences(batch([("sdk_slow", "x", 0)]))
             deadline = asyncio.get_running_loop().time() + 30  # closed at once; the bound only stops a hang
             while gw.service.sessions and asyncio.get_running_loop().time() < deadline:

@@ -284,12 +284,12 @@ async def run_worker(tokenizer: Any, entries: dict[str, dict[str, Any]], data: D
                      **gateway: Any) -> DataProto:
     r = worker_rollout(**gateway)
     server = ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id)
-    gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+    gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
     await gw.start()
     registry = {name: ResolvedAgentLoop(name, OpenAIAgentLoop, kwargs) for name, kwargs in entries.items()}
     try:
-        worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
-                                 tokenizer=tokenizer, gateways=[gw])
+        worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
+                                             tokenizer=tokenizer, gateways=[gw])
         return await worker.generate_sequences(data)
     finally:
         await gw.shutdown()
@@ -378,12 +378,12 @@ def test_sample_timeout_cancels_a_waiting_agent_process_and_kills_it(tokenizer, 
         r = worker_rollout()
         r.agent.sample_timeout = 1.0
         server = ScriptedServer(long_policy(tokenizer, 5), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
         await gw.start()
         registry = {"cli": ResolvedAgentLoop("cli", OpenAIAgentLoop, {"command": ["python", "-c", script]})}
         try:
-            worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
-                                     tokenizer=tokenizer, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
+                                                 tokenizer=tokenizer, gateways=[gw])
             return await worker.generate_sequences(one_sample_batch("cli"))
         finally:
             await gw.shutdown()

@@ -60,8 +60,8 @@ def make_worker() -> AgentLoopWorker:
     cfg.data.max_response_length = 16
     OmegaConf.resolve(cfg)
     server = ScriptedServer(lambda ids, params, rid: [70, 71, IM_END], eos_token_id=IM_END)
-    return AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-                           registry=registry(), tokenizer=FakeTokenizer(), trainer_config=cfg)
+    return AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+                                       registry=registry(), tokenizer=FakeTokenizer(), trainer_config=cfg)
 
 
 def make_batch(infos: list[dict[str, Any]], uids: list[str] | None = None) -> DataProto:
@@ -124,7 +124,8 @@ def test_error_batch_and_chunk_concat_keep_the_columns():
     batch = make_batch([{"k": 2}, {"k": 1}])
     worker = make_worker()
     ok = asyncio.run(worker.generate_sequences(batch))
-    dead = error_batch(batch, RolloutStatus.TIMEOUT, "worker gone", rollout=worker.rollout, pad_token_id=0,
+    dead = error_batch(batch, RolloutStatus.TIMEOUT, "worker gone", engine=worker.engine,
+                       calculate_log_probs=worker.sampling[False].calculate_log_probs, pad_token_id=0,
                        default_agent="episode")
     assert dead.non_tensor_batch["trajectory_index"].tolist() == [0, 0]
     assert dead.non_tensor_batch["num_trajectories"].tolist() == [1, 1]

@@ -265,8 +265,8 @@ def test_worker_output_has_verls_multimodal_layout_and_keeps_a_failed_sample(vl)
     OmegaConf.resolve(cfg)
     server = ScriptedServer(lambda ids, params, rid: say(tok, "Red."), eos_token_id=tok.convert_tokens_to_ids(
         "<|im_end|>"))
-    worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": str(vl.path)}), [server],
-                             tokenizer=tok, processor=vl.processor)
+    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": str(vl.path)}),
+                                         [server], tokenizer=tok, processor=vl.processor)
     n = 3
     prompts, mm = np.empty(n, dtype=object), np.empty(n, dtype=object)
     prompts[:] = [image_prompt(), image_prompt(), [{"role": "user", "content": "no image"}]]

@@ -156,8 +156,8 @@ def run_worker(reward_to: str, reward: dict[str, Any] | None = None, loop: type 
     registry = resolve_registry()
     registry["three"] = ResolvedAgentLoop(name="three", cls=loop)
     server = ScriptedServer(lambda ids, params, rid: [*TOK.encode("The answer is 4."), IM_END], eos_token_id=IM_END)
-    worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-                             registry=registry, tokenizer=TOK, trainer_config=cfg)
+    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+                                         registry=registry, tokenizer=TOK, trainer_config=cfg)
     prompts = np.empty(2, dtype=object)
     prompts[:] = [[{"role": "user", "content": f"q{i}"}] for i in range(2)]
     nt = {"raw_prompt": prompts, "uid": np.array(["a", "b"], dtype=object), "index": np.arange(2),
@@ -240,11 +240,12 @@ def run_gateway(multi_turn_reward_to: str, **gateway: Any) -> DataProto:
 
     async def go() -> DataProto:
         server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
         await gw.start()
         try:
-            worker = AgentLoopWorker(r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
-                                     tokenizer=tokenizer, gateways=[gw], trainer_config=cfg)
+            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
+                                                 registry=resolve_registry(), tokenizer=tokenizer, gateways=[gw],
+                                                 trainer_config=cfg)
             return await worker.generate_sequences(DataProto(batch=None, non_tensor_batch=nt, meta_info={}))
         finally:
             await gw.shutdown()

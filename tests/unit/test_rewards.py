@@ -86,9 +86,9 @@ def make_worker(reward: dict[str, Any] | None = None, script=answer, registry=No
     if reward is not None:
         cfg.custom_reward_function = OmegaConf.merge(cfg.custom_reward_function, reward)
     OmegaConf.resolve(cfg)
-    return AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}),
-                           [ScriptedServer(script, eos_token_id=IM_END)], registry=registry, tokenizer=TOK,
-                           trainer_config=cfg)
+    return AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}),
+                                       [ScriptedServer(script, eos_token_id=IM_END)], registry=registry, tokenizer=TOK,
+                                       trainer_config=cfg)
 
 
 def make_batch(texts: list[str], truths: list[str] | None = None, agent: str | None = None) -> DataProto:

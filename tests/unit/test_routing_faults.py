@@ -138,8 +138,8 @@ def test_a_dead_engines_rows_carry_the_servers_message():
     server = ScriptedServer([ray_wrapped(ServerDeadError(said, 0))])
     cfg = default_config()
     OmegaConf.resolve(cfg)
-    worker = AgentLoopWorker(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-                             tokenizer=FakeTokenizer())
+    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+                                         tokenizer=FakeTokenizer())
     prompts = np.empty(1, dtype=object)
     prompts[:] = [[{"role": "user", "content": "hi"}]]
     batch = DataProto(batch=None, non_tensor_batch={"raw_prompt": prompts, "uid": np.array(["u"], dtype=object)},

@@ -150,7 +150,7 @@ def rollout(**over: Any) -> Any:
 
 
 async def started(engine: FakeEngine) -> SGLangServer:
-    server = SGLangServer(rollout(), OmegaConf.create({"path": "/m"}), server_index=3)
+    server = SGLangServer.from_slices(rollout(), OmegaConf.create({"path": "/m"}), server_index=3)
     await server.start(SGLangEngineAPI(engine, IO, PassThrough))
     return server
 

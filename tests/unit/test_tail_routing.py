@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from agentloop.config import resolve_config
+from agentloop.config import ServerSections, resolve_config
 from agentloop.errors import ConfigError
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.routing.strategies import make_balancer
@@ -122,7 +122,7 @@ def test_keep_mode_tags_each_token_with_the_version_current_when_it_was_sampled(
     (tmp_path / "config.json").write_text("{}")
     cfg = resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)},
                                                 "rollout": {"server": {"weight_update": "keep"}}}, "data": {}})
-    server = VLLMServer(cfg.rollout, cfg.model)
+    server = VLLMServer(ServerSections.of(cfg))
     assert server.keep_kv_on_update
     server.inflight.switches = {"r": [(3, 5), (7, 6)], "short": [(9, 5)]}  # tokens so far at the switches to 5, 6
     assert server.inflight.token_versions("r", 4, 10) == [4] * 3 + [5] * 4 + [6] * 3

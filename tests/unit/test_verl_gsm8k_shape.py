@@ -59,8 +59,9 @@ def test_verl_gsm8k_dataset_and_tool_config_run_as_in_verl(tmp_path):
         call = {"name": "calc_gsm8k_reward", "arguments": {"answer": str(answer)}}
         return TOK.encode(f"<tool_call>{json.dumps(call)}</tool_call>") + [IM_END]
 
-    worker = AgentLoopWorker(rollout, cfg.actor_rollout_ref.model, [ScriptedServer(policy, eos_token_id=IM_END)],
-                             tokenizer=TOK, trainer_config=cfg)
+    worker = AgentLoopWorker.from_slices(rollout, cfg.actor_rollout_ref.model,
+                                         [ScriptedServer(policy, eos_token_id=IM_END)], tokenizer=TOK,
+                                         trainer_config=cfg)
     batch = load_dataset(data)
     assert batch.non_tensor_batch["tools_kwargs"][1] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "11"}}}
     out = asyncio.run(worker.generate_sequences(batch))

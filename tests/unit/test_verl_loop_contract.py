@@ -52,8 +52,8 @@ def worker_for(loops: dict[str, type[AgentLoopBase]], server: Any, cfg=None, tok
     registry = resolve_registry()
     for name, cls in loops.items():
         registry[name] = ResolvedAgentLoop(name=name, cls=cls)
-    return AgentLoopWorker(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server], registry=registry,
-                           tokenizer=tokenizer or FakeTokenizer(), trainer_config=cfg)
+    return AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server],
+                                       registry=registry, tokenizer=tokenizer or FakeTokenizer(), trainer_config=cfg)
 
 
 class Verl06StyleLoop(AgentLoopBase):

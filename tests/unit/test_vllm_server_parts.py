@@ -97,7 +97,7 @@ def _out(ids: list[int], reason: str | None, finished: bool) -> Any:
 def server(mode: str = "drain", counts: bool = True) -> tuple[VLLMServer, FakeAsyncLLM]:
     """A VLLMServer on the fake engine, as start() leaves it with the weight-sync extension loaded."""
     rollout = OmegaConf.create({"prompt_length": 16, "response_length": 40, "server": {"weight_update": mode}})
-    s = VLLMServer(rollout, OmegaConf.create({"path": "unused"}))
+    s = VLLMServer.from_slices(rollout, OmegaConf.create({"path": "unused"}))
     s.engine = FakeAsyncLLM(counts)
     s.weights.transport = "direct"
     s.inflight.counts_tokens = counts
@@ -242,12 +242,13 @@ def test_weight_update_refusals_keep_their_messages():
             await s.begin_weight_update(transport="nope")
 
     run(main())
-    stopped = VLLMServer(OmegaConf.create({"prompt_length": 4, "response_length": 4}), OmegaConf.create({"path": "x"}))
+    stopped = VLLMServer.from_slices(OmegaConf.create({"prompt_length": 4, "response_length": 4}),
+                                     OmegaConf.create({"path": "x"}))
     with pytest.raises(ServerError, match="is not started"):
         run(stopped.begin_weight_update())
     with pytest.raises(ConfigError, match=r"server.weight_update=\"x\" \(str\): expected null, abort, drain or keep"):
-        VLLMServer(OmegaConf.create({"prompt_length": 4, "response_length": 4, "server": {"weight_update": "x"}}),
-                   OmegaConf.create({"path": "x"}))
+        VLLMServer.from_slices(OmegaConf.create({"prompt_length": 4, "response_length": 4,
+                                                 "server": {"weight_update": "x"}}), OmegaConf.create({"path": "x"}))
 
 
 def _tensor() -> Any:

@@ -367,7 +367,7 @@ def test_tool_agent_trajectory_spans_the_versions_of_its_turns(tmp_path):
 
 def test_rows_carry_the_version_of_the_batch_they_were_generated_in():
     server = ScriptedServer(lambda ids, params, rid: [70, 71, IM_END], eos_token_id=IM_END)
-    worker = AgentLoopWorker(rollout_cfg(), OmegaConf.create({"path": "unused"}), [server], tokenizer=TOK)
+    worker = AgentLoopWorker.from_slices(rollout_cfg(), OmegaConf.create({"path": "unused"}), [server], tokenizer=TOK)
     prompts = np.empty(2, dtype=object)
     prompts[:] = [[{"role": "user", "content": f"question {i}"}] for i in range(2)]
     batch = DataProto(batch=None, non_tensor_batch={"raw_prompt": prompts}, meta_info={})

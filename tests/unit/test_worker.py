@@ -42,8 +42,8 @@ def make_batch(n: int, agent_names: list[str] | None = None) -> DataProto:
 
 
 def make_worker(server: Any, registry=None, **over: Any) -> AgentLoopWorker:
-    return AgentLoopWorker(rollout_cfg(**over), OmegaConf.create({"path": "unused"}), [server],
-                           registry=registry, tokenizer=FakeTokenizer())
+    return AgentLoopWorker.from_slices(rollout_cfg(**over), OmegaConf.create({"path": "unused"}), [server],
+                                       registry=registry, tokenizer=FakeTokenizer())
 
 
 def run(coro):
