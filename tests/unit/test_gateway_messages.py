@@ -1,19 +1,14 @@
-"""The Anthropic Messages dialect (agentloop.gateway.dialects.messages): request mapping, refusals
-in Anthropic's error shape, the rendered message and its event stream, checked with the anthropic
-SDK's own client and models (an httpx mock transport stands in for the gateway; no engine)."""
+"""The Anthropic Messages dialect (agentloop.gateway.dialects.messages): how a request maps to
+the canonical TurnRequest, and every refusal a 400 in Anthropic's error shape (checked with the
+anthropic SDK's models).  The reply side and the SDK end to end: test_gateway_messages_sdk.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anthropic
 import pytest
-from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from anthropic.types.shared.error_response import ErrorResponse
-from pydantic import TypeAdapter
 
 from agentloop.gateway.dialects.messages import (
     DIALECT,
@@ -22,22 +17,15 @@ from agentloop.gateway.dialects.messages import (
     parse,
     parse_count_tokens,
 )
-from agentloop.gateway.dialects.messages_stream import error_body, thinking_signature
+from agentloop.gateway.dialects.messages_stream import error_body
 from agentloop.gateway.protocol import GatewayHTTPError
-from agentloop.gateway.store import canonical_message
-from agentloop.gateway.turn import ReasoningDelta, TextDelta, TurnEvent, TurnRequest, TurnResult
-
-try:  # the anthropic SDK's own HTTP library (httpx2 since anthropic 2.x; httpx before)
-    import httpx2 as httpx
-except ImportError:
-    import httpx
+from agentloop.gateway.turn import TurnResult
 
 CALC = {
     "name": "calculator",
     "description": "Evaluate an arithmetic expression.",
     "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}},
 }
-EVENTS = TypeAdapter(RawMessageStreamEvent)
 
 
 def body(*messages: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -269,6 +257,7 @@ def test_count_tokens_takes_the_same_body_without_max_tokens():
 
 # ---- refusals ---------------------------------------------------------------------------------
 def _with(**changes: Any) -> dict[str, Any]:
+    """The default body with keys replaced (None: removed)."""
     b = body()
     for key, value in changes.items():
         if value is None:
@@ -278,14 +267,23 @@ def _with(**changes: Any) -> dict[str, Any]:
     return b
 
 
-_USE = {
-    "role": "assistant",
-    "content": [
-        {"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "1"}}
-    ],
-}
+def user(*blocks: Any) -> dict[str, Any]:
+    return {"role": "user", "content": list(blocks)}
+
+
+def asst(*blocks: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": list(blocks)}
+
+
+def convo(*messages: dict[str, Any]) -> dict[str, Any]:
+    return _with(messages=list(messages))
+
+
 _Q = {"role": "user", "content": "q"}
 _IMG = {"type": "base64", "media_type": "image/png", "data": "AAAA"}
+_USE = asst({"type": "tool_use", "id": "t1", "name": "calculator", "input": {"expression": "1"}})
+_RESULT = {"type": "tool_result", "tool_use_id": "t1", "content": "1"}
+_DOC = {"type": "document", "source": {"type": "text", "data": "x", "media_type": "text/plain"}}
 
 HOSTILE: list[tuple[str, Any]] = [
     ("not an object", ["model", "policy"]),
@@ -300,272 +298,41 @@ HOSTILE: list[tuple[str, Any]] = [
     ("empty messages", _with(messages=[])),
     ("messages a string", _with(messages="hi")),
     ("message not an object", _with(messages=["hi"])),
-    ("unknown role", _with(messages=[{"role": "tool", "content": "x"}])),
-    (
-        "first message from the assistant",
-        _with(messages=[{"role": "assistant", "content": "a"}, _Q]),
-    ),
-    (
-        "last message from the assistant (prefill)",
-        _with(messages=[_Q, {"role": "assistant", "content": "a"}]),
-    ),
-    ("content a number", _with(messages=[{"role": "user", "content": 5}])),
-    ("content missing", _with(messages=[{"role": "user"}])),
-    ("empty user content", _with(messages=[{"role": "user", "content": []}])),
-    ("block not an object", _with(messages=[{"role": "user", "content": ["hi"]}])),
-    ("unknown block type", _with(messages=[{"role": "user", "content": [{"type": "video"}]}])),
-    (
-        "document block",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "document",
-                            "source": {"type": "text", "data": "x", "media_type": "text/plain"},
-                        }
-                    ],
-                }
-            ]
-        ),
-    ),
-    ("block without a type", _with(messages=[{"role": "user", "content": [{"text": "x"}]}])),
-    (
-        "text not a string",
-        _with(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
-    ),
-    (
-        "text block nested",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "text", "text": {"type": "text", "text": "x"}}],
-                }
-            ]
-        ),
-    ),
-    (
-        "image in an assistant turn",
-        _with(
-            messages=[_Q, {"role": "assistant", "content": [{"type": "image", "source": _IMG}]}, _Q]
-        ),
-    ),
-    (
-        "tool_use in a user turn",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_use", "id": "t", "name": "calculator", "input": {}}],
-                }
-            ]
-        ),
-    ),
-    (
-        "tool_result in an assistant turn",
-        _with(
-            messages=[
-                _Q,
-                {
-                    "role": "assistant",
-                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}],
-                },
-                _Q,
-            ]
-        ),
-    ),
-    (
-        "redacted_thinking",
-        _with(
-            messages=[
-                _Q,
-                {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "opaque"}]},
-                _Q,
-            ]
-        ),
-    ),
-    (
-        "thinking without text",
-        _with(
-            messages=[
-                _Q,
-                {"role": "assistant", "content": [{"type": "thinking", "signature": "s"}]},
-                _Q,
-            ]
-        ),
-    ),
-    (
-        "tool_use without id",
-        _with(
-            messages=[
-                _Q,
-                {
-                    "role": "assistant",
-                    "content": [{"type": "tool_use", "name": "calculator", "input": {}}],
-                },
-                _Q,
-            ]
-        ),
-    ),
-    (
-        "tool_use input a string",
-        _with(
-            messages=[
-                _Q,
-                {
-                    "role": "assistant",
-                    "content": [
-                        {"type": "tool_use", "id": "t1", "name": "calculator", "input": "{}"}
-                    ],
-                },
-                _Q,
-            ]
-        ),
-    ),
-    (
-        "tool_use id twice",
-        _with(
-            messages=[
-                _Q,
-                _USE,
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}],
-                },
-                _USE,
-                _Q,
-            ]
-        ),
-    ),
-    (
-        "tool_result for an unknown id",
-        _with(
-            messages=[
-                _Q,
-                _USE,
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "1"}],
-                },
-            ]
-        ),
-    ),
-    (
-        "tool_result with no earlier tool_use",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}],
-                }
-            ]
-        ),
-    ),
-    (
-        "tool_result after text",
-        _with(
-            messages=[
-                _Q,
-                _USE,
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "here:"},
-                        {"type": "tool_result", "tool_use_id": "t1", "content": "1"},
-                    ],
-                },
-            ]
-        ),
-    ),
-    (
-        "tool_result is_error not a bool",
-        _with(
-            messages=[
-                _Q,
-                _USE,
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "tool_result",
-                            "tool_use_id": "t1",
-                            "content": "1",
-                            "is_error": "yes",
-                        }
-                    ],
-                },
-            ]
-        ),
-    ),
-    (
-        "tool_result with an image",
-        _with(
-            messages=[
-                _Q,
-                _USE,
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "tool_result",
-                            "tool_use_id": "t1",
-                            "content": [{"type": "image", "source": _IMG}],
-                        }
-                    ],
-                },
-            ]
-        ),
-    ),
-    (
-        "tool_result content a number",
-        _with(
-            messages=[
-                _Q,
-                _USE,
-                {
-                    "role": "user",
-                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": 1}],
-                },
-            ]
-        ),
-    ),
-    (
-        "image media type",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "image", "source": {**_IMG, "media_type": "image/bmp"}}],
-                }
-            ]
-        ),
-    ),
-    (
-        "image file source",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "image", "source": {"type": "file", "file_id": "f1"}}],
-                }
-            ]
-        ),
-    ),
-    (
-        "image without data",
-        _with(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
-                    ],
-                }
-            ]
-        ),
-    ),
+    ("unknown role", convo({"role": "tool", "content": "x"})),
+    ("first message from the assistant", convo({"role": "assistant", "content": "a"}, _Q)),
+    ("last message from the assistant", convo(_Q, {"role": "assistant", "content": "a"})),
+    ("content a number", convo({"role": "user", "content": 5})),
+    ("content missing", convo({"role": "user"})),
+    ("empty user content", convo(user())),
+    ("block not an object", convo(user("hi"))),
+    ("unknown block type", convo(user({"type": "video"}))),
+    ("document block", convo(user(_DOC))),
+    ("block without a type", convo(user({"text": "x"}))),
+    ("text not a string", convo(user({"type": "text", "text": 5}))),
+    ("text block nested", convo(user({"type": "text", "text": {"type": "text", "text": "x"}}))),
+    ("image in an assistant turn", convo(_Q, asst({"type": "image", "source": _IMG}), _Q)),
+    ("tool_use in a user turn", convo(user(_USE["content"][0]))),
+    ("tool_result in an assistant turn", convo(_Q, asst(_RESULT), _Q)),
+    ("redacted_thinking", convo(_Q, asst({"type": "redacted_thinking", "data": "opaque"}), _Q)),
+    ("thinking without text", convo(_Q, asst({"type": "thinking", "signature": "s"}), _Q)),
+    ("tool_use without id", convo(_Q, asst({"type": "tool_use", "name": "c", "input": {}}), _Q)),
+    ("tool_use input a string", convo(_Q, asst({**_USE["content"][0], "input": "{}"}), _Q)),
+    ("tool_use id twice", convo(_Q, _USE, user(_RESULT), _USE, _Q)),
+    ("tool_result for an unknown id", convo(_Q, _USE, user({**_RESULT, "tool_use_id": "t9"}))),
+    ("tool_result with no earlier tool_use", convo(user(_RESULT))),
+    ("tool_result after text", convo(_Q, _USE, user({"type": "text", "text": "x"}, _RESULT))),
+    ("is_error not a bool", convo(_Q, _USE, user({**_RESULT, "is_error": "yes"}))),
+    ("tool_result with an image", convo(_Q, _USE, user(
+        {**_RESULT, "content": [{"type": "image", "source": _IMG}]}))),
+    ("tool_result content a number", convo(_Q, _USE, user({**_RESULT, "content": 1}))),
+    ("tool_result content nested", convo(_Q, _USE, user({**_RESULT, "content": [_RESULT]}))),
+    ("image media type", convo(user({"type": "image", "source": {**_IMG,
+                                                                  "media_type": "image/bmp"}}))),
+    ("image file source", convo(user({"type": "image", "source": {"type": "file",
+                                                                   "file_id": "f1"}}))),
+    ("image without data", convo(user({"type": "image", "source": {"type": "base64",
+                                                                    "media_type": "image/png"}}))),
+    ("image data not base64 text", convo(user({"type": "image", "source": {**_IMG, "data": 5}}))),
     ("system a number", _with(system=5)),
     ("system with an image", _with(system=[{"type": "image", "source": _IMG}])),
     ("tools not a list", _with(tools={"name": "calculator"})),
@@ -580,10 +347,8 @@ HOSTILE: list[tuple[str, Any]] = [
     ("tool_choice unknown tool", _with(tools=[CALC], tool_choice={"type": "tool", "name": "x"})),
     ("tool_choice any without tools", _with(tool_choice={"type": "any"})),
     ("tool_choice unknown type", _with(tools=[CALC], tool_choice={"type": "required"})),
-    (
-        "disable_parallel_tool_use not a bool",
-        _with(tool_choice={"type": "auto", "disable_parallel_tool_use": "yes"}),
-    ),
+    ("disable_parallel_tool_use not a bool",
+     _with(tool_choice={"type": "auto", "disable_parallel_tool_use": "yes"})),
     ("temperature over 1", _with(temperature=1.5)),
     ("temperature a string", _with(temperature="0.5")),
     ("top_p 0", _with(top_p=0)),
@@ -662,297 +427,3 @@ def test_error_types_follow_the_status(status, kind):
         "request_id": "req_1",
     }
     ErrorResponse.model_validate(shaped)
-
-
-# ---- the reply: non-streamed and streamed, through the anthropic SDK ---------------------------
-async def _events(
-    res: TurnResult, pieces: int = 3, fail: GatewayHTTPError | None = None
-) -> AsyncIterator[TurnEvent]:
-    """The result's reasoning and content as deltas of about ``pieces`` parts each, then the result
-    (or ``fail`` raised after the first delta)."""
-    for text, kind in (
-        (res.message.get("reasoning_content") or "", ReasoningDelta),
-        (res.message.get("content") or "", TextDelta),
-    ):
-        step = max(1, len(text) // pieces)
-        for i in range(0, len(text), step):
-            yield kind(text[i : i + step])
-            if fail is not None:
-                raise fail
-    yield res
-
-
-def _sse(res: TurnResult, req: TurnRequest, **kw: Any) -> str:
-    async def collect() -> str:
-        return "".join([line async for line in DIALECT.render_stream(_events(res, **kw), req, {})])
-
-    return asyncio.run(collect())
-
-
-class FakeGateway:
-    """Answers the SDK's requests from a queue of results, parsing each body with the dialect."""
-
-    def __init__(self, *results: TurnResult) -> None:
-        self.results = list(results)
-        self.requests: list[TurnRequest] = []
-        self.bodies: list[dict[str, Any]] = []
-
-    def __call__(self, http: httpx.Request) -> httpx.Response:
-        raw = json.loads(http.content)
-        self.bodies.append(raw)
-        try:
-            req = DIALECT.parse(raw, {})
-        except GatewayHTTPError as e:
-            return httpx.Response(e.status, json=DIALECT.error_body(e))
-        self.requests.append(req)
-        res = self.results.pop(0)
-        if req.stream:
-            return httpx.Response(
-                200, text=_sse(res, req), headers={"content-type": "text/event-stream"}
-            )
-        return httpx.Response(200, json=DIALECT.render(res, req, {}))
-
-
-def client(handler: Callable[[httpx.Request], httpx.Response]) -> anthropic.Anthropic:
-    transport = httpx.MockTransport(handler)
-    return anthropic.Anthropic(
-        api_key="sk-session",
-        base_url="http://gateway/sessions/s1",
-        http_client=httpx.Client(transport=transport),
-        max_retries=0,
-    )
-
-
-RESULTS = {
-    "text": result("Five."),
-    "unicode": result("Ünïcödé ✓ 五"),
-    "reasoning and text": result("5", reasoning_content="2+3 is 5."),
-    "text and a call": result("Let me check.", "tool_calls", tool_calls=[call("call_a", "2+3")]),
-    "two calls": result(
-        None, "tool_calls", tool_calls=[call("call_a", "2+3"), call("call_b", "4")]
-    ),
-    "reasoning and a call": result(
-        None, "tool_calls", tool_calls=[call("call_a", "2+3")], reasoning_content="Use the tool."
-    ),
-    "length": result("Five and", "length"),
-    "stop sequence": result("Five", stop_sequence="END"),
-    "empty": result("", "length", completion=0),
-}
-
-
-@pytest.mark.parametrize("name", list(RESULTS))
-def test_streamed_equals_non_streamed_through_the_sdk(name):
-    res = RESULTS[name]
-    gw = FakeGateway(res, res)
-    sdk = client(gw)
-    msg = sdk.messages.create(model="policy", max_tokens=64, messages=[_Q])
-    with sdk.messages.stream(model="policy", max_tokens=64, messages=[_Q]) as stream:
-        texts = list(stream.text_stream)
-        final = stream.get_final_message()
-    assert gw.requests[0].stream is False and gw.requests[1].stream is True
-    assert final.model_dump(exclude={"id"}) == msg.model_dump(exclude={"id"})
-    assert "".join(texts) == (res.message["content"] or "")
-    assert final.id.startswith("msg_") and msg.id.startswith("msg_")
-
-
-def test_the_rendered_message():
-    req = parse(body(), {})
-    res = result(
-        "Let me check.",
-        "tool_calls",
-        tool_calls=[call("call_a", "2+3")],
-        reasoning_content="Use the tool.",
-        prompt=30,
-        completion=12,
-    )
-    out = DIALECT.render(res, req, {})
-    assert out["id"].startswith("msg_")
-    assert {k: v for k, v in out.items() if k != "id"} == {
-        "type": "message",
-        "role": "assistant",
-        "model": "policy",
-        "content": [
-            {
-                "type": "thinking",
-                "thinking": "Use the tool.",
-                "signature": thinking_signature("Use the tool."),
-            },
-            {"type": "text", "text": "Let me check."},
-            {
-                "type": "tool_use",
-                "id": "call_a",
-                "name": "calculator",
-                "input": {"expression": "2+3"},
-            },
-        ],
-        "stop_reason": "tool_use",
-        "stop_sequence": None,
-        "usage": {
-            "input_tokens": 30,
-            "output_tokens": 12,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        },
-    }
-    Message.model_validate(out)
-
-
-@pytest.mark.parametrize(
-    ("res", "reason", "sequence"),
-    [
-        (result("a"), "end_turn", None),
-        (result("a", stop_sequence="END"), "stop_sequence", "END"),
-        (result("a", "length"), "max_tokens", None),
-        (result(None, "tool_calls", tool_calls=[call("c", "1")]), "tool_use", None),
-    ],
-)
-def test_stop_reason_is_exactly_one_of_anthropics(res, reason, sequence):
-    out = DIALECT.render(res, parse(body(), {}), {})
-    assert (out["stop_reason"], out["stop_sequence"]) == (reason, sequence)
-
-
-def test_every_streamed_event_is_an_sdk_event_and_the_stream_is_well_formed():
-    res = result(
-        "Checking.",
-        "tool_calls",
-        tool_calls=[call("call_a", "2+3")],
-        reasoning_content="Use the tool.",
-    )
-    text = _sse(res, parse(body(stream=True), {}))
-    frames = [f for f in text.split("\n\n") if f]
-    types = []
-    for frame in frames:
-        event_line, data_line = frame.split("\n")
-        data = json.loads(data_line.removeprefix("data: "))
-        assert event_line == f"event: {data['type']}"
-        types.append(data["type"])
-        if data["type"] != "ping":
-            EVENTS.validate_python(data)
-    assert types[:2] == ["message_start", "ping"] and types[-2:] == [
-        "message_delta",
-        "message_stop",
-    ]
-    starts = [json.loads(f.split("\n")[1][6:]) for f in frames if "content_block_start" in f]
-    assert [s["content_block"]["type"] for s in starts] == ["thinking", "text", "tool_use"]
-    assert [s["index"] for s in starts] == [0, 1, 2]
-    assert types.count("content_block_stop") == 3
-    assert '"signature_delta"' in text and '"input_json_delta"' in text
-
-
-def test_an_error_mid_stream_is_an_error_event_the_sdk_raises():
-    fail = GatewayHTTPError(
-        502,
-        "the inference engine failed (nothing was recorded)",
-        type_="server_error",
-        request_id="req_9",
-    )
-    text = _sse(result("Five."), parse(body(stream=True), {}), fail=fail)
-    last = text.strip().split("\n\n")[-1]
-    assert last.startswith("event: error\n")
-    data = json.loads(last.split("\n")[1][6:])
-    assert data == {
-        "type": "error",
-        "error": {"type": "api_error", "message": fail.message},
-        "request_id": "req_9",
-    }
-
-    def handler(http: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
-
-    with (
-        pytest.raises(anthropic.APIStatusError, match="inference engine failed"),
-        client(handler).messages.stream(model="p", max_tokens=8, messages=[_Q]) as stream,
-    ):
-        stream.get_final_message()
-
-
-def test_a_stream_without_a_result_ends_with_an_error_event():
-    async def nothing() -> AsyncIterator[TurnEvent]:
-        yield TextDelta("Fi")
-
-    async def collect() -> list[str]:
-        return [x async for x in DIALECT.render_stream(nothing(), parse(body(), {}), {})]
-
-    last = asyncio.run(collect())[-1]
-    assert last.startswith("event: error\n") and '"api_error"' in last
-
-
-@pytest.mark.parametrize(
-    ("status", "exc"),
-    [
-        (400, anthropic.BadRequestError),
-        (401, anthropic.AuthenticationError),
-        (404, anthropic.NotFoundError),
-        (409, anthropic.ConflictError),
-        (503, anthropic.InternalServerError),
-    ],
-)
-def test_the_sdk_raises_its_own_error_classes(status, exc):
-    def handler(http: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, json=error_body(GatewayHTTPError(status, "no")))
-
-    with pytest.raises(exc) as info:
-        client(handler).messages.create(model="p", max_tokens=8, messages=[_Q])
-    assert info.value.body["type"] == "error" and info.value.body["error"]["message"] == "no"
-
-
-def test_a_refused_request_reaches_the_sdk_as_bad_request():
-    gw = FakeGateway()
-    with pytest.raises(anthropic.BadRequestError, match="only custom tools"):
-        client(gw).messages.create(
-            model="p",
-            max_tokens=8,
-            messages=[_Q],
-            tools=[{"type": "web_search_20250305", "name": "web_search"}],
-        )
-    assert gw.requests == []
-
-
-def test_count_tokens_through_the_sdk():
-    seen: list[TurnRequest] = []
-
-    def handler(http: httpx.Request) -> httpx.Response:
-        assert http.url.path == "/sessions/s1/v1/messages/count_tokens"
-        seen.append(parse_count_tokens(json.loads(http.content), {}))
-        return httpx.Response(200, json=count_tokens_body(17))
-
-    out = client(handler).messages.count_tokens(model="p", messages=[_Q], tools=[CALC])
-    assert isinstance(out, MessageTokensCount) and out.input_tokens == 17
-    assert seen[0].tools is not None and seen[0].messages == [{"role": "user", "content": "q"}]
-
-
-# ---- a tool loop: tool_use -> tool_result -> answer --------------------------------------------
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_use_tool_result_answer_round_trip(stream):
-    """The assistant turn the SDK sends back is, canonically, the turn the gateway returned (so the
-    session's trie continues the sampled branch), and the tool result follows it."""
-    first = result(
-        None, "tool_calls", tool_calls=[call("call_a", "2+3")], reasoning_content="Add them."
-    )
-    gw = FakeGateway(first, result("The answer is 5."))
-    sdk = client(gw)
-    messages: list[Any] = [{"role": "user", "content": "What is 2+3?"}]
-    for _ in range(3):
-        if stream:
-            with sdk.messages.stream(
-                model="p", max_tokens=64, messages=messages, tools=[CALC]
-            ) as s:
-                reply = s.get_final_message()
-        else:
-            reply = sdk.messages.create(model="p", max_tokens=64, messages=messages, tools=[CALC])
-        messages.append(reply.to_param())
-        if reply.stop_reason != "tool_use":
-            break
-        results = [
-            {"type": "tool_result", "tool_use_id": b.id, "content": "5"}
-            for b in reply.content
-            if b.type == "tool_use"
-        ]
-        messages.append({"role": "user", "content": results})
-    assert reply.content[0].type == "text" and reply.content[0].text == "The answer is 5."
-    second = gw.requests[1]
-    echoed = second.messages[1]
-    assert canonical_message(echoed) == canonical_message(first.message)
-    assert echoed["reasoning_content"] == "Add them." and echoed["tool_calls"][0]["id"] == "call_a"
-    assert second.messages[2] == {"role": "tool", "tool_call_id": "call_a", "content": "5"}
-    assert gw.bodies[1]["messages"][1]["content"][0]["signature"] == thinking_signature("Add them.")
