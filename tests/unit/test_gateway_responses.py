@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from gateway_helpers import CALC_TOOL, LiveGateway, full_render_ids
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -666,3 +667,99 @@ def test_openai_agents_runner_with_its_default_responses_model():
     assert canon(second.messages[:len(first.messages)]) == canon(first.messages)
     assert canon([second.messages[len(first.messages)]]) == canon([dialogue.results[0].message])
     assert second.messages[-1]["role"] == "tool" and second.messages[-1]["content"] == "5"
+
+
+# ---- the live gateway: real HTTP, fake engine, the tiny model's tokenizer ------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+
+
+@pytest.fixture
+def gateway(tokenizer):
+    gw = LiveGateway(tokenizer)
+    yield gw
+    gw.close()
+
+
+def _sdk(handle: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=handle.base_url, api_key=handle.api_key, max_retries=0,
+                         timeout=30)
+
+
+def _chat_form(instructions: str, question: str, received: list[Any]) -> list[dict[str, Any]]:
+    """The conversation the client saw, as chat messages (function calls as tool_calls)."""
+    conv: list[dict[str, Any]] = [{"role": "system", "content": instructions},
+                                  {"role": "user", "content": question}]
+    for item in received:
+        if item["type"] == "function_call":
+            conv.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": json.loads(item["arguments"])}}]})
+        elif item["type"] == "function_call_output":
+            conv.append({"role": "tool", "tool_call_id": item["call_id"],
+                         "content": item["output"]})
+        else:
+            conv.append({"role": "assistant", "content": item["content"][0]["text"]})
+    return conv
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("stateful", [True, False], ids=["previous_response_id", "store_false"])
+def test_live_gateway_tool_loop_records_a_token_exact_trajectory(gateway, tokenizer, stream,
+                                                                 stateful):
+    handle = gateway.session()
+    client = _sdk(handle)
+
+    def create(**kwargs: Any) -> Any:
+        if not stream:
+            return client.responses.create(**kwargs)
+        with client.responses.stream(**kwargs) as events:
+            return events.get_final_response()
+
+    instructions, question = "You are a calculator.", "What is 6*7?"
+    fn = CALC_TOOL["function"]
+    kwargs: dict[str, Any] = {"model": "m", "instructions": instructions, "tools": [
+        {"type": "function", "name": fn["name"], "description": fn["description"],
+         "parameters": fn["parameters"]}]}
+    items: list[Any] = [{"role": "user", "content": question}]
+    first = create(input=items, store=stateful, **kwargs)
+    [fc] = [o for o in first.output if o.type == "function_call"]
+    assert fc.name == "calculator" and json.loads(fc.arguments) == {"expression": "6*7"}
+    output = {"type": "function_call_output", "call_id": fc.call_id, "output": "42"}
+    received = [o.model_dump(exclude_none=True) for o in first.output]
+    if stateful:
+        second = create(input=[output], previous_response_id=first.id, **kwargs)
+    else:
+        second = create(input=[*items, *received, output], store=False, **kwargs)
+    assert second.output_text == "The answer is 42." and second.status == "completed"
+    assert second.usage is not None and second.usage.output_tokens > 0
+    received += [output, *(o.model_dump(exclude_none=True) for o in second.output)]
+    [traj] = gateway.finalize(handle.session_id)["trajectories"]
+    ids = list(traj.prompt_ids) + list(traj.response_ids)
+    sep = tokenizer.encode("\n", add_special_tokens=False)
+    assert ids + sep == full_render_ids(tokenizer, _chat_form(instructions, question, received),
+                                        [CALC_TOOL])
+    sampled = [t for t, m in zip(traj.response_ids, traj.response_mask, strict=True) if m == 1]
+    assert tokenizer.decode(sampled).count("<|im_end|>") == 2
+
+
+def test_live_gateway_refusals_are_openai_shaped_4xx_and_record_nothing(gateway):
+    handle = gateway.session()
+    url = f"{handle.base_url}/responses"
+    headers = {"Authorization": f"Bearer {handle.api_key}"}
+    for body in ({"input": [{"type": "bogus"}]}, {"input": "x", "tools": [{"type": "web_search"}]},
+                 {"input": "x", "previous_response_id": "resp_x"},
+                 {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+                 {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+                 {"input": "x", "temperature": "warm"}):
+        reply = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert reply.status_code == 400, (body, reply.text)
+        assert set(reply.json()["error"]) >= {"message", "type", "param", "code"}
+    reply = httpx.post(url, json={"input": "x"}, timeout=30)
+    assert reply.status_code == 401 and reply.json()["error"]["message"]
+    assert gateway.finalize(handle.session_id)["trajectories"] == []
