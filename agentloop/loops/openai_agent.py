@@ -2,8 +2,10 @@
 
 An agent runner runs the user's agent for one sample against a gateway session: an async callable
 ``runner(*, base_url, api_key, raw_prompt, **sample_fields)`` (registered with
-:func:`agentloop.gateway.framework.register_agent_runner`), or a ``command`` run as a subprocess with
-``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``AGENTLOOP_RAW_PROMPT`` in its environment.
+:func:`agentloop.gateway.framework.register_agent_runner`; given ``anthropic_base_url`` too when it takes
+it), or a ``command`` run as a subprocess with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` /
+``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN`` / ``AGENTLOOP_RAW_PROMPT`` in its
+environment.
 :meth:`OpenAIAgentLoop.run` opens a session, runs the agent under ``session_timeout``, and returns the
 session's branches as one episode (:class:`~agentloop.types.MultiTrajectoryAgentLoopOutput`) with the
 session's reward; an agent that fails or times out marks only its own sample (``error`` / ``timeout``).
@@ -28,7 +30,7 @@ from agentloop.batch.multimodal import decode_images
 from agentloop.config import GatewayConfig
 from agentloop.errors import ConfigError
 from agentloop.loops.base import LOOP_CONTRACT_KWARGS, AgentLoopBase, config_values, register, trainer_config_of
-from agentloop.loops.runners import AgentRunner, resolve_runner
+from agentloop.loops.runners import AgentRunner, accepts_keyword, resolve_runner
 from agentloop.types import (
     AgentLoopMetrics,
     AgentLoopOutput,
@@ -130,8 +132,11 @@ class OpenAIAgentLoop(AgentLoopBase):
         loop_time = asyncio.get_running_loop().time
         t0 = loop_time()
         try:
-            call = runner(base_url=handle.base_url, api_key=handle.api_key, raw_prompt=list(fields["raw_prompt"]),
-                          **{k: v for k, v in fields.items() if k != "raw_prompt"})
+            session = {"base_url": handle.base_url, "api_key": handle.api_key}
+            if accepts_keyword(runner, "anthropic_base_url"):  # the session root: the SDK appends /v1/messages
+                session["anthropic_base_url"] = handle.base_url.removesuffix("/v1")
+            call = runner(**session, raw_prompt=list(fields["raw_prompt"]),
+                          **{k: v for k, v in fields.items() if k not in ("raw_prompt", *session)})
             returned = await (asyncio.wait_for(call, self.session_timeout) if self.session_timeout else call)
         except asyncio.TimeoutError:
             status, error = RolloutStatus.TIMEOUT, f"agent exceeded session_timeout={self.session_timeout}s"
@@ -241,8 +246,11 @@ def _subprocess_runner(command: str | list[str]) -> AgentRunner:
     if argv and argv[0] in ("python", "python3"):
         argv[0] = sys.executable  # the worker's interpreter (the venv), whatever PATH says
 
-    async def run(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]], **fields: Any) -> None:
+    async def run(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
+                  anthropic_base_url: str | None = None, **fields: Any) -> None:
         env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+               "ANTHROPIC_BASE_URL": anthropic_base_url or base_url.removesuffix("/v1"),
+               "ANTHROPIC_API_KEY": api_key, "ANTHROPIC_AUTH_TOKEN": api_key,
                "AGENTLOOP_RAW_PROMPT": json.dumps(_jsonable(raw_prompt))}
         with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: the agent never blocks on a full pipe
             proc = await start_process(argv, env, stderr)

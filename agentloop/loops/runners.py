@@ -1,19 +1,21 @@
 """The agent-runner registry of the ``openai_agent`` loop.
 
 An agent runner is an async callable ``runner(*, base_url, api_key, raw_prompt, **sample_fields)`` that
-runs a user's OpenAI-client agent for one sample (spec: docs/gateway.md).  Runners are registered with
+runs a user's agent for one sample (spec: docs/gateway.md); a runner that takes ``anthropic_base_url`` (by
+name or ``**kwargs``) also gets the session root for Anthropic clients.  Runners are registered with
 ``@register_agent_runner(name)`` (:mod:`agentloop.gateway.framework`) and named in a loop entry's
 ``runner:`` or a sample's ``extra_info.agent_runner`` by registered name or import path.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentloop.utils.registry import Registry
 
-__all__ = ["AGENT_RUNNERS", "AgentRunner", "resolve_runner"]
+__all__ = ["AGENT_RUNNERS", "AgentRunner", "accepts_keyword", "resolve_runner"]
 
 AgentRunner = Callable[..., Awaitable[Any]]
 
@@ -36,3 +38,16 @@ def resolve_runner(spec: Any, where: str) -> AgentRunner | None:
     if spec is None or callable(spec):
         return spec
     return AGENT_RUNNERS.resolve(str(spec), where)
+
+
+def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``name`` (a parameter of that name, or ``**kwargs``); False
+    when its signature cannot be read."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
+                                                inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

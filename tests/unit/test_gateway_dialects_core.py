@@ -6,18 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anthropic
 import httpx
+import numpy as np
 import pytest
-from gateway_helpers import CALC_TOOL, LiveGateway, client_for, full_render_ids, run_calculator_agent
+from gateway_helpers import CALC_TOOL, FakePolicy, LiveGateway, client_for, full_render_ids, run_calculator_agent
+from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
+from agentloop.config import default_config
+from agentloop.gateway.actor import GatewayActor
 from agentloop.gateway.dialects import DIALECTS, dialect_for_path
 from agentloop.gateway.dialects.base import Dialect
 from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.service import GatewayService
 from agentloop.gateway.turn import TextDelta, TurnRequest, TurnResult
+from agentloop.loops.base import ResolvedAgentLoop, resolve_registry
+from agentloop.loops.runners import accepts_keyword
+from agentloop.rollout.worker import AgentLoopWorker
+from agentloop.testing import ScriptedServer
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
 
@@ -258,3 +269,67 @@ def test_a_closed_dialect_stream_aborts_the_engine(gateway: Any) -> None:
     state = gateway.run(gateway.actor.get_state(handle.session_id))
     assert state["in_flight"] == 0 and state["stats"]["num_pending"] == 0
     assert gateway.finalize(handle.session_id)["trajectories"] == []
+
+
+def test_accepts_keyword_reads_the_runner_signature() -> None:
+    async def named(*, base_url: str, anthropic_base_url: str) -> None: ...
+    async def open_ended(*, base_url: str, **fields: Any) -> None: ...
+    async def closed(*, base_url: str, api_key: str) -> None: ...
+
+    assert accepts_keyword(named, "anthropic_base_url") and accepts_keyword(open_ended, "anthropic_base_url")
+    assert not accepts_keyword(closed, "anthropic_base_url")
+
+
+def _run_agent(tokenizer: Any, entry: dict[str, Any], question: str) -> DataProto:
+    """One sample of an ``openai_agent`` entry through a worker and a gateway (fake engine)."""
+    cfg = default_config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 400, 200
+    OmegaConf.resolve(cfg)
+    r = cfg.actor_rollout_ref.rollout
+    r.multi_turn.format = "hermes"
+    registry = resolve_registry()
+    registry["anthropic_agent"] = ResolvedAgentLoop("anthropic_agent", registry["openai_agent"].cls, entry)
+    nt = {"raw_prompt": np.empty(1, dtype=object), "agent_name": np.array(["anthropic_agent"], dtype=object),
+          "uid": np.array(["u0"], dtype=object), "index": np.arange(1)}
+    nt["raw_prompt"][0] = [{"role": "user", "content": question}]
+    model = OmegaConf.create({"path": "tiny"})
+
+    async def go() -> DataProto:
+        server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
+        gw = GatewayActor.from_slices(r, model, [server], tokenizer=tokenizer)
+        await gw.start()
+        try:
+            worker = AgentLoopWorker.from_slices(r, model, [server], registry=registry, tokenizer=tokenizer,
+                                                 gateways=[gw])
+            return await worker.generate_sequences(DataProto(batch=None, non_tensor_batch=nt, meta_info={}))
+        finally:
+            await gw.shutdown()
+
+    return asyncio.run(go())
+
+
+def test_a_command_agent_finds_its_session_through_the_anthropic_variables(tokenizer: Any, tmp_path: Any) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, os\nimport anthropic\n"
+        "msgs = json.loads(os.environ['AGENTLOOP_RAW_PROMPT'])\n"
+        "reply = anthropic.Anthropic(max_retries=0).messages.create(model='m', max_tokens=32, messages=msgs)\n"
+        "assert reply.content[0].text == 'Luminous.', reply\n"
+    )
+    out = _run_agent(tokenizer, {"command": [sys.executable, str(script)]}, "say a word")
+    assert out.non_tensor_batch["status"].tolist() == ["stop"]
+    assert int(out.batch["response_mask"].sum()) > 0
+
+
+def test_an_in_process_runner_that_asks_for_it_gets_anthropic_base_url(tokenizer: Any) -> None:
+    seen: list[str] = []
+
+    async def runner(*, base_url: str, api_key: str, raw_prompt: list, anthropic_base_url: str,
+                     **fields: Any) -> None:
+        seen.append(anthropic_base_url)
+        client = anthropic.AsyncAnthropic(base_url=anthropic_base_url, api_key=api_key, max_retries=0)
+        await client.messages.create(model="m", max_tokens=32, messages=raw_prompt)
+
+    out = _run_agent(tokenizer, {"runner": runner}, "say a word")
+    assert out.non_tensor_batch["status"].tolist() == ["stop"]
+    assert seen and seen[0].endswith("/sessions/" + out.non_tensor_batch["gateway_session_id"][0])
