@@ -1,6 +1,8 @@
 """The Anthropic Messages dialect's reply side with the anthropic SDK's own client and models: the
 rendered message, its event stream (streamed == non-streamed through ``messages.stream``), errors,
-count_tokens and a tool loop; an httpx mock transport stands in for the gateway (no engine)."""
+count_tokens and a tool loop, first over an httpx mock transport (no gateway), then against a
+live gateway on loopback (fake engine, real tokenizer): exact trajectories; refusals record
+nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import anthropic
 import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+from gateway_helpers import CALC_TOOL, LiveGateway, full_render_ids
 from pydantic import TypeAdapter
 from test_gateway_messages import CALC, body, call, result
 
@@ -327,3 +330,89 @@ def test_tool_use_tool_result_answer_round_trip(stream):
     assert echoed["reasoning_content"] == "Add them." and echoed["tool_calls"][0]["id"] == "call_a"
     assert second.messages[2] == {"role": "tool", "tool_call_id": "call_a", "content": "5"}
     assert gw.bodies[1]["messages"][1]["content"][0]["signature"] == thinking_signature("Add them.")
+
+
+# ---- the anthropic SDK against a live gateway (loopback HTTP, fake engine, real tokenizer) -----
+@pytest.fixture(scope="module")
+def live() -> Any:
+    from transformers import AutoTokenizer
+
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    gw = LiveGateway(AutoTokenizer.from_pretrained(str(ensure_tiny_model())))
+    yield gw
+    gw.close()
+
+
+_LIVE_TOOL = {"name": CALC_TOOL["function"]["name"],
+              "description": CALC_TOOL["function"]["description"],
+              "input_schema": CALC_TOOL["function"]["parameters"]}
+
+
+def sdk_calculator(sdk: anthropic.Anthropic, question: str, stream: bool) -> list[dict[str, Any]]:
+    """Plain anthropic-SDK agent code; returns the conversation (chat form) the client saw."""
+    messages: list[Any] = [{"role": "user", "content": question}]
+    chat: list[dict[str, Any]] = [{"role": "system", "content": "You are a calculator."},
+                                  {"role": "user", "content": question}]
+    kwargs = {"model": "m", "max_tokens": 64, "system": "You are a calculator.",
+              "tools": [_LIVE_TOOL]}
+    for _ in range(4):
+        if stream:
+            with sdk.messages.stream(messages=messages, **kwargs) as s:
+                reply = s.get_final_message()
+        else:
+            reply = sdk.messages.create(messages=messages, **kwargs)
+        messages.append(reply.to_param())
+        text = "".join(b.text for b in reply.content if b.type == "text")
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        turn: dict[str, Any] = {"role": "assistant", "content": text}
+        if uses:
+            turn["tool_calls"] = [{"id": b.id, "type": "function", "function": {
+                "name": b.name, "arguments": b.input}} for b in uses]
+        chat.append(turn)
+        if reply.stop_reason != "tool_use":
+            return chat
+        pairs = [(b.id, str(eval(b.input["expression"], {}))) for b in uses]  # noqa: S307
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": i, "content": r} for i, r in pairs]})
+        chat += [{"role": "tool", "tool_call_id": i, "content": r} for i, r in pairs]
+    return chat
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_sdk_tool_loop_records_exactly_what_the_client_received(live, stream):
+    trajectories = []
+    for root in ("session", "v1"):  # base_url: the session root, or the OpenAI-style .../v1 base
+        handle = live.session()
+        base = handle.base_url.removesuffix("/v1") if root == "session" else handle.base_url
+        sdk = anthropic.Anthropic(base_url=base, api_key=handle.api_key, max_retries=0, timeout=30)
+        chat = sdk_calculator(sdk, "What is 6*7?", stream)
+        assert chat[2]["tool_calls"][0]["function"]["arguments"] == {"expression": "6*7"}
+        assert chat[-1]["content"] == "The answer is 42."
+        (traj,) = live.finalize(handle.session_id)["trajectories"]
+        sep = live.tokenizer.encode("\n", add_special_tokens=False)
+        ids = list(traj.prompt_ids) + list(traj.response_ids)
+        assert ids + sep == full_render_ids(live.tokenizer, chat, [CALC_TOOL])
+        trajectories.append(ids)
+    assert trajectories[0] == trajectories[1]
+
+
+def test_refused_sdk_requests_record_nothing(live):
+    handle = live.session()
+    sdk = anthropic.Anthropic(base_url=handle.base_url, api_key=handle.api_key, max_retries=0)
+    bad_calls = [
+        {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+        {"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "5"}]}]},
+        {"messages": [_Q], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        {"messages": [_Q], "extra_body": {"temperature": 3}},  # the SDK has no sampling knobs
+    ]
+    for kwargs in bad_calls:
+        with pytest.raises(anthropic.BadRequestError) as info:
+            sdk.messages.create(model="m", max_tokens=8, **kwargs)
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+    wrong = anthropic.Anthropic(base_url=handle.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(model="m", max_tokens=8, messages=[_Q])
+    done = live.finalize(handle.session_id)
+    assert done["trajectories"] == [] and done["stats"]["num_requests"] == 0
