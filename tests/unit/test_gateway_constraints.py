@@ -11,6 +11,7 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from gateway_helpers import CALC_TOOL, LiveGateway, client_for
@@ -376,3 +377,40 @@ def test_refused_requests_reach_no_engine_and_record_nothing(gateway, kwargs, pa
     assert err.value.status_code == 400 and err.value.body["param"] == param
     assert gateway.server.calls == []
     assert gateway.finalize(handle.session_id)["trajectories"] == []
+
+
+def post(handle: Any, path: str, body: dict[str, Any]) -> Any:
+    headers = {"Authorization": f"Bearer {handle.api_key}", "anthropic-version": "2023-06-01"}
+    return httpx.post(f"{handle.base_url}/{path}", json=body, headers=headers, timeout=30)
+
+
+def test_every_dialect_reaches_the_same_entry(gateway):
+    """Messages' ``any`` / ``tool`` and Responses' ``tool_choice`` / ``text.format`` map onto the
+    canonical request, so the engine gets the grammar chat's spelling gives."""
+    handle = gateway.session()
+    hello = [{"role": "user", "content": "What is 2+3?"}]
+    anthropic_tool = {"name": "calculator", "input_schema": CALC_TOOL["function"]["parameters"]}
+    responses_tool = {"type": "function", "name": "calculator",
+                      "parameters": CALC_TOOL["function"]["parameters"]}
+    bodies = [
+        ("messages", {"model": "m", "max_tokens": 64, "messages": hello, "tools": [anthropic_tool],
+                      "tool_choice": {"type": "any"}}),
+        ("messages", {"model": "m", "max_tokens": 64, "messages": hello, "tools": [anthropic_tool],
+                      "tool_choice": {"type": "tool", "name": "calculator"}}),
+        ("responses", {"model": "m", "input": hello, "tools": [responses_tool],
+                       "tool_choice": "required"}),
+        ("responses", {"model": "m", "input": "Is it?", "text": {"format": {
+            "type": "json_schema", "name": "verdict", "schema": SCHEMA}}}),
+    ]
+    for path, body in bodies:
+        assert post(handle, path, body).status_code == 200
+    sent = [c["sampling_params"][STRUCTURED_OUTPUTS] for c in gateway.server.calls]
+    hermes = HermesToolParser(None)
+    named = {"type": "function", "name": "calculator"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    assert sent == [
+        engine_entry("required", [CALC_TOOL], None, hermes),
+        engine_entry(named, [CALC_TOOL], None, hermes),
+        engine_entry("required", [CALC_TOOL], None, hermes),
+        engine_entry("auto", None, fmt, None),
+    ]
