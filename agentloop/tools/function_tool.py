@@ -149,6 +149,9 @@ class FunctionToolInstances(Mapping[str, FunctionTool]):
             made = self._made[name] = cls()
         return made
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.registry
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.registry)
 
