@@ -27,6 +27,7 @@ from agentloop.gateway.app import build_app
 from agentloop.gateway.images import ImageEncoder
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
+from agentloop.parsers.reasoning import get_reasoning_parser
 from agentloop.routing.factory import build_router
 from agentloop.tokenization.loader import load_processor, load_tokenizer
 from agentloop.utils.hangwatch import HangWatch
@@ -64,6 +65,7 @@ class GatewayActor:
             prompt_length=sections.engine.prompt_length, response_length=sections.engine.response_length,
             calculate_log_probs=sections.sampling.calculate_log_probs, model_name=sections.model_config.path,
             images=ImageEncoder(processor, sections.gateway.max_image_bytes, sections.model_config.path),
+            reasoning=get_reasoning_parser(sections.gateway.reasoning_parser, tok),
         )
         self._server: Any = None
         self._task: asyncio.Task | None = None

@@ -188,6 +188,12 @@ def normalize_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
             raise _bad(f"messages[{i}].tool_calls must be a list on an assistant message",
                        param=f"messages.{i}.tool_calls")
         out["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(calls)]
+    reasoning = msg.get("reasoning_content")
+    if reasoning is not None:  # an assistant turn's reasoning, echoed back (docs/gateway.md#reasoning)
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise _bad(f"messages[{i}].reasoning_content must be a string on an assistant message",
+                       param=f"messages.{i}.reasoning_content")
+        out["reasoning_content"] = reasoning
     return out
 
 

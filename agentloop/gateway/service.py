@@ -31,6 +31,7 @@ from agentloop.gateway.serving import PLACEMENT_ERRORS, Session, TurnServer, pla
 from agentloop.gateway.store import SessionStore
 from agentloop.gateway.turn import TurnEvent, TurnRequest, TurnResult
 from agentloop.parsers.base import ToolParser
+from agentloop.parsers.reasoning import ReasoningParser
 
 __all__ = ["GatewayService", "Session", "SessionHandle"]
 
@@ -60,13 +61,14 @@ class GatewayService(TurnServer):
         model_name: the name ``GET /v1/models`` lists.
         images: decodes and places image parts (:class:`~agentloop.gateway.images.ImageEncoder` with the
             model's processor and ``rollout.gateway.max_image_bytes``); None: a text-only model (images 400).
+        reasoning: the reasoning parser for ``rollout.gateway.reasoning_parser`` (None: no reasoning split).
     """
 
     def __init__(
         self, tokenizer: Any, router: Any, parser: ToolParser | None, *, max_length: int | None = None,
         prompt_length: int | None = None, response_length: int | None = None,
         base_url: str = "", calculate_log_probs: bool = True, model_name: str = "agentloop",
-        images: ImageEncoder | None = None,
+        images: ImageEncoder | None = None, reasoning: ReasoningParser | None = None,
     ) -> None:
         if max_length is None:
             if prompt_length is None or response_length is None:
@@ -75,6 +77,7 @@ class GatewayService(TurnServer):
         self.tokenizer = tokenizer
         self.router = router
         self.parser = parser
+        self.reasoning = reasoning
         self.max_length = int(max_length)
         self.prompt_length = None if prompt_length is None else int(prompt_length)
         self.response_length = None if response_length is None else int(response_length)

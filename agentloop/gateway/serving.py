@@ -29,8 +29,9 @@ from agentloop.gateway.decode import StreamDecoder, decode_turn
 from agentloop.gateway.images import ImagePartError
 from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.store import SessionStore, StoreError
-from agentloop.gateway.turn import TextDelta, TurnEvent, TurnRequest, TurnResult
+from agentloop.gateway.turn import TurnEvent, TurnRequest, TurnResult
 from agentloop.parsers.base import ToolParser
+from agentloop.parsers.reasoning import ReasoningParser
 from agentloop.servers.base import ServerDeadError
 from agentloop.tokenization import TemplateMismatchError
 from agentloop.types import StopReason
@@ -82,6 +83,7 @@ class TurnServer:
     tokenizer: Any
     router: Any
     parser: ToolParser | None
+    reasoning: ReasoningParser | None = None  # splits <think> into reasoning_content (docs/gateway.md#reasoning)
     prompt_length: int | None
     response_length: int | None
     calculate_log_probs: bool
@@ -165,7 +167,7 @@ class TurnServer:
 
     async def _commit(
         self, turn: Turn, ids: list[int], log_probs: list[float] | None, stop: StopReason | None,
-        stop_sequence: str | None, seen_content: Callable[[str], str] | None = None,
+        stop_sequence: str | None, settle: Callable[[dict[str, Any]], None] | None = None,
     ) -> TurnResult:
         """Decode and store one generation; an aborted one (or one of an aborted session) is not kept."""
         if stop == StopReason.ABORTED or turn.session.state == "aborted":
@@ -179,10 +181,9 @@ class TurnServer:
             ids, stop, stop_sequence = list(ids[:limit]), StopReason.LENGTH, None
             log_probs = None if log_probs is None else list(log_probs)[:limit]
         decoded = await decode_turn(self.parser, self.tokenizer, ids, stop or StopReason.STOP,
-                                    turn.request.tools, turn.request.parse_tools)
-        if seen_content is not None:
-            seen = seen_content(decoded.message["content"] or "")
-            decoded.message["content"] = seen or (None if decoded.message.get("tool_calls") else "")
+                                    turn.request.tools, turn.request.parse_tools, reasoning=self.reasoning)
+        if settle is not None:  # streaming: the stored turn is what the client was sent
+            settle(decoded.message)
         turn.session.num_parse_errors += decoded.num_parse_errors
         lps = list(log_probs) if log_probs is not None and len(log_probs) == len(ids) else None
         turn.session.store.commit(turn.reservation, list(ids), lps, decoded.message, decoded.finish_reason,
@@ -204,7 +205,7 @@ class TurnServer:
     def _stream_decoder(self, turn: Turn) -> StreamDecoder:
         parsing = self.parser is not None and turn.request.parse_tools
         hold = self.parser.tool_call_start if parsing and self.parser is not None else None
-        return StreamDecoder(self.tokenizer, hold, hold_all=parsing and hold is None)
+        return StreamDecoder(self.tokenizer, hold, hold_all=parsing and hold is None, reasoning=self.reasoning)
 
     async def _stream(self, turn: Turn) -> AsyncIterator[TurnEvent]:
         """Deltas as the engine samples them, then the committed result; see :mod:`agentloop.gateway.decode`
@@ -225,26 +226,18 @@ class TurnServer:
                     ids.extend(delta.token_ids)
                     if lps is not None:
                         lps = lps + list(delta.log_probs) if delta.log_probs is not None else None
-                    # Reasoning hook: once StreamDecoder separates reasoning from the answer, yield its
-                    # ReasoningDelta events here, before the TextDelta of the same tokens.
-                    text = decoder.push(delta.token_ids)
-                    if text:
-                        yield TextDelta(text)
+                    for event in decoder.push_deltas(delta.token_ids):  # reasoning, then content
+                        yield event
                     if delta.finished:
                         stop, stop_sequence = delta.stop_reason, delta.stop_sequence
             except Exception as e:
                 raise _engine_error(e, turn) from None
-            tails: list[str] = []
-
-            def seen(content: str) -> str:
-                tail, total = decoder.finish(content)
-                tails.append(tail)
-                return total
-
-            result = await self._commit(turn, ids, lps, stop, stop_sequence, seen_content=seen)
+            tails: list[TurnEvent] = []
+            result = await self._commit(turn, ids, lps, stop, stop_sequence,
+                                        settle=lambda message: tails.extend(decoder.settle(message)))
             committed = True
-            if tails and tails[0]:
-                yield TextDelta(tails[0])
+            for event in tails:
+                yield event
             yield result
         finally:
             turn.session.in_flight.pop(turn.request_id, None)

@@ -63,10 +63,10 @@ class ReasoningParser:
         head = text.lstrip()
         if head.startswith(self.start):
             body = head[len(self.start):]
-        elif self.opened_by_prompt:
-            body = text
         elif partial and self.start.startswith(head):
             return ReasoningSplit(None, None)  # could still become the opening marker
+        elif self.opened_by_prompt:
+            body = text
         else:
             return ReasoningSplit(None, text)
         cut = body.find(self.end)
