@@ -2,8 +2,8 @@
 
 Users pass either a trainer-shaped config (``actor_rollout_ref.rollout`` / ``actor_rollout_ref.model``,
 as in verl) or just the rollout subtree plus a model path.  :func:`resolve_config` turns either into
-:class:`AgentLoopConfig`, and each component then receives only its own slice: servers get
-``rollout`` + ``model``, workers get ``rollout`` + ``model``, agent loops get ``rollout``.
+:class:`AgentLoopConfig`; each actor then receives a bundle of its typed sections
+(:mod:`agentloop.config.sections`), and verl-style agent loops the whole trainer config (``root``).
 Missing keys are filled from ``configs/rollout.yaml`` so a partial config works.
 
 Nothing is ignored silently: after merging, :mod:`agentloop.configcheck` rejects unknown keys (a ConfigError
