@@ -12,6 +12,7 @@ dropped.  Spec (the mapping, what the log-probs of a constrained row mean): docs
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,9 @@ STRUCTURED_OUTPUTS = "structured_outputs"
 MAX_WHITESPACE = 16
 """Most whitespace characters in a row a constrained JSON value may hold (indented JSON fits; a
 model cannot pad a value with whitespace until its budget runs out)."""
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+"""The ``[time] file.cc:line:`` xgrammar puts before its message."""
 
 TagBuilder = Callable[[str, dict[str, Any]], dict[str, Any]]
 """``(tool name, parameters schema) -> structural-tag "tag" format`` for one tool's call."""
@@ -136,13 +140,15 @@ def engine_entry(
         if answer is None:
             return None
         if tool_choice == "none" or not tools or parser is None:
-            return _structural_tag(_content(answer))
+            return _structural_tag(_content(answer), "response_format")
+        _structural_tag(_content(answer), "response_format")  # its own 400 first
         calls = _calls(tools, parser, "tool_choice 'auto' with a JSON response_format", only=None)
-        return _structural_tag({"type": "or", "elements": [calls, _content(answer)]})
+        return _structural_tag({"type": "or", "elements": [calls, _content(answer)]}, "tools")
     if tool_choice == "required":
-        return _structural_tag(_calls(tools, parser, "tool_choice 'required'", only=None))
+        return _structural_tag(_calls(tools, parser, "tool_choice 'required'", only=None), "tools")
     name = _named(tool_choice)
-    return _structural_tag(_calls(tools, parser, f"tool_choice naming {name!r}", only=name))
+    calls = _calls(tools, parser, f"tool_choice naming {name!r}", only=name)
+    return _structural_tag(calls, "tools")
 
 
 def json_answer(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -178,10 +184,21 @@ def json_answer(response_format: dict[str, Any] | None) -> dict[str, Any] | None
     return schema
 
 
-def _structural_tag(fmt: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "structural_tag": json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
-    }
+def _structural_tag(fmt: dict[str, Any], param: str) -> dict[str, Any]:
+    """The entry for one structural-tag format, compiled once here so that a schema the grammar
+    backend cannot take is the client's 400 (naming ``param``), not an engine failure."""
+    spec = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    try:  # xgrammar is an optional dependency (vLLM's): without it the engine is the judge
+        import xgrammar
+    except ImportError:
+        return {"structural_tag": spec}
+    try:
+        xgrammar.Grammar.from_structural_tag(spec)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
+        reason = _SOURCE_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
+        what = "the tools' parameters" if param == "tools" else "the response_format schema"
+        raise _bad(f"{what} cannot be made into a grammar: {reason[:300]}", param) from None
+    return {"structural_tag": spec}
 
 
 def _named(tool_choice: Any) -> str:

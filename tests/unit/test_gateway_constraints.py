@@ -279,6 +279,19 @@ def test_malformed_response_formats_are_refused(response_format, param):
     assert (err.value.status, err.value.param) == (400, param)
 
 
+def test_a_schema_the_grammar_backend_cannot_take_is_a_400_naming_its_part():
+    bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": bad}}
+    with pytest.raises(GatewayHTTPError) as err:
+        engine_entry("auto", TOOLS, fmt, HermesToolParser(None))
+    assert err.value.param == "response_format"
+    assert 'cannot be made into a grammar: Unsupported type "nonsense"' in err.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+    with pytest.raises(GatewayHTTPError) as err:
+        engine_entry("required", [tool], None, HermesToolParser(None))
+    assert err.value.param == "tools" and "the tools' parameters" in err.value.message
+
+
 def test_a_subclass_of_a_parser_is_not_assumed_to_share_its_format():
     class Mine(HermesToolParser):
         pass
