@@ -27,6 +27,7 @@ from agentloop.parsers import (
     SeedToolParser,
     ToolParser,
 )
+from agentloop.parsers.reasoning import ReasoningParser
 
 STRUCTURED_OUTPUTS = "structured_outputs"
 """The engine sampling key: vLLM ``StructuredOutputsParams`` fields as a plain dict."""
@@ -102,20 +103,24 @@ CALL_FORMATS: dict[type[ToolParser], tuple[str, TagBuilder, str]] = {
 """Formats a grammar can force: parser class (exact type) -> (name, one call's tag, separator)."""
 
 
-def apply(request: TurnRequest, parser: ToolParser | None, params: dict[str, Any]) -> bool:
+def apply(request: TurnRequest, parser: ToolParser | None, params: dict[str, Any],
+          reasoning: ReasoningParser | None = None) -> bool:
     """Set ``params["structured_outputs"]`` for the request's tool choice and response format.
 
     Args:
         request: the checked request (``tool_choice``, ``tools``, ``response_format``).
         parser: the served tool parser (``multi_turn.format``; None: no tool calls are served).
         params: the engine sampling params, edited in place.
+        reasoning: the gateway's reasoning parser: the grammar then lets the thinking section come
+            first, free.
     Returns:
         True when the engine samples under a grammar (the turn is constrained), else False.
     Raises:
         GatewayHTTPError: 400 naming what cannot be honoured (unknown tool, no tools, a format no
-            grammar is built for, a malformed ``response_format``).
+            grammar is built for, a malformed ``response_format``, a schema no grammar can take).
     """
-    entry = engine_entry(request.tool_choice, request.tools, request.response_format, parser)
+    entry = engine_entry(request.tool_choice, request.tools, request.response_format, parser,
+                         reasoning)
     if entry is None:
         return False
     params[STRUCTURED_OUTPUTS] = entry
@@ -127,6 +132,7 @@ def engine_entry(
     tools: list[dict[str, Any]] | None,
     response_format: dict[str, Any] | None,
     parser: ToolParser | None,
+    reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any] | None:
     """The ``structured_outputs`` entry (vLLM field names), or None for free sampling.
 
@@ -140,15 +146,30 @@ def engine_entry(
         if answer is None:
             return None
         if tool_choice == "none" or not tools or parser is None:
-            return _structural_tag(_content(answer), "response_format")
+            return _structural_tag(_thinking_first(_content(answer), reasoning), "response_format")
         _structural_tag(_content(answer), "response_format")  # its own 400 first
         calls = _calls(tools, parser, "tool_choice 'auto' with a JSON response_format", only=None)
-        return _structural_tag({"type": "or", "elements": [calls, _content(answer)]}, "tools")
-    if tool_choice == "required":
-        return _structural_tag(_calls(tools, parser, "tool_choice 'required'", only=None), "tools")
-    name = _named(tool_choice)
-    calls = _calls(tools, parser, f"tool_choice naming {name!r}", only=name)
-    return _structural_tag(calls, "tools")
+        fmt = {"type": "or", "elements": [calls, _content(answer)]}
+    elif tool_choice == "required":
+        fmt = _calls(tools, parser, "tool_choice 'required'", only=None)
+    else:
+        name = _named(tool_choice)
+        fmt = _calls(tools, parser, f"tool_choice naming {name!r}", only=name)
+    return _structural_tag(_thinking_first(fmt, reasoning), "tools")
+
+
+def _thinking_first(fmt: dict[str, Any], reasoning: ReasoningParser | None) -> dict[str, Any]:
+    """``fmt`` after the reasoning model's thinking section (free text up to its end marker;
+    optional where the model, not the generation prompt, opens it) and up to 4 whitespace."""
+    if reasoning is None:
+        return fmt
+    begin = "" if reasoning.opened_by_prompt else reasoning.start
+    thinking: dict[str, Any] = {"type": "tag", "begin": begin, "content": {"type": "any_text"},
+                                "end": reasoning.end}
+    if not reasoning.opened_by_prompt:
+        thinking = {"type": "optional", "content": thinking}
+    gap = {"type": "regex", "pattern": "\\s{0,4}"}
+    return {"type": "sequence", "elements": [thinking, gap, fmt]}
 
 
 def json_answer(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

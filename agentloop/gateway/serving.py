@@ -118,7 +118,7 @@ class TurnServer:
 
     def _reserve(self, session: Session, request: TurnRequest, http_id: str) -> Turn:
         grammar: dict[str, Any] = {}
-        constrained = constraints.apply(request, self.parser, grammar)  # its 400 comes before anything is placed
+        constrained = constraints.apply(request, self.parser, grammar, self.reasoning)  # 400s before any placing
         reservation = self.reserve_prompt(session, request, http_id)
         session.num_requests += 1
         params = {**session.sampling_params, **request.sampling, **grammar}

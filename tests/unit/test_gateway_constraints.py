@@ -37,6 +37,7 @@ from agentloop.parsers import (
     SeedToolParser,
     ToolParser,
 )
+from agentloop.parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from agentloop.servers.sglang import structured_sampling
 from agentloop.testing.scripted import ScriptedServer
 
@@ -427,3 +428,15 @@ def test_every_dialect_reaches_the_same_entry(gateway):
         engine_entry("required", [CALC_TOOL], None, hermes),
         engine_entry("auto", None, fmt, None),
     ]
+
+
+def test_a_reasoning_model_thinks_first_then_follows_the_grammar():
+    call = CALLS[HermesToolParser]
+    opened = engine_entry("required", TOOLS, None, HermesToolParser(None),
+                          DeepSeekR1ReasoningParser(None))
+    assert accepts(opened, "the user wants 1+2</think>\n\n" + call)  # the prompt opened <think>
+    assert not accepts(opened, call) and not accepts(opened, "thinking</think>\n\nThree.")
+    own = engine_entry("required", TOOLS, None, HermesToolParser(None), Qwen3ReasoningParser(None))
+    assert accepts(own, "<think>\nadd them\n</think>\n\n" + call) and accepts(own, call)
+    answer = engine_entry("none", None, {"type": "json_object"}, None, Qwen3ReasoningParser(None))
+    assert accepts(answer, '<think>\nok\n</think>\n{"a": 1}') and not accepts(answer, "<think>x")
