@@ -1,10 +1,9 @@
-"""Soak: 1,000 concurrent sessions mixing the three dialects on one gateway (fake engine, HTTP on
-loopback).
+"""Soak: 1,000 concurrent sessions mixing the three dialects on one gateway (fake engine, loopback).
 
-Session ``i`` sends its first turn in one dialect (chat completions, Responses, Messages by ``i %
-3``) and its second in the next one, every session at the same time; each trajectory must be exactly
-its own conversation, token for token against a full chat-template render: nothing lost, nothing
-merged, and a conversation continued in another dialect still continues its own branch.
+Session ``i`` sends its first turn in one dialect (chat completions, Responses, Messages by
+``i % 3``) and its second in the next one, every session at the same time; each trajectory must be
+exactly its own conversation, token for token against a full chat-template render: nothing lost,
+nothing merged, and a conversation continued in another dialect still continues its own branch.
 """
 
 from __future__ import annotations
