@@ -182,6 +182,7 @@ def test_sampling_keys_and_accepted_options():
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({}, "input"), ({"input": []}, "input"), ({"input": ""}, "input"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input"),
 ])
 def test_unsupported_options_are_refused(body, param):
     assert refused(body).param == param

@@ -97,6 +97,8 @@ def parse_responses_request(body: Any, state: dict[str, Any]) -> TurnRequest:
     response_format, echo_text = _text_format(req.text)
     history = recall(state, req.previous_response_id)
     indexed = _input_messages(req.input)
+    if not indexed:
+        raise _bad("input holds no message: only reasoning items without text", param="input")
     _check_call_ids(history, indexed)
     new = [msg for _, msg in indexed]
     messages = [*history, *new]
