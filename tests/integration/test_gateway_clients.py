@@ -10,9 +10,13 @@ the test puts in ``extra_info`` (see :func:`run_agents`).
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +24,8 @@ from omegaconf import OmegaConf
 
 from agentloop.batch.data import rows_to_batch
 from agentloop.config import default_config
+from agentloop.testing.tiny_corpus import SYSTEM_PROMPTS, word_problem
+from agentloop.tools.calculator import CALCULATOR_TOOL_DICT, evaluate
 
 pytestmark = pytest.mark.integration
 
@@ -111,6 +117,61 @@ def sampled_text(manager: Any, out: Any, row: int) -> list[str]:
 
 
 # ---- chat completions (gateway core helper) -----------------------------------------------------
+@runner("langchain_calculator")
+async def langchain_calculator(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
+                               extra_info: dict[str, Any], **_: Any) -> None:
+    """A langchain-openai tool loop on the calculator (``bind_tools``, greedy); every AI turn as the client
+    received it (content, tool calls with parsed args) goes to ``report``."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # optional (dev extra)
+    from langchain_openai import ChatOpenAI  # optional (dev extra)
+
+    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, temperature=0, max_retries=0)
+    agent = llm.bind_tools([CALCULATOR_TOOL_DICT])
+    kinds = {"system": SystemMessage, "user": HumanMessage}
+    messages: list[Any] = [kinds[m["role"]](content=m["content"]) for m in raw_prompt]
+    turns: list[dict[str, Any]] = []
+    for _ in range(3):
+        reply = await agent.ainvoke(messages)
+        assert isinstance(reply, AIMessage)
+        messages.append(reply)
+        turns.append({"content": reply.content, "calls": [{"name": c["name"], "args": c["args"]}
+                                                          for c in reply.tool_calls]})
+        if not reply.tool_calls:
+            break
+        for call in reply.tool_calls:
+            messages.append(ToolMessage(content=str(evaluate(call["args"]["expression"])), tool_call_id=call["id"]))
+    Path(extra_info["report"]).write_text(json.dumps(turns))
+
+
+def hermes_turn(run: str) -> dict[str, Any]:
+    """A sampled assistant run (hermes format, ending with ``<|im_end|>``) as content and calls."""
+    assert run.endswith("<|im_end|>"), run
+    text = run.removesuffix("<|im_end|>")
+    calls = [json.loads(c) for c in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)]
+    return {"content": text.split("<tool_call>")[0].strip(),
+            "calls": [{"name": c["name"], "args": c["arguments"]} for c in calls]}
+
+
+def test_langchain_openai_tool_loop_records_what_the_client_received(manager, tmp_path):
+    """langchain-openai (``ChatOpenAI`` + ``bind_tools``) runs a calculator loop through a session unchanged;
+    the trajectory's sampled runs are exactly the turns the client received, token for token."""
+    rng = random.Random(11)
+    prompts = [[{"role": "system", "content": SYSTEM_PROMPTS[1]}, {"role": "user", "content": word_problem(rng)[0]}]
+               for _ in range(2)]
+    reports = [tmp_path / f"langchain-{i}.json" for i in range(len(prompts))]
+    rows = [{"prompt": p, "agent_name": "langchain_calculator",
+             "extra_info": {"index": i, "report": str(reports[i])}} for i, p in enumerate(prompts)]
+    batch = rows_to_batch(rows)
+    batch.meta_info["validate"] = True  # greedy
+    out = manager.generate_sequences(batch)
+    nt = out.non_tensor_batch
+    assert nt["status"].tolist() == ["stop", "stop"], nt.get("error")  # one trajectory per agent: no branching
+    for row, index in enumerate(nt["index"].tolist()):
+        turns = json.loads(reports[int(index)].read_text())
+        assert any(turn["calls"] for turn in turns)  # the trained model calls the calculator
+        runs = sampled_text(manager, out, row)  # the sampled ids of each assistant turn, decoded
+        assert [hermes_turn(run) for run in runs] == turns
+        assert "<tool_response>" not in "".join(runs)
 
 
 # ---- OpenAI Responses API: openai SDK responses.create and openai-agents (Responses helper) -----
