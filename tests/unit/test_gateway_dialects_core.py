@@ -224,8 +224,9 @@ def test_handle_passes_the_dialect_its_session_state(gateway: Any) -> None:
         gateway.run(service.handle(handle.session_id, dialect, {"say": 3}))
 
 
-def test_two_dialects_in_one_session_give_separate_exact_trajectories(gateway: Any, tokenizer: Any) -> None:
-    """A chat sub-agent beside a Messages main agent: each conversation is its own exact trajectory."""
+def test_three_dialects_in_one_session_give_separate_exact_trajectories(gateway: Any, tokenizer: Any) -> None:
+    """A chat sub-agent beside a Messages main agent and a Responses call: each conversation is its own exact
+    trajectory."""
     handle = gateway.session()
     chat_messages = run_calculator_agent(client_for(handle), "What is 6*7?")
     root, key = _root(gateway, handle), {"x-api-key": handle.api_key}
@@ -235,8 +236,11 @@ def test_two_dialects_in_one_session_give_separate_exact_trajectories(gateway: A
     conversation += [{"role": "assistant", "content": text}, {"role": "user", "content": "Another word."}]
     second = _post(root + "/v1/messages", {**MESSAGES_BODY, "messages": conversation}, **key).json()
     text2 = "".join(block["text"] for block in second["content"] if block["type"] == "text")
+    auth = {"authorization": f"Bearer {handle.api_key}"}
+    responses = _post(root + "/v1/responses", {"model": "m", "input": "One more word."}, **auth).json()
+    said = [part["text"] for item in responses["output"] if item["type"] == "message" for part in item["content"]]
     trajectories = gateway.finalize(handle.session_id)["trajectories"]
-    assert len(trajectories) == 2
+    assert len(trajectories) == 3
     by_turns = {len(t.messages): t for t in trajectories}
     sep = tokenizer.encode("\n", add_special_tokens=False)
     chat_traj = by_turns[len(chat_messages)]
@@ -248,6 +252,10 @@ def test_two_dialects_in_one_session_give_separate_exact_trajectories(gateway: A
         tokenizer, anthropic_conv, None)
     sampled = [t for t, m in zip(msg_traj.response_ids, msg_traj.response_mask, strict=True) if m == 1]
     assert tokenizer.decode(sampled, skip_special_tokens=True) == text + text2  # both sampled turns
+    resp_conv = [{"role": "user", "content": "One more word."}, {"role": "assistant", "content": "".join(said)}]
+    resp_traj = by_turns[len(resp_conv)]
+    assert list(resp_traj.prompt_ids) + list(resp_traj.response_ids) + sep == full_render_ids(
+        tokenizer, resp_conv, None)
 
 
 def test_a_closed_dialect_stream_aborts_the_engine(gateway: Any) -> None:
