@@ -154,8 +154,9 @@ class RequestIdMiddleware:
                 return
             error = GatewayHTTPError(500, f"internal gateway error; the server log has the details under request "
                                           f"id {rid}", type_="server_error", request_id=rid)
-            await JSONResponse(status_code=500, content=error.body(), headers={"x-request-id": rid})(
-                scope, receive, send)
+            dialect = dialect_for_path(str(scope.get("path", "")))
+            body = error.body() if dialect is None else dialect.error_body(error)
+            await JSONResponse(status_code=500, content=body, headers={"x-request-id": rid})(scope, receive, send)
 
 
 def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:

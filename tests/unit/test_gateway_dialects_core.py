@@ -111,6 +111,25 @@ def test_errors_take_the_shape_of_the_dialect_whose_route_was_hit(gateway: Any) 
     assert gateway.finalize(handle.session_id)["trajectories"] == []
 
 
+def test_a_gateway_bug_on_a_dialect_route_is_a_500_in_that_dialect_shape(tokenizer: Any) -> None:
+    class BrokenParser:
+        tool_call_start = "<tool_call>"
+
+        async def extract_tool_calls(self, ids: Any, tools: Any) -> Any:
+            raise ZeroDivisionError("secret internal state at 0xdeadbeef")
+
+    gw = LiveGateway(tokenizer)
+    gw.actor.service.parser = BrokenParser()  # type: ignore[assignment]
+    try:
+        handle = gw.session()
+        reply = _post(_root(gw, handle) + "/v1/messages", MESSAGES_BODY, **{"x-api-key": handle.api_key})
+        assert reply.status_code == 500 and "deadbeef" not in reply.text
+        assert reply.json()["type"] == "error" and reply.json()["error"]["type"] == "api_error"
+        assert reply.headers["x-request-id"] in reply.json()["error"]["message"]
+    finally:
+        gw.close()
+
+
 def test_dialect_state_is_per_session_and_per_dialect(gateway: Any) -> None:
     service: GatewayService = gateway.actor.service
     one, two = gateway.session(), gateway.session()
