@@ -435,3 +435,62 @@ def test_reasoning_content_must_be_a_string_on_an_assistant_message(gateway: Liv
     bad = [{"role": "user", "content": "hi", "reasoning_content": "no"}]
     with pytest.raises(openai.BadRequestError, match="reasoning_content"):
         client.chat.completions.create(model="m", messages=bad)
+
+
+# ---- the other dialects --------------------------------------------------------------------------
+ANTHROPIC_CALC = {"name": "calculator", "description": CALC["function"]["description"],
+                  "input_schema": CALC["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_blocks_round_trip_through_the_anthropic_sdk(gateway: LiveGateway, tok: Any,
+                                                              stream: bool) -> None:
+    """Reasoning comes back as a thinking block, the SDK echoes it (``to_param``), and the session
+    records one exact trajectory, as for chat."""
+    import anthropic
+
+    handle = gateway.session()
+    sdk = anthropic.Anthropic(base_url=handle.base_url.removesuffix("/v1"), api_key=handle.api_key,
+                              max_retries=0, timeout=30)
+    messages: list[Any] = [{"role": "user", "content": "What is 6 * 7?"}]
+    kwargs = {"model": "m", "max_tokens": 64, "tools": [ANTHROPIC_CALC]}
+    thoughts = []
+    for _ in range(2):
+        if stream:
+            with sdk.messages.stream(messages=messages, **kwargs) as s:
+                reply = s.get_final_message()
+        else:
+            reply = sdk.messages.create(messages=messages, **kwargs)
+        thoughts.append([b.thinking for b in reply.content if b.type == "thinking"])
+        messages.append(reply.to_param())
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if not uses:
+            break
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": "42"} for b in uses]})
+    assert thoughts == [["I will use the tool."], ["It returned 42."]]
+    (traj,) = gateway.finalize(handle.session_id)["trajectories"]
+    assert [m.get("reasoning_content") for m in traj.messages if m["role"] == "assistant"] == [
+        "I will use the tool.", "It returned 42."]
+    assert whole(traj) + ids_of(tok, "\n", end=False) == render_ids(tok, traj.messages, [CALC])
+
+
+def test_reasoning_items_round_trip_through_the_responses_api(gateway: LiveGateway,
+                                                              tok: Any) -> None:
+    """A reasoning output item, echoed back with ``store: false`` (stateless), matches its turn."""
+    handle = gateway.session()
+    client = client_for(handle)
+    tool = {"type": "function", **CALC["function"]}
+    items: list[Any] = [{"role": "user", "content": "What is 6 * 7?"}]
+    first = client.responses.create(model="m", input=items, tools=[tool], store=False)
+    kinds = [item.type for item in first.output]
+    assert kinds == ["reasoning", "function_call"]
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    call_id = first.output[1].call_id
+    items.append({"type": "function_call_output", "call_id": call_id, "output": "42"})
+    second = client.responses.create(model="m", input=items, tools=[tool], store=False)
+    assert second.output_text == "The answer is 42."
+    (traj,) = gateway.finalize(handle.session_id)["trajectories"]
+    assert [m.get("reasoning_content") for m in traj.messages if m["role"] == "assistant"] == [
+        "I will use the tool.", "It returned 42."]
+    assert whole(traj) + ids_of(tok, "\n", end=False) == render_ids(tok, traj.messages, [CALC])
