@@ -181,6 +181,8 @@ def test_langchain_openai_tool_loop_records_what_the_client_received(manager, tm
 
 
 # ---- reasoning (reasoning helper) ---------------------------------------------------------------
+# The reasoning model needs its own template and gateway.reasoning_parser, so it has its own module
+# with one vLLM server: tests/integration/test_gateway_reasoning.py.
 
 
 # ---- tool_choice and structured output (structured-output helper) -------------------------------
