@@ -328,11 +328,6 @@ def image_runner():
     _agent_loop_registry.pop("sdk_two_images", None)
 
 
-def _slices(cls: Any) -> Any:
-    """``cls.from_slices`` (config slices to typed sections) where it exists, else the constructor."""
-    return getattr(cls, "from_slices", cls)
-
-
 def test_gateway_rows_carry_multi_modal_inputs_and_mrope_positions(processor, image_runner):
     tok = processor.tokenizer
     cfg = default_config()
@@ -349,11 +344,11 @@ def test_gateway_rows_carry_multi_modal_inputs_and_mrope_positions(processor, im
         "uid": np.array(["u0"], dtype=object), "index": np.arange(1)})
 
     async def go() -> DataProto:
-        gw = _slices(GatewayActor)(r, model, [server], tokenizer=tok, processor=processor)
+        gw = GatewayActor.from_slices(r, model, [server], tokenizer=tok, processor=processor)
         await gw.start()
         try:
-            worker = _slices(AgentLoopWorker)(r, model, [server], registry=resolve_registry(), tokenizer=tok,
-                                              processor=processor, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(r, model, [server], registry=resolve_registry(), tokenizer=tok,
+                                                 processor=processor, gateways=[gw])
             return await worker.generate_sequences(rows)
         finally:
             await gw.shutdown()
