@@ -186,6 +186,101 @@ def test_langchain_openai_tool_loop_records_what_the_client_received(manager, tm
 
 
 # ---- tool_choice and structured output (structured-output helper) -------------------------------
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+VERDICT = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
+           "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}}}
+CHITCHAT = [{"role": "user", "content": "Hello!"}]
+
+
+@runner("structured_chat")
+async def structured_chat(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
+                          extra_info: dict[str, Any], **_: Any) -> None:
+    """One chat request with the test's ``request`` keys; what the client got goes to ``report``."""
+    import openai  # in the worker process
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = await client.chat.completions.create(model="m", messages=raw_prompt, **extra_info["request"])
+    choice = reply.choices[0]
+    got = {"message": choice.message.model_dump(exclude_none=True), "finish": choice.finish_reason}
+    Path(extra_info["report"]).write_text(json.dumps(got))
+
+
+def structured_turn(manager: Any, tmp_path: Path, prompt: list[dict[str, Any]], **request: Any
+                    ) -> tuple[dict[str, Any], Any]:
+    """(what the client received, the output batch) of one ``structured_chat`` sample."""
+    report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    out = run_agents(manager, "structured_chat", [prompt], extra={"request": request, "report": str(report)})
+    assert out.non_tensor_batch["status"][0] == "stop", out.non_tensor_batch.get("error")
+    return json.loads(report.read_text()), out
+
+
+def sampled_call_text(call: dict[str, Any]) -> str:
+    """A hermes call as the grammar writes it (arguments re-serialised: compared as JSON below)."""
+    return f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": '
+
+
+def forced_share(out: Any) -> float:
+    """The share of sampled tokens of row 0 whose recorded log-prob is 0 (the grammar left one choice)."""
+    mask = out.batch["response_mask"][0].bool()
+    lps = out.batch["rollout_log_probs"][0][mask]
+    return float((lps == 0).float().mean())
+
+
+def test_tool_choice_required_turns_a_chitchat_prompt_into_a_parsed_call(manager, tmp_path):
+    free, free_out = structured_turn(manager, tmp_path, CHITCHAT, tools=[WEATHER_TOOL])
+    # the tiny model was trained to call the calculator only: free, it never calls weather
+    assert not [c for c in free["message"].get("tool_calls", []) if c["function"]["name"] == "weather"]
+    assert free_out.non_tensor_batch["constrained"][0] is False
+    got, out = structured_turn(manager, tmp_path, CHITCHAT, tools=[WEATHER_TOOL], tool_choice="required")
+    assert got["finish"] == "tool_calls"
+    (call,) = got["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome", "Oslo")
+    (text,) = sampled_text(manager, out, 0)  # the trajectory: exactly the call the client received
+    assert text.startswith(sampled_call_text(call)) and text.endswith("}\n</tool_call><|im_end|>")
+    args = text[len(sampled_call_text(call)):-len("}\n</tool_call><|im_end|>")]
+    assert json.loads(args) == json.loads(call["function"]["arguments"])
+    assert out.non_tensor_batch["constrained"][0] is True
+    print(f"log-prob 0 (forced): {forced_share(out):.0%} of the tokens sampled under tool_choice required, "
+          f"{forced_share(free_out):.0%} of those sampled freely")
+
+
+def test_a_named_function_calls_that_function(manager, tmp_path):
+    prompt = [{"role": "user", "content": "What is 12 + 30?"}]  # the calculator's home ground
+    choice = {"type": "function", "function": {"name": "weather"}}
+    tools = [CALCULATOR_TOOL_DICT, WEATHER_TOOL]
+    got, out = structured_turn(manager, tmp_path, prompt, tools=tools, tool_choice=choice)
+    (call,) = got["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather" and got["finish"] == "tool_calls"
+    (text,) = sampled_text(manager, out, 0)
+    assert text.startswith(sampled_call_text(call)) and text.count("<tool_call>") == 1
+    assert out.non_tensor_batch["constrained"][0] is True
+
+
+def test_a_json_schema_response_parses_and_validates(manager, tmp_path):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
+    prompt = [{"role": "user", "content": "Is Paris in France? Answer in JSON."}]
+    got, out = structured_turn(manager, tmp_path, prompt, response_format=fmt)
+    assert got["finish"] == "stop"
+    verdict = json.loads(got["message"]["content"])
+    assert set(verdict) == {"answer", "sure"}
+    assert verdict["answer"] in ("yes", "no") and isinstance(verdict["sure"], bool)
+    (text,) = sampled_text(manager, out, 0)
+    assert text.endswith("<|im_end|>") and text.removesuffix("<|im_end|>").strip() == got["message"]["content"]
+    assert out.non_tensor_batch["constrained"][0] is True
+    print(f"json_schema: {forced_share(out):.0%} of the sampled tokens had log-prob 0 (forced)")
+
+
+def test_an_unservable_tool_choice_is_a_400_and_records_nothing(manager, tmp_path):
+    choice = {"type": "function", "function": {"name": "nope"}}
+    report = tmp_path / "refused.json"
+    request = {"tools": [WEATHER_TOOL], "tool_choice": choice}
+    out = run_agents(manager, "structured_chat", [CHITCHAT], extra={"request": request, "report": str(report)})
+    assert out.non_tensor_batch["status"][0] == "error"
+    assert "400" in str(out.non_tensor_batch["error"][0]) and not report.exists()
 
 
 # ---- images (images helper) ---------------------------------------------------------------------
