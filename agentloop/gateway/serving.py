@@ -236,8 +236,8 @@ class TurnServer:
             result = await self._commit(turn, ids, lps, stop, stop_sequence,
                                         settle=lambda message: tails.extend(decoder.settle(message)))
             committed = True
-            for event in tails:
-                yield event
+            for tail in tails:
+                yield tail
             yield result
         finally:
             turn.session.in_flight.pop(turn.request_id, None)
