@@ -367,3 +367,18 @@ def test_gateway_rows_carry_multi_modal_inputs_and_mrope_positions(processor, im
     prompt_len = out.batch["prompts"].shape[1]
     assert ids[:prompt_len][mask[:prompt_len]].tolist() == rendered(processor, [ask(RED)], [RED])
     assert out.batch["position_ids"].shape == (1, 4, ids.shape[0])
+
+
+def test_a_streamed_image_request_sends_the_image_and_count_tokens_counts_its_pads(live, processor):
+    red = png("red")
+    handle = live.session()
+    chunks = list(client_for(handle).chat.completions.create(model="m", messages=[ask(red)], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "OK."
+    call = live.server.calls[-1]
+    assert call["prompt_ids"] == rendered(processor, [ask(red)], [red]) and call["image_data"] == [red]
+    counted = _post(live, handle, "/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(red).decode()}},
+        {"type": "text", "text": "What colour is it?"}]}]})
+    assert counted.status_code == 200, counted.text
+    assert counted.json() == {"input_tokens": len(call["prompt_ids"])}
