@@ -359,6 +359,16 @@ def test_required_reaches_the_engine_and_flags_the_trajectory(gateway):
     assert [t.constrained for t in trajectories] == [False, True]
 
 
+def test_a_streamed_constrained_turn_is_flagged_as_the_plain_one(gateway):
+    handle = gateway.session()
+    chunks = list(ask(client_for(handle), tools=[CALC_TOOL], tool_choice="required", stream=True))
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["calculator"]
+    assert STRUCTURED_OUTPUTS in gateway.server.calls[-1]["sampling_params"]
+    (trajectory,) = gateway.finalize(handle.session_id)["trajectories"]
+    assert trajectory.constrained is True
+
+
 def test_a_named_function_in_chats_spelling(gateway):
     handle = gateway.session()
     choice = {"type": "function", "function": {"name": "calculator"}}
