@@ -3,7 +3,9 @@
 One manager (1 server, 1 worker, fp32, greedy) is shared by the module.  Checks: the engine sees the pixels
 (same prompt, red vs blue image: different tokens / log-probs), tool images are appended and reach the
 engine, the ids equal the processor's rendering of the whole conversation, and ``position_ids`` are
-verl's [B, 4, L] with rows 1-3 equal to the model's own ``get_rope_index``.
+verl's [B, 4, L] with rows 1-3 equal to the model's own ``get_rope_index``.  A gateway session
+(``openai_agent``) sending a data-URL image through the openai SDK gets the same: the engine sees its
+pixels and the row's ids and ``multi_modal_inputs`` are exact (HF recomputes the engine's log-probs).
 
 Without torchvision (our CPU machines) vLLM and the worker use the image-only Qwen2-VL processor of
 :mod:`agentloop.servers.vllm_plugin` (a vLLM general plugin).
@@ -11,18 +13,23 @@ Without torchvision (our CPU machines) vLLM and the worker use the image-only Qw
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import sys
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from agentloop.batch.data import rows_to_batch
 from agentloop.config import default_config
+from agentloop.gateway.framework import register_agent_runner
+from agentloop.gateway.images import data_url
 from agentloop.loops.base import register
 from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.parsers.base import FunctionCall
@@ -62,6 +69,27 @@ class DrawingAgent(ToolAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
         every_id = list(range(len(self.tokenizer)))
         return await super().run({**sampling_params, "stop_token_ids": every_id}, **kwargs)
+
+
+def square_url(colour: str) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), colour).save(buf, format="PNG")
+    return data_url("image/png", base64.b64encode(buf.getvalue()).decode())
+
+
+def image_question(colour: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": square_url(colour)}},
+                                         {"type": "text", "text": "What colour is it?"}]}]
+
+
+async def sdk_image_agent(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> float:
+    """An unmodified openai-SDK agent: one chat request with the sample's square as a data URL."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=image_question(fields["extra_info"]["colour"]),
+                                         max_tokens=8)
+    return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +138,7 @@ def manager(model_path, tool_file):
     from agentloop.rollout.manager import AgentLoopManager
 
     register("it_drawing_agent")(DrawingAgent)  # only while this module's manager lives
+    register_agent_runner("it_sdk_image_agent")(sdk_image_agent)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
@@ -136,6 +165,7 @@ def manager(model_path, tool_file):
     m.shutdown()
     ray.shutdown()
     _agent_loop_registry.pop("it_drawing_agent", None)
+    _agent_loop_registry.pop("it_sdk_image_agent", None)
 
 
 def rows(colours: list[str], agent_name: str = "tool_agent") -> list[dict[str, Any]]:
@@ -225,3 +255,40 @@ def test_verify_recomputes_image_rows_with_their_pixels(manager, hf_model):
     swapped = VerifyResult()
     recompute(hf_model, out, Sampling(), swapped)
     assert swapped.deltas.max() > 1e-2  # the check sees the pixels: another image, other log-probs
+
+
+def test_a_gateway_session_image_reaches_the_engine_with_exact_rows(manager, processor, hf_model):
+    """openai SDK -> gateway (data URL) -> vLLM: greedy output equal for equal squares and different for another
+    colour; each row's prompt is the processor's rendering, its multi_modal_inputs the processor's, its M-RoPE
+    rows Qwen2-VL's, and HF given the row's own pixels recomputes the engine's log-probs."""
+    from agentloop.report.verify import Sampling, VerifyResult, recompute
+
+    colours = ["red", "blue", "red"]
+    batch = rows_to_batch([{"prompt": [{"role": "user", "content": "look"}], "agent_name": "it_sdk_image_agent",
+                            "extra_info": {"colour": c}} for c in colours])
+    out = manager.generate_sequences(batch)
+    assert set(out.non_tensor_batch["status"]) <= {"stop", "length"}, out.non_tensor_batch.get("error")
+    logprobs, responses = out.batch["rollout_log_probs"], out.batch["responses"]
+    assert torch.equal(responses[0], responses[2]) and torch.equal(logprobs[0], logprobs[2])
+    assert not torch.equal(logprobs[0], logprobs[1])  # the engine saw other pixels
+    ids, mask, pos = out.batch["input_ids"], out.batch["attention_mask"], out.batch["position_ids"]
+    prompt_len = out.batch["prompts"].shape[1]
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for r, colour in enumerate(colours):
+        text = processor.tokenizer.apply_chat_template(image_question(colour), tokenize=False,
+                                                       add_generation_prompt=True)
+        image = out.non_tensor_batch["multi_modal_data"][r]["image"]
+        assert np.asarray(image[0])[0, 0].tolist() == {"red": [255, 0, 0], "blue": [0, 0, 255]}[colour]
+        want = processor(text=[text], images=image, return_tensors="pt")
+        assert ids[r, :prompt_len][mask[r, :prompt_len].bool()].tolist() == want["input_ids"][0].tolist()
+        mm = out.non_tensor_batch["multi_modal_inputs"][r]
+        assert torch.equal(mm["pixel_values"], want["pixel_values"])
+        assert mm["image_grid_thw"].tolist() == want["image_grid_thw"].tolist() == [[1, 4, 4]]
+    grids = [g for mm in out.non_tensor_batch["multi_modal_inputs"] for g in mm["image_grid_thw"].tolist()]
+    expected, _ = hf_model.model.get_rope_index(ids, (ids == pad).long(), image_grid_thw=torch.tensor(grids),
+                                                attention_mask=mask)
+    assert torch.equal(pos[:, 1:], expected.transpose(0, 1))
+    result = VerifyResult()
+    recompute(hf_model, out, Sampling(), result)
+    print(f"\ngateway image rows: {result.rows}, {result.tokens} tokens, max |vLLM - HF| {result.deltas.max():.2e}")
+    assert result.rows == 3 and result.tokens > 0 and result.deltas.max() < 1e-3
