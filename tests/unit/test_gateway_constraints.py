@@ -14,9 +14,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from gateway_helpers import CALC_TOOL, LiveGateway, client_for
+from gateway_helpers import CALC_TOOL, FakePolicy, LiveGateway, client_for
+from omegaconf import OmegaConf
 
+from agentloop.batch.data import rows_to_batch
+from agentloop.config import default_config
 from agentloop.errors import ServerError
+from agentloop.gateway.actor import GatewayActor
 from agentloop.gateway.constraints import (
     MAX_WHITESPACE,
     STRUCTURED_OUTPUTS,
@@ -24,8 +28,10 @@ from agentloop.gateway.constraints import (
     engine_entry,
     json_answer,
 )
+from agentloop.gateway.framework import register_agent_runner
 from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.turn import TurnRequest
+from agentloop.loops.base import resolve_registry
 from agentloop.parsers import (
     GlmToolParser,
     GptOssToolParser,
@@ -38,6 +44,7 @@ from agentloop.parsers import (
     ToolParser,
 )
 from agentloop.parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.servers.sglang import structured_sampling
 from agentloop.testing.scripted import ScriptedServer
 
@@ -450,3 +457,43 @@ def test_a_reasoning_model_thinks_first_then_follows_the_grammar():
     assert accepts(own, "<think>\nadd them\n</think>\n\n" + call) and accepts(own, call)
     answer = engine_entry("none", None, {"type": "json_object"}, None, Qwen3ReasoningParser(None))
     assert accepts(answer, '<think>\nok\n</think>\n{"a": 1}') and not accepts(answer, "<think>x")
+
+
+# ---- the row an openai_agent sample gives --------------------------------------------------
+async def chat_once(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
+    """One chat request with the sample's ``extra_info.request`` keys."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    request = fields["extra_info"]["request"]
+    await client.chat.completions.create(model="m", messages=raw_prompt, **request)
+
+
+def test_the_openai_agent_row_carries_the_constrained_flag(tokenizer):
+    register_agent_runner("chat_once")(chat_once)
+    cfg = default_config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 400, 200
+    OmegaConf.resolve(cfg)
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.multi_turn.format", "hermes")
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.calculate_log_probs", True)
+    rollout = cfg.actor_rollout_ref.rollout
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    requests = [{"tools": [CALC_TOOL]}, {"tools": [CALC_TOOL], "tool_choice": "required"}]
+    rows = [{"prompt": question, "agent_name": "chat_once",
+             "extra_info": {"index": i, "request": r}} for i, r in enumerate(requests)]
+    data = rows_to_batch(rows)
+
+    async def run() -> Any:
+        server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
+        model = OmegaConf.create({"path": "tiny"})
+        gw = GatewayActor.from_slices(rollout, model, [server], tokenizer=tokenizer)
+        await gw.start()
+        try:
+            worker = AgentLoopWorker.from_slices(rollout, model, [server],
+                                                 registry=resolve_registry(), tokenizer=tokenizer,
+                                                 gateways=[gw])
+            return await worker.generate_sequences(data)
+        finally:
+            await gw.shutdown()
+
+    out = asyncio.run(run())
+    assert out.non_tensor_batch["status"].tolist() == ["stop", "stop"]
+    assert out.non_tensor_batch["constrained"].tolist() == [False, True]
