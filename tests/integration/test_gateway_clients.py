@@ -175,6 +175,160 @@ def test_langchain_openai_tool_loop_records_what_the_client_received(manager, tm
 
 
 # ---- OpenAI Responses API: openai SDK responses.create and openai-agents (Responses helper) -----
+RESPONSES_MODES = [(mode, stateful) for stateful in (True, False)
+                   for mode in ("create", "create_stream", "stream_helper")]
+"""(how the openai SDK is called, previous_response_id or store: false) of each sample."""
+
+
+def responses_calculator_tool() -> dict[str, Any]:
+    """The trained calculator tool in the Responses API's flat shape."""
+    fn = CALCULATOR_TOOL_DICT["function"]
+    return {"type": "function", "name": fn["name"], "description": fn["description"],
+            "parameters": fn["parameters"]}
+
+
+def calculate(arguments: str) -> str:
+    """The calculator's output for a call's JSON arguments (errors as text, as an agent would)."""
+    try:
+        return str(evaluate(json.loads(arguments)["expression"]))
+    except Exception as e:  # noqa: BLE001 - the model's arguments may be malformed
+        return f"error: {e}"
+
+
+async def responses_create(client: Any, mode: str, kwargs: dict[str, Any]) -> Any:
+    """One Responses API call: ``responses.create``, ``create(stream=True)`` (the terminal event's
+    response) or the ``responses.stream`` helper (its final response)."""
+    if mode == "create":
+        return await client.responses.create(**kwargs)
+    if mode == "create_stream":
+        final = None
+        async for event in await client.responses.create(stream=True, **kwargs):
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+        return final
+    async with client.responses.stream(**kwargs) as events:
+        async for _ in events:
+            pass
+        return await events.get_final_response()
+
+
+@runner("responses_calculator")
+async def responses_calculator(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
+                               extra_info: dict[str, Any], **_: Any) -> None:
+    """The openai SDK's Responses API in a calculator loop; ``extra_info.mode`` / ``stateful`` pick
+    the call and previous_response_id (only the new items sent) or store: false (every item echoed).
+    The output items of every response go to ``report``."""
+    import openai  # in the worker process
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    mode, stateful = extra_info["mode"], extra_info["stateful"]
+    base = {"model": "policy", "instructions": raw_prompt[0]["content"], "temperature": 0,
+            "tools": [responses_calculator_tool()], "store": stateful}
+    history: list[dict[str, Any]] = [{"role": "user", "content": raw_prompt[1]["content"]}]
+    new, previous, turns = list(history), None, []
+    for _ in range(3):
+        kwargs = {**base, "input": new if stateful else history}
+        if previous is not None:
+            kwargs["previous_response_id"] = previous
+        response = await responses_create(client, mode, kwargs)
+        items = [o.model_dump(exclude_none=True) for o in response.output]
+        turns.append(items)
+        calls = [o for o in items if o["type"] == "function_call"]
+        if response.status != "completed" or not calls:
+            break
+        new = [{"type": "function_call_output", "call_id": c["call_id"],
+                "output": calculate(c["arguments"])} for c in calls]
+        history += [*items, *new]
+        previous = response.id if stateful else None
+    Path(extra_info["report"]).write_text(json.dumps(turns))
+
+
+@runner("agents_calculator")
+async def agents_calculator(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
+                            extra_info: dict[str, Any], **_: Any) -> None:
+    """An openai-agents ``Agent`` with the calculator as a function tool, run by ``Runner.run`` on
+    its default model class (``OpenAIResponsesModel``); every raw response's output goes to
+    ``report``."""
+    import agents  # in the worker process
+    import openai
+
+    agents.set_tracing_disabled(True)
+    fn = CALCULATOR_TOOL_DICT["function"]
+
+    async def invoke(_context: Any, arguments: str) -> str:
+        return calculate(arguments)
+
+    tool = agents.FunctionTool(name=fn["name"], description=fn["description"],
+                               params_json_schema=fn["parameters"], on_invoke_tool=invoke,
+                               strict_json_schema=False)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = agents.Agent(name="calculator", instructions=raw_prompt[0]["content"], tools=[tool],
+                         model=agents.OpenAIResponsesModel(model="policy", openai_client=client),
+                         model_settings=agents.ModelSettings(temperature=0))
+    result = await agents.Runner.run(agent, raw_prompt[1]["content"], max_turns=3)
+    turns = [[item.model_dump(exclude_none=True) for item in response.output]
+             for response in result.raw_responses]
+    Path(extra_info["report"]).write_text(json.dumps(turns))
+
+
+def responses_turn(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response's output items as content and calls (the shape :func:`hermes_turn` gives)."""
+    text = "".join(part["text"] for item in items if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+    calls = [{"name": item["name"], "args": json.loads(item["arguments"])}
+             for item in items if item["type"] == "function_call"]
+    return {"content": text, "calls": calls}
+
+
+def run_reported(manager: Any, tmp_path: Path, agent_name: str, prompts: list[Any],
+                 extras: list[dict[str, Any]]) -> tuple[Any, list[list[list[dict[str, Any]]]]]:
+    """One greedy batch of ``agent_name`` samples; (the output, each sample's reported turns)."""
+    reports = [tmp_path / f"{agent_name}-{i}.json" for i in range(len(prompts))]
+    rows = [{"prompt": p, "agent_name": agent_name,
+             "extra_info": {"index": i, "report": str(reports[i]), **extras[i]}}
+            for i, p in enumerate(prompts)]
+    batch = rows_to_batch(rows)
+    batch.meta_info["validate"] = True  # greedy
+    out = manager.generate_sequences(batch)
+    nt = out.non_tensor_batch
+    assert nt["status"].tolist() == ["stop"] * len(prompts), nt.get("error")  # one row per agent
+    return out, [json.loads(path.read_text()) for path in reports]
+
+
+def test_openai_sdk_responses_tool_loop_records_what_the_client_received(manager, tmp_path):
+    """``client.responses.create`` (plain and ``stream=True``) and ``client.responses.stream``, each
+    with previous_response_id and with store: false: the trajectory's sampled runs are exactly the
+    responses the client received, and all six record the same greedy trajectory."""
+    question = word_problem(random.Random(5))[0]
+    prompt = [{"role": "system", "content": SYSTEM_PROMPTS[1]},
+              {"role": "user", "content": question}]
+    extras = [{"mode": mode, "stateful": stateful} for mode, stateful in RESPONSES_MODES]
+    out, reports = run_reported(manager, tmp_path, "responses_calculator",
+                                [prompt] * len(extras), extras)
+    by_index: dict[int, list[int]] = {}
+    for row, index in enumerate(out.non_tensor_batch["index"].tolist()):
+        turns = reports[int(index)]
+        assert any(item["type"] == "function_call" for item in turns[0]), turns  # a tool call
+        runs = sampled_text(manager, out, row)
+        assert [hermes_turn(run) for run in runs] == [responses_turn(t) for t in turns]
+        attn = out.batch["attention_mask"][row].bool()
+        by_index[int(index)] = out.batch["input_ids"][row][attn].tolist()
+    assert all(ids == by_index[0] for ids in by_index.values())
+
+
+def test_openai_agents_runner_records_what_the_client_received(manager, tmp_path):
+    """openai-agents (``Runner.run`` with its default ``OpenAIResponsesModel``) runs a calculator
+    agent through a session unchanged; its trajectory is exactly the responses it received."""
+    rng = random.Random(7)
+    prompts = [[{"role": "system", "content": SYSTEM_PROMPTS[1]},
+                {"role": "user", "content": word_problem(rng)[0]}] for _ in range(2)]
+    out, reports = run_reported(manager, tmp_path, "agents_calculator", prompts, [{}, {}])
+    for row, index in enumerate(out.non_tensor_batch["index"].tolist()):
+        turns = reports[int(index)]
+        runs = sampled_text(manager, out, row)
+        assert [hermes_turn(run) for run in runs] == [responses_turn(t) for t in turns]
+        assert any(item["type"] == "function_call" for item in turns[0]), turns  # a tool call
+        assert "<tool_response>" not in "".join(runs)
 
 
 # ---- Anthropic Messages API: the anthropic SDK (Messages helper) --------------------------------
