@@ -182,7 +182,8 @@ class OpenAIAgentLoop(AgentLoopBase):
                 response_mask=list(traj.response_mask), response_logprobs=traj.response_logprobs,
                 num_turns=int(traj.num_turns), reward_score=score, status=st, error=error,
                 metrics=AgentLoopMetrics(generate_sequences=elapsed), multi_modal_data=_row_media(traj),
-                extra_fields={"gateway_session_id": result["session_id"], "finish_reason": finish},
+                extra_fields={"gateway_session_id": result["session_id"], "finish_reason": finish,
+                              "constrained": bool(traj.constrained)},
             ))
         return outputs
 
