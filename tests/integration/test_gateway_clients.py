@@ -332,6 +332,91 @@ def test_openai_agents_runner_records_what_the_client_received(manager, tmp_path
 
 
 # ---- Anthropic Messages API: the anthropic SDK (Messages helper) --------------------------------
+MESSAGES_MODES = [(stream, root) for root in (True, False) for stream in (False, True)]
+"""(``messages.stream`` instead of ``messages.create``, base URL = the session root instead of
+its ``/v1``) of the sample with that ``extra_info.index``."""
+
+
+def anthropic_tool_result(use: Any) -> dict[str, Any]:
+    """The calculator's ``tool_result`` block for one ``tool_use`` block (errors as text)."""
+    try:
+        output = str(evaluate(use.input["expression"]))
+    except Exception as e:  # noqa: BLE001 - the model's input may be malformed
+        output = f"error: {e}"
+    return {"type": "tool_result", "tool_use_id": use.id, "content": output}
+
+
+@runner("anthropic_calculator")
+async def anthropic_calculator(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
+                               extra_info: dict[str, Any], **_: Any) -> None:
+    """The anthropic SDK (``AsyncAnthropic``) in a calculator loop, tool_use -> tool_result ->
+    answer, called as :data:`MESSAGES_MODES` says for its index; every reply (the SDK's
+    ``Message``) goes to ``<extra_info.reports>/<index>.json``."""
+    import anthropic  # in the worker process
+
+    stream, root = MESSAGES_MODES[extra_info["index"]]
+    fn = CALCULATOR_TOOL_DICT["function"]
+    base = base_url.removesuffix("/v1") if root else base_url
+    client = anthropic.AsyncAnthropic(base_url=base, api_key=api_key, max_retries=0)
+    kwargs = {"model": "policy", "max_tokens": RESPONSE_LEN, "system": raw_prompt[0]["content"],
+              "tools": [{"name": fn["name"], "description": fn["description"],
+                         "input_schema": fn["parameters"]}]}
+    messages: list[Any] = [{"role": "user", "content": raw_prompt[1]["content"]}]
+    turns: list[dict[str, Any]] = []
+    for _ in range(3):
+        if stream:
+            async with client.messages.stream(messages=messages, **kwargs) as events:
+                reply = await events.get_final_message()
+        else:
+            reply = await client.messages.create(messages=messages, **kwargs)
+        turns.append(reply.model_dump(mode="json", exclude_none=True))
+        messages.append(reply.to_param())
+        if reply.stop_reason != "tool_use":
+            break
+        messages.append({"role": "user", "content": [
+            anthropic_tool_result(b) for b in reply.content if b.type == "tool_use"]})
+    Path(extra_info["reports"], f"{extra_info['index']}.json").write_text(json.dumps(turns))
+
+
+def anthropic_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """One Messages reply as content and calls (the shape :func:`hermes_turn` gives)."""
+    text = "".join(b["text"] for b in message["content"] if b["type"] == "text")
+    calls = [{"name": b["name"], "args": b["input"]} for b in message["content"]
+             if b["type"] == "tool_use"]
+    return {"content": text, "calls": calls}
+
+
+def sampled_lengths(out: Any, row: int) -> list[int]:
+    """The token count of each sampled run (mask 1) of one output row."""
+    mask = out.batch["response_mask"][row][out.batch["attention_mask"][row].bool()[PROMPT_LEN:]]
+    runs = "".join(str(int(m)) for m in mask.tolist()).split("0")
+    return [len(r) for r in runs if r]
+
+
+def test_anthropic_sdk_tool_loop_records_what_the_client_received(manager, tmp_path):
+    """``messages.create`` and ``messages.stream`` (each with the session root and its ``/v1`` as
+    base URL) run a calculator loop through a session unchanged: the trajectory's sampled runs are
+    exactly the messages the client received (tool_use input = the call's arguments, output_tokens =
+    the run's tokens, stop_reason tool_use for a call, else end_turn), and all four record one greedy
+    trajectory."""
+    question = word_problem(random.Random(3))[0]
+    prompt = [{"role": "system", "content": SYSTEM_PROMPTS[1]}, {"role": "user", "content": question}]
+    out = run_agents(manager, "anthropic_calculator", [prompt] * len(MESSAGES_MODES),
+                     extra={"reports": str(tmp_path)})
+    nt = out.non_tensor_batch
+    assert nt["status"].tolist() == ["stop"] * len(MESSAGES_MODES), nt.get("error")  # one row each
+    by_index: dict[int, list[int]] = {}
+    for row, index in enumerate(nt["index"].tolist()):
+        turns = json.loads((tmp_path / f"{int(index)}.json").read_text())
+        assert turns[0]["stop_reason"] == "tool_use", turns  # the trained model calls the tool
+        for turn in turns:
+            assert turn["stop_reason"] == ("tool_use" if anthropic_turn(turn)["calls"] else "end_turn")
+        runs = sampled_text(manager, out, row)
+        assert [hermes_turn(run) for run in runs] == [anthropic_turn(t) for t in turns]
+        assert sampled_lengths(out, row) == [t["usage"]["output_tokens"] for t in turns]
+        attn = out.batch["attention_mask"][row].bool()
+        by_index[int(index)] = out.batch["input_ids"][row][attn].tolist()
+    assert all(ids == by_index[0] for ids in by_index.values())
 
 
 # ---- reasoning (reasoning helper) ---------------------------------------------------------------
