@@ -84,20 +84,20 @@ def test_item_boundaries_start_new_assistant_messages():
     assert req.messages[3]["tool_calls"][0]["id"] == "c"
 
 
-def test_input_image_becomes_a_chat_image_part_or_a_400_naming_the_item():
-    body = {"input": [{"role": "user", "content": [
+def test_input_image_becomes_a_chat_image_part():
+    url = "data:image/png;base64,iVBORw0KGgo="
+    req = parse({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is this?"},
-        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo=",
-         "detail": "auto"}]}]}
-    try:
-        req = parse(body)
-    except GatewayHTTPError as e:  # the chat path refuses images until the images work lands
-        assert e.status == 400 and e.param is not None and e.param.startswith("input.0")
-        assert "input[0]" in e.message
-    else:
-        parts = req.messages[0]["content"]
-        assert {"type": "text", "text": "what is this?"} in parts
-        assert any(p.get("type") == "image_url" for p in parts)
+        {"type": "input_image", "image_url": url, "detail": "auto"}]}]})
+    assert req.messages[0]["content"] == [{"type": "text", "text": "what is this?"},
+                                          {"type": "image_url", "image_url": {"url": url}}]
+
+
+def test_an_image_url_the_chat_path_refuses_is_a_400_naming_the_input_item():
+    error = refused({"input": [
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]})
+    assert error.param == "input.1" and error.message.startswith("input[1]")
 
 
 # ---- parse: tools, tool_choice, text.format, sampling, options -------------------------------
