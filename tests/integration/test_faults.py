@@ -5,11 +5,13 @@ that dies inside a live server.  Each case: every row comes back, and the next b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,12 +142,46 @@ def batch(texts: list[str], agent_name: str = "single_turn_agent"):
 
 
 def later(seconds: float, fn, *args) -> threading.Timer:
+    """Run ``fn(*args)`` after ``seconds``: for a fault whose timing is the scenario (see :class:`When`)."""
     timer = threading.Timer(seconds, fn, args)
     timer.start()
     return timer
 
 
+class When(threading.Thread):
+    """Runs ``fn()`` as soon as ``predicate()`` holds (polled every 0.05 s, for at most ``timeout`` s): a fault
+    injected once the batch really is in flight, however long a loaded machine takes to dispatch it.
+    ``fired`` says whether it ran; ``join`` it and assert ``fired`` after the batch."""
+
+    def __init__(self, predicate: Callable[[], bool], fn: Callable[[], Any], timeout: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.predicate, self.fn, self.timeout, self.fired = predicate, fn, timeout, False
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.predicate():
+                self.fn()
+                self.fired = True
+                return
+            time.sleep(0.05)
+
+
+def server_calls(handles: list[Any]) -> int:
+    """``generate`` calls the ScriptedServer actors ``handles`` have received so far (a dead one counts 0)."""
+    import ray
+    import ray.exceptions
+
+    total = 0
+    for handle in handles:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            total += ray.get(handle.__ray_call__.remote(lambda server: len(server.calls)), timeout=10)
+    return total
+
+
 def wait_until(predicate, timeout: float = 60.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` s pass (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -178,17 +214,18 @@ def test_a_worker_killed_mid_batch_loses_no_row_and_is_replaced(ray_session, mon
     ray = ray_session
     manager = make_manager(ray, num_servers=2, delay=1.0)
     try:
-        victim = manager.agent_loop_workers[0]
-        timer = later(0.5, ray.kill, victim)
+        victim, servers = manager.agent_loop_workers[0], list(manager.server_handles)
+        timer = When(lambda: server_calls(servers) > 0, lambda: ray.kill(victim))  # its samples are in flight
         out = manager.generate_sequences(batch([f"q{i}" for i in range(16)]))
         timer.join()
+        assert timer.fired
         assert len(out) == 16
         assert out.non_tensor_batch["status"].tolist() == ["stop"] * 16  # re-run on the surviving worker
         assert out.non_tensor_batch["index"].tolist() == list(range(16))  # in the batch's order
         f = faults(out)
         assert f["worker_restarts"] == 1 and f["sample_retries"] == 8 and f["samples_failed_by_faults"] == 0
         # the dead worker's in-flight slots were released: nothing stays counted once the batch is done
-        assert wait_until(lambda: not any(ray.get(manager.balancer.stats.remote())["in_flight"]), 10)
+        assert wait_until(lambda: not any(ray.get(manager.balancer.stats.remote())["in_flight"]))
         assert wait_until(lambda: len(manager.agent_loop_workers) == 2)  # the replacement joined
         assert victim not in manager.agent_loop_workers
         nxt = manager.generate_sequences(batch([f"n{i}" for i in range(8)]))
@@ -201,9 +238,11 @@ def test_without_retries_a_dead_workers_samples_are_error_rows(ray_session, monk
     ray = ray_session
     manager = make_manager(ray, num_servers=1, delay=1.0, max_sample_retries=0)
     try:
-        timer = later(0.5, ray.kill, manager.agent_loop_workers[1])
+        victim, servers = manager.agent_loop_workers[1], list(manager.server_handles)
+        timer = When(lambda: server_calls(servers) > 0, lambda: ray.kill(victim))
         out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
         timer.join()
+        assert timer.fired
         status = out.non_tensor_batch["status"].tolist()
         assert status == ["stop"] * 4 + ["error"] * 4
         assert all("worker running this sample died" in e and "max_sample_retries=0" in e
@@ -256,9 +295,10 @@ def test_a_server_killed_mid_batch_fails_over_and_is_restarted(ray_session, monk
     manager = make_manager(ray, num_servers=2, delay=1.0)
     try:
         dead = manager.server_handles[0]
-        timer = later(0.5, ray.kill, dead)
+        timer = When(lambda: server_calls([dead]) > 0, lambda: ray.kill(dead))  # with requests of its own
         out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
         timer.join()
+        assert timer.fired
         assert out.non_tensor_batch["status"].tolist() == ["stop"] * 8  # the dead server's requests moved
         f = faults(out)
         assert f["server_failovers"] >= 1 and f["servers_down"] == 1
@@ -285,9 +325,10 @@ def test_a_server_whose_event_loop_hangs_is_killed_its_requests_fail_over_and_it
     manager.workers.tick_s = 0.2
     try:
         hung = manager.server_handles[0]
-        timer = later(0.3, lambda: hung.freeze.remote(600))
+        timer = When(lambda: server_calls([hung]) > 0, lambda: hung.freeze.remote(600))
         out = manager.generate_sequences(batch([f"q{i}" for i in range(8)]))
         timer.join()
+        assert timer.fired
         assert out.non_tensor_batch["status"].tolist() == ["stop"] * 8  # the hung server's requests moved
         f = faults(out)
         assert f["servers_hung"] == 1 and f["server_failovers"] >= 1 and f["servers_down"] == 1
@@ -445,10 +486,13 @@ def test_a_gateway_whose_event_loop_hangs_is_killed_and_replaced(ray_session, mo
     manager.workers.tick_s = 0.2
     try:
         manager.generate_sequences(batch(["a", "b"], agent_name="gateway_probe"))  # the gateways start
-        hung = manager.gateways[0]
-        timer = later(0.3, lambda: hung.__ray_call__.remote(lambda self: time.sleep(600)))  # blocks its loop
+        hung, servers = manager.gateways[0], list(manager.server_handles)
+        before = server_calls(servers)
+        timer = When(lambda: server_calls(servers) > before,  # the batch's sessions are open
+                     lambda: hung.__ray_call__.remote(lambda self: time.sleep(600)))  # blocks its loop
         out = manager.generate_sequences(batch([f"q{i}" for i in range(8)], agent_name="gateway_probe"))
         timer.join()
+        assert timer.fired
         status = out.non_tensor_batch["status"].tolist()
         assert status.count("stop") == 4 and status.count("error") == 4  # sessions go to both gateways in turn
         errors = [e for e in out.non_tensor_batch["error"].tolist() if e]
@@ -635,9 +679,11 @@ def test_pause_update_resume_cycles_during_a_batch_lose_nothing(ray_session, mon
         worker = threading.Thread(target=lambda: result.update(out=manager.generate_sequences(
             batch([f"sleep 0.{i}" for i in range(8)], agent_name="sleepy_probe"))))
         worker.start()
+        server = manager.server_handles[0]
+        assert wait_until(lambda: server_calls([server]) > 0)  # the batch is generating (then cycles 0.25 s apart)
         cut = 0
         for version in (1, 2, 3):
-            time.sleep(0.25)
+            time.sleep(0.25)  # the scenario: about two tokens (0.1 s each) between cuts
             cut += manager.pause()
             manager.update_weights({"w": torch.full((2,), float(version))}, global_steps=version)
             manager.resume()
