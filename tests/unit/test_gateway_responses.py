@@ -97,7 +97,7 @@ def test_an_image_url_the_chat_path_refuses_is_a_400_naming_the_input_item():
     error = refused({"input": [
         {"role": "user", "content": "hi"},
         {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]})
-    assert error.param == "input.1" and error.message.startswith("input[1]")
+    assert error.param == "input.1.content.0" and error.message.startswith("input[1].content[0]")
 
 
 # ---- parse: tools, tool_choice, text.format, sampling, options -------------------------------

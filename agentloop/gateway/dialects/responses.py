@@ -254,9 +254,11 @@ def _input_messages(raw: str | list[Any] | None) -> list[tuple[int, dict[str, An
     for index, msg in assembler.out:
         try:
             normal = normalize_message(msg, index)
-        except GatewayHTTPError as e:
+        except GatewayHTTPError as e:  # chat's check of the message: name the input item instead
             message = e.message.replace(f"messages[{index}]", f"input[{index}]")
-            raise _bad(message, param=f"input.{index}") from None
+            param = (e.param or "").replace(f"messages.{index}", f"input.{index}", 1)
+            raise _bad(message, param=param if param.startswith("input.") else f"input.{index}",
+                       code=e.code) from None
         if msg.get("reasoning_content"):
             normal["reasoning_content"] = msg["reasoning_content"]
         out.append((index, normal))
