@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -115,7 +116,20 @@ def test_dead_server_is_a_server_error_and_releases(ray_session):
 
 def test_calls_issued_together_share_one_ray_call_and_keep_their_own_results(ray_session):
     """The batcher: 64 requests → a couple of Ray calls; each caller gets its own reply or its own error."""
-    actor_cls = ray_session.remote(num_cpus=0)(ScriptedServer)
+
+    class CallCounting(ScriptedServer):
+        """Counts the ``generate_batch`` Ray calls and the requests they carry (``calls`` has them all)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.batch_calls = self.batched = 0
+
+        async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+            self.batch_calls, self.batched = self.batch_calls + 1, self.batched + len(requests)
+            async for group in super().generate_batch(requests):
+                yield group
+
+    actor_cls = ray_session.remote(num_cpus=0)(CallCounting)
 
     def reply(prompt_ids: list[int], params: dict, request_id: str) -> list[int]:
         if request_id == "r13":
@@ -134,8 +148,10 @@ def test_calls_issued_together_share_one_ray_call_and_keep_their_own_results(ray
     for i, out in enumerate(results):
         if i != 13:
             assert out.token_ids == [i, 2] and out.stop_reason == StopReason.STOP
-    batcher = manager._batchers[0]
-    assert batcher.num_requests == 64 and batcher.num_calls <= 2
+    batch_calls, batched, requests = ray_session.get(
+        server.__ray_call__.remote(lambda s: (s.batch_calls, s.batched, len(s.calls))))
+    single_calls = requests - batched  # a batch of one goes as a plain generate call
+    assert requests == 64 and batch_calls + single_calls <= 2
 
 
 def test_a_cancelled_batched_call_aborts_the_request_on_the_server(ray_session):
