@@ -4,8 +4,8 @@ Public API (names and signatures follow verl's agent loop)::
 
     from agentloop import AgentLoopManager, DataProto, AgentLoopBase, register
 
-The names are imported on first use, so ``import agentloop`` (and the CLI's checks of a bad config or
-dataset) does not pay for torch and Ray before it needs them.
+The names are imported on first use, so ``import agentloop`` (and the CLI's checks of a bad config
+or dataset) does not pay for torch and Ray before it needs them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from agentloop.errors import AgentLoopError, ConfigError, DatasetError, ServerError, UnknownAgentError
+from agentloop.errors import (
+    AgentLoopError,
+    ConfigError,
+    DatasetError,
+    ServerError,
+    UnknownAgentError,
+)
 
 if TYPE_CHECKING:
     from agentloop.batch.protocol import DataProto
@@ -35,11 +41,12 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "AgentLoopBase": "agentloop.loops.base", "register": "agentloop.loops.base",
-    "SingleTurnAgentLoop": "agentloop.loops.single_turn", "AgentLoopManager": "agentloop.rollout.manager",
-    "DataProto": "agentloop.batch.protocol", "AsyncLLMServerManager": "agentloop.routing",
-    "AgentLoopMetrics": "agentloop.types", "AgentLoopOutput": "agentloop.types", "RolloutStatus": "agentloop.types",
-    "MultiTrajectoryAgentLoopOutput": "agentloop.types",
-    "StopReason": "agentloop.types", "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.rollout.worker",
+    "SingleTurnAgentLoop": "agentloop.loops.single_turn",
+    "AgentLoopManager": "agentloop.rollout.manager", "DataProto": "agentloop.batch.protocol",
+    "AsyncLLMServerManager": "agentloop.routing", "AgentLoopMetrics": "agentloop.types",
+    "AgentLoopOutput": "agentloop.types", "RolloutStatus": "agentloop.types",
+    "MultiTrajectoryAgentLoopOutput": "agentloop.types", "StopReason": "agentloop.types",
+    "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.rollout.worker",
 }
 
 
@@ -57,22 +64,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "AgentLoopBase",
-    "AgentLoopError",
-    "AgentLoopManager",
-    "AgentLoopMetrics",
-    "AgentLoopOutput",
-    "AgentLoopWorker",
-    "AsyncLLMServerManager",
-    "ConfigError",
-    "DataProto",
-    "DatasetError",
-    "MultiTrajectoryAgentLoopOutput",
-    "RolloutStatus",
-    "ServerError",
-    "SingleTurnAgentLoop",
-    "StopReason",
-    "TokenOutput",
-    "UnknownAgentError",
-    "register",
+    "AgentLoopBase", "AgentLoopError", "AgentLoopManager", "AgentLoopMetrics", "AgentLoopOutput",
+    "AgentLoopWorker", "AsyncLLMServerManager", "ConfigError", "DataProto", "DatasetError",
+    "MultiTrajectoryAgentLoopOutput", "RolloutStatus", "ServerError", "SingleTurnAgentLoop",
+    "StopReason", "TokenOutput", "UnknownAgentError", "register",
 ]

@@ -11,11 +11,6 @@ from agentloop.batch.data import (  # noqa: F401
 )
 
 __all__ = [
-    "load_dataset",
-    "media_columns",
-    "prompt_problem",
-    "read_rows",
-    "repeat_for_rollout",
-    "rows_to_batch",
-    "validate_rows",
+    "load_dataset", "media_columns", "prompt_problem", "read_rows", "repeat_for_rollout",
+    "rows_to_batch", "validate_rows",
 ]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 
 def first_line(error: BaseException) -> str:
-    """The first non-blank line of an error's message (Ray's wrapped errors carry whole tracebacks), else its
-    type's name: for one-line log and row messages."""
+    """The first non-blank line of an error's message (Ray's wrapped errors carry whole tracebacks),
+    else its type's name: for one-line log and row messages."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
 

@@ -7,7 +7,5 @@ from agentloop.batch.grpo import (  # noqa: F401
 )
 
 __all__ = [
-    "EPISODE_WEIGHTS",
-    "GroupedAdvantages",
-    "group_advantages",
+    "EPISODE_WEIGHTS", "GroupedAdvantages", "group_advantages",
 ]

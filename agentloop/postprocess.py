@@ -9,9 +9,5 @@ from agentloop.batch.postprocess import (  # noqa: F401
 )
 
 __all__ = [
-    "EPISODE_COLUMNS",
-    "episode_columns",
-    "fill_rows",
-    "pad_rows",
-    "postprocess",
+    "EPISODE_COLUMNS", "episode_columns", "fill_rows", "pad_rows", "postprocess",
 ]

@@ -1,4 +1,5 @@
-"""The documented (and verl-compatible) import path of :mod:`agentloop.batch.protocol` (re-exports only)."""
+"""The documented (and verl-compatible) import path of :mod:`agentloop.batch.protocol`
+(re-exports only)."""
 
 from agentloop.batch.protocol import (  # noqa: F401
     DataProto,
@@ -37,37 +38,12 @@ from agentloop.batch.protocol import (  # noqa: F401
 )
 
 __all__ = [
-    "DataProto",
-    "DataProtoConfig",
-    "DataProtoError",
-    "DataProtoFuture",
-    "DataProtoItem",
-    "DataProtoTypeError",
-    "all_gather_data_proto",
-    "as_index_array",
-    "check_same_keys",
-    "collate_fn",
-    "data_info",
-    "deserialize_single_tensor",
-    "deserialize_tensordict",
-    "fold_batch_dim",
-    "get_tensordict",
-    "list_of_dict_to_dict_of_list",
-    "merge_meta_info",
-    "object_array",
-    "pack_tensor",
-    "packable",
-    "pad_dataproto_to_divisor",
-    "parts_to_tensordict",
-    "serialize_single_tensor",
-    "serialize_tensordict",
-    "split_rows",
-    "stack_rows",
-    "tensordict_to_parts",
-    "unfold_batch_dim",
-    "union_numpy_dict",
-    "union_tensor_dict",
-    "union_two_dict",
-    "unpack_tensor",
-    "unpad_dataproto",
+    "DataProto", "DataProtoConfig", "DataProtoError", "DataProtoFuture", "DataProtoItem",
+    "DataProtoTypeError", "all_gather_data_proto", "as_index_array", "check_same_keys",
+    "collate_fn", "data_info", "deserialize_single_tensor", "deserialize_tensordict",
+    "fold_batch_dim", "get_tensordict", "list_of_dict_to_dict_of_list", "merge_meta_info",
+    "object_array", "pack_tensor", "packable", "pad_dataproto_to_divisor", "parts_to_tensordict",
+    "serialize_single_tensor", "serialize_tensordict", "split_rows", "stack_rows",
+    "tensordict_to_parts", "unfold_batch_dim", "union_numpy_dict", "union_tensor_dict",
+    "union_two_dict", "unpack_tensor", "unpad_dataproto",
 ]

@@ -9,9 +9,5 @@ from agentloop.tokenization.loader import (  # noqa: F401
 )
 
 __all__ = [
-    "is_multimodal_dir",
-    "load_processor",
-    "load_tokenizer",
-    "model_config",
-    "tokenizer_source",
+    "is_multimodal_dir", "load_processor", "load_tokenizer", "model_config", "tokenizer_source",
 ]

@@ -1,17 +1,20 @@
 """Value types shared by servers, the router, agent loops and postprocessing.
 
-Field names follow verl's ``TokenOutput``, ``AgentLoopMetrics`` and ``AgentLoopOutput`` so code written
-against verl reads the same attributes here.  Two additions, both data rather than log lines:
+Field names follow verl's ``TokenOutput``, ``AgentLoopMetrics`` and ``AgentLoopOutput`` so code
+written against verl reads the same attributes here.  Two additions, both data rather than log
+lines:
 
 * ``TokenOutput.stop_reason`` keeps ``stop`` (EOS / stop token), ``length`` (``max_tokens`` reached)
   and ``aborted`` apart; verl folds the first two together.
-* ``AgentLoopOutput.status`` records how the rollout ended (see :class:`RolloutStatus`) and ``error``
-  carries the message when a sample failed, so a failed sample is a row in the batch, never a gap.
-* ``TokenOutput`` / ``TokenDelta`` carry the control signals a server pause sends the router as typed fields
-  (``preempted_by_pause``, ``cut_by_update``, ``max_tokens``); the older ``extra_fields`` form is accepted.
+* ``AgentLoopOutput.status`` records how the rollout ended (see :class:`RolloutStatus`) and
+  ``error`` carries the message when a sample failed, so a failed sample is a row in the batch,
+  never a gap.
+* ``TokenOutput`` / ``TokenDelta`` carry the control signals a server pause sends the router as
+  typed fields (``preempted_by_pause``, ``cut_by_update``, ``max_tokens``); the older
+  ``extra_fields`` form is accepted.
 
-:class:`MultiTrajectoryAgentLoopOutput` (the name verl's context-editing loops use) is one episode made of
-several trajectories; see docs/context.md.
+:class:`MultiTrajectoryAgentLoopOutput` (the name verl's context-editing loops use) is one episode
+made of several trajectories; see docs/context.md.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ _VERL_STOP_REASONS = {"completed": "stop", "finished": "stop", "eos": "stop", "a
 
 
 def _normalise_stop_reason(value: Any) -> Any:
-    """verl's server reports ``completed`` / ``aborted`` / None (unknown) and sometimes vLLM's raw finish
-    reason; map them onto ours (``completed`` and None become ``stop``)."""
+    """verl's server reports ``completed`` / ``aborted`` / None (unknown) and sometimes vLLM's raw
+    finish reason; map them onto ours (``completed`` and None become ``stop``)."""
     if value is None:
         return StopReason.STOP
     if isinstance(value, str):
@@ -36,14 +39,14 @@ def _normalise_stop_reason(value: Any) -> Any:
 
 
 CONTROL_KEYS = ("preempted_by_pause", "cut_by_update", "max_tokens")
-"""The control signals a server's pause puts on a cut output for the router: typed fields of :class:`TokenOutput`
-and :class:`TokenDelta`.  Servers written against the older protocol put them in ``extra_fields`` under the same
-names; they are moved to the fields when the output is built."""
+"""The control signals a server's pause puts on a cut output for the router: typed fields of
+:class:`TokenOutput` and :class:`TokenDelta`.  Servers written against the older protocol put them
+in ``extra_fields`` under the same names; they are moved to the fields when the output is built."""
 
 
 def _lift_control_keys(data: Any) -> Any:
-    """Move the :data:`CONTROL_KEYS` an ``extra_fields`` dict carries onto the typed fields (an explicit field
-    wins); the rest of ``extra_fields`` is kept as it is."""
+    """Move the :data:`CONTROL_KEYS` an ``extra_fields`` dict carries onto the typed fields (an
+    explicit field wins); the rest of ``extra_fields`` is kept as it is."""
     if not isinstance(data, dict):
         return data
     extra = data.get("extra_fields")
@@ -89,19 +92,22 @@ class TokenOutput(BaseModel):
     stop_reason: StopReason = StopReason.STOP
     """Why generation stopped: ``stop``, ``length`` or ``aborted``."""
     stop_sequence: str | None = None
-    """The request's stop string that ended the generation (vLLM; None otherwise and for other engines)."""
+    """The request's stop string that ended the generation (vLLM; None otherwise and for other
+    engines)."""
     num_preempted: int = 0
-    """How many times the engine preempted this request (-1 when unknown; verl's None becomes -1)."""
+    """How many times the engine preempted this request (-1 when unknown; verl's None becomes
+    -1)."""
     extra_fields: dict[str, Any] = Field(default_factory=dict)
     """Backend-specific extras (e.g. ``server_index``, ``global_steps``, ``weight_versions``)."""
     preempted_by_pause: bool = False
-    """Control signal: a server :meth:`~agentloop.servers.base.LLMServer.pause` (not the caller) aborted this
-    generation; the router may resume it (``partial_rollout``)."""
+    """Control signal: a server :meth:`~agentloop.servers.base.LLMServer.pause` (not the caller)
+    aborted this generation; the router may resume it (``partial_rollout``)."""
     cut_by_update: bool = False
-    """Control signal: the pause that cut it was a weight update's (``server.weight_update: abort``); the router
-    resumes it whatever ``partial_rollout`` says."""
+    """Control signal: the pause that cut it was a weight update's
+    (``server.weight_update: abort``); the router resumes it whatever ``partial_rollout`` says."""
     max_tokens: int | None = None
-    """Control signal, with ``preempted_by_pause``: the ``max_tokens`` the cut generation ran under."""
+    """Control signal, with ``preempted_by_pause``: the ``max_tokens`` the cut generation ran
+    under."""
 
     @model_validator(mode="before")
     @classmethod
@@ -181,9 +187,10 @@ class AgentLoopOutput(BaseModel):
     response_logprobs: list[float] | None = None
     """Log-probabilities aligned with ``response_ids`` (0.0 on masked-out tokens)."""
     response_weight_versions: list[int] | None = None
-    """The weight version (``global_steps``) that sampled each token of ``response_ids`` (-1 on tokens the
-    policy did not sample); the built-in loops fill it from the router's per-token ``weight_versions``, which it
-    reports with ``async_training.partial_rollout`` (a generation a pause cut may span versions)."""
+    """The weight version (``global_steps``) that sampled each token of ``response_ids`` (-1 on
+    tokens the policy did not sample); the built-in loops fill it from the router's per-token
+    ``weight_versions``, which it reports with ``async_training.partial_rollout`` (a generation a
+    pause cut may span versions)."""
     routed_experts: Any | None = None
     multi_modal_data: dict[str, Any] | None = None
     """Images / videos seen by the trajectory, for multimodal trainers."""
@@ -199,7 +206,8 @@ class AgentLoopOutput(BaseModel):
     error: str | None = None
     """Error message when ``status`` is ``error`` / ``timeout`` / ``tool_error``."""
     mm_processor_kwargs: dict[str, Any] | None = None
-    """Processor kwargs the multimodal inputs were rendered with (verl 0.9 field; kept for the trainer)."""
+    """Processor kwargs the multimodal inputs were rendered with (verl 0.9 field; kept for the
+    trainer)."""
     mm_processor_output: list[dict[str, Any]] | None = None
     """Pre-computed processor features for SGLang video input (verl 0.9 field; unused by vLLM)."""
 
@@ -219,37 +227,46 @@ class AgentLoopOutput(BaseModel):
 
 
 RewardTo = Literal["all", "last", "discounted"]
-"""Which trajectories of an episode get the episode's reward (``multi_turn.reward_to``; docs/context.md)."""
+"""Which trajectories of an episode get the episode's reward (``multi_turn.reward_to``;
+docs/context.md)."""
 
 
 class MultiTrajectoryAgentLoopOutput(BaseModel):
-    """One episode (sample) made of several trajectories, e.g. the snapshots a context edit closed, in order.
+    """One episode (sample) made of several trajectories, e.g. the snapshots a context edit closed,
+    in order.
 
-    A loop may return this wherever it may return a ``list[AgentLoopOutput]``; the worker treats both the same:
-    one row per trajectory, each keeping the sample's non-tensor fields (``uid``, ``index``...) and getting
-    ``trajectory_index`` (0..k-1, the order here), ``num_trajectories`` (k) and ``session_id`` (the episode's
-    id).  The last trajectory is the final one: it is the one a ``custom_reward_function`` scores, and
-    ``multi_turn.reward_to`` decides which trajectories get that episode reward (docs/context.md).
+    A loop may return this wherever it may return a ``list[AgentLoopOutput]``; the worker treats
+    both the same: one row per trajectory, each keeping the sample's non-tensor fields (``uid``,
+    ``index``...) and getting ``trajectory_index`` (0..k-1, the order here), ``num_trajectories``
+    (k) and ``session_id`` (the episode's id).  The last trajectory is the final one: it is the one
+    a ``custom_reward_function`` scores, and ``multi_turn.reward_to`` decides which trajectories get
+    that episode reward (docs/context.md).
 
-    Extra keyword fields (e.g. the ``contextpilot_*`` fields of verl forks) are accepted and ignored.
+    Extra keyword fields (e.g. the ``contextpilot_*`` fields of verl forks) are accepted and
+    ignored.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="allow")
 
     trajectories: list[AgentLoopOutput]
-    """The episode's trajectories in order; the last one is the final trajectory.  Must not be empty."""
+    """The episode's trajectories in order; the last one is the final trajectory.  Must not be
+    empty."""
     session_id: str | None = None
-    """The episode's id in the ``session_id`` column (e.g. a gateway session); None: the worker makes one."""
+    """The episode's id in the ``session_id`` column (e.g. a gateway session); None: the worker
+    makes one."""
     reward_to: RewardTo | None = None
     """This episode's reward rule, overriding ``multi_turn.reward_to`` (None: the config's)."""
     reward_gamma: float | None = None
-    """The discount for ``reward_to="discounted"``, overriding ``multi_turn.reward_gamma`` (None: the config's)."""
+    """The discount for ``reward_to="discounted"``, overriding ``multi_turn.reward_gamma`` (None:
+    the config's)."""
 
     @field_validator("trajectories")
     @classmethod
     def _not_empty(cls, value: list[AgentLoopOutput]) -> list[AgentLoopOutput]:
         if not value:
-            raise ValueError("MultiTrajectoryAgentLoopOutput needs at least one trajectory (the final one)")
+            raise ValueError(
+                "MultiTrajectoryAgentLoopOutput needs at least one trajectory (the final one)"
+            )
         return value
 
     @field_validator("reward_gamma")

@@ -11,11 +11,6 @@ from agentloop.rollout.worker import (  # noqa: F401
 )
 
 __all__ = [
-    "AgentLoopWorker",
-    "WorkerStats",
-    "agent_names",
-    "check_batch",
-    "error_batch",
-    "load_rollout_tools",
-    "trajectory_info",
+    "AgentLoopWorker", "WorkerStats", "agent_names", "check_batch", "error_batch",
+    "load_rollout_tools", "trajectory_info",
 ]

@@ -1,23 +1,27 @@
-"""Synchronous batches vs asynchronous streaming (Rollouter) on a heavy-tailed agentic workload, in one run.
+"""Synchronous batches vs asynchronous streaming (Rollouter) on a heavy-tailed agentic workload, in
+one run.
 
-Workload (the same samples for both modes): each sample runs a number of generations (``--turns``; with
-``--turn-sigma`` > 0 drawn per sample from a lognormal with that median, clipped to 1..``--max-turns``) with
-``ignore_eos`` and a per-turn ``max_tokens`` drawn from a lognormal (median ``--median-tokens``, sigma ``--sigma``),
-with "tool" time between turns (median ``--tool-latency`` seconds; lognormal with ``--tool-sigma``, 0 = fixed) and
-a short tool message — a long tail of slow samples, as in agentic RL.  One vLLM CPU server, the tiny model.
-``--agentic`` is the preset of the measured table in docs/benchmarks.md (variable turns and tool times).
+Workload (the same samples for both modes): each sample runs a number of generations (``--turns``;
+with ``--turn-sigma`` > 0 drawn per sample from a lognormal with that median, clipped to
+1..``--max-turns``) with ``ignore_eos`` and a per-turn ``max_tokens`` drawn from a lognormal (median
+``--median-tokens``, sigma ``--sigma``), with "tool" time between turns (median ``--tool-latency``
+seconds; lognormal with ``--tool-sigma``, 0 = fixed) and a short tool message — a long tail of slow
+samples, as in agentic RL.  One vLLM CPU server, the tiny model. ``--agentic`` is the preset of the
+measured table in docs/benchmarks.md (variable turns and tool times).
 
-* sync: ``--steps`` calls of ``manager.generate_sequences`` on ``--groups`` groups of ``--n`` samples each
-  (the next batch starts when the slowest sample of the previous one ends);
-* async: a :class:`agentloop.rollout.rollouter.Rollouter` over the same batches with the same in-flight budget
-  (``groups * n`` samples), the consumer taking ``--groups`` complete groups per step.
+* sync: ``--steps`` calls of ``manager.generate_sequences`` on ``--groups`` groups of ``--n``
+  samples each (the next batch starts when the slowest sample of the previous one ends);
+* async: a :class:`agentloop.rollout.rollouter.Rollouter` over the same batches with the same
+  in-flight budget (``groups * n`` samples), the consumer taking ``--groups`` complete groups per
+  step.
 
-Passes alternate (sync, async, sync, async, ...) so drift hits both alike; prints trajectories/s of each, the
-ratio async / sync (goal >= 1.5), and the engine's busy fraction (seconds with at least one request in the
-engine / wall).  ``--tool-heavy``: tools 10x slower than a turn's decode and 4x the in-flight budget for the
-async mode (``--inflight-factor``; goal: engine busy >= 90%).
+Passes alternate (sync, async, sync, async, ...) so drift hits both alike; prints trajectories/s of
+each, the ratio async / sync (goal >= 1.5), and the engine's busy fraction (seconds with at least
+one request in the engine / wall).  ``--tool-heavy``: tools 10x slower than a turn's decode and 4x
+the in-flight budget for the async mode (``--inflight-factor``; goal: engine busy >= 90%).
 
-    python scripts/bench_async.py [--groups 8] [--n 4] [--steps 4] [--repeats 2] [--agentic] [--tool-heavy]
+    python scripts/bench_async.py [--groups 8] [--n 4] [--steps 4] [--repeats 2] [--agentic]
+    [--tool-heavy]
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ TOOL_TOKENS = [11, 12, 13, 14, 15]
 
 
 class TailLoop(AgentLoopBase):
-    """``extra_info["turn_tokens"]`` generations (ignore_eos), ``extra_info["tool_latency"][k]`` s after turn k."""
+    """``extra_info["turn_tokens"]`` generations (ignore_eos), ``extra_info["tool_latency"][k]``
+    s after turn k."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         info = kwargs["extra_info"]
-        ids = [int(t) for t in self.tokenizer.apply_chat_template(
-            list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True, return_dict=False)]
+        ids = [
+            int(t)
+            for t in self.tokenizer.apply_chat_template(
+                list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            )
+        ]
         prompt_len, mask, rid = len(ids), [], uuid.uuid4().hex
         turns = list(info["turn_tokens"])
         versions: list[int] = []
@@ -54,8 +64,12 @@ class TailLoop(AgentLoopBase):
         for k, max_tokens in enumerate(turns):
             t0 = time.perf_counter()
             out = await self.server_manager.generate(
-                request_id=rid, prompt_ids=ids,
-                sampling_params={**sampling_params, "max_tokens": int(max_tokens), "ignore_eos": True})
+                request_id=rid,
+                prompt_ids=ids,
+                sampling_params={
+                    **sampling_params, "max_tokens": int(max_tokens), "ignore_eos": True,
+                },
+            )
             decode.append(time.perf_counter() - t0)
             ids += out.token_ids
             mask += [1] * len(out.token_ids)
@@ -64,10 +78,16 @@ class TailLoop(AgentLoopBase):
                 await asyncio.sleep(float(info["tool_latency"][k]))
                 ids += TOOL_TOKENS
                 mask += [0] * len(TOOL_TOKENS)
-        return AgentLoopOutput(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], response_mask=mask,
-                               num_turns=2 * len(turns),
-                               extra_fields={"min_global_steps": min(versions), "max_global_steps": max(versions),
-                                             "decode_s": float(np.mean(decode))})
+        return AgentLoopOutput(
+            prompt_ids=ids[:prompt_len],
+            response_ids=ids[prompt_len:],
+            response_mask=mask,
+            num_turns=2 * len(turns),
+            extra_fields={
+                "min_global_steps": min(versions), "max_global_steps": max(versions),
+                "decode_s": float(np.mean(decode)),
+            },
+        )
 
 
 def make_batches(args: argparse.Namespace, seed: int) -> list[Any]:
@@ -76,17 +96,39 @@ def make_batches(args: argparse.Namespace, seed: int) -> list[Any]:
     rng = np.random.default_rng(seed)
     batches = []
     for step in range(args.steps):
-        rows = [{"prompt": [{"role": "user", "content": f"Step {step}, question {g}: tell me a story."}],
-                 "agent_name": "bench_tail", "extra_info": {}} for g in range(args.groups)]
+        rows = [
+            {
+                "prompt": [
+                    {"role": "user", "content": f"Step {step}, question {g}: tell me a story."}
+                ],
+                "agent_name": "bench_tail",
+                "extra_info": {},
+            }
+            for g in range(args.groups)
+        ]
         batch = repeat_for_rollout(rows_to_batch(rows), args.n)
         infos = []
         for _ in range(len(batch)):
-            turns = args.turns if not args.turn_sigma else int(
-                np.clip(round(rng.lognormal(np.log(args.turns), args.turn_sigma)), 1, args.max_turns))
-            tokens = np.clip(rng.lognormal(np.log(args.median_tokens), args.sigma, turns), 4, args.max_tokens)
-            tools = (rng.lognormal(np.log(args.tool_latency), args.tool_sigma, turns) if args.tool_sigma
-                     else np.full(turns, args.tool_latency))
-            infos.append({"turn_tokens": [int(t) for t in tokens], "tool_latency": [float(t) for t in tools]})
+            turns = (
+                args.turns
+                if not args.turn_sigma
+                else int(
+                    np.clip(
+                        round(rng.lognormal(np.log(args.turns), args.turn_sigma)), 1, args.max_turns
+                    )
+                )
+            )
+            tokens = np.clip(
+                rng.lognormal(np.log(args.median_tokens), args.sigma, turns), 4, args.max_tokens
+            )
+            tools = (
+                rng.lognormal(np.log(args.tool_latency), args.tool_sigma, turns)
+                if args.tool_sigma
+                else np.full(turns, args.tool_latency)
+            )
+            infos.append(
+                {"turn_tokens": [int(t) for t in tokens], "tool_latency": [float(t) for t in tools]}
+            )
         batch.non_tensor_batch["extra_info"] = np.array(infos, dtype=object)
         batches.append(batch)
     return batches
@@ -104,20 +146,24 @@ def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
 
 def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
                after_get: Any = None) -> tuple[float, int, float]:
-    """Returns (wall, rows, engine busy fraction while the in-flight budget was full).  ``after_get()`` runs after
-    each hand-out (a trainer step, e.g. a weight update)."""
+    """Returns (wall, rows, engine busy fraction while the in-flight budget was full).
+    ``after_get()`` runs after each hand-out (a trainer step, e.g. a weight update)."""
     import threading
 
     from agentloop.rollout.rollouter import Rollouter
 
     t0 = time.perf_counter()
-    rollouter = Rollouter(manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1).start()
+    rollouter = Rollouter(
+        manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1
+    ).start()
     samples: list[tuple[float, float, int]] = []  # (time, busy seconds, samples in flight)
     done = threading.Event()
 
     def monitor() -> None:  # the engine's busy clock while the rollouter had its budget in flight
         while not done.wait(0.25):
-            samples.append((time.perf_counter(), engine_busy_seconds(manager), rollouter._inflight()))
+            samples.append(
+                (time.perf_counter(), engine_busy_seconds(manager), rollouter._inflight())
+            )
 
     watcher = threading.Thread(target=monitor, daemon=True)
     watcher.start()
@@ -150,16 +196,27 @@ def main() -> None:
     parser.add_argument("--turn-sigma", type=float, default=0.0)
     parser.add_argument("--max-turns", type=int, default=12)
     parser.add_argument("--tool-sigma", type=float, default=0.0)
-    parser.add_argument("--agentic", action="store_true",
-                        help="preset: --turns 3 --turn-sigma 0.7 --tool-latency 0.3 --tool-sigma 1.0")
+    parser.add_argument(
+        "--agentic", action="store_true",
+        help="preset: --turns 3 --turn-sigma 0.7 --tool-latency 0.3 --tool-sigma 1.0",
+    )
     parser.add_argument("--tool-heavy", action="store_true")
-    parser.add_argument("--inflight-factor", type=int, default=None,
-                        help="async in-flight budget = this x groups x n (default 1; 4 with --tool-heavy)")
+    parser.add_argument(
+        "--inflight-factor", type=int, default=None,
+        help="async in-flight budget = this x groups x n (default 1; 4 with --tool-heavy)",
+    )
     args = parser.parse_args()
     if args.agentic:
         args.turns, args.turn_sigma, args.tool_latency, args.tool_sigma = 3, 0.7, 0.3, 1.0
-    print("workload: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
-                                  if not isinstance(v, bool)), flush=True)
+    print(
+        "workload: "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in sorted(vars(args).items())
+            if not isinstance(v, bool)
+        ),
+        flush=True,
+    )
 
     import ray
     import ray.cloudpickle
@@ -175,8 +232,7 @@ def main() -> None:
     ray.init(include_dashboard=False, logging_level="ERROR")
     cfg = default_config()
     for k, v in {
-        "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-        "data.max_prompt_length": 128,
+        "actor_rollout_ref.model.path": str(ensure_tiny_model()), "data.max_prompt_length": 128,
         "data.max_response_length": max_turns * (args.max_tokens + len(TOOL_TOKENS)),
         "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.free_cache_engine": False,
@@ -191,8 +247,10 @@ def main() -> None:
         budget = args.groups * args.n
         factor = args.inflight_factor or (4 if args.tool_heavy else 1)
         if args.tool_heavy:  # calibrate: a turn's decode time, then tools 10x slower
-            probe = make_batches(argparse.Namespace(**{**vars(args), "steps": 1, "turns": 1, "turn_sigma": 0}),
-                                 seed=99)[0]
+            probe = make_batches(
+                argparse.Namespace(**{**vars(args), "steps": 1, "turns": 1, "turn_sigma": 0}),
+                seed=99,
+            )[0]
             out = manager.generate_sequences(probe)
             turn = float(np.median(out.non_tensor_batch["decode_s"].astype(float)))
             args.tool_latency = 10 * turn
@@ -211,21 +269,36 @@ def main() -> None:
                 if mode == "sync":
                     wall, rows = sync_pass(manager, batches)
                 else:
-                    wall, rows, saturated = async_pass(manager, batches, args.groups, budget * factor)
+                    wall, rows, saturated = async_pass(
+                        manager, batches, args.groups, budget * factor
+                    )
                     full.append(saturated)
                 results[mode].append(rows / wall)
                 busy[mode].append((engine_busy_seconds(manager) - b0) / wall)
-                print(f"pass {r} {mode:5s}: {rows} trajectories in {wall:.2f}s = {rows / wall:.2f}/s, "
-                      f"engine busy {busy[mode][-1]:.0%}"
-                      + (f" ({saturated:.0%} while {budget * factor} samples were in flight)" if mode == "async"
-                         else ""), flush=True)
+                print(
+                    f"pass {r} {mode:5s}: {rows} trajectories in {wall:.2f}s = "
+                    f"{rows / wall:.2f}/s, "
+                    f"engine busy {busy[mode][-1]:.0%}"
+                    + (
+                        f" ({saturated:.0%} while {budget * factor} samples were in flight)"
+                        if mode == "async"
+                        else ""
+                    ),
+                    flush=True,
+                )
         med = {m: statistics.median(v) for m, v in results.items()}
         spread = {m: (min(v), max(v)) for m, v in results.items()}
-        print(f"sync : {med['sync']:.2f} trajectories/s (range {spread['sync'][0]:.2f}-{spread['sync'][1]:.2f}), "
-              f"engine busy {statistics.median(busy['sync']):.0%}")
-        print(f"async: {med['async']:.2f} trajectories/s (range {spread['async'][0]:.2f}-{spread['async'][1]:.2f}), "
-              f"engine busy {statistics.median(busy['async']):.0%}, "
-              f"{statistics.median(full):.0%} while its in-flight budget was full")
+        print(
+            f"sync : {med['sync']:.2f} trajectories/s (range "
+            f"{spread['sync'][0]:.2f}-{spread['sync'][1]:.2f}), "
+            f"engine busy {statistics.median(busy['sync']):.0%}"
+        )
+        print(
+            f"async: {med['async']:.2f} trajectories/s (range "
+            f"{spread['async'][0]:.2f}-{spread['async'][1]:.2f}), "
+            f"engine busy {statistics.median(busy['async']):.0%}, "
+            f"{statistics.median(full):.0%} while its in-flight budget was full"
+        )
         print(f"ratio async / sync: {med['async'] / med['sync']:.2f}x")
     finally:
         manager.shutdown()

@@ -1,22 +1,27 @@
-"""Balancer decisions per second at 8 / 64 / 256 servers: the local Balancer and the GlobalBalancer actor.
+"""Balancer decisions per second at 8 / 64 / 256 servers: the local Balancer and the GlobalBalancer
+actor.
 
-A decision is one ``acquire`` (sticky miss, so least in-flight chooses) plus the ``release`` of a request that
-started earlier; every request id is distinct (``--requests``, default 100k) and the sticky cache is grown to
-hold all of them, as the manager does for a batch.  In-flight requests are kept at ``--window-per-server`` per
-server, releasing a random one of them each time (so counts differ and ties vary, as under real load).
+A decision is one ``acquire`` (sticky miss, so least in-flight chooses) plus the ``release`` of a
+request that started earlier; every request id is distinct (``--requests``, default 100k) and the
+sticky cache is grown to hold all of them, as the manager does for a batch.  In-flight requests are
+kept at ``--window-per-server`` per server, releasing a random one of them each time (so counts
+differ and ties vary, as under real load).
 
-Paths measured, each with the shipped ``LeastInFlight`` (``new``) and the previous list-scan implementation
-kept below as :class:`OldLeastInFlight` (``old``, the baseline), alternating old/new passes; the local path also
-runs :class:`~agentloop.routing.strategies.BucketedLeastInFlight` (O(log N), make_balancer's from 32 servers):
+Paths measured, each with the shipped ``LeastInFlight`` (``new``) and the previous list-scan
+implementation kept below as :class:`OldLeastInFlight` (``old``, the baseline), alternating old/new
+passes; the local path also runs :class:`~agentloop.routing.strategies.BucketedLeastInFlight` (O(log
+N), make_balancer's from 32 servers):
 
 * ``local``: :func:`agentloop.routing.strategies.make_balancer` in this process.
-* ``actor batched``: the GlobalBalancer actor through :class:`~agentloop.routing.balancer_actor.RemoteBalancer`,
-  the router's client (``AsyncLLMServerManager._acquire``): ``--callers`` concurrent coroutines each acquire,
-  then release and acquire again; the client coalesces whatever is queued into one ``acquire_many`` call.
+* ``actor batched``: the GlobalBalancer actor through
+  :class:`~agentloop.routing.balancer_actor.RemoteBalancer`, the router's client
+  (``AsyncLLMServerManager._acquire``): ``--callers`` concurrent coroutines each acquire, then
+  release and acquire again; the client coalesces whatever is queued into one ``acquire_many`` call.
 * ``actor unbatched``: one ``acquire.remote`` and one ``release.remote`` per decision (``--callers``
   coroutines, ``--unbatched-requests`` decisions, default 5k: it is ~100x slower).
 
-    python scripts/bench_balancer.py [--servers 8,64,256] [--requests 100000] [--repeats 3] [--no-actor]
+    python scripts/bench_balancer.py [--servers 8,64,256] [--requests 100000] [--repeats 3]
+    [--no-actor]
 """
 
 from __future__ import annotations
@@ -31,11 +36,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentloop.routing.balancer_actor import BalancerActor, RemoteBalancer
-from agentloop.routing.strategies import Balancer, BucketedLeastInFlight, LeastInFlight, RouteContext, StickySession
+from agentloop.routing.strategies import (
+    Balancer,
+    BucketedLeastInFlight,
+    LeastInFlight,
+    RouteContext,
+    StickySession,
+)
 
 
 class OldLeastInFlight:
-    """Baseline: the previous ``LeastInFlight.choose`` (a Python-level scan building the tied list)."""
+    """Baseline: the previous ``LeastInFlight.choose`` (a Python-level scan building the tied
+    list)."""
 
     def __init__(self, tie_break: str = "random", seed: int | None = None) -> None:
         self.tie_break = tie_break
@@ -55,12 +67,16 @@ class OldLeastInFlight:
 
 def _balancer(num_servers: int, old: bool | None, requests: int) -> Balancer:
     if old is None:  # bucketed, O(log N): what make_balancer uses from 32 servers on
-        return Balancer(num_servers, StickySession(BucketedLeastInFlight(seed=0), max_cache_size=2 * requests))
+        return Balancer(
+            num_servers, StickySession(BucketedLeastInFlight(seed=0), max_cache_size=2 * requests)
+        )
     inner: Any = OldLeastInFlight(seed=0) if old else LeastInFlight(seed=0)
     return Balancer(num_servers, StickySession(inner, max_cache_size=2 * requests))
 
 
-def bench_local(num_servers: int, old: bool | None, requests: int, window: int) -> tuple[float, list[int]]:
+def bench_local(
+    num_servers: int, old: bool | None, requests: int, window: int
+) -> tuple[float, list[int]]:
     """Decisions/s of the local balancer, and the servers chosen (to check old == new)."""
     balancer = _balancer(num_servers, old, requests)
     ids = [f"req-{i}" for i in range(requests)]
@@ -89,8 +105,11 @@ class BenchBalancerActor(BalancerActor):
         self.balancer.ensure_cache_capacity(2 * requests)
 
 
-async def _drive(acquire: Callable[[str], Any], release: Callable[[int], Any], requests: int, callers: int) -> float:
-    """``callers`` coroutines doing acquire / release until ``requests`` decisions; returns decisions/s."""
+async def _drive(
+    acquire: Callable[[str], Any], release: Callable[[int], Any], requests: int, callers: int
+) -> float:
+    """``callers`` coroutines doing acquire / release until ``requests`` decisions; returns
+    decisions/s."""
     ids = iter([f"req-{i}" for i in range(requests)])
 
     async def caller() -> None:
@@ -111,7 +130,11 @@ async def _drive(acquire: Callable[[str], Any], release: Callable[[int], Any], r
 def bench_actor(num_servers: int, old: bool, requests: int, callers: int, batched: bool) -> float:
     import ray
 
-    handle = ray.remote(BenchBalancerActor).options(num_cpus=0, max_concurrency=1).remote(num_servers, old, requests)
+    handle = (
+        ray.remote(BenchBalancerActor)
+        .options(num_cpus=0, max_concurrency=1)
+        .remote(num_servers, old, requests)
+    )
     ray.get(handle.stats.remote())
     try:
         if batched:
@@ -144,12 +167,16 @@ def _summary(rates: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--servers", default="8,64,256")
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--unbatched-requests", type=int, default=5_000)
     parser.add_argument("--window-per-server", type=int, default=4)
-    parser.add_argument("--callers", type=int, default=1024, help="concurrent callers of the actor paths")
+    parser.add_argument(
+        "--callers", type=int, default=1024, help="concurrent callers of the actor paths"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-actor", action="store_true", help="only the local balancer (no Ray)")
     args = parser.parse_args()
@@ -160,10 +187,15 @@ def main() -> None:
         chosen: dict[bool | None, list[int]] = {}
         for _ in range(args.repeats):
             for variant in (True, False, None):
-                rate, chosen[variant] = bench_local(n, variant, args.requests, args.window_per_server * n)
+                rate, chosen[variant] = bench_local(
+                    n, variant, args.requests, args.window_per_server * n
+                )
                 local[variant].append(rate)
         if not chosen[True] == chosen[False] == chosen[None]:
-            raise SystemExit(f"{n} servers: the new LeastInFlight (or the bucketed one) chose differently from the old")
+            raise SystemExit(
+                f"{n} servers: the new LeastInFlight (or the bucketed one) "
+                f"chose differently from the old"
+            )
         rows.append((n, "local", local[True], local[False], local[None]))
         print(f"[{n} servers] local done (same choices: yes)", flush=True)
     if not args.no_actor:
@@ -183,11 +215,18 @@ def main() -> None:
                     print(f"[{n} servers] {label} done", flush=True)
         finally:
             ray.shutdown()
-    print(f"\ndecisions/s (acquire + release), {args.requests:,} distinct request ids ({args.unbatched_requests:,} "
-          f"unbatched), {args.window_per_server} in flight per server, median (min-max) of {args.repeats} "
-          "alternating passes\n")
-    print("| servers | path | old LeastInFlight | new LeastInFlight | new / old | bucketed, O(log N) "
-          "(shipped from 32 servers) |")
+    print(
+        f"\ndecisions/s (acquire + release), {args.requests:,} distinct request ids "
+        f"({args.unbatched_requests:,} "
+        f"unbatched), {args.window_per_server} in flight per server, median (min-max) of "
+        f"{args.repeats} "
+        "alternating passes\n"
+    )
+    print(
+        "| servers | path | old LeastInFlight | new LeastInFlight | new / old | bucketed, "
+        "O(log N) "
+        "(shipped from 32 servers) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for n, label, old_rates, new_rates, proto in rows:
         ratio = statistics.median(new_rates) / statistics.median(old_rates)

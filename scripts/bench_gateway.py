@@ -1,23 +1,26 @@
-"""Sessions/s and per-turn latency through 1, 2, 4 … gateway actors vs direct router calls, same engine.
+"""Sessions/s and per-turn latency through 1, 2, 4 … gateway actors vs direct router calls, same
+engine.
 
 ``--sessions`` concurrent conversations of ``--turns`` turns each (a user question, ``--max-tokens``
-sampled tokens with EOS ignored, then a follow-up user turn) run on local Ray, as a rollout runs them:
-the engine is a Ray actor and each path is measured in one run, passes alternating:
+sampled tokens with EOS ignored, then a follow-up user turn) run on local Ray, as a rollout runs
+them: the engine is a Ray actor and each path is measured in one run, passes alternating:
 
 * direct (the baseline): the driver renders the whole conversation with the chat template and calls
-  ``AsyncLLMServerManager.generate`` on the engine actor (what an agent loop does per turn, minus its
-  incremental encoding);
-* ``gateways=N``: the same conversation as OpenAI chat requests over HTTP on loopback (``aiohttp`` in the
-  driver) to N :class:`~agentloop.gateway.actor.GatewayActor` actors (sessions spread by
-  :class:`~agentloop.gateway.actor.GatewayManager`, opened and finalized as the ``openai_agent`` loop
-  does), each routing to the same engine actor.
+  ``AsyncLLMServerManager.generate`` on the engine actor (what an agent loop does per turn, minus
+  its incremental encoding);
+* ``gateways=N``: the same conversation as OpenAI chat requests over HTTP on loopback (``aiohttp``
+  in the driver) to N :class:`~agentloop.gateway.actor.GatewayActor` actors (sessions spread by
+  :class:`~agentloop.gateway.actor.GatewayManager`, opened and finalized as the ``openai_agent``
+  loop does), each routing to the same engine actor.
 
 ``--engine fake`` (default) is :class:`agentloop.testing.ScriptedServer` replying after ``--delay``
 seconds, so the numbers are the gateway's own overhead at N concurrent sessions (try ``--sessions
 1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints sessions/s, p50 / p99 per-turn
-latency of each path and its ratio to direct; every trajectory is checked to be its own conversation.
+latency of each path and its ratio to direct; every trajectory is checked to be its own
+conversation.
 
-    python scripts/bench_gateway.py [--engine fake|vllm] [--sessions 16] [--turns 4] [--max-tokens 16]
+    python scripts/bench_gateway.py [--engine fake|vllm] [--sessions 16] [--turns 4] [--max-tokens
+    16]
                                     [--repeats 3] [--delay 0.01] [--gateways 1,2,4]
 """
 
@@ -39,8 +42,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def conversation_step(messages: list[dict[str, Any]], reply: str, turn: int) -> list[dict[str, Any]]:
-    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": f"And then? ({turn})"}]
+def conversation_step(
+    messages: list[dict[str, Any]], reply: str, turn: int
+) -> list[dict[str, Any]]:
+    return [
+        *messages, {"role": "assistant", "content": reply},
+        {"role": "user", "content": f"And then? ({turn})"},
+    ]
 
 
 async def direct_session(router: Any, tokenizer: Any, first: str, args: argparse.Namespace,
@@ -52,21 +60,27 @@ async def direct_session(router: Any, tokenizer: Any, first: str, args: argparse
         t0 = time.perf_counter()
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        out = await router.generate(uuid.uuid4().hex, prompt_ids=ids, sampling_params=params, sticky_key=sticky)
+        out = await router.generate(
+            uuid.uuid4().hex, prompt_ids=ids, sampling_params=params, sticky_key=sticky
+        )
         reply = tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()
         lat.append(time.perf_counter() - t0)
         messages = conversation_step(messages, reply, turn)
 
 
-async def gateway_session(client: Any, gateways: Any, tokenizer: Any, first: str,
-                          args: argparse.Namespace, lat: list[float], stats: dict[str, int]) -> None:
+async def gateway_session(
+    client: Any, gateways: Any, tokenizer: Any, first: str, args: argparse.Namespace,
+    lat: list[float], stats: dict[str, int],
+) -> None:
     handle = await gateways.create_session(sampling_params={"ignore_eos": True})
     messages = [{"role": "user", "content": first}]
     headers = {"Authorization": f"Bearer {handle.api_key}"}
     for turn in range(args.turns):
         t0 = time.perf_counter()
         body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": args.max_tokens}
-        async with client.post(f"{handle.base_url}/chat/completions", headers=headers, json=body) as r:
+        async with client.post(
+            f"{handle.base_url}/chat/completions", headers=headers, json=body
+        ) as r:
             r.raise_for_status()
             reply = (await r.json())["choices"][0]["message"]["content"]
         lat.append(time.perf_counter() - t0)
@@ -82,18 +96,23 @@ async def gateway_session(client: Any, gateways: Any, tokenizer: Any, first: str
 
 
 def rollout_config(args: argparse.Namespace) -> Any:
-    return OmegaConf.create({
-        "prompt_length": 768, "response_length": 256, "dtype": "float32", "max_model_len": None,
-        "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True, "enforce_eager": False,
-        "seed": 0, "disable_log_stats": True, "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5,
-        "free_cache_engine": False, "enable_chunked_prefill": True, "engine_kwargs": {"vllm": {}},
-        "calculate_log_probs": True, "multi_turn": {"format": "hermes"}, "server": {"max_cache_size": 10000},
-        "gateway": {"host": "127.0.0.1"},
-    })
+    return OmegaConf.create(
+        {
+            "prompt_length": 768, "response_length": 256, "dtype": "float32", "max_model_len": None,
+            "max_num_seqs": 64, "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
+            "enforce_eager": False, "seed": 0, "disable_log_stats": True,
+            "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5,
+            "free_cache_engine": False, "enable_chunked_prefill": True,
+            "engine_kwargs": {"vllm": {}}, "calculate_log_probs": True,
+            "multi_turn": {"format": "hermes"}, "server": {"max_cache_size": 10000},
+            "gateway": {"host": "127.0.0.1"},
+        }
+    )
 
 
 def start_engine(args: argparse.Namespace, rollout: Any, model: Any, tokenizer: Any) -> Any:
-    """The engine actor both paths share: the fake one (fixed replies after ``--delay``) or vLLM CPU."""
+    """The engine actor both paths share: the fake one (fixed replies after ``--delay``) or vLLM
+    CPU."""
     import ray
 
     if args.engine == "fake":
@@ -160,7 +179,8 @@ async def main_async(args: argparse.Namespace) -> None:
                                          timeout=aiohttp.ClientTimeout(total=600)) as client:
             env["client"] = client
             for rep in range(args.repeats + 1):  # the first round warms every path up
-                order = sides[rep % len(sides):] + sides[:rep % len(sides)]  # rotate: A B C, B C A...
+                # rotate: A B C, B C A...
+                order = sides[rep % len(sides):] + sides[:rep % len(sides)]
                 for side in order:
                     lat: list[float] = []
                     round_stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
@@ -183,7 +203,8 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def _prompt_tokens_per_turn(traj: Any) -> int:
-    """Sum over turns of each turn's prompt length (what re-encoding the whole conversation tokenizes)."""
+    """Sum over turns of each turn's prompt length (what re-encoding the whole conversation
+    tokenizes)."""
     mask = traj.response_mask
     starts = [i for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0)]
     return sum(len(traj.prompt_ids) + i for i in starts)
@@ -204,19 +225,26 @@ def report(results: dict[str, list[float]], walls: dict[str, float], stats: dict
     n_turns = max(1, stats["sessions_checked"] * args.turns)
     print(f"tokens encoded per turn: gateway {stats['encoded'] / n_turns:.1f} vs full prompt "
           f"{stats['prompt_lens'] / n_turns:.1f}")
-    print(f"trajectories checked: {stats['sessions_checked']} sessions, each exactly one trajectory "
-          "holding only its own conversation")
+    print(
+        f"trajectories checked: {stats['sessions_checked']} sessions, each exactly one "
+        f"trajectory "
+        "holding only its own conversation"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=("fake", "vllm"), default="fake")
-    parser.add_argument("--delay", type=float, default=0.01, help="fake engine: seconds per generation")
+    parser.add_argument(
+        "--delay", type=float, default=0.01, help="fake engine: seconds per generation"
+    )
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gateways", default="1,2,4", help="gateway actor counts to compare, e.g. 1,2,4")
+    parser.add_argument(
+        "--gateways", default="1,2,4", help="gateway actor counts to compare, e.g. 1,2,4"
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     asyncio.run(main_async(args))

@@ -1,26 +1,32 @@
-"""Long-tail rollout on the real engine: verl-style synchronous batches vs agentloop's tail-aware modes, one run.
+"""Long-tail rollout on the real engine: verl-style synchronous batches vs agentloop's tail-aware
+modes, one run.
 
-The heavy-tailed agentic shape of the rollout simulator (docs/routing.md) on vLLM CPU with the tiny model and
-``--servers`` engines: per sample a lognormal number of turns (median ``--turns``, sigma ``--turn-sigma``), each an
-``ignore_eos`` generation of lognormal ``max_tokens`` (median ``--median-tokens``, sigma ``--sigma``), and a
-sleeping tool between turns (lognormal, median ``--tool-latency`` s).  Engines run vLLM's priority scheduler with
-``--max-num-seqs`` running requests each, so a server queues when more samples are in flight than it runs.
+The heavy-tailed agentic shape of the rollout simulator (docs/routing.md) on vLLM CPU with the tiny
+model and ``--servers`` engines: per sample a lognormal number of turns (median ``--turns``, sigma
+``--turn-sigma``), each an ``ignore_eos`` generation of lognormal ``max_tokens`` (median
+``--median-tokens``, sigma ``--sigma``), and a sleeping tool between turns (lognormal, median
+``--tool-latency`` s).  Engines run vLLM's priority scheduler with ``--max-num-seqs`` running
+requests each, so a server queues when more samples are in flight than it runs.
 
 Passes (alternating, ``--repeats`` rounds, the same batches each time):
 
-* ``verl``: ``manager.generate_sequences`` per batch, sticky least-in-flight routing, no priority sent (every
-  request 0 = arrival order): verl's AgentLoopManager step, the batch ends with its slowest sample;
+* ``verl``: ``manager.generate_sequences`` per batch, sticky least-in-flight routing, no priority
+  sent (every request 0 = arrival order): verl's AgentLoopManager step, the batch ends with its
+  slowest sample;
 * ``priority``: the same with ``rollout.server.priority: context`` (longer contexts first);
-* ``rollouter``: a :class:`~agentloop.rollout.rollouter.Rollouter` over the same batches with the in-flight budget of
-  one batch and context priority; each step takes the first ``--groups`` groups to finish, the rest carry over;
-* with ``--updates``, three more Rollouter passes that load the weights (the same values) into every server with
-  ``manager.update_weights`` after each step, as a trainer does, under each ``rollout.server.weight_update``:
-  ``abort`` (the default: running requests are cut and resumed, re-reading their contexts), ``drain`` (running
-  requests finish first, new ones wait) and ``keep`` (running requests are frozen and go on with their KV cache).
+* ``rollouter``: a :class:`~agentloop.rollout.rollouter.Rollouter` over the same batches with the
+  in-flight budget of one batch and context priority; each step takes the first ``--groups`` groups
+  to finish, the rest carry over;
+* with ``--updates``, three more Rollouter passes that load the weights (the same values) into every
+  server with ``manager.update_weights`` after each step, as a trainer does, under each
+  ``rollout.server.weight_update``: ``abort`` (the default: running requests are cut and resumed,
+  re-reading their contexts), ``drain`` (running requests finish first, new ones wait) and ``keep``
+  (running requests are frozen and go on with their KV cache).
 
 Prints seconds per step (median, range) of each and the ratio verl / each.
 
-    python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2] [--updates]
+    python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
+    [--updates]
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import bench_async  # noqa: E402  (TailLoop, make_batches, the passes)
 
 
 def tiny_weights(path: str) -> dict:
-    """The served model's own weights (an update that changes nothing but costs what a real one does)."""
+    """The served model's own weights (an update that changes nothing but costs what a real one
+    does)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -62,10 +69,16 @@ def main() -> None:
     parser.add_argument("--tool-latency", type=float, default=0.3)
     parser.add_argument("--tool-sigma", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--updates", action="store_true", help="also Rollouter passes with a weight update per "
-                                                                   "step: drain, abort, keep")
+    parser.add_argument(
+        "--updates", action="store_true",
+        help="also Rollouter passes with a weight update per step: drain, abort, keep",
+    )
     args = parser.parse_args()
-    print("workload: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())), flush=True)
+    print(
+        "workload: "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())),
+        flush=True,
+    )
 
     import ray
     import ray.cloudpickle
@@ -83,14 +96,16 @@ def main() -> None:
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
         "data.max_prompt_length": 128,
-        "data.max_response_length": args.max_turns * (args.max_tokens + len(bench_async.TOOL_TOKENS)),
+        "data.max_response_length": args.max_turns
+        * (args.max_tokens + len(bench_async.TOOL_TOKENS)),
         "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.free_cache_engine": False,
         "actor_rollout_ref.rollout.max_num_seqs": args.max_num_seqs,
         "actor_rollout_ref.rollout.agent.num_workers": 2,
         "actor_rollout_ref.rollout.server.num_servers": args.servers,
         "actor_rollout_ref.rollout.server.device": "cpu",
-        "actor_rollout_ref.rollout.server.priority": "context",  # engines in priority mode; the verl pass sends none
+        # engines in priority mode; the verl pass sends none
+        "actor_rollout_ref.rollout.server.priority": "context",
     }.items():
         OmegaConf.update(cfg, k, v)
     manager = AgentLoopManager(cfg)
@@ -108,19 +123,30 @@ def main() -> None:
                 manager.set_weight_update(mode if mode in ("drain", "keep") else "abort")
                 time.sleep(1.5)  # let idle engine threads settle
                 if mode in ("drain", "abort", "keep"):
-                    step = functools.partial(manager.update_weights, weights)  # under the mode set above
-                    wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step, step)
+                    # under the mode set above
+                    step = functools.partial(manager.update_weights, weights)
+                    wall, rows, _ = bench_async.async_pass(
+                        manager, batches, args.groups, rows_per_step, step
+                    )
                 elif mode == "rollouter":
-                    wall, rows, _ = bench_async.async_pass(manager, batches, args.groups, rows_per_step)
+                    wall, rows, _ = bench_async.async_pass(
+                        manager, batches, args.groups, rows_per_step
+                    )
                 else:
                     wall, rows = bench_async.sync_pass(manager, batches)
                 per_step[mode].append(wall / (rows / rows_per_step))
-                print(f"round {r} {mode:9s}: {rows} trajectories in {wall:.1f}s = {per_step[mode][-1]:.2f}s per step",
-                      flush=True)
+                print(
+                    f"round {r} {mode:9s}: {rows} trajectories in {wall:.1f}s = "
+                    f"{per_step[mode][-1]:.2f}s per step",
+                    flush=True,
+                )
         med = {m: statistics.median(v) for m, v in per_step.items()}
         for mode, values in per_step.items():
-            print(f"{mode:9s}: {med[mode]:.2f}s per step (range {min(values):.2f}-{max(values):.2f}); "
-                  f"verl / {mode} = {med['verl'] / med[mode]:.2f}x")
+            print(
+                f"{mode:9s}: {med[mode]:.2f}s per step (range "
+                f"{min(values):.2f}-{max(values):.2f}); "
+                f"verl / {mode} = {med['verl'] / med[mode]:.2f}x"
+            )
     finally:
         manager.shutdown()
         ray.shutdown()

@@ -4,16 +4,18 @@ The same requests (``--num-prompts`` chat prompts, exactly ``--max-tokens`` new 
 ignored) go (a) straight into a vLLM ``AsyncLLM`` in this process and (b) through
 ``AgentLoopManager.generate_sequences`` with one server actor built from the same engine settings.
 All engines stay up for the whole run; after two full-size warm-up passes each, ``--repeats`` timed
-passes alternate between the paths (raw, agentloop, raw, ...) so drift of the machine hits both alike.  Each
-agentloop pass gets prompts it has not seen (a trainer's next step), ``--n`` rows per prompt.  Prints both
-throughputs and the ratio agentloop / raw (goal: >= 0.97).
+passes alternate between the paths (raw, agentloop, raw, ...) so drift of the machine hits both
+alike.  Each agentloop pass gets prompts it has not seen (a trainer's next step), ``--n`` rows per
+prompt. Prints both throughputs and the ratio agentloop / raw (goal: >= 0.97).
 
-    python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 7] [--n 1] [--num-workers 1]
+    python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 7] [--n 1]
+    [--num-workers 1]
                                      [--compare-unbatched]
-    python scripts/bench_overhead.py --device cuda     # on a GPU: the CUDA build of vLLM, bfloat16, CUDA graphs
+    python scripts/bench_overhead.py --device cuda     # on a GPU: the CUDA build of vLLM, bfloat16,
+    CUDA graphs
 
-On CUDA both engines share the one GPU (``--gpu-memory-utilization`` each); the raw engine and the server
-actor are built from the same ``engine_args``, so they compile and capture the same graphs.
+On CUDA both engines share the one GPU (``--gpu-memory-utilization`` each); the raw engine and the
+server actor are built from the same ``engine_args``, so they compile and capture the same graphs.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ def make_config(model_path: str, args: argparse.Namespace):
 
     cfg = default_config()
     overrides = {
-        "actor_rollout_ref.model.path": model_path,
-        "data.max_prompt_length": 256,
+        "actor_rollout_ref.model.path": model_path, "data.max_prompt_length": 256,
         "data.max_response_length": args.max_tokens,
         "actor_rollout_ref.rollout.dtype": "float32" if args.device == "cpu" else "bfloat16",
         "actor_rollout_ref.rollout.ignore_eos": True,
@@ -60,13 +61,24 @@ def make_config(model_path: str, args: argparse.Namespace):
 
 
 def make_batch(n: int, group: int = 1, step: int = 0):
-    """``n`` rows: ``n / group`` distinct prompts, each ``group`` times in a row (GRPO's ``rollout.n``).  The
-    prompts name the step, so every pass renders new text as a trainer's steps do (renders are cached)."""
+    """``n`` rows: ``n / group`` distinct prompts, each ``group`` times in a row (GRPO's
+    ``rollout.n``).  The prompts name the step, so every pass renders new text as a trainer's steps
+    do (renders are cached)."""
     from agentloop.batch.data import rows_to_batch
 
     topics = ["the sea", "a cat", "numbers", "rain", "the moon", "bread", "a map", "music"]
-    rows = [{"prompt": [{"role": "user", "content": f"Tell me about {topics[(i // group) % 8]} "
-                                                    f"(#{i // group}, step {step})."}]} for i in range(n)]
+    rows = [
+        {
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": f"Tell me about {topics[(i // group) % 8]} "
+                    f"(#{i // group}, step {step}).",
+                }
+            ]
+        }
+        for i in range(n)
+    ]
     return rows_to_batch(rows)
 
 
@@ -75,7 +87,9 @@ async def raw_pass(engine, prompts: list[list[int]], params) -> tuple[float, int
 
     async def one(ids: list[int]) -> int:
         final = None
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, uuid.uuid4().hex):
+        async for out in engine.generate(
+            TokensPrompt(prompt_token_ids=ids), params, uuid.uuid4().hex
+        ):
             final = out
         return len(final.outputs[0].token_ids)
 
@@ -85,7 +99,8 @@ async def raw_pass(engine, prompts: list[list[int]], params) -> tuple[float, int
 
 
 class RawEngine:
-    """The raw engine, driven from its own event loop so that its passes can alternate with agentloop's."""
+    """The raw engine, driven from its own event loop so that its passes can alternate with
+    agentloop's."""
 
     def __init__(self, cfg, prompts: Callable[[], list[list[int]]]) -> None:
         from vllm import SamplingParams
@@ -102,7 +117,8 @@ class RawEngine:
         if on_cpu:
             os.environ.update(cpu_bind_env(0, 1))  # the same core binding the server actor gets
         self.prompts = prompts
-        self.params = SamplingParams(  # the raw engine used at its best: no detokenizing, final output only
+        # the raw engine used at its best: no detokenizing, final output only
+        self.params = SamplingParams(
             max_tokens=int(r.response_length), temperature=1.0, ignore_eos=True, detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -116,13 +132,15 @@ class RawEngine:
         self.engine = self.loop.run_until_complete(build())
 
     def rate(self) -> float:
-        prompts = self.prompts()  # rendered before the clock starts: the raw engine is given token ids
+        # rendered before the clock starts: the raw engine is given token ids
+        prompts = self.prompts()
         wall, tokens = self.loop.run_until_complete(raw_pass(self.engine, prompts, self.params))
         return tokens / wall
 
     def close(self) -> None:
         self.engine.shutdown()
-        # The engine's output handler is still parked on its queue: cancel it inside the loop before closing
+        # The engine's output handler is still parked on its queue: cancel it inside the loop before
+        # closing
         # (closing first makes it log "Event loop is closed" at exit).
         pending = asyncio.all_tasks(self.loop)
         for task in pending:
@@ -133,9 +151,9 @@ class RawEngine:
 
 
 class AgentLoopPath:
-    """Passes through AgentLoopManager; also records the stack's serial time per pass: the whole call minus
-    the longest engine wait any sample saw (rendering before the first request, postprocessing and
-    transfers after the last result)."""
+    """Passes through AgentLoopManager; also records the stack's serial time per pass: the whole
+    call minus the longest engine wait any sample saw (rendering before the first request,
+    postprocessing and transfers after the last result)."""
 
     def __init__(self, manager, num_prompts: int, group: int) -> None:
         self.manager, self.num_prompts, self.group = manager, num_prompts, group
@@ -148,7 +166,9 @@ class AgentLoopPath:
         t0 = time.perf_counter()
         out = self.manager.generate_sequences(batch)
         wall = time.perf_counter() - t0
-        self.serial_ms.append(1000 * (wall - out.meta_info["timing"]["agent_loop/generate_sequences/max"]))
+        self.serial_ms.append(
+            1000 * (wall - out.meta_info["timing"]["agent_loop/generate_sequences/max"])
+        )
         return float(out.batch["response_mask"].sum()) / wall
 
 
@@ -158,13 +178,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--num-workers", type=int, default=1)
-    parser.add_argument("--n", type=int, default=1,
-                        help="rows per distinct prompt (GRPO's rollout.n; the stack renders each distinct prompt once)")
-    parser.add_argument("--compare-unbatched", action="store_true",
-                        help="also run with rollout.server.batch_calls=false (one Ray call per request)")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="rows per distinct prompt (GRPO's rollout.n; the stack renders "
+        "each distinct prompt once)",
+    )
+    parser.add_argument(
+        "--compare-unbatched", action="store_true",
+        help="also run with rollout.server.batch_calls=false (one Ray call per request)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                        help="per engine on CUDA (the raw engine and the server actor share the GPU)")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3,
+        help="per engine on CUDA (the raw engine and the server actor share the GPU)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -179,23 +208,30 @@ def main() -> None:
     tok = load_tokenizer(cfg.actor_rollout_ref.model)
     raw_steps = itertools.count(1)
 
-    def raw_prompts() -> list[list[int]]:  # the same shape as agentloop's passes: new text each pass
-        messages = make_batch(args.num_prompts, args.n, next(raw_steps)).non_tensor_batch["raw_prompt"]
+    # the same shape as agentloop's passes: new text each pass
+    def raw_prompts() -> list[list[int]]:
+        messages = make_batch(args.num_prompts, args.n, next(raw_steps)).non_tensor_batch[
+            "raw_prompt"
+        ]
         return [apply_chat_template(tok, list(m), add_generation_prompt=True) for m in messages]
 
     raw = RawEngine(cfg, raw_prompts)
-    ray.init(num_cpus=2 if args.device == "cpu" else None, include_dashboard=False, logging_level="ERROR")
+    ray.init(
+        num_cpus=2 if args.device == "cpu" else None, include_dashboard=False, logging_level="ERROR"
+    )
     ours_path = AgentLoopPath(AgentLoopManager(cfg), args.num_prompts, args.n)
     agentloop_paths = {"AgentLoopManager (1 srv)": ours_path}
     if args.compare_unbatched:
         unbatched_cfg = copy.deepcopy(cfg)
         OmegaConf.update(unbatched_cfg, "actor_rollout_ref.rollout.server.batch_calls", False)
-        agentloop_paths["  … batch_calls=false"] = AgentLoopPath(AgentLoopManager(unbatched_cfg), args.num_prompts,
-                                                                 args.n)
+        agentloop_paths["  … batch_calls=false"] = AgentLoopPath(
+            AgentLoopManager(unbatched_cfg), args.num_prompts, args.n
+        )
     paths = {"raw AsyncLLM": raw.rate, **{name: p.rate for name, p in agentloop_paths.items()}}
     rates: dict[str, list[float]] = {name: [] for name in paths}
     try:
-        # Every engine is alive for the whole run and the passes alternate (raw, agentloop, raw, ...), so
+        # Every engine is alive for the whole run and the passes alternate (raw, agentloop, raw,
+        # ...), so
         # slow drift of the machine (other tenants, thermal, page cache) hits both sides alike.  Two
         # full-size warm-up passes each first: CPU kernels compile per batch shape.
         for _ in range(2):
@@ -203,8 +239,10 @@ def main() -> None:
                 fn()
         for _ in range(args.repeats):
             for name, fn in paths.items():
-                # An idle vLLM CPU worker busy-polls (sched_yield) for 1 s after its last step before it
-                # blocks; on the shared core that would slow whichever engine runs next.  Let it settle.
+                # An idle vLLM CPU worker busy-polls (sched_yield) for 1 s after its last step
+                # before it
+                # blocks; on the shared core that would slow whichever engine runs next.  Let it
+                # settle.
                 time.sleep(IDLE_SETTLE_S)
                 rates[name].append(fn())
     finally:
@@ -214,19 +252,28 @@ def main() -> None:
         ray.shutdown()
 
     raw_rates = np.array(rates["raw AsyncLLM"])
-    print(f"\n{args.num_prompts} prompts ({args.num_prompts // args.n} distinct x n={args.n}) x {args.max_tokens} "
-          f"tokens, {args.repeats} timed passes each, alternating, device {args.device}, "
-          f"{args.num_workers} worker(s)")
+    print(
+        f"\n{args.num_prompts} prompts ({args.num_prompts // args.n} distinct x "
+        f"n={args.n}) x {args.max_tokens} "
+        f"tokens, {args.repeats} timed passes each, alternating, device {args.device}, "
+        f"{args.num_workers} worker(s)"
+    )
     print(f"{'path':<28}{'tok/s (median)':>16}{'ratio (median of pairs)':>26}   passes")
     for name, values in rates.items():
         arr = np.array(values)
         pair = float(np.median(arr / raw_rates))
-        print(f"{name:<28}{statistics.median(values):>16.0f}{pair:>26.3f}   {np.round(arr).astype(int).tolist()}")
+        print(
+            f"{name:<28}{statistics.median(values):>16.0f}{pair:>26.3f}   "
+            f"{np.round(arr).astype(int).tolist()}"
+        )
     ours = np.array(rates["AgentLoopManager (1 srv)"])
     ratio = statistics.median(ours) / statistics.median(raw_rates)
     serial = np.array(ours_path.serial_ms[-args.repeats:])
-    print(f"agentloop serial time per batch (wall - slowest sample's engine wait): median {np.median(serial):.0f} ms "
-          f"(interquartile {np.percentile(serial, 25):.0f}-{np.percentile(serial, 75):.0f} ms)")
+    print(
+        f"agentloop serial time per batch (wall - slowest sample's engine wait): median "
+        f"{np.median(serial):.0f} ms "
+        f"(interquartile {np.percentile(serial, 25):.0f}-{np.percentile(serial, 75):.0f} ms)"
+    )
     pairs = ours / raw_rates
     q25, q50, q75 = np.percentile(pairs, [25, 50, 75])
     print(f"ratio agentloop/raw: {ratio:.3f} (medians); paired passes: median {q50:.3f}, "

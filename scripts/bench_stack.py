@@ -1,17 +1,21 @@
-"""The stack's own CPU time per sample, with and without the render cache (or the GC freeze), in one run.
+"""The stack's own CPU time per sample, with and without the render cache (or the GC freeze), in one
+run.
 
 One ``AgentLoopWorker`` in this process runs ``single_turn_agent`` batches against a zero-latency
-:class:`~agentloop.testing.ScriptedServer` (64-token replies with log-probs) with the tiny model's real
-tokenizer, so everything timed is agentloop's Python: rendering, routing, loop bookkeeping, reward and
-padding into a ``DataProto``.  This is the serial cost that weighs on short GPU batches (docs/benchmarks.md,
-"On a GPU").  Each pass gets prompts it has not seen (a trainer's next step), each repeated ``--n`` times in a
-row as GRPO's ``rollout.n`` repeats them; passes alternate between the render cache on (shipped) and off
-(``RENDER_CACHE_SIZE = 0``: the previous design).  ``--agent tool_agent``: each row makes one calculator call
-(the real tool) and then answers, so a tool turn's encoding is measured too.
+:class:`~agentloop.testing.ScriptedServer` (64-token replies with log-probs) with the tiny model's
+real tokenizer, so everything timed is agentloop's Python: rendering, routing, loop bookkeeping,
+reward and padding into a ``DataProto``.  This is the serial cost that weighs on short GPU batches
+(docs/benchmarks.md, "On a GPU").  Each pass gets prompts it has not seen (a trainer's next step),
+each repeated ``--n`` times in a row as GRPO's ``rollout.n`` repeats them; passes alternate between
+the render cache on (shipped) and off (``RENDER_CACHE_SIZE = 0``: the previous design).
+``--agent tool_agent``: each row makes one calculator call (the real tool) and then answers, so a
+tool turn's encoding is measured too.
 
-``--compare gc``: the start-up heap frozen (what worker and vLLM server actors do, ``rollout.gc_freeze``) vs not.
+``--compare gc``: the start-up heap frozen (what worker and vLLM server actors do,
+``rollout.gc_freeze``) vs not.
 
-    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent] [--compare gc]
+    python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent]
+    [--compare gc]
 """
 
 from __future__ import annotations
@@ -33,13 +37,27 @@ TOOLS_YAML = Path(__file__).resolve().parent.parent / "examples" / "calculator_a
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=256, help="rows per batch")
-    parser.add_argument("--n", type=int, nargs="+", default=[1, 8], help="rows per distinct prompt (rollout.n)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed passes per setting (after 3 warm-ups)")
-    parser.add_argument("--compare", choices=["cache", "gc"], default="cache",
-                        help="cache: render cache on vs off; gc: start-up heap frozen (what worker actors do, "
-                             "rollout.gc_freeze) vs not, cache on")
-    parser.add_argument("--agent", choices=["single_turn_agent", "tool_agent"], default="single_turn_agent",
-                        help="tool_agent: every row makes one calculator call (a real CalculatorTool), then answers")
+    parser.add_argument(
+        "--n", type=int, nargs="+", default=[1, 8], help="rows per distinct prompt (rollout.n)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=15, help="timed passes per setting (after 3 warm-ups)"
+    )
+    parser.add_argument(
+        "--compare",
+        choices=["cache", "gc"],
+        default="cache",
+        help="cache: render cache on vs off; gc: start-up heap frozen (what "
+        "worker actors do, "
+        "rollout.gc_freeze) vs not, cache on",
+    )
+    parser.add_argument(
+        "--agent",
+        choices=["single_turn_agent", "tool_agent"],
+        default="single_turn_agent",
+        help="tool_agent: every row makes one calculator call (a real "
+        "CalculatorTool), then answers",
+    )
     args = parser.parse_args()
 
     from omegaconf import OmegaConf
@@ -58,15 +76,19 @@ def main() -> None:
     OmegaConf.update(cfg, "actor_rollout_ref.rollout.calculate_log_probs", True)
     if args.agent == "tool_agent":
         cfg.data.max_prompt_length, cfg.data.max_response_length = 512, 256
-        for key, value in {"multi_turn.enable": True, "multi_turn.format": "hermes",
-                           "multi_turn.max_assistant_turns": 3, "agent.default_agent_loop": "tool_agent",
-                           "multi_turn.tool_config_path": str(TOOLS_YAML)}.items():
+        for key, value in {
+            "multi_turn.enable": True, "multi_turn.format": "hermes",
+            "multi_turn.max_assistant_turns": 3, "agent.default_agent_loop": "tool_agent",
+            "multi_turn.tool_config_path": str(TOOLS_YAML),
+        }.items():
             OmegaConf.update(cfg, f"actor_rollout_ref.rollout.{key}", value)
     OmegaConf.resolve(cfg)
     tok = load_tokenizer(cfg.actor_rollout_ref.model)
     eos = tok.eos_token_id
-    call = tok.encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
-                      add_special_tokens=False) + [eos]
+    call = tok.encode(
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+        add_special_tokens=False,
+    ) + [eos]
     answer = tok.encode("The answer is 5.", add_special_tokens=False) + [eos]
     called: set[str] = set()
 
@@ -79,15 +101,27 @@ def main() -> None:
         return call
 
     server = ScriptedServer(reply, eos_token_id=eos)
-    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server],
-                                         tokenizer=tok)
+    worker = AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [server], tokenizer=tok
+    )
     steps = itertools.count()
 
     def batch(group: int):
         step = next(steps)
-        rows = [{"prompt": [{"role": "system", "content": "You are a helpful assistant."},
-                            {"role": "user", "content": f"Step {step}: what is {i // group} plus {i // group + 7}? "
-                                                        "Think step by step."}]} for i in range(args.num_prompts)]
+        rows = [
+            {
+                "prompt": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {
+                        "role": "user",
+                        "content": f"Step {step}: what is {i // group} "
+                        f"plus {i // group + 7}? "
+                        "Think step by step.",
+                    },
+                ]
+            }
+            for i in range(args.num_prompts)
+        ]
         return rows_to_batch(rows)
 
     def one_pass(group: int, setting: Any) -> float:
@@ -97,26 +131,39 @@ def main() -> None:
             gc.freeze()  # O(1): the tracked objects move to the permanent generation
         else:
             gc.unfreeze()
-        server.calls.clear()  # the fake records every call: a growing heap would slow later passes' GC
+        # the fake records every call: a growing heap would slow later passes' GC
+        server.calls.clear()
         called.clear()
         data = batch(group)
         t0 = time.perf_counter()
         asyncio.run(worker.generate_sequences(data))
         return (time.perf_counter() - t0) / args.num_prompts * 1e6
 
-    first = asyncio.run(worker.generate_sequences(batch(1)))  # what is measured is what it claims to be
+    # what is measured is what it claims to be
+    first = asyncio.run(worker.generate_sequences(batch(1)))
     turns = 4 if args.agent == "tool_agent" else 2  # prompt, call, tool result, answer
-    if set(first.non_tensor_batch["status"]) != {"stop"} or set(first.non_tensor_batch["__num_turns__"]) != {turns}:
-        raise SystemExit(f"unexpected rollouts: status {set(first.non_tensor_batch['status'])}, turns "
-                         f"{set(first.non_tensor_batch['__num_turns__'])} (expected stop, {turns})")
+    if set(first.non_tensor_batch["status"]) != {"stop"} or set(
+        first.non_tensor_batch["__num_turns__"]
+    ) != {turns}:
+        raise SystemExit(
+            f"unexpected rollouts: status "
+            f"{set(first.non_tensor_batch['status'])}, turns "
+            f"{set(first.non_tensor_batch['__num_turns__'])} (expected stop, {turns})"
+        )
     if args.compare == "cache":
-        settings: dict[str, Any] = {"cache on (shipped)": prompt.RENDER_CACHE_SIZE, "cache off (previous)": 0}
+        settings: dict[str, Any] = {
+            "cache on (shipped)": prompt.RENDER_CACHE_SIZE,
+            "cache off (previous)": 0,
+        }
     else:
         gc.collect()
         settings = {"heap frozen (actors)": True, "not frozen (previous)": False}
     shipped, previous = settings
-    print(f"{args.num_prompts} rows per batch, {args.agent}, zero-latency server, µs of agentloop per row "
-          f"(median, interquartile, slowest), {args.repeats} alternating passes each")
+    print(
+        f"{args.num_prompts} rows per batch, {args.agent}, zero-latency server, µs of "
+        f"agentloop per row "
+        f"(median, interquartile, slowest), {args.repeats} alternating passes each"
+    )
     for group in args.n:
         for _ in range(3):
             for value in settings.values():
@@ -127,11 +174,17 @@ def main() -> None:
                 times[name].append(one_pass(group, value))
         for name, values in times.items():
             q25, q75 = np.percentile(values, [25, 75])
-            print(f"  n={group:<3} {name:<22} {statistics.median(values):7.0f} µs/row  ({q25:.0f}-{q75:.0f}, "
-                  f"slowest {max(values):.0f})")
+            print(
+                f"  n={group:<3} {name:<22} {statistics.median(values):7.0f} µs/row  "
+                f"({q25:.0f}-{q75:.0f}, "
+                f"slowest {max(values):.0f})"
+            )
         pairs = np.array(times[previous]) / np.array(times[shipped])
-        print(f"  n={group:<3} speed-up previous/shipped, paired passes: median {np.median(pairs):.2f} "
-              f"(interquartile {np.percentile(pairs, 25):.2f}-{np.percentile(pairs, 75):.2f})")
+        print(
+            f"  n={group:<3} speed-up previous/shipped, paired passes: median "
+            f"{np.median(pairs):.2f} "
+            f"(interquartile {np.percentile(pairs, 25):.2f}-{np.percentile(pairs, 75):.2f})"
+        )
     if args.compare == "cache":
         prompt.RENDER_CACHE_SIZE = settings[shipped]
     gc.unfreeze()

@@ -1,10 +1,13 @@
-"""Alternate one benchmark command between two checkouts (A, B, A, B, ...) and print each tree's per-line figures.
+"""Alternate one benchmark command between two checkouts (A, B, A, B, ...) and print each tree's
+per-line figures.
 
-    python scripts/bench_trees.py --base ../base --rounds 4 -- scripts/bench_stack.py --n 8 --repeats 5
+    python scripts/bench_trees.py --base ../base --rounds 4 -- scripts/bench_stack.py --n 8
+    --repeats 5
 
-Each round runs the command once in each tree (as a fresh process, with that tree first on PYTHONPATH) and
-collects the lines matching --pattern; a figure is the number before --unit on such a line.  Prints per tree and
-per matched label the median over rounds, and the paired ratio new/base.
+Each round runs the command once in each tree (as a fresh process, with that tree first on
+PYTHONPATH) and collects the lines matching --pattern; a figure is the number before --unit on such
+a line.  Prints per tree and per matched label the median over rounds, and the paired ratio
+new/base.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from pathlib import Path
 
 def run(tree: Path, cmd: list[str]) -> str:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    proc = subprocess.run([sys.executable, *cmd], cwd=tree, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, *cmd], cwd=tree, env=env, capture_output=True, text=True, check=False
+    )
     if proc.returncode:
-        raise SystemExit(f"{tree}: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"{tree}: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return proc.stdout
 
 
@@ -58,9 +65,12 @@ def main() -> None:
         if not new:
             continue
         ratios = [n / b for n, b in zip(new, base, strict=False)]
-        print(f"{label}: base {statistics.median(base):g}, new {statistics.median(new):g} {args.unit} (medians of "
-              f"{len(base)}); new/base paired median {statistics.median(ratios):.3f} "
-              f"(range {min(ratios):.3f}-{max(ratios):.3f})")
+        print(
+            f"{label}: base {statistics.median(base):g}, new {statistics.median(new):g} "
+            f"{args.unit} (medians of "
+            f"{len(base)}); new/base paired median {statistics.median(ratios):.3f} "
+            f"(range {min(ratios):.3f}-{max(ratios):.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
-"""Weight sync into a live vLLM server: streamed buckets vs the whole-dict temporary-file path, in one run.
+"""Weight sync into a live vLLM server: streamed buckets vs the whole-dict temporary-file path, in
+one run.
 
-For each model size a random Qwen2-architecture checkpoint is written locally (no hub; the tiny model's tokenizer),
-one AgentLoopManager with one vLLM server serves it, and the same fresh state dict is loaded alternately by
+For each model size a random Qwen2-architecture checkpoint is written locally (no hub; the tiny
+model's tokenizer), one AgentLoopManager with one vLLM server serves it, and the same fresh state
+dict is loaded alternately by
 
-* ``bucketed``: ``manager.update_weights(state_dict, bucket_mb=...)`` (buckets through the object store, tensors
-  straight into the engine worker's memory), and
-* ``file`` (baseline, the pre-streaming path): ``manager._update_weights_whole(state_dict, transport="file")``
-  (the whole dict as one object, the server writes it to a temporary safetensors file the engine reloads),
+* ``bucketed``: ``manager.update_weights(state_dict, bucket_mb=...)`` (buckets through the object
+  store, tensors straight into the engine worker's memory), and
+* ``file`` (baseline, the pre-streaming path):
+  ``manager._update_weights_whole(state_dict, transport="file")`` (the whole dict as one object, the
+  server writes it to a temporary safetensors file the engine reloads),
 
-``--repeats`` times each (bucketed, file, bucketed, file, …).  Reported per path: wall seconds of the call
-(median and min–max) and peak extra resident memory while it runs (RSS sampled every 10 ms minus the RSS just
-before the call) of the driver, the server actor and the engine processes (its EngineCore and worker); shared
-object-store pages count in every process that touches them.  The file path's page cache is not in any RSS.
-Before timing, both paths load the same weights once and must give identical greedy log-probs.
+``--repeats`` times each (bucketed, file, bucketed, file, …).  Reported per path: wall seconds of
+the call (median and min–max) and peak extra resident memory while it runs (RSS sampled every 10 ms
+minus the RSS just before the call) of the driver, the server actor and the engine processes (its
+EngineCore and worker); shared object-store pages count in every process that touches them.  The
+file path's page cache is not in any RSS. Before timing, both paths load the same weights once and
+must give identical greedy log-probs.
 
-    python scripts/bench_weight_sync.py [--sizes 1m,50m,500m] [--repeats 3] [--bucket-mb 512] [--dtype float32]
+    python scripts/bench_weight_sync.py [--sizes 1m,50m,500m] [--repeats 3] [--bucket-mb 512]
+    [--dtype float32]
 """
 
 from __future__ import annotations
@@ -33,15 +38,14 @@ import torch
 
 # name -> (hidden, layers, heads, kv heads, mlp); vocab 2048 (the tiny tokenizer), untied embeddings
 SHAPES = {
-    "1m": (128, 2, 4, 2, 512),
-    "50m": (512, 13, 8, 2, 2048),
-    "500m": (1024, 32, 16, 4, 4096),
+    "1m": (128, 2, 4, 2, 512), "50m": (512, 13, 8, 2, 2048), "500m": (1024, 32, 16, 4, 4096),
 }
 VOCAB = 2048
 
 
 def build_model(size: str, root: Path, dtype: torch.dtype) -> Path:
-    """A random Qwen2 checkpoint of shape ``SHAPES[size]`` with the tiny model's tokenizer (cached in ``root``)."""
+    """A random Qwen2 checkpoint of shape ``SHAPES[size]`` with the tiny model's tokenizer
+    (cached in ``root``)."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
@@ -53,10 +57,12 @@ def build_model(size: str, root: Path, dtype: torch.dtype) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
     hidden, layers, heads, kv_heads, mlp = SHAPES[size]
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, intermediate_size=mlp, max_position_embeddings=2048,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, dtype=str(dtype).removeprefix("torch."))
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=mlp, max_position_embeddings=2048,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype=str(dtype).removeprefix("torch."),
+    )
     config.save_pretrained(str(out))
     save_file(random_state_dict(config, dtype, seed=0), str(out / "model.safetensors"))
     return out
@@ -69,13 +75,17 @@ def random_state_dict(config: Any, dtype: torch.dtype, seed: int) -> dict[str, t
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Qwen2ForCausalLM(config).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
-    return {k: (torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=gen) * 0.02).to(dtype)
-            for k, s in shapes.items()}
+    return {
+        k: (
+            torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=gen) * 0.02
+        ).to(dtype)
+        for k, s in shapes.items()
+    }
 
 
 class PeakRss:
-    """Samples the RSS of some processes every ``interval`` seconds; ``peaks()`` gives the extra bytes over the
-    RSS at start, per group of processes (the group's summed RSS)."""
+    """Samples the RSS of some processes every ``interval`` seconds; ``peaks()`` gives the extra
+    bytes over the RSS at start, per group of processes (the group's summed RSS)."""
 
     def __init__(self, groups: dict[str, list[int]], interval: float = 0.01) -> None:
         self.groups = {g: [psutil.Process(p) for p in pids] for g, pids in groups.items()}
@@ -116,11 +126,15 @@ def make_manager(model: Path, dtype: torch.dtype) -> Any:
 
     cfg = default_config()
     for k, v in {
-        "actor_rollout_ref.model.path": str(model), "data.max_prompt_length": 64, "data.max_response_length": 8,
+        "actor_rollout_ref.model.path": str(model), "data.max_prompt_length": 64,
+        "data.max_response_length": 8,
         "actor_rollout_ref.rollout.dtype": str(dtype).removeprefix("torch."),
-        "actor_rollout_ref.rollout.calculate_log_probs": True, "actor_rollout_ref.rollout.free_cache_engine": False,
-        "actor_rollout_ref.rollout.max_num_seqs": 4, "actor_rollout_ref.rollout.agent.num_workers": 1,
-        "actor_rollout_ref.rollout.server.num_servers": 1, "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.rollout.free_cache_engine": False,
+        "actor_rollout_ref.rollout.max_num_seqs": 4,
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "actor_rollout_ref.rollout.server.num_servers": 1,
+        "actor_rollout_ref.rollout.server.device": "cpu",
     }.items():
         OmegaConf.update(cfg, k, v)
     return AgentLoopManager(cfg)
@@ -174,11 +188,16 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> list[dict[str
     return [summarise(size, name, n_params, n_bytes, r) for name, r in runs.items()]
 
 
-def summarise(size: str, path: str, n_params: int, n_bytes: int, runs: list[tuple[float, dict[str, int]]]) -> dict:
+def summarise(
+    size: str, path: str, n_params: int, n_bytes: int, runs: list[tuple[float, dict[str, int]]]
+) -> dict:
     seconds = [s for s, _ in runs]
     peak = {g: max(p[g] for _, p in runs) / 2**20 for g in runs[0][1]}
-    return {"size": size, "params": n_params, "mb": n_bytes / 2**20, "path": path,
-            "median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds), "peak_mb": peak}
+    return {
+        "size": size, "params": n_params, "mb": n_bytes / 2**20, "path": path,
+        "median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
+        "peak_mb": peak,
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -191,26 +210,38 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         b = base[r["size"]]
         mem, bmem = sum(r["peak_mb"].values()), sum(b["peak_mb"].values())
         spread = f"{r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f})"
-        print(f"{r['size']:>6} {r['params'] / 1e6:>6.1f}M {r['mb']:>6.0f} {r['path']:>9} {spread:>22} "
-              f"{r['peak_mb']['driver']:>8.0f} {r['peak_mb']['server']:>8.0f} {r['peak_mb']['engine']:>8.0f} "
-              f"{r['median_s'] / b['median_s']:>12.2f}x {mem / bmem if bmem > 0 else float('nan'):>11.2f}x")
+        print(
+            f"{r['size']:>6} {r['params'] / 1e6:>6.1f}M {r['mb']:>6.0f} {r['path']:>9} "
+            f"{spread:>22} "
+            f"{r['peak_mb']['driver']:>8.0f} {r['peak_mb']['server']:>8.0f} "
+            f"{r['peak_mb']['engine']:>8.0f} "
+            f"{r['median_s'] / b['median_s']:>12.2f}x "
+            f"{mem / bmem if bmem > 0 else float('nan'):>11.2f}x"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="1m,50m", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--settle", type=float, default=1.0, help="seconds of idle before each timed call")
-    parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/agentloop/bench-weight-sync"))
+    parser.add_argument(
+        "--settle", type=float, default=1.0, help="seconds of idle before each timed call"
+    )
+    parser.add_argument(
+        "--cache-dir", default=os.path.expanduser("~/.cache/agentloop/bench-weight-sync")
+    )
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
 
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # never joins others
+    # never joins others
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
     rows: list[dict[str, Any]] = []
     try:
         for size in args.sizes.split(","):
@@ -218,8 +249,11 @@ def main() -> None:
             print(f"[{size}] done", flush=True)
     finally:
         ray.shutdown()
-    print(f"\nweight sync, {args.dtype}, bucket {args.bucket_mb:g} MiB, 1 vLLM CPU server, {args.repeats} runs per "
-          "path (alternating); peak extra RSS in MiB\n")
+    print(
+        f"\nweight sync, {args.dtype}, bucket {args.bucket_mb:g} MiB, 1 vLLM CPU server, "
+        f"{args.repeats} runs per "
+        "path (alternating); peak extra RSS in MiB\n"
+    )
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -1,25 +1,27 @@
 """Check the package's shape without importing it: import cycles, module size, top-level modules,
 explained in-function imports, no nested conditional expressions.
 
-Reads every ``.py`` file under the package (``agentloop/`` by default) with :mod:`ast` and builds the
-graph of imports between its modules: module-level and in-function imports alike, relative imports
-resolved, ``from pkg import mod`` counted as an import of the submodule when ``mod`` is one, imports
-under ``if TYPE_CHECKING:`` included (a cycle in the types is a cycle in the design).  Importing
-``pkg.sub.mod`` also runs ``pkg/sub/__init__.py``: that is an edge too, except from a module inside
-``pkg.sub`` (its package is being imported already).  ``importlib`` calls (lazy faces) are not edges.
+Reads every ``.py`` file under the package (``agentloop/`` by default) with :mod:`ast` and builds
+the graph of imports between its modules: module-level and in-function imports alike, relative
+imports resolved, ``from pkg import mod`` counted as an import of the submodule when ``mod`` is one,
+imports under ``if TYPE_CHECKING:`` included (a cycle in the types is a cycle in the design).
+Importing ``pkg.sub.mod`` also runs ``pkg/sub/__init__.py``: that is an edge too, except from a
+module inside ``pkg.sub`` (its package is being imported already).  ``importlib`` calls (lazy faces)
+are not edges.
 
 Problems (one line each; exit status 1 when there is any):
 
 * ``cycle``: an import cycle, printed as ``a -> b -> a``;
 * ``lines``: a module over ``--max-lines`` lines (500);
 * ``top``: more than ``--max-top`` modules (6) directly under the package with code of their own; a
-  module whose body is only a docstring, imports, ``__all__`` and ``if TYPE_CHECKING:`` imports is a face
-  and does not count;
+  module whose body is only a docstring, imports, ``__all__`` and ``if TYPE_CHECKING:`` imports is a
+  face and does not count;
 * ``inline``: an import inside a function with no comment saying why (optional dependency, heavy
-  import, ...) on its line(s) or the line above; a comment above a run of adjacent imports covers the run;
+  import, ...) on its line(s) or the line above; a comment above a run of adjacent imports covers
+  the run;
 * ``nested-ifexp``: a conditional expression (``x if c else y``) whose test, value or alternative is
-  another one, reported once per outermost such expression: write it as ``if``/``elif`` statements or a
-  small function.
+  another one, reported once per outermost such expression: write it as ``if``/``elif`` statements
+  or a small function.
 
 Usage::
 
@@ -84,13 +86,20 @@ class Report:
         if "cycles" in checks:
             for cycle, component in zip(self.cycles, self.components, strict=True):
                 more = len(component) - len(cycle) + 1
-                tail = f" (and {more} more modules in the same circle: {', '.join(component)})" if more else ""
+                tail = (
+                    f" (and {more} more modules in the same circle: {', '.join(component)})"
+                    if more
+                    else ""
+                )
                 out.append("cycle: " + " -> ".join(cycle) + tail)
         if "lines" in checks:
             out += self.long_modules
         if "top" in checks and len(self.top_modules) > max_top:
-            out.append(f"top: {len(self.top_modules)} top-level modules with code of their own (at most "
-                       f"{max_top}): {', '.join(self.top_modules)}")
+            out.append(
+                f"top: {len(self.top_modules)} top-level modules with code of their "
+                f"own (at most "
+                f"{max_top}): {', '.join(self.top_modules)}"
+            )
         if "inline" in checks:
             out += self.unexplained_inline
         if "nested-ifexp" in checks:
@@ -137,12 +146,15 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _walk(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import under ``node`` with whether it sits in a function (a def or lambda at any depth)."""
+    """Every import under ``node`` with whether it sits in a function (a def or lambda at any
+    depth)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child, in_function
         else:
-            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            inner = in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
             yield from _walk(child, inner)
 
 
@@ -157,7 +169,8 @@ def _base_of(module: Module, node: ast.ImportFrom) -> str:
 
 
 def _targets(module: Module, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
-    """The package's modules that ``node`` imports (the longest known prefix of each dotted name)."""
+    """The package's modules that ``node`` imports (the longest known prefix of each dotted
+    name)."""
     names: list[str] = []
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
@@ -177,7 +190,8 @@ def _targets(module: Module, node: ast.Import | ast.ImportFrom, known: set[str])
 
 
 def _with_packages(importer: str, targets: list[str], known: set[str]) -> list[str]:
-    """``targets`` plus the packages whose ``__init__`` importing them runs, but not ``importer``'s own."""
+    """``targets`` plus the packages whose ``__init__`` importing them runs, but not
+    ``importer``'s own."""
     out = list(targets)
     for target in targets:
         parts = target.split(".")
@@ -196,8 +210,11 @@ def import_sites(modules: dict[str, Module]) -> list[ImportSite]:
         for node, in_function in _walk(module.tree, False):
             targets = _with_packages(module.name, _targets(module, node, known), known)
             targets = [t for t in targets if t != module.name]
-            sites.append(ImportSite(module.name, targets, node.lineno, node.end_lineno or node.lineno,
-                                    in_function))
+            sites.append(
+                ImportSite(
+                    module.name, targets, node.lineno, node.end_lineno or node.lineno, in_function
+                )
+            )
     return sites
 
 
@@ -287,15 +304,17 @@ def _is_face(tree: ast.Module) -> bool:
 
 
 def nested_ifexp_lines(tree: ast.AST) -> list[int]:
-    """The lines of the conditional expressions whose test, value or alternative is another conditional
-    expression; an expression nested that way is not reported again (``a if x else b if y else c if z else d``
-    is one finding)."""
+    """The lines of the conditional expressions whose test, value or alternative is another
+    conditional expression; an expression nested that way is not reported again
+    (``a if x else b if y else c if z else d`` is one finding)."""
     inner: set[int] = set()  # ids of conditional expressions directly inside another one
     lines: list[int] = []
     for node in ast.walk(tree):  # breadth first: an expression comes before the ones inside it
         if not isinstance(node, ast.IfExp):
             continue
-        nested = [part for part in (node.test, node.body, node.orelse) if isinstance(part, ast.IfExp)]
+        nested = [
+            part for part in (node.test, node.body, node.orelse) if isinstance(part, ast.IfExp)
+        ]
         if nested and id(node) not in inner:
             lines.append(node.lineno)
         inner.update(id(part) for part in nested)
@@ -317,33 +336,48 @@ def analyse(package_dir: Path, max_lines: int = 500) -> Report:
             where = f"{module.path.relative_to(package_dir.parent)}:{site.lineno}"
             report.inline_imports.append(where)
             first = site.lineno
-            while first - 1 in import_lines[site.module]:  # the run of adjacent imports it belongs to
+            # the run of adjacent imports it belongs to
+            while first - 1 in import_lines[site.module]:
                 first -= 1
-            explained = any(n in module.comment_lines for n in range(first - 1, site.end_lineno + 1))
+            explained = any(
+                n in module.comment_lines for n in range(first - 1, site.end_lineno + 1)
+            )
             if not explained:
-                report.unexplained_inline.append(f"inline: {where}: import inside a function without a "
-                                                 "comment saying why")
+                report.unexplained_inline.append(
+                    f"inline: {where}: import inside a function without a comment saying why"
+                )
     report.components = _sccs(report.graph)
     report.cycles = [_shortest_cycle(report.graph, c) for c in report.components]
     for module in modules.values():
         rel = module.path.relative_to(package_dir.parent)
         if module.lines > max_lines:
-            report.long_modules.append(f"lines: {rel} has {module.lines} lines (at most {max_lines})")
+            report.long_modules.append(
+                f"lines: {rel} has {module.lines} lines (at most {max_lines})"
+            )
         report.nested_ifexps += [f"nested-ifexp: {rel}:{line}: nested conditional expression"
                                  for line in nested_ifexp_lines(module.tree)]
     package = package_dir.name
     report.top_modules = sorted(
-        name for name, module in modules.items()
-        if name.count(".") == 1 and module.path.name != "__init__.py" and module.path.parent == package_dir
-        and not _is_face(module.tree) and name.startswith(package + "."))
+        name
+        for name, module in modules.items()
+        if name.count(".") == 1
+        and module.path.name != "__init__.py"
+        and module.path.parent == package_dir
+        and not _is_face(module.tree)
+        and name.startswith(package + ".")
+    )
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: print the problems; 1 when there is any (0 with ``--report``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--package", type=Path, default=ROOT / "agentloop", help="package directory")
-    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {CHECKS}")
+    parser.add_argument(
+        "--package", type=Path, default=ROOT / "agentloop", help="package directory"
+    )
+    parser.add_argument(
+        "--checks", default=",".join(CHECKS), help=f"comma-separated subset of {CHECKS}"
+    )
     parser.add_argument("--max-lines", type=int, default=500)
     parser.add_argument("--max-top", type=int, default=6)
     parser.add_argument("--report", action="store_true",
@@ -358,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in problems:
         print(line)
     if args.report:
-        print(f"# {len(report.top_modules)} top-level modules with code: {', '.join(report.top_modules)}")
+        print(
+            f"# {len(report.top_modules)} top-level modules with code: "
+            f"{', '.join(report.top_modules)}"
+        )
         print(f"# {len(report.inline_imports)} imports inside functions "
               f"({len(report.unexplained_inline)} without a comment)")
         return 0

@@ -1,11 +1,12 @@
 """Reading rollout datasets in verl's RL format into a DataProto.
 
-:func:`load_dataset` reads parquet or JSONL rows (``prompt``, optional ``agent_name``, ``data_source``,
-``reward_model``, ``extra_info``) into a batch with ``raw_prompt``, ``index``, ``tools_kwargs``,
-``interaction_kwargs``, ``uid`` and every other column (:func:`rows_to_batch` for rows in memory);
-:func:`repeat_for_rollout` gives verl's GRPO layout (one ``uid`` per prompt, ``n`` interleaved copies).
-Rows are checked when read, before Ray or an engine starts: a :class:`~agentloop.errors.DatasetError`
-names the file, the row, the column and what was found.  Spec: docs/config.md#dataset-rows.
+:func:`load_dataset` reads parquet or JSONL rows (``prompt``, optional ``agent_name``,
+``data_source``, ``reward_model``, ``extra_info``) into a batch with ``raw_prompt``, ``index``,
+``tools_kwargs``, ``interaction_kwargs``, ``uid`` and every other column (:func:`rows_to_batch` for
+rows in memory); :func:`repeat_for_rollout` gives verl's GRPO layout (one ``uid`` per prompt, ``n``
+interleaved copies). Rows are checked when read, before Ray or an engine starts: a
+:class:`~agentloop.errors.DatasetError` names the file, the row, the column and what was found.
+Spec: docs/config.md#dataset-rows.
 """
 
 from __future__ import annotations
@@ -26,29 +27,42 @@ if TYPE_CHECKING:  # torch (via protocol) is imported only once the rows passed 
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Load a ``.parquet`` or ``.jsonl`` file into a list of dicts (a DatasetError names what is wrong)."""
+    """Load a ``.parquet`` or ``.jsonl`` file into a list of dicts (a DatasetError names what is
+    wrong)."""
     return _read(Path(path).expanduser())[0]
 
 
 def _read(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
     """The rows of ``path`` and, for JSONL, the 1-based line number of each row."""
     if not path.exists():
-        raise DatasetError(f"dataset file {str(path)!r} does not exist: check data.train_files (a .parquet or "
-                           ".jsonl file; ~ is expanded, relative paths start at the current directory)")
+        raise DatasetError(
+            f"dataset file {str(path)!r} does not exist: check "
+            f"data.train_files (a .parquet or "
+            ".jsonl file; ~ is expanded, relative paths start at the current "
+            "directory)"
+        )
     if not path.is_file():
-        raise DatasetError(f"dataset {str(path)!r} is not a file: point data.train_files at a .parquet or .jsonl file")
+        raise DatasetError(
+            f"dataset {str(path)!r} is not a file: point data.train_files at "
+            f"a .parquet or .jsonl file"
+        )
     if path.suffix == ".parquet":
         import pandas as pd  # heavy (~0.5 s): only for parquet files
 
         try:
             records = pd.read_parquet(path).to_dict(orient="records")
         except Exception as e:  # noqa: BLE001 - pyarrow raises many types for a bad file
-            raise DatasetError(f"{path}: cannot read it as parquet ({type(e).__name__}: {e}); is it a parquet "
-                               "file (e.g. written by pandas.DataFrame.to_parquet)?") from e
+            raise DatasetError(
+                f"{path}: cannot read it as parquet ({type(e).__name__}: "
+                f"{e}); is it a parquet "
+                "file (e.g. written by pandas.DataFrame.to_parquet)?"
+            ) from e
         return [_plain(r) for r in records], None
     if path.suffix in (".jsonl", ".json"):
         return _read_jsonl(path)
-    raise DatasetError(f"dataset {str(path)!r}: unsupported extension {path.suffix!r}; use .parquet or .jsonl")
+    raise DatasetError(
+        f"dataset {str(path)!r}: unsupported extension {path.suffix!r}; use .parquet or .jsonl"
+    )
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
@@ -64,10 +78,15 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{n}: not valid JSON ({e}); JSONL holds one JSON object per line") from e
+            raise DatasetError(
+                f"{path}:{n}: not valid JSON ({e}); JSONL holds one JSON object per line"
+            ) from e
         if not isinstance(row, dict):
-            raise DatasetError(f"{path}:{n}: a row must be a JSON object like {{\"prompt\": [...]}}, "
-                               f"got {type(row).__name__}")
+            raise DatasetError(
+                f'{path}:{n}: a row must be a JSON object like {{"prompt": '
+                f"[...]}}, "
+                f"got {type(row).__name__}"
+            )
         rows.append(row)
         lines.append(n)
     return rows, lines
@@ -114,7 +133,8 @@ def _message_problem(message: Any) -> str | None:
 
 
 def prompt_problem(prompt: Any) -> str | None:
-    """What is wrong with one sample's prompt (a chat messages list), or None when it is well formed."""
+    """What is wrong with one sample's prompt (a chat messages list), or None when it is well
+    formed."""
     if not isinstance(prompt, list):
         return f"must be a list of {{role, content}} messages, got {_got(prompt)}"
     if not prompt:
@@ -130,10 +150,13 @@ def validate_rows(rows: list[dict[str, Any]], prompt_key: str = "prompt", source
                   lines: list[int] | None = None) -> None:
     """Check every row's prompt (a DatasetError names ``source``, the row and what was found).
 
-    Rows are numbered from 0, as ``pandas.read_parquet(...).iloc[k]``; JSONL rows also give their line.
+    Rows are numbered from 0, as ``pandas.read_parquet(...).iloc[k]``; JSONL rows also give their
+    line.
     """
     if not rows:
-        raise DatasetError(f"{source} has no rows: it is empty; point data.train_files at a dataset with rows")
+        raise DatasetError(
+            f"{source} has no rows: it is empty; point data.train_files at a dataset with rows"
+        )
     for k, row in enumerate(rows):
         where = f"{source} row {k}" + (f" (line {lines[k]})" if lines is not None else "")
         if "raw_prompt" in row:
@@ -142,7 +165,8 @@ def validate_rows(rows: list[dict[str, Any]], prompt_key: str = "prompt", source
             column, prompt = prompt_key, row[prompt_key]
         else:
             raise DatasetError(
-                f"{where} has no {prompt_key!r} column; columns present: {sorted(row)}. Set data.prompt_key "
+                f"{where} has no {prompt_key!r} column; columns present: {sorted(row)}. Set "
+                f"data.prompt_key "
                 "to the column holding the chat messages."
             )
         problem = prompt_problem(prompt)
@@ -153,55 +177,69 @@ def validate_rows(rows: list[dict[str, Any]], prompt_key: str = "prompt", source
 def rows_to_batch(rows: list[dict[str, Any]], prompt_key: str = "prompt", n: int = 1) -> DataProto:
     """Turn dataset rows into a DataProto of samples, each repeated ``n`` times (interleaved).
 
-    Every row's prompt is checked first (:func:`validate_rows`): a malformed row raises DatasetError.
+    Every row's prompt is checked first (:func:`validate_rows`): a malformed row raises
+    DatasetError.
     """
     validate_rows(rows, prompt_key)
     return _build_batch(rows, prompt_key, n)
 
 
 def _build_batch(rows: list[dict[str, Any]], prompt_key: str, n: int) -> DataProto:
-    from agentloop.batch.protocol import DataProto, object_array  # heavy (torch): once the rows passed their checks
+    # heavy (torch): once the rows passed their checks
+    from agentloop.batch.protocol import DataProto, object_array
 
     columns: dict[str, list[Any]] = {}
     keys = sorted({k for r in rows for k in r} - {prompt_key, "raw_prompt"})
     columns["raw_prompt"] = [r.get("raw_prompt", r.get(prompt_key)) for r in rows]
     for key in keys:
         columns[key] = [r.get(key) for r in rows]
-    extra: list[dict[str, Any]] = [e if isinstance(e := r.get("extra_info"), dict) else {} for r in rows]
+    extra: list[dict[str, Any]] = [
+        e if isinstance(e := r.get("extra_info"), dict) else {} for r in rows
+    ]
     columns["index"] = [e.get("index", i) for i, e in enumerate(extra)]
-    # verl's RLHFDataset: a sample's tools_kwargs / interaction_kwargs come from extra_info (a top-level
+    # verl's RLHFDataset: a sample's tools_kwargs / interaction_kwargs come from extra_info (a
+    # top-level
     # column of the same name, agentloop's older form, is kept when present)
     for key in ("tools_kwargs", "interaction_kwargs"):
         top = columns.get(key) or [None] * len(rows)
-        columns[key] = [t if t is not None else (e.get(key) or {}) for t, e in zip(top, extra, strict=True)]
+        columns[key] = [
+            t if t is not None else (e.get(key) or {}) for t, e in zip(top, extra, strict=True)
+        ]
     columns["uid"] = [str(uuid.uuid4()) for _ in rows]
-    batch = DataProto(batch=None, non_tensor_batch={k: object_array(v) for k, v in columns.items()}, meta_info={})
+    batch = DataProto(
+        batch=None, non_tensor_batch={k: object_array(v) for k, v in columns.items()}, meta_info={}
+    )
     return repeat_for_rollout(batch, n)
 
 
 def repeat_for_rollout(batch: DataProto, n: int, *, uid_key: str = "uid") -> DataProto:
-    """``batch`` ready for ``generate_sequences`` with ``n`` samples per prompt (verl's trainer contract).
+    """``batch`` ready for ``generate_sequences`` with ``n`` samples per prompt (verl's trainer
+    contract).
 
-    Rows without ``non_tensor_batch[uid_key]`` get a fresh ``uuid4`` string each (one per prompt); a batch that
-    has the column keeps it.  Then every row is repeated ``n`` times, interleaved (``aabb``, as verl's
-    ``batch.repeat(repeat_times=n, interleave=True)``): the ``n`` samples of a prompt are adjacent and share
-    its ``uid``, which is what group advantages (GRPO) are computed over.  ``meta_info`` is kept; ``batch``
-    itself is not modified.
+    Rows without ``non_tensor_batch[uid_key]`` get a fresh ``uuid4`` string each (one per prompt); a
+    batch that has the column keeps it.  Then every row is repeated ``n`` times, interleaved
+    (``aabb``, as verl's ``batch.repeat(repeat_times=n, interleave=True)``): the ``n`` samples of a
+    prompt are adjacent and share its ``uid``, which is what group advantages (GRPO) are computed
+    over. ``meta_info`` is kept; ``batch`` itself is not modified.
     """
     try:
         count = operator.index(n)
     except TypeError:
         count = 0
     if isinstance(n, bool) or count < 1:
-        raise DatasetError(f"repeat_for_rollout: n must be a positive int (samples per prompt), got {n!r}")
+        raise DatasetError(
+            f"repeat_for_rollout: n must be a positive int (samples per prompt), got {n!r}"
+        )
     if len(batch) == 0:
         raise DatasetError("repeat_for_rollout: the batch has no rows")
     if uid_key not in batch.non_tensor_batch:
         from agentloop.batch.protocol import DataProto, object_array  # heavy (torch), as above
 
         uids = object_array([str(uuid.uuid4()) for _ in range(len(batch))])
-        batch = DataProto(batch=batch.batch, non_tensor_batch={**batch.non_tensor_batch, uid_key: uids},
-                          meta_info=dict(batch.meta_info))
+        batch = DataProto(
+            batch=batch.batch, non_tensor_batch={**batch.non_tensor_batch, uid_key: uids},
+            meta_info=dict(batch.meta_info),
+        )
     return batch.repeat(repeat_times=count, interleave=True) if count > 1 else batch
 
 
@@ -210,11 +248,12 @@ _MEDIA_MARK = re.compile(r"(<image>|<video>)")
 
 def media_columns(row: dict[str, Any], prompt_key: str = "prompt", image_key: str | None = "images",
                   video_key: str | None = "videos") -> dict[str, Any]:
-    """A verl multimodal dataset row as agent loops take it (what verl's RLHFDataset does when it reads one):
-    the ``image_key`` / ``video_key`` columns move into ``multi_modal_data`` (``{"image": [...], "video": [...]}``),
-    and a message content that is a string with ``<image>`` / ``<video>`` markers becomes content parts
-    (``{"type": "image"}``, ``{"type": "text", "text": ...}``), one part per marker in order.  Rows without
-    those columns come back unchanged."""
+    """A verl multimodal dataset row as agent loops take it (what verl's RLHFDataset does when it
+    reads one): the ``image_key`` / ``video_key`` columns move into ``multi_modal_data``
+    (``{"image": [...], "video": [...]}``), and a message content that is a string with ``<image>``
+    / ``<video>`` markers becomes content parts (``{"type": "image"}``,
+    ``{"type": "text", "text": ...}``), one part per marker in order. Rows without those columns
+    come back unchanged."""
     images = row.get(image_key) if image_key else None
     videos = row.get(video_key) if video_key else None
     if images is None and videos is None:
@@ -242,9 +281,15 @@ def _media_parts(message: dict[str, Any]) -> dict[str, Any]:
             elif piece:
                 parts.append({"type": "text", "text": piece})
         return {**message, "content": parts}
-    if isinstance(content, list):  # parquet gives every part all the struct's keys: drop the empty ones
-        return {**message, "content": [{k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p
-                                       for p in content]}
+    # parquet gives every part all the struct's keys: drop the empty ones
+    if isinstance(content, list):
+        return {
+            **message,
+            "content": [
+                {k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p
+                for p in content
+            ],
+        }
     return message
 
 
@@ -252,10 +297,10 @@ def load_dataset(path: str | Path, prompt_key: str = "prompt", n: int = 1, max_s
                  image_key: str | None = "images", video_key: str | None = "videos") -> DataProto:
     """Read a dataset file, check every row's prompt and build the rollout batch.
 
-    Anything wrong (missing or unreadable file, no rows, missing prompt column, a prompt that is not a list
-    of ``{role, content}`` messages) raises :class:`DatasetError` naming the file and the row.  verl's
-    multimodal columns (``image_key`` / ``video_key``, ``data.image_key`` / ``data.video_key``) are read as verl
-    reads them (:func:`media_columns`).
+    Anything wrong (missing or unreadable file, no rows, missing prompt column, a prompt that is not
+    a list of ``{role, content}`` messages) raises :class:`DatasetError` naming the file and the
+    row. verl's multimodal columns (``image_key`` / ``video_key``, ``data.image_key`` /
+    ``data.video_key``) are read as verl reads them (:func:`media_columns`).
     """
     rows, lines = _read(Path(path).expanduser())
     if max_samples and max_samples > 0:

@@ -1,4 +1,5 @@
-"""Driver-side helpers for the manager's output: aligning worker chunks' columns and the batch timing metrics."""
+"""Driver-side helpers for the manager's output: aligning worker chunks' columns and the batch
+timing metrics."""
 
 from __future__ import annotations
 
@@ -14,24 +15,29 @@ from agentloop.rewards.columns import complete_reward_columns
 def align_keys(parts: list[DataProto]) -> list[DataProto]:
     """Give every worker's chunk the same columns before concatenation, inventing no values.
 
-    * Reward columns: when any chunk has ``rm_scores``, a chunk without them gets them by the one rule of
-      :mod:`agentloop.rewards.columns` (it had no reward source, so each of its rows is ``reward_valid`` 0
-      with a ``reward_error``), and ``meta_info["reward_extra_keys"]`` becomes the union over the chunks.
-    * Any other tensor column must come from every chunk: a zero-filled row would read as data, so a chunk
-      without it is a :class:`DatasetError`.
-    * A non-tensor column missing from a chunk (an extra field only some loops set, ``prompt_truncated``
-      absent from a chunk whose samples all failed) is None on that chunk's rows.
-    * ``meta_info["timing"]``, when the parts' differ (each part of ``generate_sequences_stream`` has its own),
-      is removed from every part: it described one part, not the whole (read it from each part first);
-      ``DataProto.concat`` refuses differing ``meta_info`` values.
+    * Reward columns: when any chunk has ``rm_scores``, a chunk without them gets them by the one
+      rule of :mod:`agentloop.rewards.columns` (it had no reward source, so each of its rows is
+      ``reward_valid`` 0 with a ``reward_error``), and ``meta_info["reward_extra_keys"]`` becomes
+      the union over the chunks.
+    * Any other tensor column must come from every chunk: a zero-filled row would read as data, so a
+      chunk without it is a :class:`DatasetError`.
+    * A non-tensor column missing from a chunk (an extra field only some loops set,
+      ``prompt_truncated`` absent from a chunk whose samples all failed) is None on that chunk's
+      rows.
+    * ``meta_info["timing"]``, when the parts' differ (each part of ``generate_sequences_stream``
+      has its own), is removed from every part: it described one part, not the whole (read it from
+      each part first); ``DataProto.concat`` refuses differing ``meta_info`` values.
     """
-    keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]  # TensorDict: `in` is not key lookup
+    # TensorDict: `in` is not key lookup
+    keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]
     with_scores = [p.batch["rm_scores"] for p, ks in zip(parts, keys, strict=True)
                    if p.batch is not None and "rm_scores" in ks]
     if with_scores:
         for p in parts:
             complete_reward_columns(p, with_scores[0])
-        extra_keys = list(dict.fromkeys(k for p in parts for k in p.meta_info.get("reward_extra_keys") or []))
+        extra_keys = list(
+            dict.fromkeys(k for p in parts for k in p.meta_info.get("reward_extra_keys") or [])
+        )
         for p in parts:
             p.meta_info["reward_extra_keys"] = extra_keys
         keys = [list(p.batch.keys()) if p.batch is not None else [] for p in parts]
@@ -40,9 +46,12 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
         missing = [k for k in tensor_keys if k not in present]
         if missing:
             raise DatasetError(
-                f"worker chunk {i} of {len(parts)} lacks the tensor column(s) {missing} that other chunks have; "
-                "filling them would invent values. A tensor column must be built for every row by every worker "
-                "(agentloop.batch.postprocess does so for its own columns; a custom column needs the same rule)"
+                f"worker chunk {i} of {len(parts)} lacks the tensor column(s) {missing} "
+                f"that other chunks have; "
+                "filling them would invent values. A tensor column must be built for every "
+                "row by every worker "
+                "(agentloop.batch.postprocess does so for its own columns; a custom column "
+                "needs the same rule)"
             )
     non_tensor_keys = set().union(*(p.non_tensor_batch for p in parts)) if parts else set()
     for p in parts:
@@ -56,8 +65,8 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
 
 
 def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
-    """verl's ``agent_loop/*`` timing keys (``compute_score``: seconds in the reward function) plus status
-    counts, the truncated-prompt count, trajectories per sample and, with reward columns,
+    """verl's ``agent_loop/*`` timing keys (``compute_score``: seconds in the reward function) plus
+    status counts, the truncated-prompt count, trajectories per sample and, with reward columns,
     ``agent_loop/reward/num_invalid``."""
     metrics = output.meta_info.get("metrics", [])
     timing: dict[str, float] = {"agent_loop/wall": wall}
@@ -91,12 +100,19 @@ def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:
 
 
 def _episode_metrics(output: DataProto) -> dict[str, float]:
-    """``agent_loop/trajectories_per_sample/{mean,max}`` over the samples (episodes) of the batch, from the
-    episode columns (rows whose ``trajectory_index`` is 0 each start one episode)."""
-    index, count = output.non_tensor_batch.get("trajectory_index"), output.non_tensor_batch.get("num_trajectories")
+    """``agent_loop/trajectories_per_sample/{mean,max}`` over the samples (episodes) of the batch,
+    from the episode columns (rows whose ``trajectory_index`` is 0 each start one episode)."""
+    index, count = (
+        output.non_tensor_batch.get("trajectory_index"),
+        output.non_tensor_batch.get("num_trajectories"),
+    )
     if index is None or count is None:
         return {}
-    per_sample = [int(n) for i, n in zip(index.tolist(), count.tolist(), strict=True) if i == 0 and n is not None]
+    per_sample = [
+        int(n)
+        for i, n in zip(index.tolist(), count.tolist(), strict=True)
+        if i == 0 and n is not None
+    ]
     if not per_sample:
         return {}
     return {"agent_loop/trajectories_per_sample/mean": float(np.mean(per_sample)),

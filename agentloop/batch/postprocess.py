@@ -1,11 +1,13 @@
-"""Pad a flat list of :class:`~agentloop.types.AgentLoopOutput` into verl's rollout DataProto layout.
+"""Pad a flat list of :class:`~agentloop.types.AgentLoopOutput` into verl's rollout DataProto
+layout.
 
 :func:`postprocess` returns one row per trajectory: the tensor columns (``prompts``, ``responses``,
-``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, optional ``rollout_log_probs`` /
-``rollout_weight_versions``, and the reward columns when the batch has a reward source) and the
-non-tensor columns (``__num_turns__``, ``status``, ``error``, episode columns, ``extra_fields`` keys,
-``sample_fields``); it raises :class:`~agentloop.errors.DatasetError` for inconsistent rows.  Spec (every
-column, dtypes, padding, precedence when names collide): docs/concepts.md#the-output-layout.
+``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, optional
+``rollout_log_probs`` / ``rollout_weight_versions``, and the reward columns when the batch has a
+reward source) and the non-tensor columns (``__num_turns__``, ``status``, ``error``, episode
+columns, ``extra_fields`` keys, ``sample_fields``); it raises
+:class:`~agentloop.errors.DatasetError` for inconsistent rows. Spec (every column, dtypes, padding,
+precedence when names collide): docs/concepts.md#the-output-layout.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from agentloop.errors import DatasetError
 from agentloop.rewards.columns import reward_columns, reward_extra_columns
 from agentloop.types import AgentLoopOutput
 
-_BUILTIN_COLUMNS = ("__num_turns__", "status", "error", "multi_modal_data", "trajectory_index", "num_trajectories",
-                    "session_id")
+_BUILTIN_COLUMNS = (
+    "__num_turns__", "status", "error", "multi_modal_data", "trajectory_index", "num_trajectories",
+    "session_id",
+)
 EPISODE_COLUMNS = ("trajectory_index", "num_trajectories", "session_id")
-"""Per-row episode columns: which trajectory of its sample a row is, of how many, and the episode's id."""
+"""Per-row episode columns: which trajectory of its sample a row is, of how many, and the
+episode's id."""
 
 
 def _lengths(rows: Sequence[Sequence[Any]]) -> np.ndarray:
@@ -35,14 +40,17 @@ def _lengths(rows: Sequence[Sequence[Any]]) -> np.ndarray:
     return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
 
 
-# ``array`` type codes with the same item layout as these numpy dtypes (a list converts fastest through them).
+# ``array`` type codes with the same item layout as these numpy dtypes (a list converts fastest
+# through them).
 _ARRAY_CODES = {np.dtype(code): code for code in ("q", "l", "i", "h", "b", "d", "f")
                 if np.dtype(code).itemsize == array.array(code).itemsize}
 
 
 def _row_array(row: Sequence[Any], dtype: np.dtype) -> Any:
-    """``row`` as something numpy copies from without per-item work: a numpy array as is, a list through an
-    ``array.array`` of the same layout (falling back to ``np.asarray`` for items that type rejects)."""
+    """``row`` as something numpy copies from without per-item work: a numpy array as is, a list
+    through an ``array.array`` of the same layout (falling back to ``np.asarray`` for items that
+    type rejects).
+    """
     if isinstance(row, np.ndarray):
         return row
     code = _ARRAY_CODES.get(dtype)
@@ -55,11 +63,12 @@ def _row_array(row: Sequence[Any], dtype: np.dtype) -> Any:
 
 
 def fill_rows(out: np.ndarray, rows: Sequence[Sequence[Any]], *, left: bool = False) -> list[int]:
-    """Copy ragged ``rows`` into ``out`` [len(rows), width], already holding the padding value, in place.
+    """Copy ragged ``rows`` into ``out`` [len(rows), width], already holding the padding value, in
+    place.
 
-    With ``left`` rows are left-padded (a longer row keeps its last ``width`` items), else right-padded (a longer
-    row keeps its first ``width``).  Each row is converted once; padding cells are not touched.  Returns each
-    row's kept length."""
+    With ``left`` rows are left-padded (a longer row keeps its last ``width`` items), else
+    right-padded (a longer row keeps its first ``width``).  Each row is converted once; padding
+    cells are not touched. Returns each row's kept length."""
     width = out.shape[1]
     kept: list[int] = []
     for b, row in enumerate(rows):
@@ -89,7 +98,8 @@ def pad_rows(
     With ``left=False`` rows are right-padded and a longer row keeps its first ``width`` items; with
     ``left=True`` rows are left-padded and a longer row keeps its last ``width`` items.
 
-    Returns ``(values, valid)`` where ``valid`` is a boolean array, True on the cells holding row data.
+    Returns ``(values, valid)`` where ``valid`` is a boolean array, True on the cells holding row
+    data.
     """
     out = np.full((len(rows), width), fill, dtype=dtype)
     keep = np.asarray(fill_rows(out, rows, left=left), dtype=np.int64)
@@ -99,7 +109,8 @@ def pad_rows(
 
 
 def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) -> None:
-    """Raise :class:`DatasetError` when a row's mask or log-probs do not align with its response ids."""
+    """Raise :class:`DatasetError` when a row's mask or log-probs do not align with its response
+    ids."""
     n_ids = _lengths([o.response_ids for o in outputs])
     n_mask = _lengths([o.response_mask for o in outputs])
     bad = np.flatnonzero(n_ids != n_mask)
@@ -112,7 +123,8 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
     for i, o in enumerate(outputs):
         if o.response_weight_versions is not None and len(o.response_weight_versions) != n_ids[i]:
             raise DatasetError(
-                f"output {i}: response_weight_versions has {len(o.response_weight_versions)} entries but "
+                f"output {i}: response_weight_versions has "
+                f"{len(o.response_weight_versions)} entries but "
                 f"response_ids has {n_ids[i]}; use -1 for tokens the policy did not sample"
             )
     if not calculate_log_probs:
@@ -120,7 +132,8 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
     for i, o in enumerate(outputs):
         if o.response_logprobs is not None and len(o.response_logprobs) != n_ids[i]:
             raise DatasetError(
-                f"output {i}: response_logprobs has {len(o.response_logprobs)} entries but response_ids has "
+                f"output {i}: response_logprobs has {len(o.response_logprobs)} entries but "
+                f"response_ids has "
                 f"{n_ids[i]}; use 0.0 for tokens the policy did not sample"
             )
 
@@ -133,25 +146,29 @@ def _tensor_columns(
     non-tensor companions (empty without a reward source)."""
     batch, width = len(outputs), prompt_length + response_length
     prompts = np.full((batch, prompt_length), pad_token_id, dtype=np.int64)
-    kept_prompt = np.asarray(fill_rows(prompts, [o.prompt_ids for o in outputs], left=True), dtype=np.int64)
+    kept_prompt = np.asarray(
+        fill_rows(prompts, [o.prompt_ids for o in outputs], left=True), dtype=np.int64
+    )
     responses = np.full((batch, response_length), pad_token_id, dtype=np.int64)
-    kept_response = np.asarray(fill_rows(responses, [o.response_ids for o in outputs]), dtype=np.int64)
+    kept_response = np.asarray(
+        fill_rows(responses, [o.response_ids for o in outputs]), dtype=np.int64
+    )
     response_mask = np.zeros((batch, response_length), dtype=np.int64)
     fill_rows(response_mask, [o.response_mask for o in outputs])
-    # Real tokens are the contiguous span [start, start + total) of each row; position = column - start,
+    # Real tokens are the contiguous span [start, start + total) of each row; position = column -
+    # start,
     # clipped to [0, total - 1]; all three steps write straight into the outputs.
     start, total = prompt_length - kept_prompt, kept_prompt + kept_response
     position = np.empty((batch, width), dtype=np.int64)
     np.subtract(np.arange(width, dtype=np.int64), start[:, None], out=position)
     attention = np.empty((batch, width), dtype=np.int64)
-    np.less(position.view(np.uint64), total.astype(np.uint64)[:, None], out=attention, casting="unsafe")
+    np.less(
+        position.view(np.uint64), total.astype(np.uint64)[:, None], out=attention, casting="unsafe"
+    )
     np.clip(position, 0, np.maximum(total - 1, 0)[:, None], out=position)
     cols = {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": np.concatenate([prompts, responses], axis=1),
-        "attention_mask": attention,
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": np.concatenate([prompts, responses], axis=1), "attention_mask": attention,
         "position_ids": position,
     }
     if calculate_log_probs:
@@ -159,16 +176,23 @@ def _tensor_columns(
         fill_rows(cols["rollout_log_probs"], [_or_empty(o.response_logprobs) for o in outputs])
     if any(o.response_weight_versions is not None for o in outputs):
         cols["rollout_weight_versions"] = np.full((batch, response_length), -1, dtype=np.int64)
-        fill_rows(cols["rollout_weight_versions"], [_or_empty(o.response_weight_versions) for o in outputs])
+        fill_rows(
+            cols["rollout_weight_versions"],
+            [_or_empty(o.response_weight_versions) for o in outputs],
+        )
     reward_non_tensor: dict[str, np.ndarray] = {}
     if rewards_configured or any(o.reward_score is not None for o in outputs):
         resp_valid = np.arange(response_length)[None, :] < kept_response[:, None]
         reward_tensors, reward_non_tensor = reward_columns(outputs, resp_valid)
         cols.update(reward_tensors)
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cols.items()}, reward_non_tensor
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cols.items()
+    }, reward_non_tensor
 
 
-def _extra_columns(outputs: list[AgentLoopOutput], base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _extra_columns(
+    outputs: list[AgentLoopOutput], base: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """One object column per ``extra_fields`` key; rows lacking a key keep ``base[key]`` or None."""
     keys = list(dict.fromkeys(k for o in outputs for k in o.extra_fields))
     columns: dict[str, np.ndarray] = {}
@@ -200,12 +224,13 @@ def _sample_columns(sample_fields: dict[str, Any] | None, batch_size: int) -> di
     return columns
 
 
-def episode_columns(outputs: Sequence[AgentLoopOutput], trajectory_counts: Sequence[int] | None = None
-                    ) -> dict[str, np.ndarray]:
+def episode_columns(
+    outputs: Sequence[AgentLoopOutput], trajectory_counts: Sequence[int] | None = None
+) -> dict[str, np.ndarray]:
     """``trajectory_index``, ``num_trajectories`` and ``session_id`` for ``outputs``, whose first
-    ``trajectory_counts[0]`` rows are one sample's trajectories, the next ``trajectory_counts[1]`` the next
-    sample's, and so on (None: one row per sample).  A sample's ``session_id`` is the first of its rows'
-    ``extra_fields["session_id"]``, else a fresh uuid4 hex.
+    ``trajectory_counts[0]`` rows are one sample's trajectories, the next ``trajectory_counts[1]``
+    the next sample's, and so on (None: one row per sample).  A sample's ``session_id`` is the first
+    of its rows' ``extra_fields["session_id"]``, else a fresh uuid4 hex.
 
     Raises:
         DatasetError: the counts do not add up to ``len(outputs)`` or one is below 1.
@@ -213,8 +238,12 @@ def episode_columns(outputs: Sequence[AgentLoopOutput], trajectory_counts: Seque
     counts = np.ones(len(outputs), dtype=np.int64) if trajectory_counts is None else \
         np.asarray(list(trajectory_counts), dtype=np.int64)
     if int(counts.sum()) != len(outputs) or (counts < 1).any():
-        raise DatasetError(f"trajectory_counts {counts.tolist()} must be >= 1 each and add up to the "
-                           f"{len(outputs)} outputs (one count per sample, its trajectories consecutive)")
+        raise DatasetError(
+            f"trajectory_counts {counts.tolist()} must be >= 1 each and add "
+            f"up to the "
+            f"{len(outputs)} outputs (one count per sample, its trajectories "
+            f"consecutive)"
+        )
     starts = np.cumsum(counts) - counts
     index = np.arange(len(outputs)) - np.repeat(starts, counts)
     ids = []
@@ -222,16 +251,19 @@ def episode_columns(outputs: Sequence[AgentLoopOutput], trajectory_counts: Seque
         given = [o.extra_fields["session_id"] for o in outputs[start:start + count]
                  if o.extra_fields.get("session_id") is not None]
         ids.extend([str(given[0]) if given else uuid.uuid4().hex] * count)
-    return {"trajectory_index": index.astype(np.int32), "num_trajectories": np.repeat(counts, counts).astype(np.int32),
-            "session_id": object_array(ids)}
+    return {
+        "trajectory_index": index.astype(np.int32),
+        "num_trajectories": np.repeat(counts, counts).astype(np.int32),
+        "session_id": object_array(ids),
+    }
 
 
 def _non_tensor_columns(
-    outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None, reward: dict[str, np.ndarray],
-    trajectory_counts: Sequence[int] | None = None,
+    outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None,
+    reward: dict[str, np.ndarray], trajectory_counts: Sequence[int] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Build every non-tensor column, with the precedence of docs/concepts.md#the-output-layout; returns
-    them and the ``reward_extra_info`` keys."""
+    """Build every non-tensor column, with the precedence of docs/concepts.md#the-output-layout;
+    returns them and the ``reward_extra_info`` keys."""
     columns = _sample_columns(sample_fields, len(outputs))
     columns.update(_extra_columns(outputs, columns))
     extra_keys: list[str] = []
@@ -249,15 +281,9 @@ def _non_tensor_columns(
 
 
 def postprocess(
-    outputs: list[AgentLoopOutput],
-    *,
-    prompt_length: int,
-    response_length: int,
-    pad_token_id: int,
-    sample_fields: dict[str, np.ndarray] | None = None,
-    calculate_log_probs: bool = False,
-    rewards_configured: bool = False,
-    trajectory_counts: Sequence[int] | None = None,
+    outputs: list[AgentLoopOutput], *, prompt_length: int, response_length: int, pad_token_id: int,
+    sample_fields: dict[str, np.ndarray] | None = None, calculate_log_probs: bool = False,
+    rewards_configured: bool = False, trajectory_counts: Sequence[int] | None = None,
 ) -> DataProto:
     """Pad ``outputs`` (one row per trajectory) into verl's rollout layout.
 
@@ -266,24 +292,30 @@ def postprocess(
         prompt_length: width P of ``prompts`` (left-padded; a longer prompt keeps its tail).
         response_length: width R of ``responses`` (right-padded; a longer response keeps its head).
         pad_token_id: the id in padded cells of ``prompts``, ``responses`` and ``input_ids``.
-        sample_fields: per-row ``non_tensor_batch`` columns (e.g. ``uid``), entry ``i`` for ``outputs[i]``.
-        calculate_log_probs: add ``rollout_log_probs`` (0.0 on rows without log-probs).
-        rewards_configured: add the reward columns even when no row has a ``reward_score``.
-        trajectory_counts: consecutive ``outputs`` per sample, for the episode columns; None: one each.
+        sample_fields: per-row ``non_tensor_batch`` columns (e.g. ``uid``), entry ``i`` for
+        ``outputs[i]``. calculate_log_probs: add ``rollout_log_probs`` (0.0 on rows without
+        log-probs). rewards_configured: add the reward columns even when no row has a
+        ``reward_score``. trajectory_counts: consecutive ``outputs`` per sample, for the episode
+        columns; None: one each.
 
     Returns:
         A DataProto of ``len(outputs)`` rows (columns: docs/concepts.md#the-output-layout).
 
     Raises:
         DatasetError: a row's ``response_mask`` / ``response_logprobs`` length differs from its
-            ``response_ids``, a ``sample_fields`` column has the wrong length, ``trajectory_counts`` does
-            not add up, or a width is negative.
+            ``response_ids``, a ``sample_fields`` column has the wrong length, ``trajectory_counts``
+            does not add up, or a width is negative.
     """
     if prompt_length < 0 or response_length < 0:
-        raise DatasetError(f"prompt_length and response_length must be >= 0, got {prompt_length}, {response_length}")
+        raise DatasetError(
+            f"prompt_length and response_length must be >= 0, got "
+            f"{prompt_length}, {response_length}"
+        )
     _check_lengths(outputs, calculate_log_probs)
-    tensors, reward = _tensor_columns(outputs, prompt_length, response_length, pad_token_id, calculate_log_probs,
-                                      rewards_configured)
+    tensors, reward = _tensor_columns(
+        outputs, prompt_length, response_length, pad_token_id, calculate_log_probs,
+        rewards_configured,
+    )
     batch = TensorDict(tensors, batch_size=[len(outputs)])
     non_tensor, extra_keys = _non_tensor_columns(outputs, sample_fields, reward, trajectory_counts)
     meta_info: dict[str, Any] = {"metrics": [o.metrics.model_dump() for o in outputs]}

@@ -1,11 +1,11 @@
 """Exit codes of the ``agentloop`` CLI and the verdict on a finished rollout's failed rows.
 
-0: finished, at most ``rollout.agent.max_failure_fraction`` of the rows failed; 1: an unexpected exception
-(traceback printed); 2: bad input, any :class:`agentloop.errors.AgentLoopError`, printed as one line
-``agentloop: error: <message>``; 3: the outputs were written but more than ``max_failure_fraction`` of the
-rows ended ``error`` or ``timeout`` (the most common messages printed).  Only ``error`` / ``timeout`` rows
-count as failed: ``tool_error``, ``parse_error`` and the like are the policy's behaviour (training data).
-Spec: docs/config.md#exit-codes.
+0: finished, at most ``rollout.agent.max_failure_fraction`` of the rows failed; 1: an unexpected
+exception (traceback printed); 2: bad input, any :class:`agentloop.errors.AgentLoopError`, printed
+as one line ``agentloop: error: <message>``; 3: the outputs were written but more than
+``max_failure_fraction`` of the rows ended ``error`` or ``timeout`` (the most common messages
+printed).  Only ``error`` / ``timeout`` rows count as failed: ``tool_error``, ``parse_error`` and
+the like are the policy's behaviour (training data). Spec: docs/config.md#exit-codes.
 """
 
 from __future__ import annotations
@@ -46,18 +46,23 @@ def _label(status: str, error: object) -> str:
     return f"[{status}] {text}"
 
 
-def failure_verdict(statuses: Iterable[object], errors: Iterable[object], max_failure_fraction: float | None,
-                    *, top: int = 3) -> FailureVerdict:
+def failure_verdict(
+    statuses: Iterable[object], errors: Iterable[object], max_failure_fraction: float | None, *,
+    top: int = 3,
+) -> FailureVerdict:
     """Decide the exit code from the output rows' ``status`` and ``error`` columns.
 
     The run fails (:data:`EXIT_TOO_MANY_FAILURES`) when the fraction of rows whose status is in
     :data:`FAILED_STATUSES` is strictly greater than ``max_failure_fraction``; ``None`` never fails.
-    The message lists the ``top`` most common error messages (whitespace collapsed) with their counts.
+    The message lists the ``top`` most common error messages (whitespace collapsed) with their
+    counts.
     """
     status_list = [str(s) for s in statuses]
     error_list = list(errors)
     if len(error_list) != len(status_list):
-        raise ValueError(f"failure_verdict: {len(status_list)} statuses but {len(error_list)} errors")
+        raise ValueError(
+            f"failure_verdict: {len(status_list)} statuses but {len(error_list)} errors"
+        )
     failed = [(s, e) for s, e in zip(status_list, error_list, strict=True) if s in FAILED_STATUSES]
     rows = len(status_list)
     if max_failure_fraction is None or rows == 0 or len(failed) / rows <= max_failure_fraction:

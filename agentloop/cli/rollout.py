@@ -5,8 +5,8 @@
 The config is ``agentloop/configs/rollout.yaml`` merged with each ``--config`` in order, then the
 Hydra-style overrides.  Writes ``rollout.dataproto``, ``trajectories.jsonl`` and ``summary.json`` to
 ``output_dir`` (and removes a ``report.html`` / ``report/`` an earlier run left there).  Exit codes
-(:mod:`agentloop.cli.failures`): 0 done, 1 an unexpected exception, 2 bad input (one line), 3 too many
-failed rows.  Spec: README.md "The rollout job", docs/config.md#exit-codes.
+(:mod:`agentloop.cli.failures`): 0 done, 1 an unexpected exception, 2 bad input (one line), 3 too
+many failed rows.  Spec: README.md "The rollout job", docs/config.md#exit-codes.
 """
 
 from __future__ import annotations
@@ -29,40 +29,61 @@ from tqdm import tqdm
 from agentloop.batch.data import load_dataset
 from agentloop.cli.failures import EXIT_BAD_INPUT, failure_verdict
 from agentloop.cli.report import add_report_parser, run_report
-from agentloop.cli.summary import format_table, pick_rows, render_trajectory, row_scores, summary_rows, use_colour
+from agentloop.cli.summary import (
+    format_table,
+    pick_rows,
+    render_trajectory,
+    row_scores,
+    summary_rows,
+    use_colour,
+)
 from agentloop.cli.verify import add_verify_parser, run_verify
 from agentloop.compat.port import add_port_parser, run_port
 from agentloop.config import default_config, resolve_config
 from agentloop.errors import AgentLoopError, ConfigError
-from agentloop.tokenization import loader as tokenizer_loader  # called through the module: tests replace load_tokenizer
+
+# called through the module: tests replace load_tokenizer
+from agentloop.tokenization import loader as tokenizer_loader
 
 if TYPE_CHECKING:  # torch / Ray are imported only once the input checks passed
     from agentloop.batch.protocol import DataProto
 
 
 def build_config(config_file: str | list[str] | None, overrides: list[str]) -> DictConfig:
-    """Defaults ← each ``config_file`` in order ← ``key=value`` overrides (OmegaConf dotlist syntax, ``+`` prefix
-    allowed).  Several files layer: e.g. a task config, then ``agentloop/configs/cpu_train.yaml``."""
+    """Defaults ← each ``config_file`` in order ← ``key=value`` overrides (OmegaConf dotlist syntax,
+    ``+`` prefix allowed).  Several files layer: e.g. a task config, then
+    ``agentloop/configs/cpu_train.yaml``.
+    """
     cfg: Any = default_config()
     files = [config_file] if isinstance(config_file, str) else list(config_file or [])
     for name in files:
         path = Path(name).expanduser()
         if not path.is_file():
-            raise ConfigError(f"--config {name!r} does not exist: pass the path of a YAML config file")
+            raise ConfigError(
+                f"--config {name!r} does not exist: pass the path of a YAML config file"
+            )
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
         except Exception as e:  # noqa: BLE001 - yaml and OmegaConf raise many types
-            raise ConfigError(f"--config {name!r} is not a valid YAML config ({_first_line(e)})") from e
+            raise ConfigError(
+                f"--config {name!r} is not a valid YAML config ({_first_line(e)})"
+            ) from e
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise ConfigError(f"overrides must look like key=value (e.g. actor_rollout_ref.rollout.temperature=0.7), "
-                          f"got {bad}")
+        raise ConfigError(
+            f"overrides must look like key=value (e.g. "
+            f"actor_rollout_ref.rollout.temperature=0.7), "
+            f"got {bad}"
+        )
     for override in overrides:
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([override.lstrip("+")]))
         except Exception as e:  # noqa: BLE001 - OmegaConf's grammar and merge errors
-            raise ConfigError(f"cannot apply the override {override!r} ({_first_line(e)}); write it as "
-                              "dotted.key=value, quoting values with special characters") from e
+            raise ConfigError(
+                f"cannot apply the override {override!r} ({_first_line(e)}); "
+                f"write it as "
+                "dotted.key=value, quoting values with special characters"
+            ) from e
     return cfg  # type: ignore[return-value]
 
 
@@ -76,8 +97,8 @@ def _decode(tokenizer: Any, ids: np.ndarray, mask: np.ndarray) -> str:
 
 
 def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
-    """One JSON line per row: decoded text, lengths, turns, status, error, reward (its ``rm_scores`` summed; null
-    without a reward)."""
+    """One JSON line per row: decoded text, lengths, turns, status, error, reward (its ``rm_scores``
+    summed; null without a reward)."""
     b = _tensors(output)
     p_len = b["prompts"].shape[1]
     attn = b["attention_mask"].numpy()
@@ -97,7 +118,9 @@ def write_trajectories(output: DataProto, tokenizer: Any, path: Path) -> None:
                 "num_turns": int(nt["__num_turns__"][i]),
                 "status": str(nt["status"][i]),
                 "error": nt["error"][i],
-                "reward": None if scores is None or not np.isfinite(scores[i]) else float(scores[i]),
+                "reward": None
+                if scores is None or not np.isfinite(scores[i])
+                else float(scores[i]),
             }
             f.write(json.dumps(row) + "\n")
 
@@ -130,45 +153,62 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
         "num_samples": num_samples,
         "num_trajectories": len(output),
         "wall_time_s": round(wall, 3),
-        "reward": ({"mean": float(scored.mean()), "min": float(scored.min()), "max": float(scored.max()),
-                    "rows_scored": len(scored)} if len(scored) else None),
-        "sampled_tokens": sampled,  # the tokens the policy sampled (response_mask 1): the console's tok/s
+        "reward": (
+            {
+                "mean": float(scored.mean()), "min": float(scored.min()),
+                "max": float(scored.max()), "rows_scored": len(scored),
+            }
+            if len(scored)
+            else None
+        ),
+        # the tokens the policy sampled (response_mask 1): the console's tok/s
+        "sampled_tokens": sampled,
         "sampled_tokens_per_s": round(sampled / wall, 1) if wall > 0 else None,
-        "response_tokens": int(resp.sum()),  # all response tokens, tool results and other inserted turns included
+        # all response tokens, tool results and other inserted turns included
+        "response_tokens": int(resp.sum()),
         "response_tokens_per_s": round(float(resp.sum()) / wall, 1) if wall > 0 else None,
         "prompt_length": {"mean": float(prompt.mean()), "max": int(prompt.max())},
-        "response_length": {"mean": float(resp.mean()), "min": int(resp.min()), "max": int(resp.max())},
+        "response_length": {
+            "mean": float(resp.mean()), "min": int(resp.min()), "max": int(resp.max()),
+        },
         "num_turns": {"mean": float(turns.mean()), "max": int(turns.max())},
         "status": statuses,
-        "timing_last_batch": {k: round(float(v), 4) for k, v in output.meta_info.get("timing", {}).items()},
+        "timing_last_batch": {
+            k: round(float(v), 4) for k, v in output.meta_info.get("timing", {}).items()
+        },
     }
 
 
 def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int:
     """Roll out ``data.train_files``, write the three output files and return the exit code.
 
-    Everything that can be checked without Ray (config keys and values, model path, every dataset row) is
-    checked first and raises an :class:`~agentloop.errors.AgentLoopError`.  The result is :data:`EXIT_OK`, or
-    :data:`EXIT_TOO_MANY_FAILURES` (reported on stderr) when more than
+    Everything that can be checked without Ray (config keys and values, model path, every dataset
+    row) is checked first and raises an :class:`~agentloop.errors.AgentLoopError`.  The result is
+    :data:`EXIT_OK`, or :data:`EXIT_TOO_MANY_FAILURES` (reported on stderr) when more than
     ``rollout.agent.max_failure_fraction`` of the rows ended with status ``error`` or ``timeout``.
 
-    Prints a summary table and ``show`` trajectories (:mod:`agentloop.cli.summary`).  Unless ``verbose``, the
-    engine's and Ray's logs go to ``<output_dir>/rollout.log`` instead of the console.
+    Prints a summary table and ``show`` trajectories (:mod:`agentloop.cli.summary`).  Unless
+    ``verbose``, the engine's and Ray's logs go to ``<output_dir>/rollout.log`` instead of the
+    console.
     """
-    resolved = resolve_config(cfg)  # fail on a bad model path / config before Ray or the engine start
+    # fail on a bad model path / config before Ray or the engine start
+    resolved = resolve_config(cfg)
     data = resolved.data
     if not data.train_files:
-        raise ConfigError("data.train_files is not set: pass data.train_files=path/to/data.parquet (or .jsonl)")
+        raise ConfigError(
+            "data.train_files is not set: pass data.train_files=path/to/data.parquet (or .jsonl)"
+        )
     batch = load_dataset(
-        str(data.train_files), prompt_key=data.prompt_key, n=resolved.sampling.n, max_samples=data.max_samples,
-        image_key=data.image_key, video_key=data.video_key,
+        str(data.train_files), prompt_key=data.prompt_key, n=resolved.sampling.n,
+        max_samples=data.max_samples, image_key=data.image_key, video_key=data.video_key,
     )
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_report(out_dir)
     if resolved.agent.record_timing is None:  # on for `agentloop report`
         OmegaConf.update(cfg, "actor_rollout_ref.rollout.agent.record_timing", True, force_add=True)
-    OmegaConf.save(cfg, out_dir / "config.yaml")  # `agentloop verify` reads the sampling settings from it
+    # `agentloop verify` reads the sampling settings from it
+    OmegaConf.save(cfg, out_dir / "config.yaml")
     output, wall = _generate(cfg, batch, None if verbose else out_dir / "rollout.log")
     output.save_to_disk(str(out_dir / "rollout.dataproto"))
     tokenizer = tokenizer_loader.load_tokenizer(resolved.model_config)
@@ -182,26 +222,36 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
     colour = use_colour()
     print("\n" + format_table(summary_rows(output, wall, len(batch)), colour))
     for n, row in enumerate(pick_rows(output, show)):
-        print(f"\n--- trajectory {n + 1} (row {row}) ---\n" + render_trajectory(output, row, tokenizer, colour))
+        print(
+            f"\n--- trajectory {n + 1} (row {row}) ---\n"
+            + render_trajectory(output, row, tokenizer, colour)
+        )
     logs = "" if verbose else ", rollout.log"
-    print(f"\noutputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, summary.json, config.yaml{logs}}}")
+    print(
+        f"\noutputs: {out_dir.resolve()}/{{rollout.dataproto, trajectories.jsonl, "
+        f"summary.json, config.yaml{logs}}}"
+    )
     cli = cli_name()
-    print(f"next: {cli} report {out_dir}    {cli} verify {out_dir} --model {resolved.model_config.path}")
+    print(
+        f"next: {cli} report {out_dir}    {cli} verify {out_dir} --model "
+        f"{resolved.model_config.path}"
+    )
     if verdict.message:
         print(f"agentloop: error: {verdict.message}", file=sys.stderr)
     return verdict.exit_code
 
 
 def _remove_stale_report(out_dir: Path) -> None:
-    """An earlier run's ``agentloop report`` output describes that run, not the one about to be written."""
+    """An earlier run's ``agentloop report`` output describes that run, not the one about to be
+    written."""
     if (out_dir / "report.html").is_file():
         (out_dir / "report.html").unlink()
         shutil.rmtree(out_dir / "report", ignore_errors=True)
 
 
 def cli_name() -> str:
-    """How to call this CLI again: ``agentloop`` when it is on PATH, else its path (e.g. ``.venv/bin/agentloop``
-    in a virtualenv that is not activated)."""
+    """How to call this CLI again: ``agentloop`` when it is on PATH, else its path (e.g.
+    ``.venv/bin/agentloop`` in a virtualenv that is not activated)."""
     beside = Path(sys.executable).parent / "agentloop"
     if shutil.which("agentloop") or not beside.is_file():
         return "agentloop"
@@ -212,7 +262,8 @@ def cli_name() -> str:
 
 
 def _quiet_ray(log_file: Path) -> None:
-    """Start Ray with the workers' output kept out of the console (it goes to ``log_file`` at the end)."""
+    """Start Ray with the workers' output kept out of the console (it goes to ``log_file`` at the
+    end)."""
     import ray  # heavy: Ray loads only once the input checks passed
 
     for key, value in {"VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
@@ -221,13 +272,17 @@ def _quiet_ray(log_file: Path) -> None:
     if not ray.is_initialized():
         ray.init(log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
     os.environ.pop("TQDM_DISABLE", None)  # the driver's own progress bar stays
-    log_file.write_text("# agentloop rollout: engine and Ray worker logs (copied at the end of the run)\n")
+    log_file.write_text(
+        "# agentloop rollout: engine and Ray worker logs (copied at the end of the run)\n"
+    )
 
 
 def _collect_logs(log_file: Path) -> None:
-    """Append the Ray session's worker logs (stdout/stderr of every actor and engine process) to ``log_file``."""
+    """Append the Ray session's worker logs (stdout/stderr of every actor and engine process) to
+    ``log_file``."""
     try:
-        import ray._private.worker as ray_worker  # heavy, and private to Ray: only when copying logs
+        # heavy, and private to Ray: only when copying logs
+        import ray._private.worker as ray_worker
 
         logs = Path(ray_worker._global_node.get_logs_dir_path())  # type: ignore[union-attr,attr-defined]
     except Exception:  # noqa: BLE001 - no session (Ray not started by us): nothing to copy
@@ -239,9 +294,11 @@ def _collect_logs(log_file: Path) -> None:
                 out.write(f"\n===== {path.name} =====\n{text}\n")
 
 
-def _generate(cfg: DictConfig, batch: DataProto, log_file: Path | None = None) -> tuple[DataProto, float]:
-    """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size`` steps.
-    ``log_file``: keep the workers' logs out of the console and copy them there."""
+def _generate(
+    cfg: DictConfig, batch: DataProto, log_file: Path | None = None
+) -> tuple[DataProto, float]:
+    """Start the manager (Ray, servers, workers), roll out ``batch`` in ``data.train_batch_size``
+    steps. ``log_file``: keep the workers' logs out of the console and copy them there."""
     # heavy (torch, Ray): imported only once the input checks passed
     from agentloop.batch.protocol import DataProto
     from agentloop.rollout.manager import AgentLoopManager
@@ -284,7 +341,8 @@ def one_line(message: str) -> str:
 
 
 def _agentloop_error(e: BaseException) -> AgentLoopError | None:
-    """``e`` itself, or the agentloop error a Ray task error wraps (``RayTaskError.cause``); else None."""
+    """``e`` itself, or the agentloop error a Ray task error wraps (``RayTaskError.cause``); else
+    None."""
     cause = getattr(e, "cause", None)
     if isinstance(cause, AgentLoopError):
         return cause
@@ -292,20 +350,33 @@ def _agentloop_error(e: BaseException) -> AgentLoopError | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``agentloop``; exits 0, 1 (unexpected exception, with traceback), 2 (bad input: one line
-    ``agentloop: error: ...`` on stderr) or 3 (too many failed rows; see :mod:`agentloop.cli.failures`)."""
+    """Entry point of ``agentloop``; exits 0, 1 (unexpected exception, with traceback), 2 (bad
+    input: one line ``agentloop: error: ...`` on stderr) or 3 (too many failed rows; see
+    :mod:`agentloop.cli.failures`)."""
     parser = argparse.ArgumentParser(prog="agentloop", description="Ray-native agentic rollouts")
     sub = parser.add_subparsers(dest="command", required=True)
     ro = sub.add_parser(
-        "rollout", help="roll out a dataset (Hydra-style key=value overrides)",
-        description="Exit codes: 0 done; 1 unexpected exception; 2 bad input (config, dataset, model path); "
-        "3 more than rollout.agent.max_failure_fraction of the rows failed (outputs are still written).",
+        "rollout",
+        help="roll out a dataset (Hydra-style key=value overrides)",
+        description="Exit codes: 0 done; 1 unexpected exception; 2 bad input (config, "
+        "dataset, model path); "
+        "3 more than rollout.agent.max_failure_fraction of the rows failed (outputs are "
+        "still written).",
     )
-    ro.add_argument("--config", action="append", metavar="FILE.yaml",
-                    help="YAML merged over the defaults before the overrides; repeat it to layer several, in order")
-    ro.add_argument("--show", type=int, default=2, help="trajectories to print at the end (default 2)")
-    ro.add_argument("--verbose", action="store_true",
-                    help="show the engine's and Ray's logs on the console (default: <output_dir>/rollout.log)")
+    ro.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE.yaml",
+        help="YAML merged over the defaults before the overrides; repeat it to "
+        "layer several, in order",
+    )
+    ro.add_argument(
+        "--show", type=int, default=2, help="trajectories to print at the end (default 2)"
+    )
+    ro.add_argument(
+        "--verbose", action="store_true",
+        help="show the engine's and Ray's logs on the console (default: <output_dir>/rollout.log)",
+    )
     ro.add_argument("overrides", nargs="*", help="key=value config overrides")
     add_port_parser(sub)
     add_report_parser(sub)
@@ -313,8 +384,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     commands = {"port": run_port, "report": run_report, "verify": run_verify}
     try:
-        code = (commands[args.command](args) if args.command in commands
-                else run_rollout(build_config(args.config, args.overrides), show=args.show, verbose=args.verbose))
+        code = (
+            commands[args.command](args)
+            if args.command in commands
+            else run_rollout(
+                build_config(args.config, args.overrides), show=args.show, verbose=args.verbose
+            )
+        )
     except Exception as e:
         error = _agentloop_error(e)
         if error is None:

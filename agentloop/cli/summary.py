@@ -1,10 +1,12 @@
-"""What ``agentloop rollout`` prints when it is done: a summary table and a few trajectories, readable at a glance.
+"""What ``agentloop rollout`` prints when it is done: a summary table and a few trajectories,
+readable at a glance.
 
-:func:`summary_rows` computes the numbers (samples, trajectories, mean reward, tool-call rate, turns, status
-counts, tokens/s) from the padded rollout; :func:`format_table` lays them out; :func:`render_trajectory` shows
-one row as a human reads it: the prompt, then the response with the tokens the policy sampled (mask 1) apart
-from the tokens the loop inserted (tool results, user turns: mask 0) -- colours on a terminal, ``[tool] ...``
-/ ``[model] ...`` markers otherwise -- and the reward.
+:func:`summary_rows` computes the numbers (samples, trajectories, mean reward, tool-call rate,
+turns, status counts, tokens/s) from the padded rollout; :func:`format_table` lays them out;
+:func:`render_trajectory` shows one row as a human reads it: the prompt, then the response with the
+tokens the policy sampled (mask
+1) apart from the tokens the loop inserted (tool results, user turns: mask 0) -- colours on a
+terminal, ``[tool] ...`` / ``[model] ...`` markers otherwise -- and the reward.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def use_colour(stream: Any = None) -> bool:
 
 
 def row_scores(output: DataProto) -> np.ndarray | None:
-    """Each row's reward (its ``rm_scores`` summed; NaN where ``reward_valid`` says it has none), or None without
-    ``rm_scores``."""
+    """Each row's reward (its ``rm_scores`` summed; NaN where ``reward_valid`` says it has none), or
+    None without ``rm_scores``."""
     batch = output.batch
     if batch is None or "rm_scores" not in set(batch.keys()):
         return None
@@ -43,7 +45,8 @@ def row_scores(output: DataProto) -> np.ndarray | None:
 
 
 def _tool_turns(output: DataProto) -> np.ndarray:
-    """Per row: how many tool calls it made (``num_tool_calls``), else how many mask-0 runs its response has."""
+    """Per row: how many tool calls it made (``num_tool_calls``), else how many mask-0 runs its
+    response has."""
     calls = output.non_tensor_batch.get("num_tool_calls")
     if calls is not None:
         return np.array([int(c or 0) for c in calls.tolist()])
@@ -68,12 +71,26 @@ def summary_rows(output: DataProto, wall: float, num_samples: int) -> list[tuple
     rows = [("samples", str(num_samples)), ("trajectories", str(len(output)))]
     scores = row_scores(output)
     if scores is not None and np.isfinite(scores).any():
-        rows.append(("mean reward", f"{np.nanmean(scores):.3f} ({int(np.isfinite(scores).sum())} rows scored)"))
+        rows.append(
+            (
+                "mean reward",
+                f"{np.nanmean(scores):.3f} ({int(np.isfinite(scores).sum())} rows scored)",
+            )
+        )
     rows += [
-        ("tool-call rate", f"{float((tools > 0).mean()):.0%} of trajectories ({int(tools.sum())} calls)"),
+        (
+            "tool-call rate",
+            f"{float((tools > 0).mean()):.0%} of trajectories ({int(tools.sum())} calls)",
+        ),
         ("turns", f"mean {turns.mean():.1f}, max {int(turns.max()) if len(turns) else 0}"),
-        ("status", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items(), key=lambda kv: -kv[1]))),
-        ("sampled tokens", f"{sampled} in {wall:.1f}s = {sampled / wall:.0f} tok/s" if wall > 0 else str(sampled)),
+        (
+            "status",
+            ", ".join(f"{k} {v}" for k, v in sorted(statuses.items(), key=lambda kv: -kv[1])),
+        ),
+        (
+            "sampled tokens",
+            f"{sampled} in {wall:.1f}s = {sampled / wall:.0f} tok/s" if wall > 0 else str(sampled),
+        ),
     ]
     return rows
 
@@ -85,8 +102,8 @@ def format_table(rows: list[tuple[str, str]], colour: bool = False) -> str:
 
 
 def render_trajectory(output: DataProto, row: int, tokenizer: Any, colour: bool = False) -> str:
-    """Row ``row``: the prompt's last message, the response split into sampled (model) and inserted (tool /
-    user) runs, the status and the reward."""
+    """Row ``row``: the prompt's last message, the response split into sampled (model) and inserted
+    (tool / user) runs, the status and the reward."""
     batch = output.batch
     assert batch is not None
     p_len = batch["prompts"].shape[1]
@@ -114,18 +131,24 @@ def render_trajectory(output: DataProto, row: int, tokenizer: Any, colour: bool 
     scores = row_scores(output)
     reward = "" if scores is None or not np.isfinite(scores[row]) else f", reward {scores[row]:g}"
     status = output.non_tensor_batch["status"][row]
-    lines.append(f"{_DIM if colour else ''}status {status}{reward}; [model] = sampled by the policy (mask 1), "
-                 f"[tool] = inserted by the loop (mask 0){_RESET if colour else ''}")
+    lines.append(
+        f"{_DIM if colour else ''}status {status}{reward}; [model] = sampled by "
+        f"the policy (mask 1), "
+        f"[tool] = inserted by the loop (mask 0){_RESET if colour else ''}"
+    )
     return "\n".join(lines)
 
 
 def pick_rows(output: DataProto, count: int) -> list[int]:
-    """Up to ``count`` rows worth showing: rows with a tool call first (the interesting ones), one per prompt
-    (``uid``), preferring rewards not seen yet (a right and a wrong answer), then the rest."""
+    """Up to ``count`` rows worth showing: rows with a tool call first (the interesting ones), one
+    per prompt (``uid``), preferring rewards not seen yet (a right and a wrong answer), then the
+    rest."""
     tools = _tool_turns(output)
     scores = row_scores(output)
     uids = output.non_tensor_batch.get("uid")
-    order = [i for i in range(len(output)) if tools[i] > 0] + [i for i in range(len(output)) if tools[i] == 0]
+    order = [i for i in range(len(output)) if tools[i] > 0] + [
+        i for i in range(len(output)) if tools[i] == 0
+    ]
     picked: list[int] = []
     for new_reward_only in (True, False):
         for i in order:

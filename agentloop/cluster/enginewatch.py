@@ -1,14 +1,16 @@
 """No request waits forever on a dead or hung engine.
 
-:class:`EngineWatch` keeps the tasks of the requests running on a server and looks at the engine every
-``interval`` seconds (nothing on the per-token path). Once the engine is seen dead, it cancels them; the server
-turns that cancellation into :class:`~agentloop.servers.base.ServerDeadError`, so the router fails the
-request over. With ``stall_timeout`` set it also reads a progress counter: when requests run, the server is not
-holding them (paused, updating weights) and the counter has not moved for ``stall_timeout`` seconds, the
-engine is taken for hung: :attr:`EngineWatch.stalled` says why, ``on_stall`` is called (the vLLM server kills
-its engine processes) and the running requests are cut as for a dead engine.
+:class:`EngineWatch` keeps the tasks of the requests running on a server and looks at the engine
+every ``interval`` seconds (nothing on the per-token path). Once the engine is seen dead, it cancels
+them; the server turns that cancellation into :class:`~agentloop.servers.base.ServerDeadError`, so
+the router fails the request over. With ``stall_timeout`` set it also reads a progress counter: when
+requests run, the server is not holding them (paused, updating weights) and the counter has not
+moved for ``stall_timeout`` seconds, the engine is taken for hung: :attr:`EngineWatch.stalled` says
+why, ``on_stall`` is called (the vLLM server kills its engine processes) and the running requests
+are cut as for a dead engine.
 
-Why (vLLM leaves requests unanswered when its engine dies or hangs; measurements): docs/faults.md#the-engine-watch.
+Why (vLLM leaves requests unanswered when its engine dies or hangs; measurements):
+docs/faults.md#the-engine-watch.
 """
 
 from __future__ import annotations
@@ -33,17 +35,22 @@ class EngineWatch:
     Args:
         is_dead: True once the engine cannot answer any more.
         interval: seconds between two looks at ``is_dead``.
-        progress: a value that changes whenever the engine makes progress (e.g. its requests' token counts);
+        progress: a value that changes whenever the engine makes progress (e.g. its requests' token
+        counts);
             None (or a callable returning None): no stall detection.
-        stall_timeout: seconds without progress, while requests run and nothing holds them, after which the
+        stall_timeout: seconds without progress, while requests run and nothing holds them, after
+        which the
             engine is taken for hung (None: never).
-        holding: True while the server itself holds its running requests (paused, a weight update open).
-        on_stall: called once, with the reason, when the engine is taken for hung (before the requests are cut).
+        holding: True while the server itself holds its running requests (paused, a weight update
+        open). on_stall: called once, with the reason, when the engine is taken for hung (before the
+        requests are cut).
     """
 
-    def __init__(self, is_dead: Callable[[], bool], interval: float = 1.0, *,
-                 progress: Callable[[], Hashable | None] | None = None, stall_timeout: float | None = None,
-                 holding: Callable[[], bool] | None = None, on_stall: Callable[[str], object] | None = None) -> None:
+    def __init__(
+        self, is_dead: Callable[[], bool], interval: float = 1.0, *,
+        progress: Callable[[], Hashable | None] | None = None, stall_timeout: float | None = None,
+        holding: Callable[[], bool] | None = None, on_stall: Callable[[str], object] | None = None,
+    ) -> None:
         self.is_dead = is_dead
         self.interval = interval
         self.progress = progress
@@ -69,7 +76,8 @@ class EngineWatch:
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
-        """Around a request's wait for the engine: its task is cancelled if the engine dies meanwhile."""
+        """Around a request's wait for the engine: its task is cancelled if the engine dies
+        meanwhile."""
         task = asyncio.current_task()
         if task is None:
             yield
@@ -81,8 +89,8 @@ class EngineWatch:
             self._running.discard(task)
 
     def cut_by_death(self, error: BaseException) -> bool:
-        """Whether ``error`` is this watch's cancellation of the current task (then the task is un-cancelled, so
-        the caller may raise another error in its place)."""
+        """Whether ``error`` is this watch's cancellation of the current task (then the task is
+        un-cancelled, so the caller may raise another error in its place)."""
         task = asyncio.current_task()
         if not isinstance(error, asyncio.CancelledError) or task is None or task not in self._cut:
             return False
@@ -93,11 +101,16 @@ class EngineWatch:
         return True
 
     def _look_for_stall(self, now: float) -> None:
-        """Take the engine for hung once its progress stood still for ``stall_timeout`` s with requests running."""
+        """Take the engine for hung once its progress stood still for ``stall_timeout`` s with
+        requests running."""
         if self.stalled is not None or self.stall_timeout is None or self.progress is None:
             return
         running = sum(1 for t in self._running if not t.done())
-        mark = self.progress() if running and not (self.holding is not None and self.holding()) else None
+        mark = (
+            self.progress()
+            if running and not (self.holding is not None and self.holding())
+            else None
+        )
         if mark is None:
             self._last = None
             return
@@ -105,8 +118,11 @@ class EngineWatch:
             self._last = (mark, now)
             return
         if now - self._last[1] >= self.stall_timeout:
-            self.stalled = (f"the engine made no progress for {now - self._last[1]:.0f} s with {running} request(s) "
-                            f"running (rollout.server.stall_timeout={self.stall_timeout:g})")
+            self.stalled = (
+                f"the engine made no progress for {now - self._last[1]:.0f} s "
+                f"with {running} request(s) "
+                f"running (rollout.server.stall_timeout={self.stall_timeout:g})"
+            )
             logger.error("%s: taken for hung; its requests are failed over", self.stalled)
             if self.on_stall is not None:
                 try:
@@ -125,13 +141,18 @@ class EngineWatch:
                     self._cut.add(task)
                     task.cancel()
                 if cut:
-                    logger.warning("the engine %s with %d request(s) it will never answer; they are failed over",
-                                   "hung" if self.stalled is not None else "died", len(cut))
+                    logger.warning(
+                        "the engine %s with %d request(s) it will never answer; "
+                        "they are failed over",
+                        "hung" if self.stalled is not None else "died",
+                        len(cut),
+                    )
 
 
 def engine_progress(engine: Any) -> tuple[int, int] | None:
-    """A vLLM ``AsyncLLM``'s progress: (requests it holds, output tokens they have so far), read from its output
-    processor, which every engine step updates; None where the engine or a vLLM version lacks it."""
+    """A vLLM ``AsyncLLM``'s progress: (requests it holds, output tokens they have so far), read
+    from its output processor, which every engine step updates; None where the engine or a vLLM
+    version lacks it."""
     states = getattr(getattr(engine, "output_processor", None), "request_states", None)
     if not isinstance(states, dict):
         return None
@@ -143,12 +164,15 @@ def engine_progress(engine: Any) -> tuple[int, int] | None:
 
 
 def kill_engine_processes() -> list[int]:
-    """SIGKILL every process this one started (a vLLM server actor's engine core and its workers), so a hung
-    engine frees its memory and its server reads as dead; returns their pids.  Only inside a Ray actor (every
-    server the manager starts is its own actor, whose only children are its engine's): a server built in some
-    other process kills nothing and is only marked hung."""
+    """SIGKILL every process this one started (a vLLM server actor's engine core and its workers),
+    so a hung engine frees its memory and its server reads as dead; returns their pids.  Only inside
+    a Ray actor (every server the manager starts is its own actor, whose only children are its
+    engine's): a server built in some other process kills nothing and is only marked hung."""
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-        logger.error("the hung engine's processes are left running: this server is not a Ray actor of its own")
+        logger.error(
+            "the hung engine's processes are left running: this server is not a "
+            "Ray actor of its own"
+        )
         return []
     children = psutil.Process(os.getpid()).children(recursive=True)
     for child in children:

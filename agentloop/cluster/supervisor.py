@@ -1,14 +1,15 @@
 """Dead rollout servers: found, taken out of routing, restarted in the background, put back.
 
-The router fails requests over the moment a server dies (:mod:`agentloop.routing.manager`); this module is
-the manager's side. :class:`ServerSupervisor` finds dead servers after every batch (:meth:`~ServerSupervisor.check`),
-kills hung ones during a batch (:meth:`~ServerSupervisor.watch`, ``rollout.server.stall_timeout``), goes on
-without the lost ones during a weight update or another call to every server (:meth:`~ServerSupervisor.settle`,
-:meth:`~ServerSupervisor.each`), restarts each in its own placement slot while batches go on, and puts it back
-in routing once started (:meth:`~ServerSupervisor.poll`; after a weight update only once the next
-``update_weights`` has loaded the current weights: :meth:`~ServerSupervisor.weights_loaded`). Servers the
-manager did not start (an ``llm_client``'s) are taken out but not restarted. ``counts`` holds
-``server_restarts`` and ``servers_hung`` for the batch metrics.
+The router fails requests over the moment a server dies (:mod:`agentloop.routing.manager`); this
+module is the manager's side. :class:`ServerSupervisor` finds dead servers after every batch
+(:meth:`~ServerSupervisor.check`), kills hung ones during a batch (:meth:`~ServerSupervisor.watch`,
+``rollout.server.stall_timeout``), goes on without the lost ones during a weight update or another
+call to every server (:meth:`~ServerSupervisor.settle`, :meth:`~ServerSupervisor.each`), restarts
+each in its own placement slot while batches go on, and puts it back in routing once started
+(:meth:`~ServerSupervisor.poll`; after a weight update only once the next ``update_weights`` has
+loaded the current weights: :meth:`~ServerSupervisor.weights_loaded`). Servers the manager did not
+start (an ``llm_client``'s) are taken out but not restarted. ``counts`` holds ``server_restarts``
+and ``servers_hung`` for the batch metrics.
 
 Spec: docs/faults.md#restarting-a-server.
 """
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def _why(error: BaseException) -> str:
-    """One line on why a server call failed: the server's own error rather than Ray's wrapper around it."""
+    """One line on why a server call failed: the server's own error rather than Ray's wrapper
+    around it."""
     cause = getattr(error, "cause", None)
     return first_line(cause if isinstance(cause, BaseException) else error)
 
@@ -55,7 +57,8 @@ class ServerSupervisor:
         balancer: the GlobalBalancer actor, or None (a single server: workers route locally).
         swap: ``swap(index, handle)`` hands a put-back server to every worker's router.
         restart: restart dead servers (``rollout.server.restart_dead``); False: only take them out.
-        health_timeout_s: how long a health probe may take before the server is reported (not restarted:
+        health_timeout_s: how long a health probe may take before the server is reported (not
+        restarted:
             a busy engine may answer slowly).
     """
 
@@ -66,22 +69,27 @@ class ServerSupervisor:
     health_timeout_s: float = 30.0
     down: set[int] = field(default_factory=set)
     restarting: dict[int, _Restart] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"server_restarts": 0, "servers_hung": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"server_restarts": 0, "servers_hung": 0}
+    )
     _hangs: HangWatch[int] = field(default_factory=HangWatch, repr=False)
     """:meth:`watch`'s health probes in flight."""
     updating: bool = False
-    """True while ``update_weights`` runs (the manager sets it): :meth:`watch` then stays out of the way."""
+    """True while ``update_weights`` runs (the manager sets it): :meth:`watch` then stays out of
+    the way."""
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-    """Held while ``down`` / ``restarting`` change: the Rollouter's thread (:meth:`poll`, :meth:`watch`) and the
-    trainer's (``update_weights``, ``pause``, ...) both use the supervisor.  Not held while waiting for servers'
-    answers (only a dying server's own shutdown, at most 10 s)."""
+    """Held while ``down`` / ``restarting`` change: the Rollouter's thread (:meth:`poll`,
+    :meth:`watch`) and the trainer's (``update_weights``, ``pause``, ...) both use the supervisor.
+    Not held while waiting for servers' answers (only a dying server's own shutdown, at most 10 s).
+    """
 
     @property
     def can_restart(self) -> bool:
         return self.restart and self.group.restartable
 
     def check(self) -> list[int]:
-        """Probe every serving server; newly dead ones are marked down (and restarts begun).  Returns them."""
+        """Probe every serving server; newly dead ones are marked down (and restarts begun).
+        Returns them."""
         with self._lock:
             probe = {i: h.check_health.remote() for i, h in enumerate(self.group.handles)
                      if i not in self.down and i not in self.restarting}
@@ -91,15 +99,18 @@ class ServerSupervisor:
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.health_timeout_s)
         if pending:
             slow = [i for i, r in probe.items() if r in pending]
-            logger.warning("servers %s did not answer a health check within %ss; left in routing", slow,
-                           self.health_timeout_s)
+            logger.warning(
+                "servers %s did not answer a health check within %ss; left in routing", slow,
+                self.health_timeout_s,
+            )
         dead = []
         for i, ref in probe.items():
             if ref not in done:
                 continue
             try:
                 ray.get(ref)
-            except Exception as e:  # noqa: BLE001 - any failure to answer means the server cannot serve
+            # any failure to answer means the server cannot serve
+            except Exception as e:  # noqa: BLE001
                 logger.warning("rollout server %d is dead: %s", i, _why(e))
                 dead.append(i)
         with self._lock:
@@ -109,14 +120,16 @@ class ServerSupervisor:
         return dead
 
     def watch(self, hang_s: float) -> list[int]:
-        """A look at the serving servers while a batch runs (the manager calls it every few seconds; it never
-        waits).  Each server has at most one ``check_health`` probe in flight.  A server whose probe is still
-        unanswered after ``hang_s`` seconds is hung: its actor's event loop is blocked (a health check is an
-        instant answer otherwise).  It is killed, so the requests it holds fail over at once instead of holding
-        the batch, and restarted where this manager can.  A probe that says the server died takes it out
-        early (the routers already avoid it).  Returns the servers taken out.  Skipped (returns []) during a
-        weight update (its own ``weight_update_timeout`` applies) and while another thread is changing the
-        servers, so the Rollouter's thread never waits on it."""
+        """A look at the serving servers while a batch runs (the manager calls it every few seconds;
+        it never waits).  Each server has at most one ``check_health`` probe in flight.  A server
+        whose probe is still unanswered after ``hang_s`` seconds is hung: its actor's event loop is
+        blocked (a health check is an instant answer otherwise).  It is killed, so the requests it
+        holds fail over at once instead of holding the batch, and restarted where this manager can.
+        A probe that says the server died takes it out early (the routers already avoid it).
+        Returns the servers taken out. Skipped (returns []) during a weight update (its own
+        ``weight_update_timeout`` applies) and while another thread is changing the servers, so the
+        Rollouter's thread never waits on it.
+        """
         if self.updating or not self._lock.acquire(blocking=False):
             return []
         try:
@@ -125,7 +138,11 @@ class ServerSupervisor:
             self._lock.release()
 
     def _watch(self, hang_s: float) -> list[int]:
-        serving = {i: h for i, h in enumerate(self.group.handles) if i not in self.down and i not in self.restarting}
+        serving = {
+            i: h
+            for i, h in enumerate(self.group.handles)
+            if i not in self.down and i not in self.restarting
+        }
         hung, answered = self._hangs.look(serving, lambda h: h.check_health.remote(), hang_s)
         lost: dict[int, tuple[str, bool]] = {}  # index -> (why, hung)
         for i, ref in answered.items():
@@ -133,11 +150,16 @@ class ServerSupervisor:
                 ray.get(ref)
             except (ray.exceptions.RayActorError, ServerDeadError) as e:
                 lost[i] = (f"failed a health check: {_why(e)}", False)
-            except Exception:  # noqa: BLE001, S110 - not a death; the check after the batch reports it
+            # not a death; the check after the batch reports it
+            except Exception:  # noqa: BLE001, S110
                 pass
         for i in hung:
-            lost[i] = (f"did not answer a health check for {hang_s:g} s (rollout.server.stall_timeout): its "
-                       "event loop is blocked", True)
+            lost[i] = (
+                f"did not answer a health check for {hang_s:g} s "
+                f"(rollout.server.stall_timeout): its "
+                "event loop is blocked",
+                True,
+            )
             self.counts["servers_hung"] += 1
         for i, (reason, is_hung) in lost.items():
             self.lose(i, reason, hung=is_hung)
@@ -145,11 +167,12 @@ class ServerSupervisor:
 
     def settle(self, calls: dict[int, Any], timeout: float | None, what: str,
                handles: dict[int, Any] | None = None) -> dict[int, Any]:
-        """Wait for one call per server (index -> ObjectRef; serving servers and restarted ones awaiting weights)
-        and return the results of those that answered.  A server whose actor or engine died, or that gave no
-        answer within ``timeout`` seconds (None: no limit), is taken out and restarted (as after a batch) and
-        left out of the result; any other error is raised (it is not the server's fault: e.g. a bad tensor).
-        ``handles``: the actor each call went to, so a server another thread already replaced is left alone."""
+        """Wait for one call per server (index -> ObjectRef; serving servers and restarted ones
+        awaiting weights) and return the results of those that answered.  A server whose actor or
+        engine died, or that gave no answer within ``timeout`` seconds (None: no limit), is taken
+        out and restarted (as after a batch) and left out of the result; any other error is raised
+        (it is not the server's fault: e.g. a bad tensor). ``handles``: the actor each call went to,
+        so a server another thread already replaced is left alone."""
         if not calls:
             return {}
         refs = list(calls.values())
@@ -168,9 +191,11 @@ class ServerSupervisor:
 
     def each(self, method: str, timeout: float | None, only: list[bool] | None = None,
              **kwargs: Any) -> dict[int, Any]:
-        """Call ``method(**kwargs)`` on every serving server (where ``only[i]``) and return the answers by index.
-        A server that died, or gives no answer within ``timeout`` seconds, is taken out of routing and restarted
-        (:meth:`settle`) instead of failing the caller (pause, resume, sleep, wake_up, ...)."""
+        """Call ``method(**kwargs)`` on every serving server (where ``only[i]``) and return the
+        answers by index. A server that died, or gives no answer within ``timeout`` seconds, is
+        taken out of routing and restarted (:meth:`settle`) instead of failing the caller (pause,
+        resume, sleep, wake_up,
+        ...)."""
         with self._lock:
             handles = {i: h for i, h in enumerate(self.group.handles)
                        if i not in self.down and (only is None or only[i])}
@@ -178,12 +203,17 @@ class ServerSupervisor:
         return self.settle(calls, float(timeout) if timeout is not None else None, method, handles)
 
     def lose(self, index: int, reason: str, hung: bool = False, handle: Any = None) -> None:
-        """Server ``index`` cannot serve (``reason``): out of routing and restarted where this manager can
-        (:meth:`_take_out`); a restarted one that was waiting for weights is started again.  ``hung``: its actor
-        does not answer; it is killed without asking it to shut down, even where it is not restarted.
-        ``handle``: the actor found failing; nothing is done when it was already replaced (by another thread)."""
+        """Server ``index`` cannot serve (``reason``): out of routing and restarted where this
+        manager can (:meth:`_take_out`); a restarted one that was waiting for weights is started
+        again. ``hung``: its actor does not answer; it is killed without asking it to shut down,
+        even where it is not restarted. ``handle``: the actor found failing; nothing is done when it
+        was already replaced (by another thread)."""
         with self._lock:
-            current = self.restarting[index].handle if index in self.restarting else self.group.handles[index]
+            current = (
+                self.restarting[index].handle
+                if index in self.restarting
+                else self.group.handles[index]
+            )
             if handle is not None and handle is not current:
                 return
             logger.warning("rollout server %d %s; it is taken out of routing", index, reason)
@@ -202,27 +232,41 @@ class ServerSupervisor:
             self._begin_restart(index, polite=not hung)
         elif hung:  # its requests would wait on it forever: killed, they fail over
             ray.kill(self.group.handles[index], no_restart=True)
-            logger.error("rollout server %d hung and was killed; it cannot be restarted by this manager and stays "
-                         "out of routing", index)
+            logger.error(
+                "rollout server %d hung and was killed; it cannot be restarted by "
+                "this manager and stays "
+                "out of routing",
+                index,
+            )
         else:
-            logger.error("rollout server %d is dead and cannot be restarted by this manager (%s servers%s); "
-                         "it stays out of routing", index, self.group.placement,
-                         "" if self.restart else ", rollout.server.restart_dead=false")
+            logger.error(
+                "rollout server %d is dead and cannot be restarted by this manager "
+                "(%s servers%s); "
+                "it stays out of routing",
+                index,
+                self.group.placement,
+                "" if self.restart else ", rollout.server.restart_dead=false",
+            )
 
     def _begin_restart(self, index: int, polite: bool = True) -> None:
         old = self.group.handles[index]
-        if polite:  # a hung actor cannot run its shutdown; a dead or dying one may free its engine first
+        # a hung actor cannot run its shutdown; a dead or dying one may free its engine first
+        if polite:
             with contextlib.suppress(Exception):  # it is dead or dying; killing it is what matters
                 ray.get(old.shutdown.remote(), timeout=10)
         ray.kill(old, no_restart=True)
         handle = self.group.relaunch(index)
         self.restarting[index] = _Restart(handle, handle.start.remote())
         slot = self.group.slots[index].facts if index < len(self.group.slots) else {}
-        logger.warning("rollout server %d: restarting it in its slot (%s)", index, slot or self.group.placement)
+        logger.warning(
+            "rollout server %d: restarting it in its slot (%s)", index, slot or self.group.placement
+        )
 
     def poll(self, weight_version: int, wait_s: float = 0.0) -> list[int]:
-        """Put back restarted servers that finished starting (those needing weights wait for an update);
-        returns the indices put back.  ``wait_s``: wait that long for pending starts (0: just look)."""
+        """Put back restarted servers that finished starting (those needing weights wait for an
+        update); returns the indices put back.  ``wait_s``: wait that long for pending starts (0:
+        just look).
+        """
         with self._lock:
             pending = {r.started: i for i, r in self.restarting.items() if not r.needs_weights}
         if not pending:
@@ -240,8 +284,10 @@ class ServerSupervisor:
             try:
                 info = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a failed restart is retried at the next check
-                logger.error("rollout server %d failed to restart: %s; trying again after the next batch", i,
-                             first_line(e))
+                logger.error(
+                    "rollout server %d failed to restart: %s; trying again after the next batch", i,
+                    first_line(e),
+                )
                 ray.kill(self.restarting.pop(i).handle, no_restart=True)
                 self._begin_restart(i)
                 continue
@@ -249,8 +295,13 @@ class ServerSupervisor:
                 self.group.info[i] = {**(info or {}), **self.group.slots[i].facts}
             if weight_version > 0:
                 restart.needs_weights = True
-                logger.warning("rollout server %d restarted with the initial weights; it rejoins after the next "
-                               "update_weights (now at version %d)", i, weight_version)
+                logger.warning(
+                    "rollout server %d restarted with the initial weights; it "
+                    "rejoins after the next "
+                    "update_weights (now at version %d)",
+                    i,
+                    weight_version,
+                )
                 continue
             self._put_back(i)
             back.append(i)

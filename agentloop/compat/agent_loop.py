@@ -1,11 +1,11 @@
 """Mirror of ``verl.experimental.agent_loop`` (and its ``agent_loop`` module) for ported loops.
 
-``agentloop port`` rewrites ``from verl.experimental.agent_loop[.agent_loop] import X`` to import from here.
-Every verl name a custom loop uses is re-exported from where it lives in agentloop; the built-in loops
-(``SingleTurnAgentLoop``, ``ToolAgentLoop`` and the latter's ``AgentData`` / ``AgentState``) are imported
-on first access, so this module never takes part in an import cycle.  Any other verl name raises a
-:class:`~agentloop.compat.import_map.MissingVerlNameError` (an ImportError) that names it and points at
-the porting docs.
+``agentloop port`` rewrites ``from verl.experimental.agent_loop[.agent_loop] import X`` to import
+from here. Every verl name a custom loop uses is re-exported from where it lives in agentloop; the
+built-in loops (``SingleTurnAgentLoop``, ``ToolAgentLoop`` and the latter's ``AgentData`` /
+``AgentState``) are imported on first access, so this module never takes part in an import cycle.
+Any other verl name raises a :class:`~agentloop.compat.import_map.MissingVerlNameError` (an
+ImportError) that names it and points at the porting docs.
 """
 
 from __future__ import annotations
@@ -29,20 +29,9 @@ if TYPE_CHECKING:  # resolved lazily by __getattr__ below
     from agentloop.types import MultiTrajectoryAgentLoopOutput
 
 __all__ = [
-    "AgentData",
-    "AgentLoopBase",
-    "AgentLoopManager",
-    "AgentLoopMetrics",
-    "AgentLoopOutput",
-    "AgentLoopWorker",
-    "AgentState",
-    "AsyncLLMServerManager",
-    "MultiTrajectoryAgentLoopOutput",
-    "DictConfigWrap",
-    "SingleTurnAgentLoop",
-    "ToolAgentLoop",
-    "ToolListWrap",
-    "get_trajectory_info",
+    "AgentData", "AgentLoopBase", "AgentLoopManager", "AgentLoopMetrics", "AgentLoopOutput",
+    "AgentLoopWorker", "AgentState", "AsyncLLMServerManager", "MultiTrajectoryAgentLoopOutput",
+    "DictConfigWrap", "SingleTurnAgentLoop", "ToolAgentLoop", "ToolListWrap", "get_trajectory_info",
     "register",
 ]
 
@@ -60,9 +49,9 @@ _LAZY: dict[str, tuple[str, str]] = {
 async def get_trajectory_info(step: int, index: list[Any], validate: bool) -> list[dict[str, Any]]:
     """verl's per-row trajectory info: ``{step, sample_index, rollout_n, validate}`` for each row.
 
-    ``rollout_n`` numbers the rows of one sample 0, 1, ... in batch order.  verl restarts the count whenever
-    the index changes from the previous row; for verl's batches (rollouts of a sample are adjacent, from
-    ``repeat(interleave=True)``) both give the same numbers.
+    ``rollout_n`` numbers the rows of one sample 0, 1, ... in batch order.  verl restarts the count
+    whenever the index changes from the previous row; for verl's batches (rollouts of a sample are
+    adjacent, from ``repeat(interleave=True)``) both give the same numbers.
     """
     return trajectory_info(np.asarray(list(index), dtype=object), int(step), bool(validate))
 

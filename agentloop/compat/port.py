@@ -1,11 +1,11 @@
 """``agentloop port FILE... [--write]``: rewrite a verl agent-loop file's imports to agentloop's.
 
 :func:`port_source` rewrites only the module names in import statements (and, after a plain
-``import verl.x``, the ``verl.x.attr`` references) by :data:`~agentloop.compat.import_map.VERL_IMPORT_MAP`,
-keeping everything else byte for byte; the result is idempotent.  Modules not in the map, moved
-submodules and (with name checking) names the agentloop module lacks are reported, not raised; the CLI
-prints a diff (``--write`` edits in place) and exits 1 when anything was reported.
-Spec: docs/porting-from-verl.md#agentloop-port.
+``import verl.x``, the ``verl.x.attr`` references) by
+:data:`~agentloop.compat.import_map.VERL_IMPORT_MAP`, keeping everything else byte for byte; the
+result is idempotent.  Modules not in the map, moved submodules and (with name checking) names the
+agentloop module lacks are reported, not raised; the CLI prints a diff (``--write`` edits in place)
+and exits 1 when anything was reported. Spec: docs/porting-from-verl.md#agentloop-port.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ _SKIP = {tokenize.NL, tokenize.COMMENT}
 
 @dataclass(frozen=True)
 class PortIssue:
-    """Something ``port`` could not rewrite (or a rewritten name agentloop lacks), at a 1-based line."""
+    """Something ``port`` could not rewrite (or a rewritten name agentloop lacks), at a 1-based
+    line."""
 
     line: int
     message: str
@@ -63,7 +64,8 @@ class PortResult:
         absolute = Path(self.path).is_absolute()
         lines = difflib.unified_diff(
             self.original.splitlines(keepends=True), self.text.splitlines(keepends=True),
-            fromfile=self.path if absolute else f"a/{self.path}", tofile=self.path if absolute else f"b/{self.path}",
+            fromfile=self.path if absolute else f"a/{self.path}",
+            tofile=self.path if absolute else f"b/{self.path}",
         )
         return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
@@ -76,7 +78,8 @@ class _Edit:
 
 
 class _Source:
-    """The file as tokens, with (row, col) → offset conversion for both tokenize and ast positions."""
+    """The file as tokens, with (row, col) → offset conversion for both tokenize and ast
+    positions."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -84,7 +87,9 @@ class _Source:
         self.offsets = [0]
         for line in self.lines:
             self.offsets.append(self.offsets[-1] + len(line))
-        self.tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type not in _SKIP]
+        self.tokens = [
+            t for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type not in _SKIP
+        ]
         self.starts = [t.start for t in self.tokens]
 
     def offset(self, pos: tuple[int, int]) -> int:
@@ -92,7 +97,9 @@ class _Source:
 
     def char_col(self, lineno: int, byte_col: int) -> int:
         """ast columns count UTF-8 bytes; tokenize columns count characters."""
-        return len(self.lines[lineno - 1].encode("utf-8")[:byte_col].decode("utf-8", errors="replace"))
+        return len(
+            self.lines[lineno - 1].encode("utf-8")[:byte_col].decode("utf-8", errors="replace")
+        )
 
     def token_index(self, node: ast.stmt) -> int:
         """Index of the first token of ``node`` (its ``import`` / ``from`` keyword)."""
@@ -107,7 +114,8 @@ class _Source:
         return lo
 
     def dotted(self, i: int) -> tuple[str, int, int]:
-        """The dotted name starting at token ``i``: ``(name, index of its last token, index after it)``."""
+        """The dotted name starting at token ``i``:
+        ``(name, index of its last token, index after it)``."""
         parts = [self.tokens[i].string]
         last = i
         while (
@@ -123,8 +131,9 @@ class _Source:
 
 
 def _common_parent(module: str, names: list[ast.alias]) -> str | None:
-    """The agentloop package ``P`` when every name of ``from <module> import a, b`` is a verl module that is
-    ``P.a``, ``P.b`` in agentloop (so ``from P import a, b`` binds the same modules); else None."""
+    """The agentloop package ``P`` when every name of ``from <module> import a, b`` is a verl module
+    that is ``P.a``, ``P.b`` in agentloop (so ``from P import a, b`` binds the same modules); else
+    None."""
     parents = set()
     for alias in names:
         moved = map_module(f"{module}.{alias.name}") if alias.name != "*" else None
@@ -135,7 +144,8 @@ def _common_parent(module: str, names: list[ast.alias]) -> str | None:
 
 
 class _Porter:
-    """One pass over one file: collects edits and issues (docs/porting-from-verl.md#agentloop-port)."""
+    """One pass over one file: collects edits and issues
+    (docs/porting-from-verl.md#agentloop-port)."""
 
     def __init__(self, text: str, check_names: bool) -> None:
         self.src = _Source(text)
@@ -167,9 +177,12 @@ class _Porter:
         first = self.src.token_index(node) + 1  # the token after ``from``
         _, last, _ = self.src.dotted(first)
         target = map_module(module)
-        if target is None:  # ``from verl.utils import tensordict_utils``: each name a module that moved to one package
+        # ``from verl.utils import tensordict_utils``: each name a module that moved to one package
+        if target is None:
             target = _common_parent(module, node.names)
-        problems = [p for alias in node.names if (p := self._submodule_problem(module, target, alias))]
+        problems = [
+            p for alias in node.names if (p := self._submodule_problem(module, target, alias))
+        ]
         if problems or target is None:
             for problem in problems or [unknown_module_message(module)]:
                 self._issue(node.lineno, problem)
@@ -182,16 +195,22 @@ class _Porter:
                     self._issue(node.lineno, missing)
 
     def _submodule_problem(self, module: str, target: str | None, alias: ast.alias) -> str | None:
-        """``from verl.pkg import mod`` where ``mod`` is a verl module that did not move along with ``pkg``."""
+        """``from verl.pkg import mod`` where ``mod`` is a verl module that did not move along
+        with ``pkg``."""
         sub = f"{module}.{alias.name}"
         moved = map_module(sub)
         bound = alias.asname or alias.name
         if moved is not None and (target is None or moved != f"{target}.{alias.name}"):
             return (
-                f"'from {module} import {alias.name}' imports the verl module {sub}, which is {moved} in "
+                f"'from {module} import {alias.name}' imports the verl module {sub}, which "
+                f"is {moved} in "
                 f"agentloop; write 'import {moved} as {bound}' (see {DOCS_IMPORT_MAP})"
             )
-        if moved is None and not_provided_reason(sub) is not None and not_provided_reason(module) is None:
+        if (
+            moved is None
+            and not_provided_reason(sub) is not None
+            and not_provided_reason(module) is None
+        ):
             return unknown_module_message(sub)
         return None
 
@@ -222,7 +241,8 @@ class _Porter:
             i = after + 1  # skip the comma
 
     def _references(self) -> None:
-        """Rewrite ``verl.x.attr`` in code after a plain ``import verl.x`` became ``import agentloop.y``."""
+        """Rewrite ``verl.x.attr`` in code after a plain ``import verl.x`` became
+        ``import agentloop.y``."""
         tokens = self.src.tokens
         i = 0
         while i < len(tokens):
@@ -239,7 +259,10 @@ class _Porter:
                 key_last = i + 2 * key.count(".")
                 self.edits.append(_Edit(*self.src.span(i, key_last), target))
             elif "." in dotted:
-                self._issue(tok.start[0], f"reference {dotted} is left as it was: " + unknown_module_message(dotted))
+                self._issue(
+                    tok.start[0],
+                    f"reference {dotted} is left as it was: " + unknown_module_message(dotted),
+                )
             i = after
 
 
@@ -255,7 +278,10 @@ def _missing_name(verl_module: str, target: str, name: str) -> str | None:
             _module_cache[target] = e
     mod = _module_cache[target]
     if isinstance(mod, Exception):
-        return f"{verl_module} maps to {target}, which cannot be imported ({type(mod).__name__}: {mod})"
+        return (
+            f"{verl_module} maps to {target}, which cannot be imported "
+            f"({type(mod).__name__}: {mod})"
+        )
     try:
         getattr(mod, name)
         return None
@@ -271,11 +297,14 @@ def _missing_name(verl_module: str, target: str, name: str) -> str | None:
 
 
 def port_source(text: str, path: str = "<string>", *, check_names: bool = True) -> PortResult:
-    """Port the source ``text`` of one file (docs/porting-from-verl.md); ``path`` only labels the result."""
+    """Port the source ``text`` of one file (docs/porting-from-verl.md); ``path`` only labels the
+    result."""
     try:
         tree = ast.parse(text, filename=path)
     except SyntaxError as e:
-        return PortResult(path, text, text, [PortIssue(e.lineno or 0, f"cannot parse the file: {e.msg}")])
+        return PortResult(
+            path, text, text, [PortIssue(e.lineno or 0, f"cannot parse the file: {e.msg}")]
+        )
     porter = _Porter(text, check_names)
     ported = porter.run(tree)
     issues = sorted(porter.issues, key=lambda p: p.line)
@@ -304,7 +333,8 @@ def port_files(
     paths: list[str], *, write: bool = False, check_names: bool = True,
     out: TextIO | None = None, err: TextIO | None = None,
 ) -> int:
-    """Port ``paths``: diffs to ``out``, issues to ``err``; returns the exit status (1 if any issue)."""
+    """Port ``paths``: diffs to ``out``, issues to ``err``; returns the exit status (1 if any
+    issue)."""
     out = out or sys.stdout
     err = err or sys.stderr
     status = 0
@@ -326,12 +356,16 @@ def port_files(
 def add_port_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``port`` subcommand to the ``agentloop`` CLI's subparsers."""
     parser = subparsers.add_parser(
-        "port", help="rewrite a verl agent-loop file's imports to agentloop (prints a unified diff)",
-        description=f"Rewrite verl imports by agentloop's import map ({len(VERL_IMPORT_MAP)} modules; "
+        "port",
+        help="rewrite a verl agent-loop file's imports to agentloop (prints a unified diff)",
+        description=f"Rewrite verl imports by agentloop's import map "
+        f"({len(VERL_IMPORT_MAP)} modules; "
         f"see {DOCS_IMPORT_MAP}). Exit status 1 when some import could not be ported.",
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="Python files to port")
-    parser.add_argument("--write", action="store_true", help="edit the files in place (the diff is still printed)")
+    parser.add_argument(
+        "--write", action="store_true", help="edit the files in place (the diff is still printed)"
+    )
     parser.add_argument(
         "--no-check", action="store_true",
         help="do not import agentloop to check that each imported name exists (faster)",

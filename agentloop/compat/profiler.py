@@ -7,9 +7,9 @@ verl 0.6.1 and 0.9.1 agree on the semantics, and so does this module:
 * when the block raises, nothing is added (the exception propagates).
 
 ``marked_timer`` is verl's timer that also emits NVTX / MSTX range markers when those profilers are
-available; agentloop has no device profiler, so it times exactly like ``simple_timer`` and ignores the
-marker arguments.  verl's trainer-side profiler names (``DistProfiler``, ``GPUMemoryLogger``, ...) are not
-provided; importing one raises an ImportError that says so.
+available; agentloop has no device profiler, so it times exactly like ``simple_timer`` and ignores
+the marker arguments.  verl's trainer-side profiler names (``DistProfiler``, ``GPUMemoryLogger``,
+...) are not provided; importing one raises an ImportError that says so.
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ def simple_timer(name: str, timing_raw: MutableMapping[str, float]) -> Iterator[
 
 @contextmanager
 def marked_timer(
-    name: str,
-    timing_raw: MutableMapping[str, float],
-    color: str | None = None,
-    domain: str | None = None,
-    category: str | None = None,
+    name: str, timing_raw: MutableMapping[str, float], color: str | None = None,
+    domain: str | None = None, category: str | None = None,
 ) -> Iterator[None]:
-    """:func:`simple_timer` with verl's marker arguments (``color``, ``domain``, ``category``), which are ignored."""
+    """:func:`simple_timer` with verl's marker arguments (``color``, ``domain``, ``category``),
+    which are ignored."""
     with simple_timer(name, timing_raw):
         yield
 

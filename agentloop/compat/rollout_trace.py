@@ -1,11 +1,11 @@
 """verl's ``verl.utils.rollout_trace`` on agentloop's recorder (:mod:`agentloop.trace`).
 
-``@rollout_trace_op`` records a method's calls as spans (inputs, outputs or exception) while tracing is
-on; ``rollout_trace_attr(...)`` attaches a sample's attributes to the spans recorded inside it and records
-the block as their parent span; ``RolloutTraceConfig.init(...)`` configures the process once, with
-backend None, ``"jsonl"`` or ``"mlflow"`` (verl's ``weave`` / ``trackio``, a negative sample limit, or
-mlflow without MLflow installed raise a ConfigError).
-Spec: docs/tracing.md#verls-api-agentloopcompatrollout_trace.
+``@rollout_trace_op`` records a method's calls as spans (inputs, outputs or exception) while tracing
+is on; ``rollout_trace_attr(...)`` attaches a sample's attributes to the spans recorded inside it
+and records the block as their parent span; ``RolloutTraceConfig.init(...)`` configures the process
+once, with backend None, ``"jsonl"`` or ``"mlflow"`` (verl's ``weave`` / ``trackio``, a negative
+sample limit, or mlflow without MLflow installed raise a ConfigError). Spec:
+docs/tracing.md#verls-api-agentloopcompatrollout_trace.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ TRACE_PATH_ENV = "AGENTLOOP_TRACE_PATH"
 class RolloutTraceConfig:
     """verl's process-wide trace settings, mapped onto :func:`agentloop.trace.configure`.
 
-    ``init`` configures once per process (later calls are ignored, as in verl) and ``reset`` turns tracing
-    off again.  Attributes mirror verl's: ``backend``, ``client`` (always None here), ``token2text``,
-    ``project_name``, ``experiment_name``, ``max_samples_per_step_per_worker``; ``path`` is the JSONL file.
+    ``init`` configures once per process (later calls are ignored, as in verl) and ``reset`` turns
+    tracing off again.  Attributes mirror verl's: ``backend``, ``client`` (always None here),
+    ``token2text``, ``project_name``, ``experiment_name``, ``max_samples_per_step_per_worker``;
+    ``path`` is the JSONL file.
     """
 
     _instance: ClassVar[RolloutTraceConfig | None] = None
@@ -62,22 +63,16 @@ class RolloutTraceConfig:
 
     @classmethod
     def init(
-        cls,
-        project_name: str,
-        experiment_name: str,
-        backend: str | None,
-        token2text: bool = False,
-        max_samples_per_step_per_worker: int | None = None,
-        *,
-        path: str | None = None,
+        cls, project_name: str, experiment_name: str, backend: str | None, token2text: bool = False,
+        max_samples_per_step_per_worker: int | None = None, *, path: str | None = None,
     ) -> None:
         """Configure tracing for this process; a second call is ignored (verl's behaviour).
 
         Args:
             project_name: verl's trace project; part of the default JSONL path.
-            experiment_name: attached to every span as ``experiment_name``; part of the default path.
-            backend: None / ``"none"`` (off), ``"jsonl"`` or ``"mlflow"``.
-            token2text: add decoded ``prompt_text`` / ``response_text`` to traced outputs.
+            experiment_name: attached to every span as ``experiment_name``; part of the default
+            path. backend: None / ``"none"`` (off), ``"jsonl"`` or ``"mlflow"``. token2text: add
+            decoded ``prompt_text`` / ``response_text`` to traced outputs.
             max_samples_per_step_per_worker: how many samples per step a worker traces
                 (see :func:`select_traced_rows`); None traces all.
             path: the JSONL file (agentloop extension); default ``$AGENTLOOP_TRACE_PATH`` or
@@ -92,15 +87,22 @@ class RolloutTraceConfig:
             return
         name = None if backend in (None, "", "none") else str(backend)
         if name not in SUPPORTED_BACKENDS:
-            extra = " (verl backend; agentloop does not implement it)" if name in VERL_ONLY_BACKENDS else ""
+            extra = (
+                " (verl backend; agentloop does not implement it)"
+                if name in VERL_ONLY_BACKENDS
+                else ""
+            )
             raise ConfigError(
-                f"rollout trace backend {backend!r}{extra} is not supported; supported: null (off), 'jsonl' and "
-                "'mlflow'. Set actor_rollout_ref.rollout.trace.backend to one of them (the JSONL file is "
+                f"rollout trace backend {backend!r}{extra} is not supported; supported: "
+                f"null (off), 'jsonl' and "
+                "'mlflow'. Set actor_rollout_ref.rollout.trace.backend to one of them (the "
+                "JSONL file is "
                 f"${TRACE_PATH_ENV}, default rollout_traces/<project_name>/<experiment_name>.jsonl)"
             )
         if max_samples_per_step_per_worker is not None and int(max_samples_per_step_per_worker) < 0:
             raise ConfigError(
-                f"max_samples_per_step_per_worker must be >= 0 or null, got {max_samples_per_step_per_worker}"
+                f"max_samples_per_step_per_worker must be >= 0 or null, got "
+                f"{max_samples_per_step_per_worker}"
             )
         if name == "jsonl":
             path = path or os.environ.get(TRACE_PATH_ENV) or os.path.join(
@@ -116,7 +118,9 @@ class RolloutTraceConfig:
         config.backend, config.path, config.token2text = name, path, bool(token2text)
         config.project_name, config.experiment_name = project_name, experiment_name
         config.max_samples_per_step_per_worker = (
-            None if max_samples_per_step_per_worker is None else int(max_samples_per_step_per_worker)
+            None
+            if max_samples_per_step_per_worker is None
+            else int(max_samples_per_step_per_worker)
         )
         config._initialized = True
 
@@ -142,9 +146,11 @@ class RolloutTraceConfig:
         configure("none")
 
 
-def select_traced_rows(index: Sequence[Any], max_samples_per_step_per_worker: int | None, seed: int | None = None
-                       ) -> set[int]:
-    """Rows a worker traces in one step: every rollout of up to ``max_samples`` randomly chosen samples.
+def select_traced_rows(
+    index: Sequence[Any], max_samples_per_step_per_worker: int | None, seed: int | None = None
+) -> set[int]:
+    """Rows a worker traces in one step: every rollout of up to ``max_samples`` randomly chosen
+    samples.
 
     ``index`` is the per-row sample index (rows of one sample share it); None traces every row.
     """
@@ -160,14 +166,11 @@ def select_traced_rows(index: Sequence[Any], max_samples_per_step_per_worker: in
 
 @contextmanager
 def rollout_trace_attr(
-    sample_index: Any = None,
-    step: Any = None,
-    rollout_n: Any = None,
-    name: str = "rollout_trace",
-    validate: bool = False,
-    trace: bool = True,
+    sample_index: Any = None, step: Any = None, rollout_n: Any = None, name: str = "rollout_trace",
+    validate: bool = False, trace: bool = True,
 ) -> Iterator[None]:
-    """Attach one trajectory's attributes to the spans recorded inside the block (docs/tracing.md)."""
+    """Attach one trajectory's attributes to the spans recorded inside the block
+    (docs/tracing.md)."""
     if not enabled():
         yield
         return
@@ -186,7 +189,9 @@ def rollout_trace_attr(
         yield
 
 
-def _bind_inputs(signature: inspect.Signature, drop_first: bool, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _bind_inputs(
+    signature: inspect.Signature, drop_first: bool, args: tuple, kwargs: dict
+) -> dict[str, Any]:
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:  # the call itself is wrong: let the function raise its own error

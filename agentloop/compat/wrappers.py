@@ -12,7 +12,8 @@ from typing import Any
 
 
 class DictConfigWrap:
-    """Holds a config as ``.config`` (verl: ``trainer_config`` and ``data_config`` arrive wrapped)."""
+    """Holds a config as ``.config`` (verl: ``trainer_config`` and ``data_config`` arrive
+    wrapped)."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -22,7 +23,8 @@ class DictConfigWrap:
 
 
 class ToolListWrap:
-    """Holds the worker's tool objects as ``.tools`` (verl 0.9 passes ``tools=ToolListWrap(...)`` to loops)."""
+    """Holds the worker's tool objects as ``.tools`` (verl 0.9 passes ``tools=ToolListWrap(...)``
+    to loops)."""
 
     def __init__(self, tools: list[Any]) -> None:
         self.tools = list(tools)

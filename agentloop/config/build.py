@@ -1,11 +1,11 @@
 """Building one typed config section from the merged omegaconf tree.
 
-Every section dataclass of :mod:`agentloop.config.schema` names the config key of each of its fields (its
-``SECTION`` prefix plus the field name, or a ``key`` in the field's metadata).  :func:`build_section` reads
-those keys from a trainer-shaped config, checks each value (the start-up check's own rule where
-:data:`agentloop.configcheck.check.TYPE_CHECKS` has one, else one derived from the field's type) and casts
-it once.  A key the config lacks takes its value from ``agentloop/configs/rollout.yaml``: defaults live
-there and nowhere else.
+Every section dataclass of :mod:`agentloop.config.schema` names the config key of each of its fields
+(its ``SECTION`` prefix plus the field name, or a ``key`` in the field's metadata).
+:func:`build_section` reads those keys from a trainer-shaped config, checks each value (the start-up
+check's own rule where :data:`agentloop.configcheck.check.TYPE_CHECKS` has one, else one derived
+from the field's type) and casts it once.  A key the config lacks takes its value from
+``agentloop/configs/rollout.yaml``: defaults live there and nowhere else.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _plain(node: Any) -> Any:
 
 
 def _lookup(root: Any, key: str) -> Any:
-    """The value at dotted ``key`` of a DictConfig or nested mapping; ``_ABSENT`` when a part is missing."""
+    """The value at dotted ``key`` of a DictConfig or nested mapping; ``_ABSENT`` when a part is
+    missing."""
     if isinstance(root, DictConfig):
         return _plain(OmegaConf.select(root, key, default=_ABSENT, throw_on_missing=False))
     node = root
@@ -72,13 +73,15 @@ def read_value(root: Any, key: str) -> Any:
     if value is _ABSENT:
         value = _lookup(_defaults(), key)
     if value is _ABSENT:
-        raise ConfigError(f"{key} is missing and agentloop/configs/rollout.yaml has no default for it")
+        raise ConfigError(
+            f"{key} is missing and agentloop/configs/rollout.yaml has no default for it"
+        )
     return value
 
 
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # checks derived from a field's type (for keys the start-up check has no rule for)
-# ------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -93,12 +96,16 @@ _BASE: dict[Any, Check] = {
     bool: (lambda v: isinstance(v, bool), "true or false"),
     str: (lambda v: isinstance(v, str), "a string"),
     dict: (lambda v: isinstance(v, dict), "a mapping"),
-    tuple: (lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v), "a list of ints"),
+    tuple: (
+        lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v),
+        "a list of ints",
+    ),
 }
 
 
 def _base_of(tp: Any) -> tuple[Any, bool]:
-    """``(base type, optional)`` of an annotation such as ``int``, ``float | None``, ``dict[str, Any]``."""
+    """``(base type, optional)`` of an annotation such as ``int``, ``float | None``,
+    ``dict[str, Any]``."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -139,8 +146,11 @@ def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def field_errors(cls: type, values: Mapping[str, Any], keys: Mapping[str, str] | None = None) -> list[str]:
-    """The invalid-value entries (see :func:`agentloop.configcheck.check.value_error`) for ``values``.
+def field_errors(
+    cls: type, values: Mapping[str, Any], keys: Mapping[str, str] | None = None
+) -> list[str]:
+    """The invalid-value entries (see :func:`agentloop.configcheck.check.value_error`) for
+    ``values``.
 
     The start-up check's rule for a key wins over the one derived from the field's type.
     """
@@ -157,8 +167,9 @@ def field_errors(cls: type, values: Mapping[str, Any], keys: Mapping[str, str] |
 
 
 def _precheck(cls: type, values: Mapping[str, Any]) -> None:
-    """Run the section's own value checks (``PRECHECKS``: field name -> a function raising ConfigError); they
-    come first so that their long-standing messages win over the generic type message."""
+    """Run the section's own value checks (``PRECHECKS``: field name -> a function raising
+    ConfigError); they come first so that their long-standing messages win over the generic type
+    message."""
     for name, check in getattr(cls, "PRECHECKS", {}).items():
         check(values[name])
 
@@ -179,9 +190,10 @@ def build_section(cls: type[Any], root: Any, keys: Mapping[str, str] | None = No
 
     Args:
         cls: a section dataclass (``SECTION`` prefix; optional ``key`` metadata per field).
-        root: the trainer-shaped config (DictConfig or nested mapping); absent keys come from the YAML.
-        keys: field name -> config key overrides (e.g. validation sampling reads ``val_kwargs.*``).
-        adjust: maps the raw values before they are checked (e.g. resolving a null that means "derive it").
+        root: the trainer-shaped config (DictConfig or nested mapping); absent keys come from the
+        YAML. keys: field name -> config key overrides (e.g. validation sampling reads
+        ``val_kwargs.*``). adjust: maps the raw values before they are checked (e.g. resolving a
+        null that means "derive it").
 
     Raises:
         ConfigError: one line naming every invalid value (the start-up check's wording).

@@ -1,11 +1,12 @@
 """Typed, frozen config sections, built once from the merged trainer-shaped config.
 
-Each section names the YAML key of every field (``SECTION`` + field name, or ``key(...)`` metadata) and has
-no default of its own: :func:`agentloop.config.resolve_config` builds them from the merged config, whose
-defaults come from ``agentloop/configs/rollout.yaml`` only.  ``Section.from_root(root)`` builds one from any
-trainer-shaped config (absent keys take the YAML's value), ``Section.from_rollout(rollout)`` from the
-``actor_rollout_ref.rollout`` subtree alone.  A section rejects a mistyped or unknown value, at build time or
-when constructed directly, with the start-up check's one-line ConfigError.
+Each section names the YAML key of every field (``SECTION`` + field name, or ``key(...)`` metadata)
+and has no default of its own: :func:`agentloop.config.resolve_config` builds them from the merged
+config, whose defaults come from ``agentloop/configs/rollout.yaml`` only.
+``Section.from_root(root)`` builds one from any trainer-shaped config (absent keys take the YAML's
+value), ``Section.from_rollout(rollout)`` from the ``actor_rollout_ref.rollout`` subtree alone.  A
+section rejects a mistyped or unknown value, at build time or when constructed directly, with the
+start-up check's one-line ConfigError.
 """
 
 from __future__ import annotations
@@ -53,17 +54,22 @@ class Section:
 
     @classmethod
     def from_root(cls: type[_T], root: Any) -> _T:
-        """Build from a trainer-shaped config (DictConfig or mapping); absent keys take the YAML's value.
+        """Build from a trainer-shaped config (DictConfig or mapping); absent keys take the YAML's
+        value.
 
         Raises:
-            ConfigError: a value is mistyped or out of range (the start-up check's one-line message).
+            ConfigError: a value is mistyped or out of range (the start-up check's one-line
+            message).
         """
         return build_section(cls, root)  # type: ignore[no-any-return]
 
     @classmethod
     def from_rollout(cls: type[_T], rollout: Any) -> _T:
-        """Build from the ``actor_rollout_ref.rollout`` subtree alone (other sections: the YAML's values)."""
-        return cls.from_root({"actor_rollout_ref": {"rollout": rollout if rollout is not None else {}}})
+        """Build from the ``actor_rollout_ref.rollout`` subtree alone (other sections: the YAML's
+        values)."""
+        return cls.from_root(
+            {"actor_rollout_ref": {"rollout": rollout if rollout is not None else {}}}
+        )
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,8 @@ class EngineConfig(Section):
     normal_priority: bool
     gc_freeze: bool
     engine_kwargs: dict[str, Any]
-    """``{"vllm": {...}, "sglang": {...}}``: extra engine arguments per backend (values may be None)."""
+    """``{"vllm": {...}, "sglang": {...}}``: extra engine arguments per backend (values may be
+    None)."""
 
     PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"name": check_engine_name}
 
@@ -130,7 +137,8 @@ class EngineConfig(Section):
 
 @dataclass(frozen=True)
 class SamplingConfig(Section):
-    """verl's per-batch sampling keys (``cfg.sampling``; ``cfg.val_sampling`` reads ``val_kwargs.*``)."""
+    """verl's per-batch sampling keys (``cfg.sampling``; ``cfg.val_sampling`` reads
+    ``val_kwargs.*``)."""
 
     SECTION: ClassVar[str] = _R
     temperature: float
@@ -148,7 +156,8 @@ class SamplingConfig(Section):
 
     @classmethod
     def validation_from_root(cls, root: Any) -> SamplingConfig:
-        """The validation sampling (``val_kwargs`` replace the sampling keys) of a trainer-shaped config."""
+        """The validation sampling (``val_kwargs`` replace the sampling keys) of a trainer-shaped
+        config."""
         return build_section(cls, root, cls.VAL_KEYS)  # type: ignore[no-any-return]
 
     def params(self) -> dict[str, Any]:
@@ -192,7 +201,8 @@ class ServerConfig(Section):
 
     @classmethod
     def from_root(cls, root: Any) -> ServerConfig:
-        """See :meth:`Section.from_root`; a null ``weight_update`` is resolved with :func:`weight_update_mode`."""
+        """See :meth:`Section.from_root`; a null ``weight_update`` is resolved with
+        :func:`weight_update_mode`."""
         partial = read_value(root, "async_training.partial_rollout")
         return build_section(cls, root, adjust=lambda v: {  # type: ignore[no-any-return]
             **v, "weight_update": weight_update_mode(v["weight_update"], partial)})
@@ -200,22 +210,33 @@ class ServerConfig(Section):
 
 @dataclass(frozen=True)
 class RouterConfig(Section):
-    """What every router (worker or gateway) is built with: :func:`agentloop.routing.factory.build_router`."""
+    """What every router (worker or gateway) is built with:
+    :func:`agentloop.routing.factory.build_router`."""
 
     max_cache_size: int = key(f"{_S}.max_cache_size")
     batch_calls: bool = key(f"{_S}.batch_calls")
     max_failovers: int | None = key(f"{_S}.max_failovers")
     priority: str | None = key(f"{_S}.priority")
-    """The policy name (``null`` | ``fcfs`` | ``context``); ``make_priority`` turns it into a policy."""
+    """The policy name (``null`` | ``fcfs`` | ``context``); ``make_priority`` turns it into a
+    policy."""
     partial_rollout: bool = key("async_training.partial_rollout")
     """True only when ``async_training.partial_rollout`` is true (null reads as false)."""
     restart_preempted: bool = key(f"{_A}.restart_preempted")
 
     @classmethod
     def from_root(cls, root: Any) -> RouterConfig:
-        """See :meth:`Section.from_root`; a null ``async_training.partial_rollout`` reads as false."""
-        return build_section(cls, root, adjust=lambda v: {  # type: ignore[no-any-return]
-            **v, "partial_rollout": v["partial_rollout"] if v["partial_rollout"] is not None else False})
+        """See :meth:`Section.from_root`; a null ``async_training.partial_rollout`` reads as
+        false."""
+        return build_section(
+            cls,
+            root,
+            adjust=lambda v: {  # type: ignore[no-any-return]
+                **v,
+                "partial_rollout": v["partial_rollout"]
+                if v["partial_rollout"] is not None
+                else False,
+            },
+        )
 
 
 @dataclass(frozen=True)
@@ -236,12 +257,15 @@ class AgentConfig(Section):
     strict_config: bool | None
     max_failure_fraction: float | None
 
-    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"prompt_truncation": check_prompt_truncation}
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {
+        "prompt_truncation": check_prompt_truncation
+    }
 
 
 @dataclass(frozen=True)
 class MultiTurnConfig(Section):
-    """``actor_rollout_ref.rollout.multi_turn``: turn limits, tools, context window, reward spreading."""
+    """``actor_rollout_ref.rollout.multi_turn``: turn limits, tools, context window, reward
+    spreading."""
 
     SECTION: ClassVar[str] = f"{_R}.multi_turn"
     max_assistant_turns: int | None
@@ -260,7 +284,8 @@ class MultiTurnConfig(Section):
     context_window: int | None
     max_context_edits: int | None
     reward_to: str | None
-    """all | last | discounted (null: all; :class:`agentloop.rewards.EpisodeRewardConfig` applies it)."""
+    """all | last | discounted (null: all; :class:`agentloop.rewards.EpisodeRewardConfig` applies
+    it)."""
     reward_gamma: float | None
 
     PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {
@@ -268,8 +293,9 @@ class MultiTurnConfig(Section):
         "context_window": check_context_window, "max_context_edits": check_max_context_edits,
         "reward_to": check_reward_to, "reward_gamma": check_reward_gamma,
     }
-    """The components' own messages (tool executor, context window, episode reward) for direct builds;
-    ``resolve_config``'s start-up check reports the same values first, in its one-line form."""
+    """The components' own messages (tool executor, context window, episode reward) for direct
+    builds; ``resolve_config``'s start-up check reports the same values first, in its one-line form.
+    """
 
 
 @dataclass(frozen=True)
@@ -282,7 +308,8 @@ class GatewayConfig(Section):
     max_body_bytes: int
     max_image_bytes: int
     reasoning_parser: str | None
-    """A registered :class:`~agentloop.parsers.reasoning.ReasoningParser` name (null: no reasoning split)."""
+    """A registered :class:`~agentloop.parsers.reasoning.ReasoningParser` name (null: no
+    reasoning split)."""
     session_timeout: float | None
     max_concurrent_sessions: int
     trajectories: str
@@ -332,21 +359,24 @@ class DataConfig(Section):
     apply_chat_template_kwargs: dict[str, Any] | None
     """Extra keyword arguments for the chat template (null: none)."""
     mm_processor_kwargs: dict[str, Any] | None
-    """verl's processor arguments, passed to verl-style loops (agentloop's data loading ignores them)."""
+    """verl's processor arguments, passed to verl-style loops (agentloop's data loading ignores
+    them)."""
 
 
 _REWARD = "custom_reward_function"
 
 
 def _reward_default(name: str) -> Any:
-    """The YAML's default of ``custom_reward_function.<name>`` (for constructing a RewardConfig by hand)."""
+    """The YAML's default of ``custom_reward_function.<name>`` (for constructing a RewardConfig
+    by hand)."""
     return lambda: read_value(None, f"{_REWARD}.{name}")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """``custom_reward_function`` (top level, verl's; verl 0.9's ``reward.custom_reward_function`` when the
-    top-level one has no path).  Fields left out when constructing one by hand take the YAML's defaults.
+    """``custom_reward_function`` (top level, verl's; verl 0.9's ``reward.custom_reward_function``
+    when the top-level one has no path).  Fields left out when constructing one by hand take the
+    YAML's defaults.
 
     Raises:
         ConfigError: a key has the wrong type (one line naming it).
@@ -362,30 +392,42 @@ class RewardConfig:
     add_tool_rewards: bool = field(default_factory=_reward_default("add_tool_rewards"))
 
     def __post_init__(self) -> None:
-        check_reward_block({"path": self.path, "name": self.name, "reward_kwargs": self.reward_kwargs,
-                       "timeout": self.timeout, "add_tool_rewards": self.add_tool_rewards})
+        check_reward_block(
+            {
+                "path": self.path, "name": self.name, "reward_kwargs": self.reward_kwargs,
+                "timeout": self.timeout, "add_tool_rewards": self.add_tool_rewards,
+            }
+        )
 
     @classmethod
     def from_root(cls, root: Any) -> RewardConfig:
-        """Read the block from a trainer-shaped config (top level first, then verl 0.9's ``reward.``).
+        """Read the block from a trainer-shaped config (top level first, then verl 0.9's
+        ``reward.``).
 
         Raises:
             ConfigError: a key has the wrong type.
         """
         block = _plain_block(root, (_REWARD,)) or {}
         if not isinstance(block, dict):
-            raise ConfigError(f"{_REWARD} must be a mapping with path / name / timeout keys, got {block!r}")
+            raise ConfigError(
+                f"{_REWARD} must be a mapping with path / name / timeout keys, got {block!r}"
+            )
         nested = _plain_block(root, ("reward", _REWARD))
         if not block.get("path") and isinstance(nested, dict) and nested.get("path"):
-            block = {**nested, **{k: block[k] for k in ("timeout", "add_tool_rewards") if k in block}}
+            block = {
+                **nested,
+                **{k: block[k] for k in ("timeout", "add_tool_rewards") if k in block},
+            }
         full = {k: block[k] if k in block else read_value(None, f"{_REWARD}.{k}")
                 for k in ("path", "name", "reward_kwargs", "timeout", "add_tool_rewards")}
         full["name"] = full["name"] or read_value(None, f"{_REWARD}.name")
         full["reward_kwargs"] = full["reward_kwargs"] or {}
         check_reward_block(full)
-        return cls(path=full["path"] or None, name=full["name"], reward_kwargs=dict(full["reward_kwargs"]),
-                   timeout=float(full["timeout"]) if full["timeout"] else None,
-                   add_tool_rewards=full["add_tool_rewards"])
+        return cls(
+            path=full["path"] or None, name=full["name"], reward_kwargs=dict(full["reward_kwargs"]),
+            timeout=float(full["timeout"]) if full["timeout"] else None,
+            add_tool_rewards=full["add_tool_rewards"],
+        )
 
     from_config = from_root
     """The name :class:`agentloop.rewards.RewardFunctionConfig` users know."""

@@ -34,18 +34,12 @@ from agentloop.config.schema import (
 _B = TypeVar("_B", bound="SectionBundle")
 
 SECTION_BUILDERS: dict[str, Callable[[Any], Any]] = {
-    "agent": AgentConfig.from_root,
-    "engine": EngineConfig.from_root,
-    "model_config": ModelConfig.from_root,
-    "sampling": SamplingConfig.from_root,
-    "val_sampling": SamplingConfig.validation_from_root,
-    "server": ServerConfig.from_root,
-    "router": RouterConfig.from_root,
-    "multi_turn": MultiTurnConfig.from_root,
-    "gateway": GatewayConfig.from_root,
-    "trace": TraceConfig.from_root,
-    "reward": RewardConfig.from_root,
-    "async_training": AsyncConfig.from_root,
+    "agent": AgentConfig.from_root, "engine": EngineConfig.from_root,
+    "model_config": ModelConfig.from_root, "sampling": SamplingConfig.from_root,
+    "val_sampling": SamplingConfig.validation_from_root, "server": ServerConfig.from_root,
+    "router": RouterConfig.from_root, "multi_turn": MultiTurnConfig.from_root,
+    "gateway": GatewayConfig.from_root, "trace": TraceConfig.from_root,
+    "reward": RewardConfig.from_root, "async_training": AsyncConfig.from_root,
     "data": DataConfig.from_root,
 }
 """Attribute name (as on ``AgentLoopConfig``) -> its builder from a trainer-shaped config."""
@@ -57,7 +51,8 @@ class SectionBundle:
 
     @classmethod
     def of(cls: type[_B], cfg: Any) -> _B:
-        """This bundle's sections picked from ``cfg`` (an ``AgentLoopConfig``; nothing is rebuilt)."""
+        """This bundle's sections picked from ``cfg`` (an ``AgentLoopConfig``; nothing is
+        rebuilt)."""
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         return cls(**{name: getattr(cfg, name) for name in names})
 
@@ -78,7 +73,10 @@ class SectionBundle:
         Raises:
             ConfigError: as :meth:`from_root`.
         """
-        slices = {"rollout": {} if rollout is None else rollout, "model": {} if model is None else model}
+        slices = {
+            "rollout": {} if rollout is None else rollout,
+            "model": {} if model is None else model,
+        }
         return cls.from_root({"actor_rollout_ref": slices})
 
 

@@ -7,7 +7,16 @@ from agentloop.configcheck.check import (
     fill_verl_defaults,
     reset_warnings,
 )
-from agentloop.configcheck.keys import DATA, HONOURED, IRRELEVANT, MODEL, ROLLOUT, SUBTREES, UNSUPPORTED, Key
+from agentloop.configcheck.keys import (
+    DATA,
+    HONOURED,
+    IRRELEVANT,
+    MODEL,
+    ROLLOUT,
+    SUBTREES,
+    UNSUPPORTED,
+    Key,
+)
 
 __all__ = [
     "DATA", "HONOURED", "IRRELEVANT", "MODEL", "ROLLOUT", "SUBTREES", "UNSUPPORTED", "Key",

@@ -12,12 +12,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "GatewayActor": "agentloop.gateway.actor",
-    "GatewayManager": "agentloop.gateway.actor",
-    "start_gateways": "agentloop.gateway.actor",
-    "GatewayService": "agentloop.gateway.service",
-    "SessionHandle": "agentloop.gateway.service",
-    "OpenAIAgentLoop": "agentloop.gateway.framework",
+    "GatewayActor": "agentloop.gateway.actor", "GatewayManager": "agentloop.gateway.actor",
+    "start_gateways": "agentloop.gateway.actor", "GatewayService": "agentloop.gateway.service",
+    "SessionHandle": "agentloop.gateway.service", "OpenAIAgentLoop": "agentloop.gateway.framework",
     "register_agent_runner": "agentloop.gateway.framework",
 }
 

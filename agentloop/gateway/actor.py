@@ -40,13 +40,15 @@ class GatewayActor:
     """One OpenAI-compatible gateway.  Call :meth:`start` (async) before opening sessions.
 
     Args:
-        sections: the typed sections it reads (``GatewaySections.of(cfg)``: ``gateway.{host, max_body_bytes}``,
-            the engine's lengths, ``multi_turn.format``, ``calculate_log_probs``, the model, and ``router``,
-            the same router section the workers route with).
+        sections: the typed sections it reads (``GatewaySections.of(cfg)``:
+        ``gateway.{host, max_body_bytes}``,
+            the engine's lengths, ``multi_turn.format``, ``calculate_log_probs``, the model, and
+            ``router``, the same router section the workers route with).
         server_handles: the engines (Ray actor handles or in-process servers).
         balancer: the GlobalBalancer actor, a local Balancer, or None.
         tokenizer: pass one to skip loading it from the model section.
-        processor: the model's HF processor for image requests (docs/gateway.md#images); loaded from the
+        processor: the model's HF processor for image requests (docs/gateway.md#images); loaded from
+        the
             model section only when neither it nor ``tokenizer`` is given (a text-only model: None).
         owner: the router's owner id (its balancer slots are released under it).
     """
@@ -61,10 +63,16 @@ class GatewayActor:
             processor = load_processor(sections.model_config, tok)
         router = build_router(sections.router, server_handles, balancer, owner=owner)
         self.service = GatewayService(
-            tok, router, get_tool_parser(sections.multi_turn.format, tok),
-            prompt_length=sections.engine.prompt_length, response_length=sections.engine.response_length,
-            calculate_log_probs=sections.sampling.calculate_log_probs, model_name=sections.model_config.path,
-            images=ImageEncoder(processor, sections.gateway.max_image_bytes, sections.model_config.path),
+            tok,
+            router,
+            get_tool_parser(sections.multi_turn.format, tok),
+            prompt_length=sections.engine.prompt_length,
+            response_length=sections.engine.response_length,
+            calculate_log_probs=sections.sampling.calculate_log_probs,
+            model_name=sections.model_config.path,
+            images=ImageEncoder(
+                processor, sections.gateway.max_image_bytes, sections.model_config.path
+            ),
             reasoning=get_reasoning_parser(sections.gateway.reasoning_parser, tok),
         )
         self._server: Any = None
@@ -74,16 +82,19 @@ class GatewayActor:
     @classmethod
     def from_slices(cls, rollout: Any, model: Any, server_handles: list[Any], *args: Any,
                     **kwargs: Any) -> GatewayActor:
-        """A gateway from the ``rollout`` / ``model`` config slices (:meth:`GatewaySections.from_slices`: absent
-        keys take the YAML's values, ``async_training.partial_rollout`` reads as false); ``args`` / ``kwargs``:
-        the constructor's arguments after ``server_handles``."""
+        """A gateway from the ``rollout`` / ``model`` config slices
+        (:meth:`GatewaySections.from_slices`: absent keys take the YAML's values,
+        ``async_training.partial_rollout`` reads as false); ``args`` / ``kwargs``: the constructor's
+        arguments after ``server_handles``."""
         return cls(GatewaySections.from_slices(rollout, model), server_handles, *args, **kwargs)
 
     async def start(self) -> str:
         """Start the HTTP server; returns its base URL (``http://host:port``)."""
         if self._server is not None:
             return self.url
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(
+            socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM
+        )
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # Accepted connections inherit TCP_NODELAY: without it a response written in two parts waits
         # for the client's delayed ACK (~40 ms per request on Linux).
@@ -91,7 +102,9 @@ class GatewayActor:
         try:
             sock.bind((self.host, 0))
         except OSError as e:
-            raise ConfigError(f"gateway cannot bind to host {self.host!r} (rollout.gateway.host): {e}") from e
+            raise ConfigError(
+                f"gateway cannot bind to host {self.host!r} (rollout.gateway.host): {e}"
+            ) from e
         port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.service, max_body_bytes=self.max_body_bytes),
                                 log_level="warning", access_log=False, lifespan="off")
@@ -107,15 +120,20 @@ class GatewayActor:
         return self.url
 
     def replace_server(self, index: int, handle: Any) -> None:
-        """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead server)."""
+        """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead
+        server)."""
         self.service.router.replace_server(index, handle)
 
-    async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
-                             sampling_params: dict[str, Any] | None = None) -> SessionHandle:
+    async def create_session(
+        self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+    ) -> SessionHandle:
         """Open a session (see :meth:`GatewayService.create_session`)."""
         return self.service.create_session(session_id, metadata, sampling_params)
 
-    async def complete(self, session_id: str, reward_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def complete(
+        self, session_id: str, reward_info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Mark a session complete."""
         return self.service.complete(session_id, reward_info)
 
@@ -159,18 +177,23 @@ class GatewayManager:
 
     def __init__(self, gateways: list[Any]) -> None:
         if not gateways:
-            raise ConfigError("GatewayManager needs at least one gateway (rollout.gateway.num_gateways >= 1)")
+            raise ConfigError(
+                "GatewayManager needs at least one gateway (rollout.gateway.num_gateways >= 1)"
+            )
         self.gateways = list(gateways)
         self.active = [0] * len(self.gateways)
         self.dead: set[int] = set()
-        """Gateways whose actor died: no new session goes there (the manager replaces them before a batch)."""
+        """Gateways whose actor died: no new session goes there (the manager replaces them before
+        a batch)."""
         self.why: dict[int, str] = {}
-        """Why the manager killed a gateway (e.g. it hung): said in the errors of the sessions that were on it."""
+        """Why the manager killed a gateway (e.g. it hung): said in the errors of the sessions
+        that were on it."""
         self._where: dict[str, int] = {}
 
     def lost(self, index: int, reason: str) -> None:
-        """The manager is about to kill gateway ``index`` for ``reason``: no new session goes there, and calls
-        for the sessions on it fail with an error that says why (not only that the actor died)."""
+        """The manager is about to kill gateway ``index`` for ``reason``: no new session goes there,
+        and calls for the sessions on it fail with an error that says why (not only that the actor
+        died)."""
         self.dead.add(index)
         self.why[index] = reason
 
@@ -182,26 +205,34 @@ class GatewayManager:
                 raise ServerError(f"gateway {index} {self.why[index]}") from e
             raise
 
-    async def create_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
-                             sampling_params: dict[str, Any] | None = None) -> SessionHandle:
-        """Open a session on the live gateway with the fewest active sessions (a gateway whose actor died is
-        left out and the session opened on another)."""
+    async def create_session(
+        self, session_id: str | None = None, metadata: dict[str, Any] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+    ) -> SessionHandle:
+        """Open a session on the live gateway with the fewest active sessions (a gateway whose actor
+        died is left out and the session opened on another)."""
         while True:
             live = [k for k in range(len(self.gateways)) if k not in self.dead]
             if not live:
-                raise ServerError(f"all {len(self.gateways)} gateway actor(s) died; the AgentLoopManager starts new "
-                                  "ones before its next batch")
+                raise ServerError(
+                    f"all {len(self.gateways)} gateway actor(s) died; the "
+                    f"AgentLoopManager starts new "
+                    "ones before its next batch"
+                )
             i = min(live, key=lambda k: self.active[k])
             self.active[i] += 1  # reserved before the await, so concurrent opens spread out
             try:
-                handle: SessionHandle = await _maybe_remote(self.gateways[i], "create_session", session_id,
-                                                            metadata, sampling_params)
+                handle: SessionHandle = await _maybe_remote(
+                    self.gateways[i], "create_session", session_id, metadata, sampling_params
+                )
             except BaseException as e:
                 self.active[i] -= 1
                 if not _actor_gone(e):
                     raise
                 self.dead.add(i)
-                logger.warning("gateway %d died (%s); its new sessions go to the others", i, first_line(e))
+                logger.warning(
+                    "gateway %d died (%s); its new sessions go to the others", i, first_line(e)
+                )
                 continue
             self._where[handle.session_id] = i
             return handle
@@ -219,7 +250,9 @@ class GatewayManager:
         """Abort a session's in-flight requests (finalize it afterwards)."""
         return await self._call(self._gateway_of(session_id), "abort", session_id)
 
-    async def complete(self, session_id: str, reward_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def complete(
+        self, session_id: str, reward_info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Mark a session complete."""
         return await self._call(self._gateway_of(session_id), "complete", session_id, reward_info)
 
@@ -240,27 +273,37 @@ def _actor_gone(error: BaseException) -> bool:
 
 def replace_dead_gateways(gateways: list[Any], sections: GatewaySections, server_handles: list[Any],
                           balancer: Any = None, timeout: float = 30.0) -> int:
-    """Look at every gateway actor; start a new one in place of each that died (``gateways`` is changed in
-    place), built from ``sections`` as :func:`start_gateways` does.  Returns how many were replaced; a gateway
-    slow to answer is left (it may be busy)."""
+    """Look at every gateway actor; start a new one in place of each that died (``gateways`` is
+    changed in place), built from ``sections`` as :func:`start_gateways` does.  Returns how many
+    were replaced; a gateway slow to answer is left (it may be busy)."""
     refs = [g.num_sessions.remote() for g in gateways]
-    answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])  # one wait for all, not one each
+    # one wait for all, not one each
+    answered = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
     dead = []
     for i, ref in enumerate(refs):
         if ref not in answered:
-            logger.warning("gateway %d did not answer within %g s; left as it is (killed if it stays silent for "
-                           "rollout.server.stall_timeout while a batch runs)", i, timeout)
+            logger.warning(
+                "gateway %d did not answer within %g s; left as it is (killed if "
+                "it stays silent for "
+                "rollout.server.stall_timeout while a batch runs)",
+                i,
+                timeout,
+            )
             continue
         try:
             ray.get(ref)
         except Exception as e:  # noqa: BLE001 - only a gone actor is replaced
             if _actor_gone(e):
-                logger.warning("gateway %d died (%s); starting a new one in its place", i, first_line(e))
+                logger.warning(
+                    "gateway %d died (%s); starting a new one in its place", i, first_line(e)
+                )
                 dead.append(i)
             else:
                 logger.warning("gateway %d did not answer (%s); left as it is", i, first_line(e))
     if dead:
-        for i, fresh in zip(dead, start_gateways(sections, server_handles, balancer, n=len(dead)), strict=True):
+        for i, fresh in zip(
+            dead, start_gateways(sections, server_handles, balancer, n=len(dead)), strict=True
+        ):
             with contextlib.suppress(Exception):
                 ray.kill(gateways[i], no_restart=True)
             gateways[i] = fresh
@@ -269,35 +312,51 @@ def replace_dead_gateways(gateways: list[Any], sections: GatewaySections, server
 
 def kill_hung_gateways(gateways: list[Any], watch: HangWatch[int], hang_s: float,
                        tell: Callable[[int, str], Any] | None = None) -> list[int]:
-    """A look while a batch runs: a gateway actor that leaves a probe unanswered for ``hang_s`` seconds has a
-    blocked event loop (its sessions' HTTP calls hang with it) and is killed.  The sessions open on it end as
-    ``error`` rows, new sessions go to the other gateways, and it is replaced before the next batch
-    (:func:`replace_dead_gateways`).  ``tell(index, reason)`` runs before each kill (the manager tells the
-    workers, whose rows then say the gateway hung).  Returns the gateways killed."""
+    """A look while a batch runs: a gateway actor that leaves a probe unanswered for ``hang_s``
+    seconds has a blocked event loop (its sessions' HTTP calls hang with it) and is killed.  The
+    sessions open on it end as ``error`` rows, new sessions go to the other gateways, and it is
+    replaced before the next batch (:func:`replace_dead_gateways`).  ``tell(index, reason)`` runs
+    before each kill (the manager tells the workers, whose rows then say the gateway hung). Returns
+    the gateways killed.
+    """
     hung, _ = watch.look(dict(enumerate(gateways)), lambda g: g.num_sessions.remote(), hang_s)
     for i in hung:
-        logger.warning("gateway %d did not answer for %g s (rollout.server.stall_timeout): its event loop is blocked; "
-                       "killing it (its sessions end as error rows, it is replaced before the next batch)", i, hang_s)
+        logger.warning(
+            "gateway %d did not answer for %g s (rollout.server.stall_timeout): "
+            "its event loop is blocked; "
+            "killing it (its sessions end as error rows, it is replaced before "
+            "the next batch)",
+            i,
+            hang_s,
+        )
         if tell is not None:
-            tell(i, f"hung: it left a probe unanswered for {hang_s:g} s (rollout.server.stall_timeout) and was "
-                    "killed; it is replaced before the next batch")
+            tell(
+                i,
+                f"hung: it left a probe unanswered for {hang_s:g} s "
+                f"(rollout.server.stall_timeout) and was "
+                "killed; it is replaced before the next batch",
+            )
         ray.kill(gateways[i], no_restart=True)
     return hung
 
 
 def tell_gateways(gateways: list[Any], index: int, handle: Any) -> None:
-    """Hand restarted server ``index`` to every gateway; a dead gateway is skipped (its replacement starts
-    with the current servers)."""
+    """Hand restarted server ``index`` to every gateway; a dead gateway is skipped (its replacement
+    starts with the current servers)."""
     for gateway, ref in [(g, g.replace_server.remote(index, handle)) for g in gateways]:
         try:
             ray.get(ref, timeout=30)
         except Exception as e:  # noqa: BLE001 - a gateway's fault must not stop a server's return
-            logger.warning("gateway %s was not told about restarted server %d: %s", gateway, index, first_line(e))
+            logger.warning(
+                "gateway %s was not told about restarted server %d: %s", gateway, index,
+                first_line(e),
+            )
 
 
 def start_gateways(sections: GatewaySections, server_handles: list[Any], balancer: Any = None,
                    n: int | None = None) -> list[Any]:
-    """Start ``n`` (default ``sections.gateway.num_gateways``) GatewayActor actors and their HTTP servers.
+    """Start ``n`` (default ``sections.gateway.num_gateways``) GatewayActor actors and their HTTP
+    servers.
 
     Raises:
         ConfigError: ``n`` is below 1.
@@ -305,10 +364,14 @@ def start_gateways(sections: GatewaySections, server_handles: list[Any], balance
     if n is None:
         n = sections.gateway.num_gateways
     if n < 1:
-        raise ConfigError(f"rollout.gateway.num_gateways must be >= 1 when a loop needs the gateway, got {n}")
+        raise ConfigError(
+            f"rollout.gateway.num_gateways must be >= 1 when a loop needs the gateway, got {n}"
+        )
     cls = ray.remote(GatewayActor)
-    actors = [cls.options(num_cpus=0, max_concurrency=10000).remote(sections, server_handles, balancer)
-              for _ in range(n)]
+    actors = [
+        cls.options(num_cpus=0, max_concurrency=10000).remote(sections, server_handles, balancer)
+        for _ in range(n)
+    ]
     urls = ray.get([a.start.remote() for a in actors])  # type: ignore[attr-defined]
     logger.info("gateways listening at %s", urls)
     return actors

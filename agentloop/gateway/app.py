@@ -1,12 +1,13 @@
 """The gateway's HTTP surface (FastAPI) over a :class:`~agentloop.gateway.service.GatewayService`.
 
-Routes: one ``POST /sessions/{id}/v1{path}`` per dialect (:data:`agentloop.gateway.dialects.DIALECTS`:
-``/chat/completions``, …; streaming or not; also under ``/sessions/{id}/v1/v1``), ``GET
-/sessions/{id}/v1/models``, ``POST /sessions/{id}/complete`` and ``GET /health``; every session route needs
-the session's api_key as ``Authorization: Bearer <key>`` or ``x-api-key: <key>``.  Errors carry a request id
-(also in every response's ``x-request-id`` header), in the shape of the dialect whose route was hit (OpenAI's
-elsewhere): 4xx for the client's faults, 5xx only for the gateway's own (details only in the server log
-line ``request <id>: ...``).  Spec (every status code): docs/gateway.md#http-api."""
+Routes: one ``POST /sessions/{id}/v1{path}`` per dialect
+(:data:`agentloop.gateway.dialects.DIALECTS`: ``/chat/completions``, …; streaming or not; also under
+``/sessions/{id}/v1/v1``), ``GET /sessions/{id}/v1/models``, ``POST /sessions/{id}/complete`` and
+``GET /health``; every session route needs the session's api_key as ``Authorization: Bearer <key>``
+or ``x-api-key: <key>``.  Errors carry a request id (also in every response's ``x-request-id``
+header), in the shape of the dialect whose route was hit (OpenAI's elsewhere): 4xx for the client's
+faults, 5xx only for the gateway's own (details only in the server log line ``request <id>: ...``).
+Spec (every status code): docs/gateway.md#http-api."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 def _error(e: GatewayHTTPError, request: Request | None = None) -> JSONResponse:
-    """``e`` as a response, in the error shape of the dialect whose route ``request`` hit (else OpenAI's)."""
+    """``e`` as a response, in the error shape of the dialect whose route ``request`` hit (else
+    OpenAI's)."""
     dialect = None if request is None else dialect_for_path(request.url.path)
     body = e.body() if dialect is None else dialect.error_body(e)
     return JSONResponse(status_code=e.status, content=body)
@@ -46,8 +48,10 @@ async def read_json(request: Request, max_body_bytes: int, *, required: bool = T
     """The decoded JSON body; 413 above the limit (checked while reading), 400 when not JSON."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_body_bytes:
-        raise GatewayHTTPError(413, f"request body of {declared} bytes is over the limit of {max_body_bytes}",
-                               type_="request_too_large")
+        raise GatewayHTTPError(
+            413, f"request body of {declared} bytes is over the limit of {max_body_bytes}",
+            type_="request_too_large",
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -68,24 +72,31 @@ def _no_constant(name: str) -> Any:
 
 
 def decode_json(raw: bytes) -> Any:
-    """Parse a request body; 400 for invalid JSON, non-finite numbers, huge integers or too deep nesting."""
+    """Parse a request body; 400 for invalid JSON, non-finite numbers, huge integers or too deep
+    nesting."""
     try:
         value = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         value = None
         deep = True
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, integers over Python's digit limit
+    # JSONDecodeError, NaN, integers over Python's digit limit
+    except (ValueError, UnicodeDecodeError) as e:
         raise GatewayHTTPError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
     else:
         deep = json_depth_over(value, MAX_JSON_DEPTH)
     if deep:
-        raise GatewayHTTPError(400, f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} levels deep; "
-                                    "flatten it")
+        raise GatewayHTTPError(
+            400,
+            f"the request body nests arrays/objects more than "
+            f"{MAX_JSON_DEPTH} levels deep; "
+            "flatten it",
+        )
     return value
 
 
 def json_depth_over(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists / dicts more than ``limit`` levels deep (iterative, no recursion)."""
+    """Whether ``value`` nests lists / dicts more than ``limit`` levels deep (iterative, no
+    recursion)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
@@ -102,7 +113,8 @@ def json_depth_over(value: Any, limit: int) -> bool:
 
 
 def _api_key(request: Request) -> str | None:
-    """The session key: ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``x-api-key: <key>`` (Anthropic's)."""
+    """The session key: ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``x-api-key: <key>``
+    (Anthropic's)."""
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
@@ -125,8 +137,9 @@ def new_request_id() -> str:
 
 
 class RequestIdMiddleware:
-    """Gives every HTTP request an id (``x-request-id`` response header, ``request.state.request_id``) and
-    turns an exception nothing else handled into a 500 with that id; the traceback goes to the log only."""
+    """Gives every HTTP request an id (``x-request-id`` response header,
+    ``request.state.request_id``) and turns an exception nothing else handled into a 500 with that
+    id; the traceback goes to the log only."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -149,14 +162,21 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
-            logger.exception("request %s: unhandled error in %s %s", rid, scope.get("method"), scope.get("path"))
+            logger.exception(
+                "request %s: unhandled error in %s %s", rid, scope.get("method"), scope.get("path")
+            )
             if started:  # a stream already began: nothing more can be said to the client
                 return
-            error = GatewayHTTPError(500, f"internal gateway error; the server log has the details under request "
-                                          f"id {rid}", type_="server_error", request_id=rid)
+            error = GatewayHTTPError(
+                500,
+                f"internal gateway error; the server log has the details under request id {rid}",
+                type_="server_error", request_id=rid,
+            )
             dialect = dialect_for_path(str(scope.get("path", "")))
             body = error.body() if dialect is None else dialect.error_body(error)
-            await JSONResponse(status_code=500, content=body, headers={"x-request-id": rid})(scope, receive, send)
+            await JSONResponse(status_code=500, content=body, headers={"x-request-id": rid})(
+                scope, receive, send
+            )
 
 
 def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -174,8 +194,13 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
-        return _error(GatewayHTTPError(400, f"invalid request: {where}: {first.get('msg', 'invalid')}",
-                                       param=where or None, request_id=request_id_of(request)), request)
+        return _error(
+            GatewayHTTPError(
+                400, f"invalid request: {where}: {first.get('msg', 'invalid')}",
+                param=where or None, request_id=request_id_of(request),
+            ),
+            request,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -200,7 +225,9 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
         service.session(session_id, _api_key(request), check_key=True)
         body = await read_json(request, max_body_bytes, required=False)
         if body is not None and not isinstance(body, dict):
-            raise GatewayHTTPError(400, "the body must be a JSON object like {\"reward_info\": {...}}")
+            raise GatewayHTTPError(
+                400, 'the body must be a JSON object like {"reward_info": {...}}'
+            )
         reward_info = (body or {}).get("reward_info")
         if reward_info is not None and not isinstance(reward_info, dict):
             raise GatewayHTTPError(400, "reward_info must be a JSON object, e.g. {\"score\": 1.0}",
@@ -210,9 +237,11 @@ def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY
     return app
 
 
-def _add_dialect_routes(app: FastAPI, service: GatewayService, dialect: Dialect, max_body_bytes: int) -> None:
-    """``POST /sessions/{id}/v1{path}`` (and ``/v1/v1{path}``, for SDKs that append ``/v1`` to a base URL
-    ending in ``/v1``), plus ``{path}/count_tokens`` when the dialect counts."""
+def _add_dialect_routes(
+    app: FastAPI, service: GatewayService, dialect: Dialect, max_body_bytes: int
+) -> None:
+    """``POST /sessions/{id}/v1{path}`` (and ``/v1/v1{path}``, for SDKs that append ``/v1`` to a
+    base URL ending in ``/v1``), plus ``{path}/count_tokens`` when the dialect counts."""
 
     async def serve(session_id: str, request: Request) -> Any:
         service.session(session_id, _api_key(request), check_key=True)
@@ -226,12 +255,16 @@ def _add_dialect_routes(app: FastAPI, service: GatewayService, dialect: Dialect,
     for prefix in ("/sessions/{session_id}/v1", "/sessions/{session_id}/v1/v1"):
         alias = prefix.endswith("/v1/v1")
         suffix = "_alias" if alias else ""
-        app.add_api_route(f"{prefix}{dialect.path}", serve, methods=["POST"], openapi_extra=dialect.openapi,
-                          include_in_schema=not alias, name=f"{dialect.name}{suffix}")
+        app.add_api_route(
+            f"{prefix}{dialect.path}", serve, methods=["POST"], openapi_extra=dialect.openapi,
+            include_in_schema=not alias, name=f"{dialect.name}{suffix}",
+        )
         counter = _count_route(service, dialect, max_body_bytes)
         if counter is not None:
-            app.add_api_route(f"{prefix}{dialect.path}/count_tokens", counter, methods=["POST"],
-                              include_in_schema=not alias, name=f"{dialect.name}_count_tokens{suffix}")
+            app.add_api_route(
+                f"{prefix}{dialect.path}/count_tokens", counter, methods=["POST"],
+                include_in_schema=not alias, name=f"{dialect.name}_count_tokens{suffix}",
+            )
 
 
 def _count_route(service: GatewayService, dialect: Dialect, max_body_bytes: int) -> Any:

@@ -22,7 +22,8 @@ def _image_ref(part: dict[str, Any]) -> str:
 
 
 def _canonical_content(content: Any) -> Any:
-    """A string for text (``None``, ``""`` and text parts included); a tuple with image markers otherwise."""
+    """A string for text (``None``, ``""`` and text parts included); a tuple with image markers
+    otherwise."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):

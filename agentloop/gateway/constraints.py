@@ -45,9 +45,7 @@ TagBuilder = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 def _content(schema: dict[str, Any], style: str = "json") -> dict[str, Any]:
     return {
-        "type": "json_schema",
-        "json_schema": schema,
-        "style": style,
+        "type": "json_schema", "json_schema": schema, "style": style,
         "max_whitespace_cnt": MAX_WHITESPACE,
     }
 
@@ -65,10 +63,8 @@ def _llama3_json(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 def _qwen_xml(block: str) -> TagBuilder:
     def tag(name: str, schema: dict[str, Any]) -> dict[str, Any]:
         return {
-            "type": "tag",
-            "begin": f"<{block}>\n<function={name}>\n",
-            "content": _content(schema, "qwen_xml"),
-            "end": f"\n</function>\n</{block}>",
+            "type": "tag", "begin": f"<{block}>\n<function={name}>\n",
+            "content": _content(schema, "qwen_xml"), "end": f"\n</function>\n</{block}>",
         }
 
     return tag
@@ -76,19 +72,15 @@ def _qwen_xml(block: str) -> TagBuilder:
 
 def _glm(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {
-        "type": "tag",
-        "begin": f"<tool_call>{name}\n",
-        "content": _content(schema, "glm_xml"),
+        "type": "tag", "begin": f"<tool_call>{name}\n", "content": _content(schema, "glm_xml"),
         "end": "\n</tool_call>",
     }
 
 
 def _minimax(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {
-        "type": "tag",
-        "begin": f'<minimax:tool_call>\n<invoke name="{name}">\n',
-        "content": _content(schema, "minimax_xml"),
-        "end": "\n</invoke>\n</minimax:tool_call>",
+        "type": "tag", "begin": f'<minimax:tool_call>\n<invoke name="{name}">\n',
+        "content": _content(schema, "minimax_xml"), "end": "\n</invoke>\n</minimax:tool_call>",
     }
 
 
@@ -96,8 +88,7 @@ CALL_FORMATS: dict[type[ToolParser], tuple[str, TagBuilder, str]] = {
     HermesToolParser: ("hermes", _hermes, "\n"),
     Llama3JsonToolParser: ("llama3_json", _llama3_json, "; "),
     Qwen3CoderToolParser: ("qwen3_coder", _qwen_xml("tool_call"), "\n"),
-    SeedToolParser: ("seed", _qwen_xml("seed:tool_call"), "\n"),
-    GlmToolParser: ("glm", _glm, "\n"),
+    SeedToolParser: ("seed", _qwen_xml("seed:tool_call"), "\n"), GlmToolParser: ("glm", _glm, "\n"),
     MiniMaxToolParser: ("minimax", _minimax, "\n"),
 }
 """Formats a grammar can force: parser class (exact type) -> (name, one call's tag, separator)."""
@@ -128,11 +119,8 @@ def apply(request: TurnRequest, parser: ToolParser | None, params: dict[str, Any
 
 
 def engine_entry(
-    tool_choice: Any,
-    tools: list[dict[str, Any]] | None,
-    response_format: dict[str, Any] | None,
-    parser: ToolParser | None,
-    reasoning: ReasoningParser | None = None,
+    tool_choice: Any, tools: list[dict[str, Any]] | None, response_format: dict[str, Any] | None,
+    parser: ToolParser | None, reasoning: ReasoningParser | None = None,
 ) -> dict[str, Any] | None:
     """The ``structured_outputs`` entry (vLLM field names), or None for free sampling.
 
@@ -215,7 +203,8 @@ def _structural_tag(fmt: dict[str, Any], param: str) -> dict[str, Any]:
         return {"structural_tag": spec}
     try:
         xgrammar.Grammar.from_structural_tag(spec)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
+    # xgrammar raises RuntimeError / ValueError / its own types
+    except Exception as e:  # noqa: BLE001
         reason = _SOURCE_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
         what = "the tools' parameters" if param == "tools" else "the response_format schema"
         raise _bad(f"{what} cannot be made into a grammar: {reason[:300]}", param) from None
@@ -262,10 +251,7 @@ def _calls(
             )
     tags = [build(str(f["name"]), _parameters(f)) for f in functions]
     return {
-        "type": "tags_with_separator",
-        "tags": tags,
-        "separator": separator,
-        "at_least_one": True,
+        "type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
         "stop_after_first": only is not None,
     }
 

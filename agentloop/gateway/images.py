@@ -142,7 +142,10 @@ class ImageEncoder:
         if not images:
             return ids
         grids = image_inputs(self.processor, images)["image_grid_thw"].tolist()
-        return expand_image_pads(ids, self._pad, tokens_per_image(self.processor, grids))
+        pad = self._pad
+        if pad is None:  # text-only models refuse image parts before this point
+            raise ImagePartError("the served model takes no images", "messages")
+        return expand_image_pads(ids, pad, tokens_per_image(self.processor, grids))
 
     def sources(self, messages: Sequence[dict[str, Any]], offset: int = 0) -> list[bytes]:
         """The encoded image files of ``messages``' image parts, in order (what the engine and the

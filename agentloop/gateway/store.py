@@ -1,12 +1,12 @@
 """Branch-aware trajectory store of one gateway session: a prefix trie over canonicalised messages.
 
-An external agent sends the whole message list on every chat request; :meth:`SessionStore.prepare` finds the
-longest branch the request continues and encodes only the new suffix (raises :class:`StoreError` for a
-request it cannot place), :meth:`~SessionStore.commit` records the engine's sampled ids exactly, and
-:meth:`~SessionStore.trajectories` returns every root-to-leaf path as a token-exact RL trajectory (mask 1 on
-sampled ids, ending with a sampled id).  Not thread-safe (one asyncio loop).  Canonical messages live in
-:mod:`agentloop.gateway.canonical` (re-exported here).  Spec (canonical messages, node kinds, placement,
-fallbacks): docs/gateway.md#the-trie.
+An external agent sends the whole message list on every chat request; :meth:`SessionStore.prepare`
+finds the longest branch the request continues and encodes only the new suffix (raises
+:class:`StoreError` for a request it cannot place), :meth:`~SessionStore.commit` records the
+engine's sampled ids exactly, and :meth:`~SessionStore.trajectories` returns every root-to-leaf path
+as a token-exact RL trajectory (mask 1 on sampled ids, ending with a sampled id).  Not thread-safe
+(one asyncio loop). Canonical messages live in :mod:`agentloop.gateway.canonical` (re-exported
+here).  Spec (canonical messages, node kinds, placement, fallbacks): docs/gateway.md#the-trie.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from typing import Any
 from agentloop.errors import AgentLoopError
 from agentloop.gateway.canonical import Canon, canonical_message, canonical_tools
 from agentloop.gateway.images import ImageEncoder
-from agentloop.tokenization.incremental import TemplateMismatchError, assistant_text, encode_new_turns
+from agentloop.tokenization.incremental import (
+    TemplateMismatchError,
+    assistant_text,
+    encode_new_turns,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +37,22 @@ class StoreError(AgentLoopError, ValueError):
 
 
 def _placeable(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` as a list; :class:`StoreError` when empty or ending with an assistant message."""
+    """``messages`` as a list; :class:`StoreError` when empty or ending with an assistant
+    message."""
     messages = list(messages)
     if not messages:
         raise StoreError("messages is empty: send at least one message")
     if messages[-1].get("role") == "assistant":
-        raise StoreError("the last message is an assistant message; continuing a partial assistant turn is not "
-                         "supported: end the request with a user, system or tool message")
+        raise StoreError(
+            "the last message is an assistant message; continuing a partial "
+            "assistant turn is not "
+            "supported: end the request with a user, system or tool message"
+        )
     return messages
 
 
-# ---- nodes -------------------------------------------------------------------------------------------
+# ---- nodes
+# -------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class ContextNode:
     """A run of messages the policy did not sample; ``ids`` end with the generation prompt."""
@@ -55,7 +64,8 @@ class ContextNode:
     seq: int
     samples: list[SampledNode] = field(default_factory=list)
     pending: int = 0
-    images: list[bytes] = field(default_factory=list)  # encoded image files of the image parts, in order
+    # encoded image files of the image parts, in order
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -71,9 +81,11 @@ class SampledNode:
     seq: int
     children: dict[Key, ContextNode] = field(default_factory=dict)
     budget_spent: bool = False
-    """A request continuing this turn found no response budget left (:meth:`SessionStore.release_spent`)."""
+    """A request continuing this turn found no response budget left
+    (:meth:`SessionStore.release_spent`)."""
     constrained: bool = False
-    """Sampled under a grammar (tool_choice / response_format, docs/gateway.md#tool-choice-and-structured-output)."""
+    """Sampled under a grammar (tool_choice / response_format,
+    docs/gateway.md#tool-choice-and-structured-output)."""
 
 
 @dataclass
@@ -100,7 +112,8 @@ class Reservation:
 
     @property
     def response_used(self) -> int:
-        """Response tokens (sampled and context) already on this branch, including the new context."""
+        """Response tokens (sampled and context) already on this branch, including the new
+        context."""
         return len(self.prompt_ids) - self.prompt_len
 
 
@@ -115,25 +128,31 @@ class Trajectory:
     messages: list[dict[str, Any]]
     num_turns: int
     finish_reason: str
-    multi_modal_data: dict[str, list[bytes]] | None = None  # {"image": [encoded files]} of the path, in order
-    constrained: bool = False  # a sampled turn of it was sampled under a grammar (tool_choice / response_format)
+    # {"image": [encoded files]} of the path, in order
+    multi_modal_data: dict[str, list[bytes]] | None = None
+    # a sampled turn of it was sampled under a grammar (tool_choice / response_format)
+    constrained: bool = False
 
 
-# ---- the store ---------------------------------------------------------------------------------------
+# ---- the store
+# ---------------------------------------------------------------------------------------
 class SessionStore:
     """The prefix trie of one session (docs/gateway.md#the-trie).
 
     Args:
         tokenizer: the served model's tokenizer (``apply_chat_template``, ``encode``).
         max_length: per-trajectory token budget, ``prompt_length + response_length``.
-        end_of_turn: the token(s) the engine ends a turn with (default ``tokenizer.eos_token``); the first
+        end_of_turn: the token(s) the engine ends a turn with (default ``tokenizer.eos_token``); the
+        first
             one is inserted after a sample that ended without any of them.
         chat_template_kwargs: extra template variables passed to every render.
         images: decodes and places image parts (default: a text-only model, which refuses them).
     """
 
-    def __init__(self, tokenizer: Any, *, max_length: int, end_of_turn: str | Sequence[str] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None, images: ImageEncoder | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, *, max_length: int, end_of_turn: str | Sequence[str] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, images: ImageEncoder | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_length = int(max_length)
         stops = end_of_turn if end_of_turn is not None else tokenizer.eos_token
@@ -151,13 +170,18 @@ class SessionStore:
     def _token_id(self, token: str) -> int:
         ids = list(self.tokenizer.encode(token, add_special_tokens=False))
         if len(ids) != 1:
-            raise StoreError(f"end-of-turn {token!r} is not a single token of this tokenizer: {ids}")
+            raise StoreError(
+                f"end-of-turn {token!r} is not a single token of this tokenizer: {ids}"
+            )
         return int(ids[0])
 
-    # ---- requests ----------------------------------------------------------------------------------
-    def prepare(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-                ) -> Reservation:
-        """Place a request: match the deepest branch, encode only the new suffix, reserve its context node.
+    # ---- requests
+    # ----------------------------------------------------------------------------------
+    def prepare(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> Reservation:
+        """Place a request: match the deepest branch, encode only the new suffix, reserve its
+        context node.
 
         Raises:
             StoreError: no messages, or the last message is an assistant message.
@@ -170,13 +194,16 @@ class SessionStore:
         node.pending += 1
         path = self._path(node)
         prompt = [t for part in path for t in part.ids]
-        return Reservation(node=node, prompt_ids=prompt, num_encoded_tokens=encoded,
-                           remaining=self.max_length - len(prompt), prompt_len=len(path[0].ids),
-                           images=[i for part in path if isinstance(part, ContextNode) for i in part.images])
+        return Reservation(
+            node=node, prompt_ids=prompt, num_encoded_tokens=encoded,
+            remaining=self.max_length - len(prompt), prompt_len=len(path[0].ids),
+            images=[i for part in path if isinstance(part, ContextNode) for i in part.images],
+        )
 
     def count_prompt_tokens(self, messages: Sequence[dict[str, Any]],
                             tools: Sequence[dict[str, Any]] | None = None) -> int:
-        """Length of the prompt :meth:`prepare` would give ``messages`` now; nothing is placed or counted.
+        """Length of the prompt :meth:`prepare` would give ``messages`` now; nothing is placed or
+        counted.
 
         Raises:
             StoreError: as :meth:`prepare`.
@@ -197,10 +224,12 @@ class SessionStore:
             return sum(len(part.ids) for part in self._path(parent)) + len(suffix)
         return len(self._encode_full(messages, tool_list))
 
-    def commit(self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
-               message: dict[str, Any], finish_reason: str, constrained: bool = False) -> SampledNode:
-        """Record a generation as a new sampled child (always a new sibling) of the reservation's node;
-        ``constrained``: the engine sampled it under a grammar.
+    def commit(
+        self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
+        message: dict[str, Any], finish_reason: str, constrained: bool = False,
+    ) -> SampledNode:
+        """Record a generation as a new sampled child (always a new sibling) of the reservation's
+        node; ``constrained``: the engine sampled it under a grammar.
 
         Raises:
             StoreError: the reservation was already committed or released, or ``log_probs`` is not
@@ -208,19 +237,24 @@ class SessionStore:
         """
         if log_probs is not None and len(log_probs) != len(token_ids) and not reservation.done:
             self.release(reservation)
-            raise StoreError(f"{len(log_probs)} logprobs for {len(token_ids)} token ids; nothing was recorded")
+            raise StoreError(
+                f"{len(log_probs)} logprobs for {len(token_ids)} token ids; nothing was recorded"
+            )
         self._finish(reservation)
         message = copy.deepcopy({"role": "assistant", **message})
-        node = SampledNode(parent=reservation.node, ids=[int(t) for t in token_ids],
-                           log_probs=None if log_probs is None else [float(x) for x in log_probs],
-                           message=message, finish_reason=finish_reason, canon=canonical_message(message),
-                           seq=next(self._seq), constrained=constrained)
+        node = SampledNode(
+            parent=reservation.node, ids=[int(t) for t in token_ids],
+            log_probs=None if log_probs is None else [float(x) for x in log_probs], message=message,
+            finish_reason=finish_reason, canon=canonical_message(message), seq=next(self._seq),
+            constrained=constrained,
+        )
         reservation.node.samples.append(node)
         return node
 
     def release(self, reservation: Reservation) -> None:
-        """Give up a reservation (failed request): nothing is recorded; a context node nothing sampled
-        from and nothing waits on is removed.  Releasing twice, or after a commit, does nothing."""
+        """Give up a reservation (failed request): nothing is recorded; a context node nothing
+        sampled from and nothing waits on is removed.  Releasing twice, or after a commit, does
+        nothing."""
         if reservation.done:
             return
         self._finish(reservation)
@@ -232,9 +266,9 @@ class SessionStore:
             del siblings[node.key]
 
     def release_spent(self, reservation: Reservation) -> None:
-        """Release a reservation whose branch has no response budget left: its new context is dropped (as
-        ``tool_agent`` drops a tool turn that does not fit) and the sampled turn it continued is marked, so
-        that turn's trajectory reports ``finish_reason`` ``length``."""
+        """Release a reservation whose branch has no response budget left: its new context is
+        dropped (as ``tool_agent`` drops a tool turn that does not fit) and the sampled turn it
+        continued is marked, so that turn's trajectory reports ``finish_reason`` ``length``."""
         parent = reservation.node.parent
         self.release(reservation)
         if parent is not None:
@@ -246,18 +280,22 @@ class SessionStore:
         reservation.done = True
         reservation.node.pending -= 1
 
-    # ---- matching ----------------------------------------------------------------------------------
+    # ---- matching
+    # ----------------------------------------------------------------------------------
     def _children(self, node: SampledNode | None) -> dict[Key, ContextNode]:
         return self._roots if node is None else node.children
 
-    def _match(self, canon: list[Canon], tools_key: str, messages: Sequence[dict[str, Any]] | None = None,
-               tools: Sequence[dict[str, Any]] | None = None) -> tuple[SampledNode | None, int]:
-        """The deepest sampled node whose path equals a prefix of ``canon``, and where that prefix ends.
+    def _match(
+        self, canon: list[Canon], tools_key: str, messages: Sequence[dict[str, Any]] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> tuple[SampledNode | None, int]:
+        """The deepest sampled node whose path equals a prefix of ``canon``, and where that prefix
+        ends.
 
-        Depth-first over every context child whose run equals the next messages and is followed by an
-        assistant message equal to one of its samples (:meth:`_same_turn`: with ``messages``, one sent
-        without its sample's reasoning matches where the template drops that reasoning anyway); on a tie
-        the earliest branch wins.
+        Depth-first over every context child whose run equals the next messages and is followed by
+        an assistant message equal to one of its samples (:meth:`_same_turn`: with ``messages``, one
+        sent without its sample's reasoning matches where the template drops that reasoning anyway);
+        on a tie the earliest branch wins.
         """
         best: SampledNode | None = None
         best_end = 0
@@ -272,15 +310,22 @@ class SessionStore:
                 end = start + len(run)
                 if key_tools != tools_key or end >= len(canon) or tuple(canon[start:end]) != run:
                     continue
-                found += [(s, end + 1) for s in ctx.samples if self._same_turn(s, canon, end, messages, tools)]
+                found += [
+                    (s, end + 1)
+                    for s in ctx.samples
+                    if self._same_turn(s, canon, end, messages, tools)
+                ]
             stack.extend(reversed(found))
         return best, best_end
 
-    def _same_turn(self, sample: SampledNode, canon: list[Canon], k: int,
-                   messages: Sequence[dict[str, Any]] | None, tools: Sequence[dict[str, Any]] | None) -> bool:
-        """Whether request message ``k`` is the turn ``sample``: equal canonical forms, or the client
-        left out the sample's reasoning (and nothing else) and the template renders the request the same
-        with it put back: it drops that past reasoning anyway (docs/gateway.md#reasoning)."""
+    def _same_turn(
+        self, sample: SampledNode, canon: list[Canon], k: int,
+        messages: Sequence[dict[str, Any]] | None, tools: Sequence[dict[str, Any]] | None,
+    ) -> bool:
+        """Whether request message ``k`` is the turn ``sample``: equal canonical forms, or the
+        client left out the sample's reasoning (and nothing else) and the template renders the
+        request the same with it put back: it drops that past reasoning anyway
+        (docs/gateway.md#reasoning)."""
         sent = canon[k]
         if sample.canon == sent:
             return True
@@ -294,9 +339,12 @@ class SessionStore:
         except Exception:  # a template that cannot render the request: no match, prepare reports it
             return False
 
-    def _context(self, parent: SampledNode | None, messages: list[dict[str, Any]], canon: list[Canon],
-                 start: int, tools: Sequence[dict[str, Any]] | None, tools_key: str) -> tuple[ContextNode, int]:
-        """The context node for ``messages[start:]`` under ``parent``: an existing equal one, or a new one."""
+    def _context(
+        self, parent: SampledNode | None, messages: list[dict[str, Any]], canon: list[Canon],
+        start: int, tools: Sequence[dict[str, Any]] | None, tools_key: str,
+    ) -> tuple[ContextNode, int]:
+        """The context node for ``messages[start:]`` under ``parent``: an existing equal one, or
+        a new one."""
         key: Key = (tools_key, tuple(canon[start:]))
         existing = self._children(parent).get(key)
         if existing is not None:
@@ -309,17 +357,24 @@ class SessionStore:
             try:
                 ids = self._encode_after(parent, messages, start, tool_list)
             except TemplateMismatchError as e:
-                logger.warning("incremental encoding is not exact for this request, starting a new tree with a "
-                               "full render: %s", e)
+                logger.warning(
+                    "incremental encoding is not exact for this request, "
+                    "starting a new tree with a "
+                    "full render: %s",
+                    e,
+                )
                 self._num_fallbacks += 1
                 return self._context(None, messages, canon, 0, tools, tools_key)
-        node = ContextNode(parent=parent, key=key, messages=copy.deepcopy(messages[start:]), ids=ids,
-                           seq=next(self._seq), images=self._media.sources(messages[start:], start))
+        node = ContextNode(
+            parent=parent, key=key, messages=copy.deepcopy(messages[start:]), ids=ids,
+            seq=next(self._seq), images=self._media.sources(messages[start:], start),
+        )
         self._children(parent)[key] = node
         self._num_encoded += len(ids)
         return node, len(ids)
 
-    # ---- encoding ----------------------------------------------------------------------------------
+    # ---- encoding
+    # ----------------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
@@ -328,12 +383,15 @@ class SessionStore:
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                   tokenize=False, **self._kwargs)
 
-    def _encode_full(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _encode_full(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         return self._media.expand(self._encode(self._render(messages, tools)), messages)
 
     def _encode_after(self, parent: SampledNode, messages: list[dict[str, Any]], start: int,
                       tools: list[dict[str, Any]] | None) -> list[int]:
-        """Ids of ``messages[start:]`` after the sampled turn ``parent`` (docs/gateway.md#the-trie)."""
+        """Ids of ``messages[start:]`` after the sampled turn ``parent``
+        (docs/gateway.md#the-trie)."""
         system = messages[0] if messages[0].get("role") == "system" else None
         ids: list[int] = []
         stop = self._stop_by_id.get(parent.ids[-1]) if parent.ids else None
@@ -346,8 +404,10 @@ class SessionStore:
             if msg.get("role") != "assistant":
                 run.append(msg)
                 continue
-            ids += encode_new_turns(self.tokenizer, run, system=system, tools=tools, previous=previous,
-                                    end_of_turn=stop, chat_template_kwargs=self._kwargs)
+            ids += encode_new_turns(
+                self.tokenizer, run, system=system, tools=tools, previous=previous,
+                end_of_turn=stop, chat_template_kwargs=self._kwargs,
+            )
             text, stop = assistant_text(self.tokenizer, msg, tools, self._stops, self._kwargs)
             ids += self._encode(text) + [self._stop_ids[stop]]
             previous, run = msg, []
@@ -364,7 +424,8 @@ class SessionStore:
             current = current.parent
         return chain[::-1]
 
-    # ---- results -----------------------------------------------------------------------------------
+    # ---- results
+    # -----------------------------------------------------------------------------------
     def _contexts(self) -> Iterator[ContextNode]:
         stack = list(self._roots.values())
         while stack:
@@ -378,7 +439,8 @@ class SessionStore:
         return sorted(leaves, key=lambda s: s.seq)
 
     def trajectories(self, longest_only: bool = False) -> list[Trajectory]:
-        """One trajectory per sampled node without sampled descendants, in the leaves' creation order.
+        """One trajectory per sampled node without sampled descendants, in the leaves' creation
+        order.
 
         ``longest_only`` keeps only the one with the most response tokens (the first of equals).
         """
@@ -406,26 +468,29 @@ class SessionStore:
                 mask += [0] * len(part.ids)
                 logprobs += [0.0] * len(part.ids)
                 messages += part.messages
-        end = max((k + 1 for k, m in enumerate(mask) if m), default=0)  # drop context after the last sampled id
-        images = [i for part in [first, *rest] if isinstance(part, ContextNode) for i in part.images]
-        return Trajectory(prompt_ids=list(first.ids), response_ids=response[:end], response_mask=mask[:end],
-                          response_logprobs=logprobs[:end] if has_logprobs else None,
-                          messages=copy.deepcopy(messages), num_turns=len(messages),
-                          finish_reason="length" if leaf.budget_spent else leaf.finish_reason,
-                          multi_modal_data={"image": images} if images else None,
-                          constrained=any(p.constrained for p in rest if isinstance(p, SampledNode)))
+        # drop context after the last sampled id
+        end = max((k + 1 for k, m in enumerate(mask) if m), default=0)
+        images = [
+            i for part in [first, *rest] if isinstance(part, ContextNode) for i in part.images
+        ]
+        return Trajectory(
+            prompt_ids=list(first.ids), response_ids=response[:end], response_mask=mask[:end],
+            response_logprobs=logprobs[:end] if has_logprobs else None,
+            messages=copy.deepcopy(messages), num_turns=len(messages),
+            finish_reason="length" if leaf.budget_spent else leaf.finish_reason,
+            multi_modal_data={"image": images} if images else None,
+            constrained=any(p.constrained for p in rest if isinstance(p, SampledNode)),
+        )
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: nodes, sampled nodes, trajectories, tokens encoded, reuses, fallbacks."""
+        """Counters for metrics: nodes, sampled nodes, trajectories, tokens encoded, reuses,
+        fallbacks."""
         contexts = list(self._contexts())
         sampled = sum(len(c.samples) for c in contexts)
         return {
-            "num_nodes": len(contexts) + sampled,
-            "num_context_nodes": len(contexts),
-            "num_sampled_nodes": sampled,
-            "num_trajectories": len(self._leaves()),
+            "num_nodes": len(contexts) + sampled, "num_context_nodes": len(contexts),
+            "num_sampled_nodes": sampled, "num_trajectories": len(self._leaves()),
             "num_pending": sum(c.pending for c in contexts),
-            "num_encoded_tokens": self._num_encoded,
-            "num_reused_contexts": self._num_reused,
+            "num_encoded_tokens": self._num_encoded, "num_reused_contexts": self._num_reused,
             "num_fallbacks": self._num_fallbacks,
         }

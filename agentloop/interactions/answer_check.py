@@ -24,7 +24,9 @@ class AnswerCheckInteraction(BaseInteraction):
 
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         instance_id = await super().start_interaction(instance_id)
-        self._state[instance_id] = {"truth": str(kwargs.get("ground_truth", "")), "attempts": 0, "score": 0.0}
+        self._state[instance_id] = {
+            "truth": str(kwargs.get("ground_truth", "")), "attempts": 0, "score": 0.0,
+        }
         return instance_id
 
     async def generate_response(
@@ -32,7 +34,9 @@ class AnswerCheckInteraction(BaseInteraction):
     ) -> tuple[bool, str, float, dict[str, Any]]:
         state = self._state[instance_id]
         state["attempts"] += 1
-        last = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), "")
+        last = next(
+            (m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), ""
+        )
         found = _ANSWER.findall(last if isinstance(last, str) else "")
         if found and found[-1].replace(",", "") == state["truth"]:
             state["score"] = 1.0

@@ -1,10 +1,12 @@
-"""BaseInteraction: a simulated user (or environment) that answers the policy between turns (verl's API).
+"""BaseInteraction: a simulated user (or environment) that answers the policy between turns (verl's
+API).
 
-Per trajectory: ``start_interaction`` → ``generate_response`` after each assistant turn that made no tool
-call → ``calculate_score`` → ``finalize_interaction`` (always called by the loop).
+Per trajectory: ``start_interaction`` → ``generate_response`` after each assistant turn that made no
+tool call → ``calculate_score`` → ``finalize_interaction`` (always called by the loop).
 
-Signatures are verl's (0.6.1 onwards); ``calculate_score`` and ``finalize_interaction`` take the instance id
-(our loop passes it; verl's base class declares them without it, so it is optional here).
+Signatures are verl's (0.6.1 onwards); ``calculate_score`` and ``finalize_interaction`` take the
+instance id (our loop passes it; verl's base class declares them without it, so it is optional
+here).
 """
 
 from __future__ import annotations

@@ -30,20 +30,28 @@ from agentloop.config import AgentConfig, DataConfig, EngineConfig
 from agentloop.errors import ConfigError, UnknownAgentError
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
 from agentloop.utils.imports import load_yaml_entries
-from agentloop.utils.registry import TARGET_KEYS, EntryDictView, Registry, did_you_mean, entry_target
+from agentloop.utils.registry import (
+    TARGET_KEYS,
+    EntryDictView,
+    Registry,
+    did_you_mean,
+    entry_target,
+)
 
 __all__ = ["AgentLoopBase", "DictConfigWrap", "ToolListWrap", "register"]
 
 
 def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
-    """Class decorator: make an AgentLoopBase subclass selectable as ``agent_name`` (verl's spelling).
+    """Class decorator: make an AgentLoopBase subclass selectable as ``agent_name`` (verl's
+    spelling).
 
     Raises:
         ConfigError: not an AgentLoopBase subclass, or the name is taken by another user loop.
     """
 
     def decorator(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
-        # agentloop's own loops register when first imported, which can be after a user's loop took the
+        # agentloop's own loops register when first imported, which can be after a user's loop took
+        # the
         # name (a ported verl `tool_agent`): a user's registration always wins over a built-in one.
         builtin = isinstance(cls, type) and cls.__module__.startswith("agentloop.")
         (BUILTIN_AGENT_LOOPS if builtin else AGENT_LOOPS).add(agent_name, cls)
@@ -55,13 +63,15 @@ def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopB
 _settings_memo: dict[tuple[int, str], tuple[Any, dict[str, Any]]] = {}
 
 
-def config_values(config: DictConfig, key: str, read: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
+def config_values(
+    config: DictConfig, key: str, read: Callable[[DictConfig], dict[str, Any]]
+) -> dict[str, Any]:
     """``read(config)``, computed once per config object and ``key``.
 
-    Loop instances are built once per sample; reading a DictConfig costs ~25 µs an attribute, which at
-    hundreds of samples per batch showed up in ``scripts/bench_overhead.py``.  The memo holds the config
-    object itself, so an id is never confused with a later object's.  A config mutated after its first
-    loop was built is not re-read.
+    Loop instances are built once per sample; reading a DictConfig costs ~25 µs an attribute, which
+    at hundreds of samples per batch showed up in ``scripts/bench_overhead.py``.  The memo holds the
+    config object itself, so an id is never confused with a later object's.  A config mutated after
+    its first loop was built is not re-read.
     """
     memo_key = (id(config), key)
     hit = _settings_memo.get(memo_key)
@@ -76,8 +86,7 @@ def config_values(config: DictConfig, key: str, read: Callable[[DictConfig], dic
 def _base_values(rollout: DictConfig) -> dict[str, Any]:
     engine = EngineConfig.from_rollout(rollout)
     return {
-        "prompt_length": engine.prompt_length,
-        "response_length": engine.response_length,
+        "prompt_length": engine.prompt_length, "response_length": engine.response_length,
         "prompt_truncation": AgentConfig.from_rollout(rollout).prompt_truncation,
     }
 
@@ -85,14 +94,18 @@ def _base_values(rollout: DictConfig) -> dict[str, Any]:
 def _thread_loop() -> asyncio.AbstractEventLoop:
     try:
         return asyncio.get_event_loop_policy().get_event_loop()
-    except RuntimeError:  # none yet (or asyncio.run closed it): one for this thread, reused by later loops
+    # none yet (or asyncio.run closed it): one for this thread, reused by later loops
+    except RuntimeError:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         return loop
 
 
 def _root_parts(root: DictConfig) -> dict[str, Any]:
-    return {"rollout": root.actor_rollout_ref.rollout, "data": root.get("data") or OmegaConf.create({})}
+    return {
+        "rollout": root.actor_rollout_ref.rollout,
+        "data": root.get("data") or OmegaConf.create({}),
+    }
 
 
 def _data_kwargs(data: Any) -> dict[str, Any]:
@@ -111,12 +124,14 @@ def _root_or_wrapped(config: DictConfig) -> dict[str, Any]:
 
 def trainer_config_of(config: Any) -> DictConfig:
     """The whole trainer-shaped config from what a loop or ``init_class`` was given: verl's
-    ``DictConfigWrap``, a trainer-shaped DictConfig, or (agentloop's older form) the rollout slice alone."""
+    ``DictConfigWrap``, a trainer-shaped DictConfig, or (agentloop's older form) the rollout slice
+    alone."""
     if isinstance(config, DictConfigWrap):
         config = config.config
     if not isinstance(config, DictConfig):  # a fresh object each call: nothing to remember
         return _root_or_wrapped(OmegaConf.create(config))["root"]
-    return config_values(config, "root", _root_or_wrapped)["root"]  # decided (and built) once per config object
+    # decided (and built) once per config object
+    return config_values(config, "root", _root_or_wrapped)["root"]
 
 
 def rollout_config_of(config: Any) -> DictConfig:
@@ -133,19 +148,22 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
     """Base class of agent loops; the constructor is verl's (0.6–0.9).
 
     Args:
-        trainer_config: ``DictConfigWrap`` over the whole trainer-shaped config (verl's form; the worker
-            passes this).  A DictConfig (whole config, or agentloop's older rollout slice) is accepted too.
-        server_manager: an :class:`agentloop.routing.AsyncLLMServerManager` (verl: ``LLMServerClient``).
-        tokenizer: a HF tokenizer of the served model.
-        processor: a HF processor for multimodal models, else None.
-        dataset_cls: verl's dataset class hook (``process_multi_modal_info``); None here unless given.
-        data_config: ``DictConfigWrap`` over ``data`` (default: the trainer config's ``data``).
-        **kwargs: extra keys from the YAML registry entry, and what verl 0.9 passes (``tools``,
+        trainer_config: ``DictConfigWrap`` over the whole trainer-shaped config (verl's form; the
+        worker
+            passes this).  A DictConfig (whole config, or agentloop's older rollout slice) is
+            accepted too.
+        server_manager: an :class:`agentloop.routing.AsyncLLMServerManager` (verl:
+        ``LLMServerClient``). tokenizer: a HF tokenizer of the served model. processor: a HF
+        processor for multimodal models, else None. dataset_cls: verl's dataset class hook
+        (``process_multi_modal_info``); None here unless given. data_config: ``DictConfigWrap`` over
+        ``data`` (default: the trainer config's ``data``). **kwargs: extra keys from the YAML
+        registry entry, and what verl 0.9 passes (``tools``,
             ``hf_model_type``); ignored by the base class.
 
-    Attributes read by loops (verl names): ``config`` (whole config), ``rollout_config``, ``data_config``,
-    ``server_manager``, ``tokenizer``, ``processor``, ``apply_chat_template_kwargs``, ``loop``; agentloop
-    adds ``prompt_length``, ``response_length`` and ``prompt_truncation``.
+    Attributes read by loops (verl names): ``config`` (whole config), ``rollout_config``,
+    ``data_config``, ``server_manager``, ``tokenizer``, ``processor``,
+    ``apply_chat_template_kwargs``, ``loop``; agentloop adds ``prompt_length``, ``response_length``
+    and ``prompt_truncation``.
     """
 
     requires_gateway: ClassVar[bool] = False
@@ -154,23 +172,23 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
     init_class_takes_tools: ClassVar[bool] = False
     """Declared by loops whose :meth:`init_class` accepts ``tools=`` (the worker's loaded tools)."""
     _class_initialized: ClassVar[bool] = False
-    """verl's flag: set once :meth:`init_class` ran for the class (the worker sets it after calling it)."""
+    """verl's flag: set once :meth:`init_class` ran for the class (the worker sets it after
+    calling it)."""
 
     def __init__(
-        self,
-        trainer_config: Any,
-        server_manager: Any,
-        tokenizer: Any,
-        processor: Any | None = None,
-        dataset_cls: Any = None,
-        data_config: Any = None,
+        self, trainer_config: Any, server_manager: Any, tokenizer: Any,
+        processor: Any | None = None, dataset_cls: Any = None, data_config: Any = None,
         **kwargs: Any,
     ) -> None:
         root = trainer_config_of(trainer_config)
-        if not type(self)._class_initialized:  # built outside a worker: verl's constructor runs init_class
-            type(self).init_class(config=root, tokenizer=tokenizer, processor=processor,
-                                  **{k: v for k, v in kwargs.items() if k not in LOOP_CONTRACT_KWARGS})
-        parts = config_values(root, "parts", _root_parts)  # DictConfig reads cost ~25 µs each: once per config
+        # built outside a worker: verl's constructor runs init_class
+        if not type(self)._class_initialized:
+            type(self).init_class(
+                config=root, tokenizer=tokenizer, processor=processor,
+                **{k: v for k, v in kwargs.items() if k not in LOOP_CONTRACT_KWARGS},
+            )
+        # DictConfig reads cost ~25 µs each: once per config
+        parts = config_values(root, "parts", _root_parts)
         self.config = root
         self.rollout_config: DictConfig = parts["rollout"]
         self.server_manager = server_manager
@@ -180,7 +198,9 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
         data = data_config.config if isinstance(data_config, DictConfigWrap) else data_config
         self.data_config = data if data is not None else parts["data"]
         kwargs_of = config_values(self.data_config, "data_kwargs", _data_kwargs)
-        self.apply_chat_template_kwargs: dict[str, Any] = dict(kwargs_of["apply_chat_template_kwargs"])
+        self.apply_chat_template_kwargs: dict[str, Any] = dict(
+            kwargs_of["apply_chat_template_kwargs"]
+        )
         self.mm_processor_kwargs: dict[str, Any] = dict(kwargs_of["mm_processor_kwargs"])
         values = config_values(self.rollout_config, "base", _base_values)
         self.prompt_length: int = values["prompt_length"]
@@ -188,16 +208,20 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
         self.prompt_truncation: str = values["prompt_truncation"]
         try:
             self.loop = asyncio.get_running_loop()
-        except RuntimeError:  # built outside an event loop (a test): the thread's loop, made once (verl's semantics)
+        # built outside an event loop (a test): the thread's loop, made once (verl's semantics)
+        except RuntimeError:
             self.loop = _thread_loop()
 
     @classmethod
-    def init_class(cls, config: Any, tokenizer: Any, processor: Any | None = None, **kwargs: Any) -> None:
+    def init_class(
+        cls, config: Any, tokenizer: Any, processor: Any | None = None, **kwargs: Any
+    ) -> None:
         """Once-per-worker set-up shared by all instances (load tools, parsers...).
 
-        ``config`` is the whole trainer-shaped config (verl's form).  The worker calls this once when it
-        starts, with the registry entry's kwargs, then sets ``_class_initialized``; a loop class whose
-        ``init_class`` raises is reported by name and only its samples fail.  Default: verl's flag only.
+        ``config`` is the whole trainer-shaped config (verl's form).  The worker calls this once
+        when it starts, with the registry entry's kwargs, then sets ``_class_initialized``; a loop
+        class whose ``init_class`` raises is reported by name and only its samples fail.  Default:
+        verl's flag only.
         """
         cls._class_initialized = True
 
@@ -208,17 +232,22 @@ class AgentLoopBase(VerlLoopHelpers, ABC):
 
         Args:
             sampling_params: verl-style sampling params for this batch.
-            **kwargs: the sample's non-tensor fields (``raw_prompt``, ``extra_info``, ``index``, ...).
+            **kwargs: the sample's non-tensor fields (``raw_prompt``, ``extra_info``, ``index``,
+            ...).
 
         Returns:
-            One trajectory, or several of one episode (a list, or a :class:`MultiTrajectoryAgentLoopOutput`,
-            final trajectory last): each becomes a row with this sample's fields plus ``trajectory_index``,
-            ``num_trajectories`` and ``session_id`` (docs/context.md).
+            One trajectory, or several of one episode (a list, or a
+            :class:`MultiTrajectoryAgentLoopOutput`, final trajectory last): each becomes a row with
+            this sample's fields plus ``trajectory_index``, ``num_trajectories`` and ``session_id``
+            (docs/context.md).
         """
 
 
-LOOP_CONTRACT_KWARGS = frozenset({"dataset_cls", "data_config", "tools", "hf_model_type", "gateway_manager"})
-"""Keywords the worker passes to every loop constructor (verl 0.9's contract), beside the registry entry's."""
+LOOP_CONTRACT_KWARGS = frozenset(
+    {"dataset_cls", "data_config", "tools", "hf_model_type", "gateway_manager"}
+)
+"""Keywords the worker passes to every loop constructor (verl 0.9's contract), beside the
+registry entry's."""
 
 _HOW = ("Register it with @register(name) in a module the worker imports, or list it in "
         "actor_rollout_ref.rollout.agent.agent_loop_config_path.")
@@ -229,7 +258,8 @@ AGENT_LOOPS = Registry("agent loop", decorator="register", how=_HOW, base=AgentL
                        where="agent_name", fallback=BUILTIN_AGENT_LOOPS)
 """Every agent loop registered in code: users' registrations over the built-in ones."""
 _agent_loop_registry = EntryDictView(AGENT_LOOPS)
-"""verl's registry name: name -> ``{"_target_": path, "_class_": cls, **kwargs}``; writes register."""
+"""verl's registry name: name -> ``{"_target_": path, "_class_": cls, **kwargs}``; writes
+register."""
 _builtin_registry = EntryDictView(BUILTIN_AGENT_LOOPS)
 
 BUILTIN_LOOP_TARGETS = {
@@ -237,8 +267,8 @@ BUILTIN_LOOP_TARGETS = {
     "tool_agent": "agentloop.loops.tool_agent.ToolAgentLoop",
     "openai_agent": "agentloop.loops.openai_agent.OpenAIAgentLoop",
 }
-"""agentloop's own loops by import path: registered by name here and imported when first resolved, so this
-module never imports them (they import it); their ``@register`` then fills in the class."""
+"""agentloop's own loops by import path: registered by name here and imported when first resolved,
+so this module never imports them (they import it); their ``@register`` then fills in the class."""
 
 
 def _register_builtin_loops() -> None:
@@ -251,7 +281,8 @@ _register_builtin_loops()
 
 @dataclass
 class ResolvedAgentLoop:
-    """A registry entry with its class imported: ``name``, ``cls`` and the YAML entry's extra ``kwargs``.
+    """A registry entry with its class imported: ``name``, ``cls`` and the YAML entry's extra
+    ``kwargs``.
 
     The worker calls ``cls.init_class`` once per worker, then builds one instance per sample as
     ``cls(*loop_args, **kwargs)`` (verl's constructor contract).
@@ -265,8 +296,9 @@ class ResolvedAgentLoop:
 def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
     """Read an ``agent_loop_config_path`` YAML: a list of ``{name, _target_, **kwargs}``.
 
-    ``_target_`` is an import path or a registered loop name (``class_name`` is accepted as its alias).
-    Returns name -> ``{"_target_": ..., **kwargs}``.  Raises ConfigError naming the file and entry.
+    ``_target_`` is an import path or a registered loop name (``class_name`` is accepted as its
+    alias). Returns name -> ``{"_target_": ..., **kwargs}``.  Raises ConfigError naming the file and
+    entry.
     """
     entries = load_yaml_entries(path, None, "agent_loop_config_path")
     out: dict[str, dict[str, Any]] = {}
@@ -283,8 +315,8 @@ def load_registry_file(path: str) -> dict[str, dict[str, Any]]:
 def resolve_registry(agent_loop_config_path: str | None = None) -> dict[str, ResolvedAgentLoop]:
     """Import every registered loop class once; YAML entries override code registrations.
 
-    A YAML ``_target_`` that is a registered name takes that loop's class and kwargs (the entry's own
-    kwargs over them).  Raises ConfigError for an unknown name or a bad import path.
+    A YAML ``_target_`` that is a registered name takes that loop's class and kwargs (the entry's
+    own kwargs over them).  Raises ConfigError for an unknown name or a bad import path.
     """
     entries = {**_builtin_registry, **_agent_loop_registry}
     if agent_loop_config_path:
@@ -308,6 +340,7 @@ def lookup(registry: dict[str, ResolvedAgentLoop], agent_name: str) -> ResolvedA
         return registry[agent_name]
     except KeyError:
         raise UnknownAgentError(
-            f"agent_name {agent_name!r} is not registered; {did_you_mean(agent_name, list(registry))}"
+            f"agent_name {agent_name!r} is not registered; "
+            f"{did_you_mean(agent_name, list(registry))}"
             f"registered agent loops: {sorted(registry)}. {_HOW}"
         ) from None

@@ -1,12 +1,13 @@
-"""Context edits inside ``tool_agent``: when the next context is not an extension of the tokens so far.
+"""Context edits inside ``tool_agent``: when the next context is not an extension of the tokens so
+far.
 
 When the conversation the model is to see next is not the conversation so far plus new turns (source
-``tool``: a context-editing tool; ``window``: ``multi_turn.context_window`` slid; ``template``: the chat
-template is not prefix-stable), ``tool_agent`` closes the current trajectory as a snapshot and starts a new
-one from a full render of the edited conversation.  This module holds the pieces: :class:`ContextSettings`
-(the two config keys, checked), :func:`slide_window`, :func:`edited_history` and
-:class:`Snapshots`.  Spec (sources, what each trajectory holds, caps, counters):
-docs/context.md#context-edits-snapshots.
+``tool``: a context-editing tool; ``window``: ``multi_turn.context_window`` slid; ``template``: the
+chat template is not prefix-stable), ``tool_agent`` closes the current trajectory as a snapshot and
+starts a new one from a full render of the edited conversation.  This module holds the pieces:
+:class:`ContextSettings` (the two config keys, checked), :func:`slide_window`,
+:func:`edited_history` and :class:`Snapshots`.  Spec (sources, what each trajectory holds, caps,
+counters): docs/context.md#context-edits-snapshots.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class ContextSettings:
 
     @classmethod
     def from_config(cls, multi_turn: MultiTurnConfig | Any) -> ContextSettings:
-        """The two keys of ``multi_turn``: a :class:`MultiTurnConfig`, or the ``multi_turn`` mapping (absent
-        keys take the YAML's values).
+        """The two keys of ``multi_turn``: a :class:`MultiTurnConfig`, or the ``multi_turn`` mapping
+        (absent keys take the YAML's values).
 
         Raises:
             ConfigError: a value is wrong (the message says what to give).
@@ -47,7 +48,9 @@ class ContextSettings:
 def _text_of(message: dict[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
     return content or ""
 
 
@@ -73,10 +76,13 @@ def slide_window(messages: list[dict[str, Any]], window: int) -> list[dict[str, 
     return out if changed else None
 
 
-def edited_history(history: list[dict[str, Any]], new: list[dict[str, Any]], edits: list[ContextEdit],
-                   window: int | None) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """The conversation before ``new`` after the tools' ``edits`` (applied last-first, so every index is the
-    one the tool saw) and the window, and the source of the change; ``(None, None)`` when nothing changes."""
+def edited_history(
+    history: list[dict[str, Any]], new: list[dict[str, Any]], edits: list[ContextEdit],
+    window: int | None,
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The conversation before ``new`` after the tools' ``edits`` (applied last-first, so every
+    index is the one the tool saw) and the window, and the source of the change; ``(None, None)``
+    when nothing changes."""
     edited, source = history, None
     if edits:
         for edit in sorted(edits, key=lambda e: e.start, reverse=True):
@@ -109,10 +115,12 @@ class Snapshots:
 
     def finish(self, final: AgentLoopOutput) -> AgentLoopOutput | MultiTrajectoryAgentLoopOutput:
         """The episode: ``final`` alone, or every trajectory in order (final last).  Every row gets
-        ``num_context_edits`` (snapshots of the episode), ``context_edit`` (the source that closed it; None
-        on the final one) and ``context_edits_capped``."""
+        ``num_context_edits`` (snapshots of the episode), ``context_edit`` (the source that closed
+        it; None on the final one) and ``context_edits_capped``."""
         rows = [*self.closed, final]
         for row, source in zip(rows, [*self.sources, None], strict=True):
-            row.extra_fields = {**row.extra_fields, "num_context_edits": len(self.closed), "context_edit": source,
-                                "context_edits_capped": self.capped}
+            row.extra_fields = {
+                **row.extra_fields, "num_context_edits": len(self.closed), "context_edit": source,
+                "context_edits_capped": self.capped,
+            }
         return final if not self.closed else MultiTrajectoryAgentLoopOutput(trajectories=rows)

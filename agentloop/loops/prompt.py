@@ -23,12 +23,15 @@ from agentloop.tokenization.fast import fast_backend as _fast_backend
 
 
 def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
-    """Normalise a ``raw_prompt`` cell (list / numpy array of dicts, or a bare string) to a message list."""
+    """Normalise a ``raw_prompt`` cell (list / numpy array of dicts, or a bare string) to a
+    message list."""
     if isinstance(raw_prompt, str):
         return [{"role": "user", "content": raw_prompt}]
     if isinstance(raw_prompt, np.ndarray):
         raw_prompt = raw_prompt.tolist()
-    if not isinstance(raw_prompt, (list, tuple)) or not all(isinstance(m, dict) for m in raw_prompt):
+    if not isinstance(raw_prompt, (list, tuple)) or not all(
+        isinstance(m, dict) for m in raw_prompt
+    ):
         raise DatasetError(
             "raw_prompt must be a list of chat messages ({'role': ..., 'content': ...}), got "
             f"{type(raw_prompt).__name__}: {str(raw_prompt)[:200]}"
@@ -39,7 +42,9 @@ def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
 RENDER_CACHE_SIZE = 1024
 """Distinct renders remembered per tokenizer (0 turns the cache off)."""
 _Key = tuple[Any, int | None, Any]
-_render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] = weakref.WeakKeyDictionary()
+_render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] = (
+    weakref.WeakKeyDictionary()
+)
 _render_lock = threading.Lock()
 
 
@@ -62,9 +67,10 @@ _PLAIN_KEY_CHARS = 16384
 
 
 def _plain_key(messages: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The messages and keyword arguments themselves as a key, when they are short plain text: every message
-    a dict of strings (or None), every keyword a str, bool, int or None (its type is part of the key: Jinja
-    renders ``True`` and ``1`` differently although Python finds them equal).  Cheaper than JSON + a digest."""
+    """The messages and keyword arguments themselves as a key, when they are short plain text: every
+    message a dict of strings (or None), every keyword a str, bool, int or None (its type is part of
+    the key: Jinja renders ``True`` and ``1`` differently although Python finds them equal). Cheaper
+    than JSON + a digest."""
     if type(messages) is not list:
         return None
     chars = 0
@@ -90,13 +96,14 @@ def _plain_key(messages: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
 
 
 def _render_key(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> _Key | None:
-    """The cache key of one render: the template in use, the vocabulary size (tokens added since change the
-    ids) and the messages and keyword arguments: themselves when short plain text (:func:`_plain_key`), else
-    a 128-bit BLAKE2 digest of their JSON (small in memory however long the conversation; a collision is as
-    likely as guessing a random 128-bit number).
+    """The cache key of one render: the template in use, the vocabulary size (tokens added since
+    change the ids) and the messages and keyword arguments: themselves when short plain text
+    (:func:`_plain_key`), else a 128-bit BLAKE2 digest of their JSON (small in memory however long
+    the conversation; a collision is as likely as guessing a random 128-bit number).
 
-    None (do not cache) when anything is not plain JSON data (an object's repr could name a different
-    object later), or when the template reads the clock (``strftime_now``: the render changes with the date).
+    None (do not cache) when anything is not plain JSON data (an object's repr could name a
+    different object later), or when the template reads the clock (``strftime_now``: the render
+    changes with the date).
     """
     template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
     if template is not None and not isinstance(template, (str, dict)):
@@ -116,17 +123,22 @@ def _render_key(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> _Key |
         text = json.dumps([messages, kwargs], ensure_ascii=False, default=_refuse)
     except (TypeError, ValueError):
         return None
-    return template, size, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (
+        template, size,
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest(),
+    )
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-    """``tokenizer.apply_chat_template(..., tokenize=True)`` returning plain ids on transformers 4 and 5.
+    """``tokenizer.apply_chat_template(..., tokenize=True)`` returning plain ids on transformers 4
+    and 5.
 
-    With a fast tokenizer the rendered text is encoded by its Rust backend directly (the same call HF
-    makes, without ~20 µs of Python around it per prompt); ``tests/unit/test_tokenization_families.py``
-    checks the ids are identical.  Renders are remembered per tokenizer (the last :data:`RENDER_CACHE_SIZE`
-    distinct ones, keyed by the template and the messages): GRPO batches hold every prompt ``rollout.n`` times
-    in a row, and the copies after the first cost a lookup instead of a Jinja render and an encode.
+    With a fast tokenizer the rendered text is encoded by its Rust backend directly (the same call
+    HF makes, without ~20 µs of Python around it per prompt);
+    ``tests/unit/test_tokenization_families.py`` checks the ids are identical.  Renders are
+    remembered per tokenizer (the last :data:`RENDER_CACHE_SIZE` distinct ones, keyed by the
+    template and the messages): GRPO batches hold every prompt ``rollout.n`` times in a row, and the
+    copies after the first cost a lookup instead of a Jinja render and an encode.
     """
     key = _render_key(tokenizer, messages, kwargs) if RENDER_CACHE_SIZE > 0 else None
     if key is None:
@@ -169,7 +181,9 @@ def fit_prompt(prompt_ids: list[int], prompt_length: int, policy: str) -> tuple[
         return prompt_ids, 0
     if policy == "error":
         raise PromptTooLongError(
-            f"prompt has {len(prompt_ids)} tokens but rollout.prompt_length is {prompt_length}; raise "
-            "prompt_length, shorten the data, or set actor_rollout_ref.rollout.agent.prompt_truncation=left"
+            f"prompt has {len(prompt_ids)} tokens but rollout.prompt_length is "
+            f"{prompt_length}; raise "
+            "prompt_length, shorten the data, or set "
+            "actor_rollout_ref.rollout.agent.prompt_truncation=left"
         )
     return prompt_ids[extra:], extra

@@ -7,11 +7,13 @@ Spec:
 3. Every sampled token gets mask 1; the response is cut to ``response_length``.
 4. Status: ``length`` when the engine stopped on ``max_tokens`` (or the cut applied), ``aborted``
    when the engine aborted, else ``stop``.  ``num_turns`` is 2 (user + assistant), as in verl.
-5. ``extra_fields``: ``prompt_truncated``, and the weight version of the call as ``min_global_steps`` /
-   ``max_global_steps`` (verl's columns; None when the server reports no version).
-6. Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` is decoded and each image's placeholder
-   expanded as the model's processor renders it (docs/multimodal.md), passed as ``image_data`` and returned as
-   ``multi_modal_data``; ``multi_modal_data["video"]`` is passed through as ``video_data``.
+5. ``extra_fields``: ``prompt_truncated``, and the weight version of the call as
+   ``min_global_steps`` / ``max_global_steps`` (verl's columns; None when the server reports no
+   version).
+6. Images (verl's behaviour): the sample's ``multi_modal_data["image"]`` is decoded and each image's
+   placeholder expanded as the model's processor renders it (docs/multimodal.md), passed as
+   ``image_data`` and returned as ``multi_modal_data``; ``multi_modal_data["video"]`` is passed
+   through as ``video_data``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ class SingleTurnAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         messages = as_messages(kwargs["raw_prompt"])
-        # Rendered inline: a fast tokenizer takes ~0.1 ms here, less than a thread-pool hop (measured:
+        # Rendered inline: a fast tokenizer takes ~0.1 ms here, less than a thread-pool hop
+        # (measured:
         # run_in_executor cost ~5% throughput in scripts/bench_overhead.py).
         prompt_ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True,
                                          **self.apply_chat_template_kwargs)
         images, videos = sample_media(kwargs), sample_media(kwargs, "video")
         media: dict[str, Any] = {}
         if images:
-            if self.processor is not None:  # a vision-language model: pixels decoded, placeholders expanded
+            # a vision-language model: pixels decoded, placeholders expanded
+            if self.processor is not None:
                 images = decode_images(images, "sample image")
                 prompt_ids = encode_images(self.processor, prompt_ids, images)
             media["image_data"] = images
@@ -67,13 +71,19 @@ class SingleTurnAgentLoop(AgentLoopBase):
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             response_mask=[1] * len(response_ids),
-            response_logprobs=output.log_probs[: self.response_length] if output.log_probs is not None else None,
-            response_weight_versions=list(versions[: self.response_length]) if versions is not None else None,
+            response_logprobs=output.log_probs[: self.response_length]
+            if output.log_probs is not None
+            else None,
+            response_weight_versions=list(versions[: self.response_length])
+            if versions is not None
+            else None,
             num_turns=2,
             metrics=metrics,
             multi_modal_data={"image": images} if images else None,
-            extra_fields={"prompt_truncated": dropped,
-                          "min_global_steps": output.extra_fields.get("min_global_steps"),
-                          "max_global_steps": output.extra_fields.get("max_global_steps")},
+            extra_fields={
+                "prompt_truncated": dropped,
+                "min_global_steps": output.extra_fields.get("min_global_steps"),
+                "max_global_steps": output.extra_fields.get("max_global_steps"),
+            },
             status=status,
         )

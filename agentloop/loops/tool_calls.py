@@ -1,10 +1,11 @@
 """Running the tool calls of one assistant turn.
 
-:class:`ToolRunner` gives every call the policy made exactly one tool message back, in order: the tool's
-text (truncated to ``max_tool_response_length``), or an error message for an unknown tool, a malformed
-call, a call beyond ``max_parallel_calls``, an exception or a timeout; it never raises for a tool's
-failure.  ``create`` / ``execute`` / ``release`` run per call, each bounded by the tool's own timeout or
-``multi_turn.tool_timeout``; ``release`` always runs.  Spec: docs/tools.md#the-tool_agent-loop (Tools).
+:class:`ToolRunner` gives every call the policy made exactly one tool message back, in order: the
+tool's text (truncated to ``max_tool_response_length``), or an error message for an unknown tool, a
+malformed call, a call beyond ``max_parallel_calls``, an exception or a timeout; it never raises for
+a tool's failure.  ``create`` / ``execute`` / ``release`` run per call, each bounded by the tool's
+own timeout or ``multi_turn.tool_timeout``; ``release`` always runs.  Spec:
+docs/tools.md#the-tool_agent-loop (Tools).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class ToolTurnResult:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
-    """Each message's full text, before truncation (to cut it again shorter, see :meth:`limited`)."""
+    """Each message's full text, before truncation (to cut it again shorter, see
+    :meth:`limited`)."""
     rewards: list[float] = field(default_factory=list)
     images: list[Any] = field(default_factory=list)
     num_errors: int = 0
@@ -44,7 +46,10 @@ class ToolTurnResult:
 
     def limited(self, limit: int, side: str) -> list[dict[str, Any]]:
         """The messages with every text truncated to ``limit`` characters (see :func:`truncate`)."""
-        return [_with_text(m, truncate(t, limit, side)) for m, t in zip(self.messages, self.texts, strict=True)]
+        return [
+            _with_text(m, truncate(t, limit, side))
+            for m, t in zip(self.messages, self.texts, strict=True)
+        ]
 
 
 def truncate(text: str, limit: int, side: str) -> str:
@@ -72,8 +77,11 @@ def _check_timeout(tool: BaseTool) -> None:
     if own is None:
         return
     if isinstance(own, bool) or not isinstance(own, (int, float)) or own < 0 or math.isnan(own):
-        raise ConfigError(f"tool {tool.name!r}: config.timeout={own!r} is not a number of seconds >= 0; set it to "
-                          "a number (0: no limit), or leave it out to use multi_turn.tool_timeout")
+        raise ConfigError(
+            f"tool {tool.name!r}: config.timeout={own!r} is not a number of "
+            f"seconds >= 0; set it to "
+            "a number (0: no limit), or leave it out to use multi_turn.tool_timeout"
+        )
 
 
 @dataclass
@@ -85,31 +93,44 @@ class ToolRunner:
     max_response_length: int = 256
     truncate_side: str = "middle"
     timeout: float | None = 30.0
-    """The default per-call limit in seconds (a tool's own ``config.timeout`` wins); 0 or None: no limit."""
+    """The default per-call limit in seconds (a tool's own ``config.timeout`` wins); 0 or None:
+    no limit."""
 
     def __post_init__(self) -> None:
-        """Check every tool now (not at its first call): timeouts, and sync functions vs the tool executor."""
+        """Check every tool now (not at its first call): timeouts, and sync functions vs the tool
+        executor."""
         executor = tool_executor()
         for tool in self.tools.values():
             _check_timeout(tool)
             if isinstance(tool, FunctionTool) and not tool.is_async and tool.fn is not None:
                 executor.check_function(tool.fn, f"tool {tool.name!r}")
 
-    async def run_turn(self, calls: list[FunctionCall], tools_kwargs: dict[str, Any] | None) -> ToolTurnResult:
+    async def run_turn(
+        self, calls: list[FunctionCall], tools_kwargs: dict[str, Any] | None
+    ) -> ToolTurnResult:
         """One tool message per call, in call order."""
         result = ToolTurnResult()
         jobs = []
         for i, call in enumerate(calls):
             if call.name and call.name not in self.tools:
                 result.num_errors += 1
-                jobs.append(_text(f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}"))
+                jobs.append(
+                    _text(
+                        f"Error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}"
+                    )
+                )
             elif call.error is not None:
                 result.num_parse_errors += 1
                 jobs.append(_text(f"Error: could not parse the tool call: {call.error}"))
             elif i >= self.max_parallel_calls:
                 result.num_dropped += 1
-                jobs.append(_text(f"Error: at most {self.max_parallel_calls} tool call(s) per turn; "
-                                  f"call {i + 1} ({call.name}) was not executed"))
+                jobs.append(
+                    _text(
+                        f"Error: at most {self.max_parallel_calls} tool call(s) "
+                        f"per turn; "
+                        f"call {i + 1} ({call.name}) was not executed"
+                    )
+                )
             else:
                 jobs.append(self._execute(call, (tools_kwargs or {}).get(call.name) or {}, result))
         outputs = await asyncio.gather(*jobs)
@@ -119,13 +140,16 @@ class ToolRunner:
             if images:
                 result.images.extend(images)
                 content = [*({"type": "image"} for _ in images), {"type": "text", "text": content}]
-            result.messages.append({"role": "tool", "content": content, "tool_call_id": call.id, "name": call.name})
+            result.messages.append(
+                {"role": "tool", "content": content, "tool_call_id": call.id, "name": call.name}
+            )
         return result
 
     async def _execute(
         self, call: FunctionCall, kwargs: dict[str, Any], result: ToolTurnResult
     ) -> tuple[str, list[Any]]:
-        """Run one call; with ``rollout.trace`` on, one ``tool`` span (name, arguments, result head, error)."""
+        """Run one call; with ``rollout.trace`` on, one ``tool`` span (name, arguments, result
+        head, error)."""
         errors = result.num_errors
         with trace_span("tool", inputs={"name": call.name, "arguments": call.arguments}) as s:
             text, images = await self._run_call(call, kwargs, result)
@@ -141,7 +165,9 @@ class ToolRunner:
         instance_id = None
         timeout = effective_timeout(tool, self.timeout)
         try:
-            instance_id, _ = await _bounded(tool.create, timeout, create_kwargs=kwargs.get("create_kwargs", {}))
+            instance_id, _ = await _bounded(
+                tool.create, timeout, create_kwargs=kwargs.get("create_kwargs", {})
+            )
             args = json.loads(call.arguments)
             response, reward, _ = await _bounded(tool.execute, timeout, instance_id, args,
                                                  **kwargs.get("execute_kwargs", {}))
@@ -159,8 +185,11 @@ class ToolRunner:
                 await _release(tool, instance_id, timeout)
 
 
-async def _bounded(method: Callable[..., Any], timeout: float | None, /, *args: Any, **kwargs: Any) -> Any:
-    """Await ``method(*args, **kwargs)`` within ``timeout`` seconds; a plain ``def`` runs in the tool thread pool."""
+async def _bounded(
+    method: Callable[..., Any], timeout: float | None, /, *args: Any, **kwargs: Any
+) -> Any:
+    """Await ``method(*args, **kwargs)`` within ``timeout`` seconds; a plain ``def`` runs in the
+    tool thread pool."""
     sync = not inspect.iscoroutinefunction(method)
     call = _in_thread(method, *args, **kwargs) if sync else method(*args, **kwargs)
     return await (asyncio.wait_for(call, timeout) if timeout else call)
@@ -168,19 +197,25 @@ async def _bounded(method: Callable[..., Any], timeout: float | None, /, *args: 
 
 async def _in_thread(method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     value = await tool_executor().run_in_thread(method, *args, **kwargs)
-    return await value if inspect.isawaitable(value) else value  # a sync wrapper around an async method
+    # a sync wrapper around an async method
+    return await value if inspect.isawaitable(value) else value
 
 
 async def _release(tool: BaseTool, instance_id: str, timeout: float | None) -> None:
     try:
         await _bounded(tool.release, timeout, instance_id)
-    except Exception as e:  # noqa: BLE001 - the call's result is already decided; keep the sample going
-        logger.warning("tool %r: release(%r) failed: %s: %s", tool.name, instance_id, type(e).__name__, e)
+    # the call's result is already decided; keep the sample going
+    except Exception as e:  # noqa: BLE001
+        logger.warning(
+            "tool %r: release(%r) failed: %s: %s", tool.name, instance_id, type(e).__name__, e
+        )
 
 
 def _with_text(message: dict[str, Any], text: str) -> dict[str, Any]:
     content = message["content"]  # a string, or image parts then the text part
-    text_part = [*content[:-1], {"type": "text", "text": text}] if isinstance(content, list) else text
+    text_part = (
+        [*content[:-1], {"type": "text", "text": text}] if isinstance(content, list) else text
+    )
     return {**message, "content": text_part}
 
 

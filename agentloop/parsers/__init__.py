@@ -13,6 +13,9 @@ from agentloop.parsers.qwen3_coder import Qwen3CoderToolParser
 from agentloop.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from agentloop.parsers.seed import SeedToolParser
 
-__all__ = ["DeepSeekV4ToolParser", "FunctionCall", "Gemma4ToolParser", "GlmToolParser", "GptOssToolParser",
-           "HermesToolParser", "KimiToolParser", "Llama3JsonToolParser", "MiniMaxToolParser", "Qwen3CoderToolParser",
-           "ReasoningParser", "SeedToolParser", "ToolParser", "get_reasoning_parser", "get_tool_parser"]
+__all__ = [
+    "DeepSeekV4ToolParser", "FunctionCall", "Gemma4ToolParser", "GlmToolParser", "GptOssToolParser",
+    "HermesToolParser", "KimiToolParser", "Llama3JsonToolParser", "MiniMaxToolParser",
+    "Qwen3CoderToolParser", "ReasoningParser", "SeedToolParser", "ToolParser",
+    "get_reasoning_parser", "get_tool_parser",
+]

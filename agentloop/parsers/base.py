@@ -1,12 +1,12 @@
 """Tool-call parsers: turn the policy's sampled ids into (content, tool calls).
 
-Registry as in verl: ``@ToolParser.register("hermes")`` and ``ToolParser.get_tool_parser(name, tokenizer)``
-(also :func:`get_tool_parser`; ``name`` may also be an import path; an unknown one raises
-:class:`~agentloop.errors.ConfigError`).  ``extract_tool_calls(ids[, tools])`` returns the
-content and a list of :class:`FunctionCall`; it never raises on model output: a malformed call comes back
-with ``error`` set, and arguments are never ``eval``-ed.  :attr:`ToolParser.stop_token_ids` are the ids of
-the tokens that end a call.  Spec (built-in formats, verl's calling conventions):
-docs/tools.md#tool-call-parsers.
+Registry as in verl: ``@ToolParser.register("hermes")`` and
+``ToolParser.get_tool_parser(name, tokenizer)`` (also :func:`get_tool_parser`; ``name`` may also be
+an import path; an unknown one raises :class:`~agentloop.errors.ConfigError`).
+``extract_tool_calls(ids[, tools])`` returns the content and a list of :class:`FunctionCall`; it
+never raises on model output: a malformed call comes back with ``error`` set, and arguments are
+never ``eval``-ed.  :attr:`ToolParser.stop_token_ids` are the ids of the tokens that end a call.
+Spec (built-in formats, verl's calling conventions): docs/tools.md#tool-call-parsers.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from agentloop.utils.registry import Registry
 class FunctionCall(BaseModel):
     """One tool call the policy asked for.
 
-    ``tool_call_id`` (verl's name) is the same value as :attr:`id`: readable, writable and accepted by the
-    constructor (``FunctionCall(name=..., arguments=..., tool_call_id="call_1")``; None there means "make
-    one up", as for ``id``).
+    ``tool_call_id`` (verl's name) is the same value as :attr:`id`: readable, writable and accepted
+    by the constructor (``FunctionCall(name=..., arguments=..., tool_call_id="call_1")``; None there
+    means "make one up", as for ``id``).
     """
 
     name: str
@@ -65,7 +65,8 @@ def as_tool_dicts(tools: Iterable[Any] | None) -> list[dict[str, Any]] | None:
     """``tools`` as plain dicts (OpenAI tool dicts or bare function dicts); None stays None.
 
     Accepts dicts (any mapping), pydantic schema objects (``model_dump()``) and objects shaped like
-    ``OpenAIFunctionToolSchema`` (a ``.function`` with ``.name``); raises ConfigError for anything else.
+    ``OpenAIFunctionToolSchema`` (a ``.function`` with ``.name``); raises ConfigError for anything
+    else.
     """
     if tools is None:
         return None
@@ -76,10 +77,16 @@ def as_tool_dicts(tools: Iterable[Any] | None) -> list[dict[str, Any]] | None:
         elif callable(getattr(tool, "model_dump", None)):
             out.append(tool.model_dump(exclude_none=True))
         elif getattr(tool, "function", None) is not None:
-            out.append({"type": getattr(tool, "type", "function"), "function": _function_dict(tool.function)})
+            out.append(
+                {
+                    "type": getattr(tool, "type", "function"),
+                    "function": _function_dict(tool.function),
+                }
+            )
         else:
             raise ConfigError(
-                f"tools[{i}] passed to extract_tool_calls is a {type(tool).__name__}; pass OpenAI tool dicts "
+                f"tools[{i}] passed to extract_tool_calls is a {type(tool).__name__}; pass "
+                f"OpenAI tool dicts "
                 "or OpenAIFunctionToolSchema objects (e.g. [t.tool_schema for t in tools])"
             )
     return out
@@ -109,8 +116,8 @@ def unknown_tool_error(name: str, allowed: set[str] | dict[str, Any]) -> str:
 def split_blocks(text: str, start: str, end: str) -> tuple[str, list[str], str | None]:
     """Cut ``start…end`` blocks out of ``text``.
 
-    Returns (the text outside the blocks, the blocks' bodies in order, the text after a ``start`` that is
-    never closed, or None when every block is closed).
+    Returns (the text outside the blocks, the blocks' bodies in order, the text after a ``start``
+    that is never closed, or None when every block is closed).
     """
     outside: list[str] = []
     bodies: list[str] = []
@@ -129,7 +136,8 @@ def split_blocks(text: str, start: str, end: str) -> tuple[str, list[str], str |
 
 
 def single_token_id(tokenizer: Any, token: str) -> int | None:
-    """The id of ``token`` when the tokenizer has it as one token (decoding back to it), else None."""
+    """The id of ``token`` when the tokenizer has it as one token (decoding back to it), else
+    None."""
     convert = getattr(tokenizer, "convert_tokens_to_ids", None)
     candidates: list[Any] = []
     if callable(convert):
@@ -141,20 +149,26 @@ def single_token_id(tokenizer: Any, token: str) -> int | None:
     if len(ids) == 1:
         candidates.append(ids[0])
     for tid in candidates:
-        if isinstance(tid, int) and tid >= 0 and tokenizer.decode([tid], skip_special_tokens=False) == token:
+        if (
+            isinstance(tid, int)
+            and tid >= 0
+            and tokenizer.decode([tid], skip_special_tokens=False) == token
+        ):
             return tid
     return None
 
 
 def finish_call(name: str, args: dict[str, Any], errors: list[str], allowed: Any,
                 missing_name: str = "tool call needs a name") -> FunctionCall:
-    """A parsed call: its arguments as a JSON string, and every problem found (no name, a tool that is not
-    offered, argument errors) joined into ``error``."""
+    """A parsed call: its arguments as a JSON string, and every problem found (no name, a tool that
+    is not offered, argument errors) joined into ``error``."""
     if not name.strip():
         errors.insert(0, missing_name)
     elif allowed is not None and name not in allowed:
         errors.insert(0, unknown_tool_error(name, allowed))
-    return FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False), error="; ".join(errors) or None)
+    return FunctionCall(
+        name=name, arguments=json.dumps(args, ensure_ascii=False), error="; ".join(errors) or None
+    )
 
 
 class ToolParser:
@@ -166,31 +180,40 @@ class ToolParser:
     _registry: ClassVar[Registry]
     """verl's name of :data:`TOOL_PARSERS` (set below the class)."""
     tool_call_start: ClassVar[str | None] = None
-    """Decoded text that opens a tool call; streaming holds content back from it on (None: hold all)."""
+    """Decoded text that opens a tool call; streaming holds content back from it on (None: hold
+    all)."""
     skip_special_tokens: ClassVar[bool] = True
-    """How :meth:`extract_tool_calls` decodes (False for formats marked by special tokens, e.g. harmony)."""
+    """How :meth:`extract_tool_calls` decodes (False for formats marked by special tokens, e.g.
+    harmony)."""
     stop_tokens: ClassVar[tuple[str, ...]] = ()
-    """Tokens that end a tool call and should halt generation (resolved to :attr:`stop_token_ids`)."""
+    """Tokens that end a tool call and should halt generation (resolved to
+    :attr:`stop_token_ids`)."""
     markup_tokens: ClassVar[tuple[str, ...]] = ()
-    """The format's own markers that may be special tokens (kept by :meth:`without_special_tokens`)."""
+    """The format's own markers that may be special tokens (kept by
+    :meth:`without_special_tokens`)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     @cached_property
     def stop_token_ids(self) -> list[int]:
-        """Ids of :attr:`stop_tokens` the tokenizer has as single tokens ([] when none: rely on EOS)."""
+        """Ids of :attr:`stop_tokens` the tokenizer has as single tokens ([] when none: rely on
+        EOS)."""
         ids = (single_token_id(self.tokenizer, token) for token in self.stop_tokens)
         return [tid for tid in ids if tid is not None]
 
     def without_special_tokens(self, text: str) -> str:
-        """``text`` without the tokenizer's special tokens (EOS, padding, ...), except :attr:`markup_tokens`.
+        """``text`` without the tokenizer's special tokens (EOS, padding, ...), except
+        :attr:`markup_tokens`.
 
         For parsers that decode with special tokens: what is left outside the calls becomes content.
         """
         tok = self.tokenizer
-        specials = list(getattr(tok, "all_special_tokens", None) or ())  # HF tokenizers; fakes may lack it
-        specials += [t for t in (getattr(tok, "eos_token", None), getattr(tok, "pad_token", None)) if t]
+        # HF tokenizers; fakes may lack it
+        specials = list(getattr(tok, "all_special_tokens", None) or ())
+        specials += [
+            t for t in (getattr(tok, "eos_token", None), getattr(tok, "pad_token", None)) if t
+        ]
         for token in sorted(set(specials) - set(self.markup_tokens), key=len, reverse=True):
             text = text.replace(token, "")
         return text
@@ -198,14 +221,18 @@ class ToolParser:
     async def extract_tool_calls(
         self, response_ids: list[int], tools: Iterable[Any] | None = None
     ) -> tuple[str, list[FunctionCall]]:
-        """Split a response into its text content and its tool calls (``tools``: see :func:`as_tool_dicts`)."""
+        """Split a response into its text content and its tool calls (``tools``: see
+        :func:`as_tool_dicts`)."""
         text = self.tokenizer.decode(response_ids, skip_special_tokens=self.skip_special_tokens)
         return self.parse_text(text, as_tool_dicts(tools))
 
-    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+    def parse_text(
+        self, text: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on decoded text; every built-in parser implements it."""
         raise NotImplementedError(
-            f"{type(self).__name__} implements neither parse_text(text, tools) nor extract_tool_calls(ids, tools); "
+            f"{type(self).__name__} implements neither parse_text(text, tools) nor "
+            f"extract_tool_calls(ids, tools); "
             "implement one of them"
         )
 
@@ -223,24 +250,29 @@ class ToolParser:
         """An instance of the parser registered as ``name`` (or at the import path ``name``).
 
         Raises:
-            ConfigError: unknown name (with the registered names) or a path that is not a ToolParser.
+            ConfigError: unknown name (with the registered names) or a path that is not a
+            ToolParser.
         """
         return TOOL_PARSERS.resolve(name)(tokenizer)
 
 
 TOOL_PARSERS = Registry(
-    "tool parser", decorator="ToolParser.register", base=ToolParser,
+    "tool parser",
+    decorator="ToolParser.register",
+    base=ToolParser,
     where="actor_rollout_ref.rollout.multi_turn.format",
-    how="Register one with @ToolParser.register(name), or give the import path of a ToolParser subclass.",
+    how="Register one with @ToolParser.register(name), or give the import path of a "
+    "ToolParser subclass.",
 )
 """Tool-call parsers by ``multi_turn.format`` name; the built-ins are imported on first use."""
 ToolParser._registry = TOOL_PARSERS
 _BUILTIN_PARSERS = {
     "hermes": "hermes.HermesToolParser", "qwen3_coder": "qwen3_coder.Qwen3CoderToolParser",
     "llama3_json": "llama3_json.Llama3JsonToolParser", "gpt-oss": "gpt_oss.GptOssToolParser",
-    "gpt_oss": "gpt_oss.GptOssToolParser", "glm": "glm.GlmToolParser", "seed": "seed.SeedToolParser",
-    "minimax": "minimax.MiniMaxToolParser", "kimi": "kimi.KimiToolParser",
-    "deepseek_v4": "deepseek_v4.DeepSeekV4ToolParser", "gemma4": "gemma4.Gemma4ToolParser",
+    "gpt_oss": "gpt_oss.GptOssToolParser", "glm": "glm.GlmToolParser",
+    "seed": "seed.SeedToolParser", "minimax": "minimax.MiniMaxToolParser",
+    "kimi": "kimi.KimiToolParser", "deepseek_v4": "deepseek_v4.DeepSeekV4ToolParser",
+    "gemma4": "gemma4.Gemma4ToolParser",
 }
 for _name, _path in _BUILTIN_PARSERS.items():
     TOOL_PARSERS.add(_name, f"agentloop.parsers.{_path}")

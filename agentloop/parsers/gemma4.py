@@ -4,12 +4,12 @@ Format (the markers and the string quote ``<|"|>`` are special tokens)::
 
     <|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:3}<tool_call|>
 
-Arguments are ``key:value`` pairs separated by ``,``: a value is a string between ``<|"|>`` quotes (taken
-verbatim), an object ``{...}`` or an array ``[...]`` of values, or a bare word: ``true`` / ``false`` /
-``null``, a number, else the word as a string.  Content is the text outside the calls (special tokens
-dropped, stripped).  Gemma 4 keeps generating after a call instead of ending its turn, so ``<tool_call|>``
-is a stop token (verl's rule).  A call without ``call:NAME{``, arguments that do not parse, an unclosed
-call or a tool not in ``tools`` gives a call with ``error``.
+Arguments are ``key:value`` pairs separated by ``,``: a value is a string between ``<|"|>`` quotes
+(taken verbatim), an object ``{...}`` or an array ``[...]`` of values, or a bare word: ``true`` /
+``false`` / ``null``, a number, else the word as a string.  Content is the text outside the calls
+(special tokens dropped, stripped).  Gemma 4 keeps generating after a call instead of ending its
+turn, so ``<tool_call|>`` is a stop token (verl's rule).  A call without ``call:NAME{``, arguments
+that do not parse, an unclosed call or a tool not in ``tools`` gives a call with ``error``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import math
 import re
 from typing import Any
 
-from agentloop.parsers.base import FunctionCall, ToolParser, split_blocks, tool_names, unknown_tool_error
+from agentloop.parsers.base import (
+    FunctionCall,
+    ToolParser,
+    split_blocks,
+    tool_names,
+    unknown_tool_error,
+)
 
 CALL_START, CALL_END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _HEAD = re.compile(r"\s*call:([\w.-]+)\s*(?=\{)")
@@ -97,15 +103,21 @@ def _object(text: str, pos: int) -> tuple[dict[str, Any], int]:
 def _parse_call(body: str, allowed: set[str] | None) -> FunctionCall:
     head = _HEAD.match(body)
     if head is None:
-        return FunctionCall(name="", arguments=body.strip(), error="tool call needs 'call:NAME{...}'")
+        return FunctionCall(
+            name="", arguments=body.strip(), error="tool call needs 'call:NAME{...}'"
+        )
     name = head.group(1)
     try:
         args, end = _object(body, head.end())
         if body[end:].strip():
             raise _Syntax(f"unexpected text after the arguments: {body[end:].strip()[:20]!r}")
     except (_Syntax, ValueError, IndexError) as e:
-        return FunctionCall(name=name, arguments=body[head.end():].strip(), error=f"arguments do not parse: {e}")
-    error = unknown_tool_error(name, allowed) if allowed is not None and name not in allowed else None
+        return FunctionCall(
+            name=name, arguments=body[head.end() :].strip(), error=f"arguments do not parse: {e}"
+        )
+    error = (
+        unknown_tool_error(name, allowed) if allowed is not None and name not in allowed else None
+    )
     return FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False), error=error)
 
 
@@ -118,13 +130,17 @@ class Gemma4ToolParser(ToolParser):
     stop_tokens = (CALL_END,)
     markup_tokens = (CALL_START, CALL_END, QUOTE)
 
-    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+    def parse_text(
+        self, text: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on text decoded with the special tokens."""
         allowed = tool_names(tools)
         content, bodies, unclosed = split_blocks(text, CALL_START, CALL_END)
         calls = [_parse_call(body, allowed) for body in bodies]
         if unclosed is not None:
             call = _parse_call(unclosed, allowed)
-            call.error = "; ".join(e for e in (f"tool call is not closed with {CALL_END}", call.error) if e)
+            call.error = "; ".join(
+                e for e in (f"tool call is not closed with {CALL_END}", call.error) if e
+            )
             calls.append(call)
         return self.without_special_tokens(content).strip(), calls

@@ -1,4 +1,5 @@
-"""Kimi K2 tool calls: special-token sections with ``functions.NAME:IDX`` call ids (verl's ``kimi``).
+"""Kimi K2 tool calls: special-token sections with ``functions.NAME:IDX`` call ids (verl's
+``kimi``).
 
 Format (every marker is a special token)::
 
@@ -6,12 +7,13 @@ Format (every marker is a special token)::
     <|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>
     <|tool_calls_section_end|>
 
-The text between ``<|tool_call_begin|>`` and ``<|tool_call_argument_begin|>`` is the call id, kept as
-:attr:`FunctionCall.id` / ``tool_call_id`` (Kimi's chat template renders it back); the tool name is the id
-without the ``functions.`` prefix and the ``:IDX`` suffix.  Arguments must be a JSON object.  Content is
-the text outside the section (special tokens dropped, stripped).  ``<|im_end|>`` is a stop token (verl's
-rule).  Invalid JSON, a non-object, a call not closed by ``<|tool_call_end|>``, an empty name, or a tool
-not in ``tools`` gives a call with ``error``; a section left open is parsed as far as it goes.
+The text between ``<|tool_call_begin|>`` and ``<|tool_call_argument_begin|>`` is the call id, kept
+as :attr:`FunctionCall.id` / ``tool_call_id`` (Kimi's chat template renders it back); the tool name
+is the id without the ``functions.`` prefix and the ``:IDX`` suffix.  Arguments must be a JSON
+object. Content is the text outside the section (special tokens dropped, stripped).  ``<|im_end|>``
+is a stop token (verl's rule).  Invalid JSON, a non-object, a call not closed by
+``<|tool_call_end|>``, an empty name, or a tool not in ``tools`` gives a call with ``error``; a
+section left open is parsed as far as it goes.
 """
 
 from __future__ import annotations
@@ -19,14 +21,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentloop.parsers.base import FunctionCall, ToolParser, split_blocks, tool_names, unknown_tool_error
+from agentloop.parsers.base import (
+    FunctionCall,
+    ToolParser,
+    split_blocks,
+    tool_names,
+    unknown_tool_error,
+)
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+CALL_BEGIN, ARGS_BEGIN, CALL_END = (
+    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+)
 
 
 def tool_name_of(call_id: str) -> str:
-    """``functions.get_weather:0`` → ``get_weather`` (ids in another shape lose only what matches)."""
+    """``functions.get_weather:0`` → ``get_weather`` (ids in another shape lose only what
+    matches)."""
     name = call_id.strip()
     name = name.removeprefix("functions.")
     head, sep, index = name.rpartition(":")
@@ -42,7 +53,9 @@ def _parse_call(body: str, closed: bool, allowed: set[str] | None) -> FunctionCa
     if not closed:
         return FunctionCall(**fields, error=f"tool call is not closed with {CALL_END}")
     if not sep or not name:
-        return FunctionCall(**fields, error=f"tool call needs 'functions.NAME:IDX{ARGS_BEGIN}{{...}}'")
+        return FunctionCall(
+            **fields, error=f"tool call needs 'functions.NAME:IDX{ARGS_BEGIN}{{...}}'"
+        )
     try:
         args = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -50,7 +63,9 @@ def _parse_call(body: str, closed: bool, allowed: set[str] | None) -> FunctionCa
     if not isinstance(args, dict):
         return FunctionCall(**fields, error="tool call arguments must be a JSON object")
     fields["arguments"] = json.dumps(args, ensure_ascii=False)
-    error = unknown_tool_error(name, allowed) if allowed is not None and name not in allowed else None
+    error = (
+        unknown_tool_error(name, allowed) if allowed is not None and name not in allowed else None
+    )
     return FunctionCall(**fields, error=error)
 
 
@@ -63,7 +78,9 @@ class KimiToolParser(ToolParser):
     stop_tokens = ("<|im_end|>",)
     markup_tokens = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 
-    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+    def parse_text(
+        self, text: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on text decoded with the special tokens."""
         allowed = tool_names(tools)
         content, sections, unclosed = split_blocks(text, SECTION_BEGIN, SECTION_END)

@@ -4,15 +4,16 @@ Format (Llama 3.1-3.3 with JSON tool calling)::
 
     <|python_tag|>{"name": "NAME", "parameters": {"p": 1}}; {"name": "OTHER", "parameters": {}}
 
-``<|python_tag|>`` is optional (a special token, dropped by ``skip_special_tokens``; a literal one at the
-start is skipped too).  ``"arguments"`` is accepted for ``"parameters"`` and a JSON-encoded object string
-for the object; a missing one means ``{}``.  Several calls are separated by ``;`` (what our
-``llama3_json`` template writes for parallel calls); whitespace alone between objects is accepted too.
+``<|python_tag|>`` is optional (a special token, dropped by ``skip_special_tokens``; a literal one
+at the start is skipped too).  ``"arguments"`` is accepted for ``"parameters"`` and a JSON-encoded
+object string for the object; a missing one means ``{}``.  Several calls are separated by ``;``
+(what our ``llama3_json`` template writes for parallel calls); whitespace alone between objects is
+accepted too.
 
-A response that does not start with ``{`` (after whitespace and the tag) is plain content with no calls;
-one that does is all calls, so its content is empty.  Invalid JSON, an object without a string
-``name``, non-object parameters, text after the last object, or a tool not in ``tools`` (when given)
-gives a call with ``error`` set; nothing raises.
+A response that does not start with ``{`` (after whitespace and the tag) is plain content with no
+calls; one that does is all calls, so its content is empty.  Invalid JSON, an object without a
+string ``name``, non-object parameters, text after the last object, or a tool not in ``tools`` (when
+given) gives a call with ``error`` set; nothing raises.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def _to_call(obj: Any, raw: str, allowed: set[str] | None) -> FunctionCall:
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
-            return FunctionCall(name=name, arguments=args, error="'parameters' is not a JSON object")
+            return FunctionCall(
+                name=name, arguments=args, error="'parameters' is not a JSON object"
+            )
     if not isinstance(args, dict):
-        return FunctionCall(name=name, arguments=json.dumps(args), error="'parameters' must be an object")
+        return FunctionCall(
+            name=name, arguments=json.dumps(args), error="'parameters' must be an object"
+        )
     call = FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
     if allowed is not None and name not in allowed:
         call.error = unknown_tool_error(name, allowed)
@@ -78,11 +83,14 @@ def _parse_calls(body: str, allowed: set[str] | None) -> list[FunctionCall]:
 
 @ToolParser.register("llama3_json")
 class Llama3JsonToolParser(ToolParser):
-    """Parser for Llama 3.x JSON tool calls (``{"name": ..., "parameters": ...}``, ``;``-separated)."""
+    """Parser for Llama 3.x JSON tool calls (``{"name": ..., "parameters": ...}``,
+    ``;``-separated)."""
 
     tool_call_start = "{"
 
-    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+    def parse_text(
+        self, text: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on decoded text."""
         body = text.strip()
         if body.startswith(PYTHON_TAG):

@@ -1,9 +1,10 @@
 """Qwen3-Coder tool calls: one XML-like element per parameter, values as plain text.
 
-``<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call>`` blocks become calls,
-the text outside them the content; each value is coerced to the JSON type the tool's schema declares for
-it.  A value that does not fit, an unclosed element, a repeated parameter or an unknown tool gives a call
-with ``error``; nothing raises.  Spec (the format, coercion rules): docs/tools.md#qwen3_coder.
+``<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call>`` blocks become
+calls, the text outside them the content; each value is coerced to the JSON type the tool's schema
+declares for it.  A value that does not fit, an unclosed element, a repeated parameter or an unknown
+tool gives a call with ``error``; nothing raises.  Spec (the format, coercion rules):
+docs/tools.md#qwen3_coder.
 """
 
 from __future__ import annotations
@@ -13,9 +14,17 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from agentloop.parsers.base import FunctionCall, ToolParser, as_tool_dicts, split_blocks, unknown_tool_error
+from agentloop.parsers.base import (
+    FunctionCall,
+    ToolParser,
+    as_tool_dicts,
+    split_blocks,
+    unknown_tool_error,
+)
 
-_TYPE_ALIASES = {"int": "integer", "float": "number", "bool": "boolean", "dict": "object", "list": "array"}
+_TYPE_ALIASES = {
+    "int": "integer", "float": "number", "bool": "boolean", "dict": "object", "list": "array",
+}
 _Schemas = dict[str, dict[str, Any]]  # tool name -> {parameter name -> its JSON schema}
 
 
@@ -122,8 +131,8 @@ def coerce_value(raw: str, schema: Any) -> tuple[Any, str | None]:
 
 def coerce_arguments(pairs: list[tuple[str, str]], schema: dict[str, Any], errors: list[str],
                      what: str = "parameter") -> dict[str, Any]:
-    """``{name: value}`` of (name, raw text) pairs, each coerced to the type ``schema`` declares for it; a
-    repeated name or a value that does not fit adds to ``errors``."""
+    """``{name: value}`` of (name, raw text) pairs, each coerced to the type ``schema`` declares for
+    it; a repeated name or a value that does not fit adds to ``errors``."""
     args: dict[str, Any] = {}
     for key, raw in pairs:
         if key in args:
@@ -174,7 +183,11 @@ def _parse_function(piece: str, schemas: _Schemas | None) -> FunctionCall:
 def _parse_block(body: str, schemas: _Schemas | None, start: str) -> list[FunctionCall]:
     pieces = body.split("<function=")
     if len(pieces) == 1:
-        return [FunctionCall(name="", arguments=body.strip(), error=f"{start} block has no <function=NAME>")]
+        return [
+            FunctionCall(
+                name="", arguments=body.strip(), error=f"{start} block has no <function=NAME>"
+            )
+        ]
     return [_parse_function(piece, schemas) for piece in pieces[1:]]
 
 
@@ -188,12 +201,18 @@ class Qwen3CoderToolParser(ToolParser):
     block_end: ClassVar[str] = "</tool_call>"
     """Closes a block of calls."""
 
-    def parse_text(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[FunctionCall]]:
+    def parse_text(
+        self, text: str, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[FunctionCall]]:
         """The parsing itself, on decoded text."""
         start = self.block_start
         schemas = tool_parameter_schemas(tools)
         content, bodies, unclosed = split_blocks(text, start, self.block_end)
         calls = [call for body in bodies for call in _parse_block(body, schemas, start)]
         if unclosed is not None:
-            calls.append(FunctionCall(name="", arguments=unclosed.strip(), error=f"{start} block is not closed"))
+            calls.append(
+                FunctionCall(
+                    name="", arguments=unclosed.strip(), error=f"{start} block is not closed"
+                )
+            )
         return self.without_special_tokens(content).strip(), calls

@@ -1,4 +1,5 @@
-"""ByteDance Seed-OSS tool calls: Qwen3-Coder's elements inside ``<seed:tool_call>`` blocks (verl's ``seed``).
+"""ByteDance Seed-OSS tool calls: Qwen3-Coder's elements inside ``<seed:tool_call>`` blocks (verl's
+``seed``).
 
 Format::
 
@@ -8,10 +9,10 @@ Format::
     </function>
     </seed:tool_call>
 
-Everything else follows :mod:`agentloop.parsers.qwen3_coder` (values coerced to the types the tool's schema
-declares, JSON else text when untyped; malformed elements give calls with ``error``).  The block tags may
-be special tokens, so the ids are decoded with them; other special tokens (``<seed:eos>``, padding) are
-dropped from the content.
+Everything else follows :mod:`agentloop.parsers.qwen3_coder` (values coerced to the types the tool's
+schema declares, JSON else text when untyped; malformed elements give calls with ``error``).  The
+block tags may be special tokens, so the ids are decoded with them; other special tokens
+(``<seed:eos>``, padding) are dropped from the content.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from agentloop.parsers.qwen3_coder import Qwen3CoderToolParser
 class SeedToolParser(Qwen3CoderToolParser):
     """Parser for Seed-OSS's ``<seed:tool_call><function=…><parameter=…>`` format."""
 
-    tool_call_start = None  # the block tags may be special tokens, which streaming decodes away: hold all
+    # the block tags may be special tokens, which streaming decodes away: hold all
+    tool_call_start = None
     block_start = "<seed:tool_call>"
     block_end = "</seed:tool_call>"
     skip_special_tokens = False

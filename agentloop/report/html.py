@@ -1,9 +1,10 @@
 """``agentloop report``: plots and one HTML page for a rollout's output directory.
 
-:func:`write_report` reads ``OUTPUT_DIR/rollout.dataproto`` (and ``summary.json`` when present), writes one PNG
-per plot of :data:`agentloop.report.plots.PLOTS` under ``OUTPUT_DIR/report/`` and ``OUTPUT_DIR/report.html``,
-which shows a summary table, the timeline numbers and the plots (referenced relatively, so the directory can be
-copied or served as it is; ``embed=True`` inlines them as base64 for a single self-contained file).
+:func:`write_report` reads ``OUTPUT_DIR/rollout.dataproto`` (and ``summary.json`` when present),
+writes one PNG per plot of :data:`agentloop.report.plots.PLOTS` under ``OUTPUT_DIR/report/`` and
+``OUTPUT_DIR/report.html``, which shows a summary table, the timeline numbers and the plots
+(referenced relatively, so the directory can be copied or served as it is; ``embed=True`` inlines
+them as base64 for a single self-contained file).
 """
 
 from __future__ import annotations
@@ -22,23 +23,31 @@ from agentloop.report.plots import Plot, timeline_stats, write_plots
 REPORT_HTML = "report.html"
 PLOT_DIR = "report"
 
-_STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:1em 0}
-td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:14px}img{max-width:100%;border:1px solid #eee}
-.note{color:#a60;font-size:13px}figure{margin:1.5em 0}"""
+_STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}
+table{border-collapse:collapse;margin:1em 0}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:14px}
+img{max-width:100%;border:1px solid #eee}
+.note{color:#a60;font-size:13px}
+figure{margin:1.5em 0}"""
 
 
 def summary_rows(table: RolloutTable, summary: dict[str, Any]) -> dict[str, Any]:
-    """The page's summary table: counts and means over the trajectories, plus throughput from summary.json."""
+    """The page's summary table: counts and means over the trajectories, plus throughput from
+    summary.json."""
     rows: dict[str, Any] = {
         "samples": summary.get("num_samples", "?"),
         "trajectories": len(table),
-        "status": ", ".join(f"{k}: {v}" for k, v in sorted(_counts(table.status).items(), key=lambda kv: -kv[1])),
+        "status": ", ".join(
+            f"{k}: {v}" for k, v in sorted(_counts(table.status).items(), key=lambda kv: -kv[1])
+        ),
         "mean turns": round(float(table.num_turns.mean()), 2),
         "mean response length (tokens)": round(float(table.response_length.mean()), 1),
         "mean sampled tokens": round(float(table.sampled_tokens.mean()), 1),
     }
     if table.tool_calls is not None:
-        rows["tool-call rate (trajectories with a tool call)"] = round(float((table.tool_calls > 0).mean()), 3)
+        rows["tool-call rate (trajectories with a tool call)"] = round(
+            float((table.tool_calls > 0).mean()), 3
+        )
         rows["mean tool calls"] = round(float(table.tool_calls.mean()), 2)
     if table.reward is not None and not np.isnan(table.reward).all():
         rows["mean reward"] = round(float(np.nanmean(table.reward)), 4)
@@ -56,7 +65,10 @@ def _counts(values: list[str]) -> dict[str, int]:
 
 
 def _table(rows: dict[str, Any]) -> str:
-    cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_text(v))}</td></tr>" for k, v in rows.items())
+    cells = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_text(v))}</td></tr>"
+        for k, v in rows.items()
+    )
     return f"<table>{cells}</table>"
 
 
@@ -80,9 +92,11 @@ def render_html(output_dir: Path, rows: dict[str, Any], timeline: dict[str, Any]
                 embed: bool = False) -> str:
     """The report page for ``output_dir``."""
     title = f"agentloop rollout report: {output_dir.resolve().name}"
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-             f"<p>{html.escape(str(output_dir.resolve()))}</p><h2>Summary</h2>", _table(rows)]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+        f"<p>{html.escape(str(output_dir.resolve()))}</p><h2>Summary</h2>", _table(rows),
+    ]
     if timeline:
         parts += ["<h2>Generate calls</h2>", _table(timeline)]
     parts += ["<h2>Plots</h2>", *(_image(p, output_dir, embed) for p in plots), "</body></html>"]
@@ -90,7 +104,8 @@ def render_html(output_dir: Path, rows: dict[str, Any], timeline: dict[str, Any]
 
 
 def write_report(output_dir: str | Path, embed: bool = False) -> Path:
-    """Write the plots and ``report.html`` for the rollout saved in ``output_dir``; returns the page's path.
+    """Write the plots and ``report.html`` for the rollout saved in ``output_dir``; returns the
+    page's path.
 
     Raises:
         DatasetError: ``output_dir`` or its ``rollout.dataproto`` is missing or not a rollout.
@@ -104,5 +119,9 @@ def write_report(output_dir: str | Path, embed: bool = False) -> Path:
         summary = {}
     plots = write_plots(table, directory / PLOT_DIR)
     page = directory / REPORT_HTML
-    page.write_text(render_html(directory, summary_rows(table, summary), timeline_stats(table.calls), plots, embed))
+    page.write_text(
+        render_html(
+            directory, summary_rows(table, summary), timeline_stats(table.calls), plots, embed
+        )
+    )
     return page

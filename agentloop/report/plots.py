@@ -1,9 +1,10 @@
-"""The report's plots, drawn with matplotlib (``matplotlib.figure.Figure`` + ``savefig``: the Agg renderer, no
-pyplot and no global backend state) from a :class:`~agentloop.report.outputs.RolloutTable`.
+"""The report's plots, drawn with matplotlib (``matplotlib.figure.Figure`` + ``savefig``: the Agg
+renderer, no pyplot and no global backend state) from a
+:class:`~agentloop.report.outputs.RolloutTable`.
 
-Every plot is written as a PNG; a plot whose data the rollout did not record (no rewards, no tool-call counts,
-no per-request timing) is still drawn, with a line saying what is missing and how to get it, so the page keeps
-its layout.
+Every plot is written as a PNG; a plot whose data the rollout did not record (no rewards, no
+tool-call counts, no per-request timing) is still drawn, with a line saying what is missing and how
+to get it, so the page keeps its layout.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def _figure(width: float = 6.4, height: float = 3.6) -> tuple[Any, Any]:
 
 
 def _empty(ax: Any, note: str) -> None:
-    ax.text(0.5, 0.5, textwrap.fill(note, 70), ha="center", va="center", transform=ax.transAxes, fontsize=9)
+    ax.text(
+        0.5, 0.5, textwrap.fill(note, 70), ha="center", va="center", transform=ax.transAxes,
+        fontsize=9,
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -56,8 +60,12 @@ def _int_bars(ax: Any, values: np.ndarray, colour: str) -> None:
 
 def response_lengths(table: RolloutTable, ax: Any) -> str | None:
     """Histogram of response lengths: all response tokens and the sampled ones (mask 1)."""
-    bins = np.histogram_bin_edges(np.concatenate([table.response_length, table.sampled_tokens]), bins=30)
-    ax.hist(table.response_length, bins=bins, alpha=0.6, label="response (sampled + tool/user turns)")
+    bins = np.histogram_bin_edges(
+        np.concatenate([table.response_length, table.sampled_tokens]), bins=30
+    )
+    ax.hist(
+        table.response_length, bins=bins, alpha=0.6, label="response (sampled + tool/user turns)"
+    )
     ax.hist(table.sampled_tokens, bins=bins, alpha=0.6, label="sampled (response_mask 1)")
     ax.set_xlabel("tokens")
     ax.set_ylabel("trajectories")
@@ -75,7 +83,10 @@ def turns(table: RolloutTable, ax: Any) -> str | None:
 def tool_calls(table: RolloutTable, ax: Any) -> str | None:
     """Tool calls per trajectory (``num_tool_calls``)."""
     if table.tool_calls is None:
-        note = "no num_tool_calls column: this rollout's agent loop does not call tools (use tool_agent)"
+        note = (
+            "no num_tool_calls column: this rollout's agent loop does not call tools "
+            "(use tool_agent)"
+        )
         _empty(ax, note)
         return note
     _int_bars(ax, table.tool_calls, "tab:purple")
@@ -95,10 +106,14 @@ def statuses(table: RolloutTable, ax: Any) -> str | None:
 
 
 def reward_by_turns(table: RolloutTable, ax: Any) -> str | None:
-    """Mean reward per number of turns, with each trajectory's reward as a dot and the count above the bar."""
+    """Mean reward per number of turns, with each trajectory's reward as a dot and the count
+    above the bar."""
     if table.reward is None or np.isnan(table.reward).all():
-        note = ("no rewards in this rollout (rm_scores): set custom_reward_function.path (and .name) or use a loop "
-                "that sets reward_score")
+        note = (
+            "no rewards in this rollout (rm_scores): set custom_reward_function.path "
+            "(and .name) or use a loop "
+            "that sets reward_score"
+        )
         _empty(ax, note)
         return note
     ok = ~np.isnan(table.reward)
@@ -133,11 +148,15 @@ def lanes(intervals: list[tuple[float, float]]) -> list[int]:
 
 
 def server_timeline(table: RolloutTable, ax: Any) -> str | None:
-    """One band per server, one bar per generate call (concurrent calls stacked in lanes), coloured by stop
-    reason; the dashed line marks when 90% of the calls had finished, so the tail is what lies right of it."""
+    """One band per server, one bar per generate call (concurrent calls stacked in lanes), coloured
+    by stop reason; the dashed line marks when 90% of the calls had finished, so the tail is what
+    lies right of it."""
     if not table.calls:
-        note = ("no per-request timing (generate_calls column) in this rollout: it was written by an agentloop "
-                "version that did not record it; run the rollout again")
+        note = (
+            "no per-request timing (generate_calls column) in this rollout: it was "
+            "written by an agentloop "
+            "version that did not record it; run the rollout again"
+        )
         _empty(ax, note)
         return note
     t0 = min(c["start"] for c in table.calls)
@@ -147,7 +166,8 @@ def server_timeline(table: RolloutTable, ax: Any) -> str | None:
         spans = [(c["start"] - t0, c["end"] - t0) for c in calls]
         lane_of = lanes(spans)
         height = 0.9 / max(1, max(lane_of) + 1)
-        bars: dict[tuple[int, str], list[tuple[float, float]]] = {}  # one artist per lane and colour
+        # one artist per lane and colour
+        bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for call, (start, end), lane in zip(calls, spans, lane_of, strict=True):
             colour = _STOP_COLOURS.get(str(call.get("stop_reason")), "tab:gray")
             bars.setdefault((lane, colour), []).append((start, max(end - start, 1e-3)))
@@ -162,7 +182,9 @@ def server_timeline(table: RolloutTable, ax: Any) -> str | None:
     from matplotlib.patches import Patch
 
     handles: list[Any] = [Patch(color=c, label=k) for k, c in _STOP_COLOURS.items()]
-    handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1, label="90% of calls done"))
+    handles.append(
+        Line2D([], [], color="black", linestyle="--", linewidth=1, label="90% of calls done")
+    )
     ax.legend(handles=handles, fontsize=7, loc="upper right")
     return None
 
@@ -170,20 +192,22 @@ def server_timeline(table: RolloutTable, ax: Any) -> str | None:
 PLOTS = (
     ("response_length", "Response length", response_lengths),
     ("turns", "Turns per trajectory", turns),
-    ("tool_calls", "Tool calls per trajectory", tool_calls),
-    ("status", "Status", statuses),
+    ("tool_calls", "Tool calls per trajectory", tool_calls), ("status", "Status", statuses),
     ("reward_by_turns", "Reward by number of turns", reward_by_turns),
     ("server_timeline", "Generate calls per server (timeline)", server_timeline),
 )
 
 
 def write_plots(table: RolloutTable, directory: Path) -> list[Plot]:
-    """Draw every plot of :data:`PLOTS` into ``directory/<name>.png``; returns them in page order."""
+    """Draw every plot of :data:`PLOTS` into ``directory/<name>.png``; returns them in page
+    order."""
     directory.mkdir(parents=True, exist_ok=True)
     plots = []
     for name, title, draw in PLOTS:
         servers = len({c["server"] for c in table.calls})
-        fig, ax = _figure(10.0, 1.2 + 1.1 * max(1, servers)) if name == "server_timeline" else _figure()
+        fig, ax = (
+            _figure(10.0, 1.2 + 1.1 * max(1, servers)) if name == "server_timeline" else _figure()
+        )
         note = draw(table, ax)
         ax.set_title(title, fontsize=10)
         path = directory / f"{name}.png"
@@ -193,8 +217,8 @@ def write_plots(table: RolloutTable, directory: Path) -> list[Plot]:
 
 
 def timeline_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """Numbers behind the timeline: calls, span, call durations, and the tail (time from 90% of the calls done
-    to the last one done); empty without calls."""
+    """Numbers behind the timeline: calls, span, call durations, and the tail (time from 90% of the
+    calls done to the last one done); empty without calls."""
     if not calls:
         return {}
     t0 = min(c["start"] for c in calls)
@@ -210,5 +234,7 @@ def timeline_stats(calls: list[dict[str, Any]]) -> dict[str, Any]:
         "call_s_p99": round(float(np.percentile(durations, 99)), 3),
         "call_s_max": round(float(durations.max()), 3),
         "tail_s": round(float(ends.max()) - p90, 3),
-        "tail_fraction": round((float(ends.max()) - p90) / float(ends.max()), 3) if ends.max() > 0 else 0.0,
+        "tail_fraction": round((float(ends.max()) - p90) / float(ends.max()), 3)
+        if ends.max() > 0
+        else 0.0,
     }

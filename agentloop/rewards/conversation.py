@@ -25,7 +25,8 @@ def ground_truth(fields: dict[str, Any]) -> str | None:
 
 
 def final_answer_match(messages: list[dict[str, Any]], **fields: Any) -> float:
-    """1.0 when the last assistant message says "the answer is N" with N equal to the ground truth."""
+    """1.0 when the last assistant message says "the answer is N" with N equal to the ground
+    truth."""
     truth = ground_truth(fields)
     last = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
     if truth is None or last is None:

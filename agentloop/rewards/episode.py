@@ -1,11 +1,13 @@
-"""The episode reward rule: which trajectories of a multi-trajectory sample get the episode's reward.
+"""The episode reward rule: which trajectories of a multi-trajectory sample get the episode's
+reward.
 
-A sample whose loop returns k > 1 trajectories is one episode; its reward ``E`` is the final trajectory's
-(its own ``reward_score``, else the configured function's score of it; :mod:`agentloop.rewards.scoring`).
-:func:`reward_shares` gives each trajectory's share of ``E`` by ``multi_turn.reward_to``: ``all`` (1 each,
-the default), ``last`` (0 except the final) or ``discounted`` (``reward_gamma ** (k - 1 - i)``);
-:class:`EpisodeRewardConfig` reads and checks the two keys (both raise
-:class:`~agentloop.errors.ConfigError` for a bad value).  Spec: docs/context.md#rewards-across-trajectories.
+A sample whose loop returns k > 1 trajectories is one episode; its reward ``E`` is the final
+trajectory's (its own ``reward_score``, else the configured function's score of it;
+:mod:`agentloop.rewards.scoring`). :func:`reward_shares` gives each trajectory's share of ``E`` by
+``multi_turn.reward_to``: ``all`` (1 each, the default), ``last`` (0 except the final) or
+``discounted`` (``reward_gamma ** (k - 1 - i)``); :class:`EpisodeRewardConfig` reads and checks the
+two keys (both raise :class:`~agentloop.errors.ConfigError` for a bad value).  Spec:
+docs/context.md#rewards-across-trajectories.
 """
 
 from __future__ import annotations
@@ -32,17 +34,20 @@ class EpisodeRewardConfig:
 
     @classmethod
     def from_config(cls, root: Any) -> EpisodeRewardConfig:
-        """Read the keys from a trainer-shaped config (``actor_rollout_ref.rollout.multi_turn``); absent keys
-        take the defaults.
+        """Read the keys from a trainer-shaped config (``actor_rollout_ref.rollout.multi_turn``);
+        absent keys take the defaults.
 
         Raises:
-            ConfigError: ``reward_to`` is not all | last | discounted, or ``reward_gamma`` is not in [0, 1].
+            ConfigError: ``reward_to`` is not all | last | discounted, or ``reward_gamma`` is not in
+            [0, 1].
         """
         multi_turn = MultiTurnConfig.from_root(root)
         return cls.checked(multi_turn.reward_to, multi_turn.reward_gamma)
 
     @classmethod
-    def checked(cls, reward_to: Any, reward_gamma: Any, where: str = "multi_turn") -> EpisodeRewardConfig:
+    def checked(
+        cls, reward_to: Any, reward_gamma: Any, where: str = "multi_turn"
+    ) -> EpisodeRewardConfig:
         """Validate the two values (None takes the default)."""
         check_reward_to(reward_to, where)
         check_reward_gamma(reward_gamma, where)
@@ -51,7 +56,9 @@ class EpisodeRewardConfig:
         return cls(reward_to=cast(RewardTo, mode), reward_gamma=float(gamma))
 
 
-def reward_shares(num_trajectories: int, reward_to: str, gamma: float = DEFAULT_GAMMA) -> list[float]:
+def reward_shares(
+    num_trajectories: int, reward_to: str, gamma: float = DEFAULT_GAMMA
+) -> list[float]:
     """The factor of the episode reward each of ``num_trajectories`` trajectories gets, in order.
 
     >>> reward_shares(3, "all"), reward_shares(3, "last"), reward_shares(3, "discounted", 0.5)

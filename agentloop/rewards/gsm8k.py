@@ -2,15 +2,16 @@
 
 ``method`` (pass it through ``custom_reward_function.reward_kwargs``):
 
-* ``flexible`` (default): the number after the last ``####`` when the response has one, else the last
-  number in the response (:func:`agentloop.tools.gsm8k.extract_answer`);
+* ``flexible`` (default): the number after the last ``####`` when the response has one, else the
+  last number in the response (:func:`agentloop.tools.gsm8k.extract_answer`);
 * ``strict``: only a number after ``####`` counts; a response without the marker scores 0.
 
-The score is ``score`` (1.0) when the extracted number equals the ground truth, ``format_score`` (0.0) when a
-number was found but is wrong, and 0.0 when none was found (verl's rule).  Differences from verl's
-``verl.utils.reward_score.gsm8k``: numbers compare as decimals (``72.0`` equals ``72``, verl compares
-strings), the whole response is read (verl reads its last 300 characters), and ``flexible`` prefers a
-``####`` answer over a later number.  Use it as verl's custom reward function::
+The score is ``score`` (1.0) when the extracted number equals the ground truth, ``format_score``
+(0.0) when a number was found but is wrong, and 0.0 when none was found (verl's rule).  Differences
+from verl's ``verl.utils.reward_score.gsm8k``: numbers compare as decimals (``72.0`` equals ``72``,
+verl compares strings), the whole response is read (verl reads its last 300 characters), and
+``flexible`` prefers a ``####`` answer over a later number.  Use it as verl's custom reward
+function::
 
     custom_reward_function:
       path: agentloop.rewards.gsm8k
@@ -40,17 +41,22 @@ def _strict_answer(text: str) -> Decimal | None:
 
 
 def compute_score(
-    data_source: Any, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None, *,
-    method: str = "flexible", format_score: float = 0.0, score: float = 1.0, **kwargs: Any,
+    data_source: Any, solution_str: str, ground_truth: Any,
+    extra_info: dict[str, Any] | None = None, *, method: str = "flexible",
+    format_score: float = 0.0, score: float = 1.0, **kwargs: Any,
 ) -> float:
-    """``score`` for a correct final answer, ``format_score`` for a wrong one, 0.0 for none (see the module).
+    """``score`` for a correct final answer, ``format_score`` for a wrong one, 0.0 for none (see the
+    module).
 
     Raises:
-        ValueError: ``method`` is not ``flexible`` / ``strict``, or ``ground_truth`` is missing or holds no
+        ValueError: ``method`` is not ``flexible`` / ``strict``, or ``ground_truth`` is missing or
+        holds no
             number (the row gets ``reward_valid = 0``).
     """
     if method not in _METHODS:
-        raise ValueError(f"gsm8k.compute_score: method={method!r}; use one of {', '.join(_METHODS)}")
+        raise ValueError(
+            f"gsm8k.compute_score: method={method!r}; use one of {', '.join(_METHODS)}"
+        )
     truth = truth_number(ground_truth, "gsm8k.compute_score")
     found = _strict_answer(solution_str) if method == "strict" else extract_answer(solution_str)
     if found is None:

@@ -3,14 +3,18 @@
 Keys (top level of the trainer config, as in verl)::
 
     custom_reward_function:
-      path: null              # verl: a .py file (``/abs/path.py``, ``file://rel/path.py``) or, ours, a module
-                              # (``pkg.module``, verl's ``pkg://pkg.module``); null: no custom reward function
-      name: compute_score     # verl: the function in that file / module (verl's trainer config has null here)
-      reward_kwargs: {}       # verl: extra keyword arguments for every call (they win over ours)
-      timeout: 30             # agentloop: seconds per call; null or 0: no limit
-      add_tool_rewards: false # agentloop: add the sum of the trajectory's tool step rewards to its score
+      path: null              # verl: a .py file (``/abs/path.py``, ``file://rel/path.py``) or,
+      ours, a module
+                              # (``pkg.module``, verl's ``pkg://pkg.module``); null: no custom
+                              reward function
+      name: compute_score     # verl: the function in that file / module (verl's trainer config has
+      null here) reward_kwargs: {}       # verl: extra keyword arguments for every call (they win
+      over ours) timeout: 30             # agentloop: seconds per call; null or 0: no limit
+      add_tool_rewards: false # agentloop: add the sum of the trajectory's tool step rewards to its
+      score
 
-verl 0.9 reads the same block from ``reward.custom_reward_function`` when the top-level one is unset; so do we.
+verl 0.9 reads the same block from ``reward.custom_reward_function`` when the top-level one is
+unset; so do we.
 """
 
 from __future__ import annotations
@@ -36,11 +40,12 @@ RewardFunctionConfig = RewardConfig
 
 
 def load_reward_function(path: str, name: str = _DEFAULT_NAME) -> Callable[..., Any]:
-    """The function ``name`` of ``path``: a ``.py`` file (verl's form, ``file://`` allowed) or a module
-    (``pkg.module``, ``pkg://pkg.module``; ``pkg.module:attr`` names the function itself).
+    """The function ``name`` of ``path``: a ``.py`` file (verl's form, ``file://`` allowed) or a
+    module (``pkg.module``, ``pkg://pkg.module``; ``pkg.module:attr`` names the function itself).
 
     Raises:
-        ConfigError: the file does not exist or fails to import, the module cannot be imported, or it has
+        ConfigError: the file does not exist or fails to import, the module cannot be imported, or
+        it has
             no callable ``name``.
     """
     where = f"{_KEY}.path={path!r}"
@@ -53,13 +58,19 @@ def load_reward_function(path: str, name: str = _DEFAULT_NAME) -> Callable[..., 
         try:
             module = importlib.import_module(module_name)
         except Exception as e:  # noqa: BLE001 - any import failure is a config problem, named
-            raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e}); give a "
-                              "path to a .py file or an importable module name") from e
+            raise ConfigError(
+                f"{where}: cannot import module {module_name!r} "
+                f"({type(e).__name__}: {e}); give a "
+                "path to a .py file or an importable module name"
+            ) from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         found = "not callable" if fn is not None else "not found"
-        raise ConfigError(f"{where}: {attr!r} {found} in {getattr(module, '__file__', module)}; set "
-                          f"{_KEY}.name to the scoring function, e.g. compute_score")
+        raise ConfigError(
+            f"{where}: {attr!r} {found} in "
+            f"{getattr(module, '__file__', module)}; set "
+            f"{_KEY}.name to the scoring function, e.g. compute_score"
+        )
     return fn  # type: ignore[no-any-return]
 
 
@@ -72,8 +83,11 @@ def _is_file_path(path: str) -> bool:
 def _load_file(path: str, where: str) -> Any:
     file = Path(os.path.expanduser(path[len("file://"):] if path.startswith("file://") else path))
     if not file.is_file():
-        raise ConfigError(f"{where}: no such file ({file.resolve()}); use an absolute path, or a module name "
-                          "such as agentloop.rewards.gsm8k")
+        raise ConfigError(
+            f"{where}: no such file ({file.resolve()}); use an absolute path, "
+            f"or a module name "
+            "such as agentloop.rewards.gsm8k"
+        )
     module_name = "agentloop_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]

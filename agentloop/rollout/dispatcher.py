@@ -1,12 +1,14 @@
-"""The one dispatcher: groups of rows out to the AgentLoopWorkers, their padded rows back, whatever a worker does.
+"""The one dispatcher: groups of rows out to the AgentLoopWorkers, their padded rows back, whatever
+a worker does.
 
-:class:`Dispatcher` owns the worker actors (:mod:`agentloop.rollout.worker_slots`) and every way rows travel to them;
-``generate_sequences`` (:meth:`Dispatcher.run`), ``generate_sequences_stream`` (:meth:`Dispatcher.stream`) and
-the Rollouter (a :class:`DispatchRun` it keeps filling) use it, so a fault is handled by one piece of code
-(:meth:`DispatchRun.poll`): a dead or hung worker is replaced and its unfinished groups are rolled out again, each
-at most ``agent.max_sample_retries`` times, then come back as ``error`` rows saying why; past
-``agent.batch_timeout`` plus ``batch_grace_s``, a silent worker's groups are ``timeout`` rows.  Every group comes
-back exactly once; ``fault_counts`` says what was done.  The behaviour in full: docs/faults.md.
+:class:`Dispatcher` owns the worker actors (:mod:`agentloop.rollout.worker_slots`) and every way
+rows travel to them; ``generate_sequences`` (:meth:`Dispatcher.run`), ``generate_sequences_stream``
+(:meth:`Dispatcher.stream`) and the Rollouter (a :class:`DispatchRun` it keeps filling) use it, so a
+fault is handled by one piece of code (:meth:`DispatchRun.poll`): a dead or hung worker is replaced
+and its unfinished groups are rolled out again, each at most ``agent.max_sample_retries`` times,
+then come back as ``error`` rows saying why; past ``agent.batch_timeout`` plus ``batch_grace_s``, a
+silent worker's groups are ``timeout`` rows. Every group comes back exactly once; ``fault_counts``
+says what was done.  The behaviour in full: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ ErrorRows = Callable[[DataProto, RolloutStatus, str], DataProto]
 
 
 def split_groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
-    """``batch`` split into its groups (rows sharing ``non_tensor_batch[group_by]``; each row alone when
-    ``group_by`` is None or not a column), groups in the order of their first row.  ``global_steps`` is left
-    out of each part's meta_info: groups of different batches may be dispatched together, the dispatch sets it."""
+    """``batch`` split into its groups (rows sharing ``non_tensor_batch[group_by]``; each row alone
+    when ``group_by`` is None or not a column), groups in the order of their first row.
+    ``global_steps`` is left out of each part's meta_info: groups of different batches may be
+    dispatched together, the dispatch sets it."""
     keys = batch.non_tensor_batch.get(group_by) if group_by else None
     if keys is None:
         parts = [batch.slice(i, i + 1) for i in range(len(batch))]
@@ -49,7 +52,8 @@ def split_groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
 
 @dataclass(eq=False)
 class Group:
-    """Prompt rows handed out and returned together (a GRPO prompt's ``n`` samples, or a range of a batch)."""
+    """Prompt rows handed out and returned together (a GRPO prompt's ``n`` samples, or a range of
+    a batch)."""
 
     rows: DataProto
     key: Any = None
@@ -60,7 +64,8 @@ class Group:
 
 @dataclass
 class Finished:
-    """A group's padded rows: rolled out, or made by the dispatcher when no worker could roll it out."""
+    """A group's padded rows: rolled out, or made by the dispatcher when no worker could roll it
+    out."""
 
     group: Group
     rows: DataProto
@@ -68,7 +73,8 @@ class Finished:
     version: int
     """The weight version when its dispatch started."""
     fault: str = ""
-    """Why the dispatcher gave up on it (its rows are ``error`` / ``timeout`` rows); empty when rolled out."""
+    """Why the dispatcher gave up on it (its rows are ``error`` / ``timeout`` rows); empty when
+    rolled out."""
 
 
 @dataclass(eq=False)
@@ -99,13 +105,15 @@ class Dispatcher:
         error_rows: builds the rows of samples that could not run (:data:`ErrorRows`).
         balancer: the GlobalBalancer actor (a dead worker's slots are released there), or None.
         max_sample_retries: re-runs of a group whose worker died.
-        batch_timeout: seconds one :meth:`run` / :meth:`stream` may take (None: no deadline); a worker
+        batch_timeout: seconds one :meth:`run` / :meth:`stream` may take (None: no deadline); a
+        worker
             still sending rows ``batch_grace_s`` seconds after it is killed.
         replacement_wait_s: seconds to wait for a replacement when no worker is left.
         chunks_per_worker: row ranges per live worker that :meth:`run` cuts a batch into.
-        tick, tick_s: ``tick()`` runs every ``tick_s`` seconds while rows stream, after the look for hung workers.
-        hang_s: ``agent.stall_timeout``: a streaming worker leaving a ping unanswered this long is killed.
-        weight_version: the weight version the servers serve (recorded per dispatch).
+        tick, tick_s: ``tick()`` runs every ``tick_s`` seconds while rows stream, after the look for
+        hung workers. hang_s: ``agent.stall_timeout``: a streaming worker leaving a ping unanswered
+        this long is killed. weight_version: the weight version the servers serve (recorded per
+        dispatch).
 
     Spec: docs/async.md#streaming-complete-groups, docs/faults.md.
     """
@@ -127,12 +135,16 @@ class Dispatcher:
     pool: WorkerSlots = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.pool = WorkerSlots(self.spawn, self.num_workers, self.balancer, self.hang_s, self.replacement_wait_s,
-                                fault_counts=self.fault_counts)
+        self.pool = WorkerSlots(
+            self.spawn, self.num_workers, self.balancer, self.hang_s, self.replacement_wait_s,
+            fault_counts=self.fault_counts,
+        )
 
-    # ---------------------------------------------------------------------------------------------- the workers
+    # ----------------------------------------------------------------------------------------------
+    # the workers
     def start(self) -> list[dict[str, Any]]:
-        """Start every worker and wait for it (:meth:`WorkerSlots.start`; a failed start is a ConfigError)."""
+        """Start every worker and wait for it (:meth:`WorkerSlots.start`; a failed start is a
+        ConfigError)."""
         return self.pool.start()
 
     @property
@@ -146,15 +158,18 @@ class Dispatcher:
         return self.pool.slots
 
     def broadcast(self, method: str, *args: Any, remember: bool = False) -> None:
-        """:meth:`WorkerSlots.broadcast`: ``method(*args)`` on every serving worker (``remember``: joiners too)."""
+        """:meth:`WorkerSlots.broadcast`: ``method(*args)`` on every serving worker
+        (``remember``: joiners too)."""
         self.pool.broadcast(method, *args, remember=remember)
 
     def tell(self, method: str, *args: Any, timeout: float = 5.0) -> None:
-        """:meth:`WorkerSlots.tell`: ``method(*args)`` on every serving worker, not waiting past ``timeout``."""
+        """:meth:`WorkerSlots.tell`: ``method(*args)`` on every serving worker, not waiting past
+        ``timeout``."""
         self.pool.tell(method, *args, timeout=timeout)
 
     def live_workers(self, must: bool = True) -> list[WorkerSlot]:
-        """The serving workers (waits for a replacement when none is left; :meth:`WorkerSlots.live`)."""
+        """The serving workers (waits for a replacement when none is left;
+        :meth:`WorkerSlots.live`)."""
         return self.pool.live(must)
 
     def poll_replacements(self, timeout: float = 0.0) -> None:
@@ -162,12 +177,14 @@ class Dispatcher:
         self.pool.poll_replacements(timeout)
 
     def replace_worker(self, slot: WorkerSlot, reason: str, handle: Any = None) -> None:
-        """Kill a dead or hung worker and start its replacement (:meth:`WorkerSlots.replace`; ``handle``: the
-        actor found dead, so a slot that already runs its replacement is left alone)."""
+        """Kill a dead or hung worker and start its replacement (:meth:`WorkerSlots.replace`;
+        ``handle``: the actor found dead, so a slot that already runs its replacement is left
+        alone)."""
         self.pool.replace(slot, reason, handle)
 
     def watch_workers(self, slots: list[WorkerSlot]) -> list[WorkerSlot]:
-        """Kill the workers among ``slots`` whose event loop is blocked (:meth:`WorkerSlots.watch`)."""
+        """Kill the workers among ``slots`` whose event loop is blocked
+        (:meth:`WorkerSlots.watch`)."""
         return self.pool.watch(slots)
 
     def look(self, slots: list[WorkerSlot]) -> None:
@@ -181,20 +198,24 @@ class Dispatcher:
         """Kill every worker."""
         self.pool.shutdown()
 
-    # ---------------------------------------------------------------------------------------------- dispatch
+    # ----------------------------------------------------------------------------------------------
+    # dispatch
     def fail(self, group: Group, status: RolloutStatus, message: str, version: int) -> Finished:
-        """``group`` as rows of ``status`` saying ``message`` (counted in ``samples_failed_by_faults``)."""
+        """``group`` as rows of ``status`` saying ``message`` (counted in
+        ``samples_failed_by_faults``)."""
         self.fault_counts["samples_failed_by_faults"] += len(group.rows)
         rows = self.error_rows(group.rows, status, message)
         return Finished(group, rows, WorkerStats.take(rows), version, fault=message)
 
     def open(self, deadline: float | None = None) -> DispatchRun:
-        """A new set of dispatches (``deadline``: ``time.monotonic()`` by which their samples must be done)."""
+        """A new set of dispatches (``deadline``: ``time.monotonic()`` by which their samples
+        must be done)."""
         return DispatchRun(self, deadline)
 
     def stream(self, groups: list[Group], global_steps: int | None = None) -> Iterator[Finished]:
-        """Roll ``groups`` out over the live workers; yields each as soon as all its samples are done, in
-        completion order, exactly once whatever dies.  Closing the iterator cancels what is still running."""
+        """Roll ``groups`` out over the live workers; yields each as soon as all its samples are
+        done, in completion order, exactly once whatever dies.  Closing the iterator cancels what is
+        still running."""
         deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
         run = self.open(deadline)
         try:
@@ -207,8 +228,8 @@ class Dispatcher:
             run.close()
 
     def run(self, batch: DataProto) -> list[Finished]:
-        """Roll ``batch`` out in ``chunks_per_worker`` row ranges per live worker; returns the ranges in row order
-        (the fault handling is :meth:`stream`'s)."""
+        """Roll ``batch`` out in ``chunks_per_worker`` row ranges per live worker; returns the
+        ranges in row order (the fault handling is :meth:`stream`'s)."""
         n = max(1, min(len(self.live_workers()) * self.chunks_per_worker, len(batch)))
         bounds = [round(i * len(batch) / n) for i in range(n)] + [len(batch)]
         groups = [Group(batch.slice(bounds[i], bounds[i + 1]), key=i) for i in range(n)]
@@ -241,22 +262,32 @@ class DispatchRun:
         groups, self.retry = self.retry, []
         return groups
 
-    def submit(self, groups: list[Group], slot: WorkerSlot | None = None, global_steps: int | None = None) -> Dispatch:
-        """Send ``groups`` to one worker in one streaming call: ``slot``, else the live worker with the fewest
-        samples in flight.  ``global_steps``: the version the rows record (default: their batch's)."""
+    def submit(
+        self, groups: list[Group], slot: WorkerSlot | None = None, global_steps: int | None = None
+    ) -> Dispatch:
+        """Send ``groups`` to one worker in one streaming call: ``slot``, else the live worker with
+        the fewest samples in flight.  ``global_steps``: the version the rows record (default: their
+        batch's).
+        """
         if slot is None:
             load: dict[int, int] = {}
             for d in self.dispatches:
-                load[id(d.slot)] = load.get(id(d.slot), 0) + sum(len(g.rows) for g in d.unfinished())
+                load[id(d.slot)] = load.get(id(d.slot), 0) + sum(
+                    len(g.rows) for g in d.unfinished()
+                )
             slot = min(self.dispatcher.live_workers(), key=lambda s: load.get(id(s), 0))
         sizes = [len(g.rows) for g in groups]
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
         batch = DataProto.concat([g.rows for g in groups]) if len(groups) > 1 else groups[0].rows
         if global_steps is not None:
-            batch = DataProto(batch.batch, batch.non_tensor_batch, {**batch.meta_info, "global_steps": global_steps})
+            batch = DataProto(
+                batch.batch, batch.non_tensor_batch,
+                {**batch.meta_info, "global_steps": global_steps},
+            )
         timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
-        ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(batch, starts,
-                                                                                          timeout=timeout)
+        ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(
+            batch, starts, timeout=timeout
+        )
         dispatch = Dispatch(groups, slot, slot.handle, ref, self.dispatcher.weight_version())
         self.open[ref] = dispatch
         return dispatch
@@ -285,26 +316,32 @@ class DispatchRun:
         self.open.clear()
 
     def look_if_due(self) -> None:
-        """The dispatcher's periodic look (hung workers among these dispatches', then its ``tick``), every
-        ``tick_s`` seconds."""
+        """The dispatcher's periodic look (hung workers among these dispatches', then its ``tick``),
+        every ``tick_s`` seconds."""
         if time.monotonic() >= self.next_look:
             self.dispatcher.look([x.slot for x in self.dispatches])
             self.next_look = time.monotonic() + self.dispatcher.tick_s
 
     def poll(self, timeout: float | None = None) -> list[Finished]:
-        """Wait up to ``timeout`` seconds (None: until something happens) for the next result; returns the
-        groups finished by it: rolled out, or given up on.  Dead workers' groups to try again go to
-        :attr:`retry`; the periodic look runs when due."""
+        """Wait up to ``timeout`` seconds (None: until something happens) for the next result;
+        returns the groups finished by it: rolled out, or given up on.  Dead workers' groups to try
+        again go to :attr:`retry`; the periodic look runs when due."""
         d = self.dispatcher
         self.look_if_due()
         now = time.monotonic()
         end = None if self.deadline is None else self.deadline + d.batch_grace_s
-        waits = [t - now for t in (end, self.next_look if d.tick or d.hang_s is not None else None) if t is not None]
+        waits = [
+            t - now
+            for t in (end, self.next_look if d.tick or d.hang_s is not None else None)
+            if t is not None
+        ]
         if timeout is not None:
             waits.append(timeout)
         if not self.open:
             return []
-        ready, _ = ray.wait(list(self.open), num_returns=1, timeout=max(0.0, min(waits)) if waits else None)
+        ready, _ = ray.wait(
+            list(self.open), num_returns=1, timeout=max(0.0, min(waits)) if waits else None
+        )
         if ready:
             return self._take(self.open[ready[0]])
         if end is not None and time.monotonic() >= end:
@@ -326,14 +363,18 @@ class DispatchRun:
         return [Finished(group, rows, stats, dispatch.version)]
 
     def _lost(self, dispatch: Dispatch, why: str) -> list[Finished]:
-        """A dead worker's unfinished groups: to :attr:`retry`, or error rows when they cannot be retried."""
+        """A dead worker's unfinished groups: to :attr:`retry`, or error rows when they cannot be
+        retried."""
         d = self.dispatcher
         left = dispatch.unfinished()
-        d.replace_worker(dispatch.slot, f"died while streaming groups {[g.key for g in left[:5]]}...: {why}",
-                         dispatch.handle)
+        d.replace_worker(
+            dispatch.slot, f"died while streaming groups {[g.key for g in left[:5]]}...: {why}",
+            dispatch.handle,
+        )
         out_of_time = self.deadline is not None and time.monotonic() >= self.deadline
         retry = [g for g in left if g.retries < d.max_sample_retries]
-        no_worker = bool(retry) and not out_of_time and not d.live_workers(must=False)  # waits for a replacement
+        # waits for a replacement
+        no_worker = bool(retry) and not out_of_time and not d.live_workers(must=False)
         failed: list[Finished] = []
         for group in left:
             if out_of_time:
@@ -347,21 +388,40 @@ class DispatchRun:
                 d.fault_counts["sample_retries"] += len(group.rows)
                 self.retry.append(group)
                 continue
-            failed.append(d.fail(group, RolloutStatus.ERROR, f"the agent-loop worker running this sample died "
-                                 f"({why}) and {reason}", dispatch.version))
+            failed.append(
+                d.fail(
+                    group, RolloutStatus.ERROR,
+                    f"the agent-loop worker running this sample died ({why}) and {reason}",
+                    dispatch.version,
+                )
+            )
         return failed
 
     def _hung_past_deadline(self) -> list[Finished]:
-        """Workers that sent nothing by the deadline + grace: killed and replaced, their groups timeout rows."""
+        """Workers that sent nothing by the deadline + grace: killed and replaced, their groups
+        timeout rows."""
         d, failed = self.dispatcher, []
         why = f"agent.batch_timeout={d.batch_timeout}s + {d.batch_grace_s}s"
         for dispatch in self.dispatches:
-            d.replace_worker(dispatch.slot, f"did not finish its stream within {why} (its event loop is blocked)",
-                             dispatch.handle)
+            d.replace_worker(
+                dispatch.slot,
+                f"did not finish its stream within {why} (its event loop is blocked)",
+                dispatch.handle,
+            )
             d.fault_counts["workers_hung"] += 1
             for group in dispatch.unfinished():
-                failed.append(d.fail(group, RolloutStatus.TIMEOUT, "the agent-loop worker running this sample hung "
-                                     f"past agent.batch_timeout={d.batch_timeout}s and was restarted (a tool or "
-                                     "loop blocking its event loop? run blocking code in a thread)", dispatch.version))
+                failed.append(
+                    d.fail(
+                        group,
+                        RolloutStatus.TIMEOUT,
+                        "the agent-loop worker "
+                        "running this sample hung "
+                        f"past agent.batch_timeout={d.batch_timeout}s and was "
+                        f"restarted (a tool or "
+                        "loop blocking its event loop? run blocking code in a "
+                        "thread)",
+                        dispatch.version,
+                    )
+                )
         self.open.clear()
         return failed

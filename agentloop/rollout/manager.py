@@ -33,7 +33,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from agentloop.batch.metrics import align_keys, performance_metrics
 from agentloop.batch.protocol import DataProto
 from agentloop.cluster.colocated import start_colocated_servers
-from agentloop.cluster.placement import ServerGroup, sleep_support, start_standalone_servers, stop_servers
+from agentloop.cluster.placement import (
+    ServerGroup,
+    sleep_support,
+    start_standalone_servers,
+    stop_servers,
+)
 from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, GatewaySections, WorkerSections, resolve_config
@@ -55,14 +60,16 @@ class AgentLoopManager:
 
     Args (verl's, 0.6–0.9):
         config: trainer-shaped config (``actor_rollout_ref...``) or the rollout subtree.
-        worker_group: the trainer's workers: one server per rollout replica is placed beside them (colocated).
-            None: standalone servers. An :class:`AsyncLLMServerManager` here is taken as ``llm_client``.
-        rollout_resource_pool: with a worker group, verl's resource pool its workers run in; else unused.
-        rm_resource_pool: verl's reward-model pool; accepted, unused (warned).
-        llm_client: an AsyncLLMServerManager over servers started elsewhere, shared as they are (verl 0.9).
-        teacher_client, reward_loop_worker_handles: not supported.
-        model_path: required with a rollout-only config; overrides the model path otherwise.
-        servers: servers this manager owns as if it had started them (restarts, :meth:`shutdown`): the
+        worker_group: the trainer's workers: one server per rollout replica is placed beside them
+        (colocated).
+            None: standalone servers. An :class:`AsyncLLMServerManager` here is taken as
+            ``llm_client``.
+        rollout_resource_pool: with a worker group, verl's resource pool its workers run in; else
+        unused. rm_resource_pool: verl's reward-model pool; accepted, unused (warned). llm_client:
+        an AsyncLLMServerManager over servers started elsewhere, shared as they are (verl 0.9).
+        teacher_client, reward_loop_worker_handles: not supported. model_path: required with a
+        rollout-only config; overrides the model path otherwise. servers: servers this manager owns
+        as if it had started them (restarts, :meth:`shutdown`): the
             injection point for tests and placements of your own.
 
     Raises:
@@ -75,13 +82,16 @@ class AgentLoopManager:
     """
 
     def __init__(
-        self, config: DictConfig | dict[str, Any], worker_group: Any = None, rollout_resource_pool: Any = None,
-        rm_resource_pool: Any = None, *, llm_client: Any = None, teacher_client: Any = None,
-        reward_loop_worker_handles: Any = None, model_path: str | None = None, servers: ServerGroup | None = None,
+        self, config: DictConfig | dict[str, Any], worker_group: Any = None,
+        rollout_resource_pool: Any = None, rm_resource_pool: Any = None, *, llm_client: Any = None,
+        teacher_client: Any = None, reward_loop_worker_handles: Any = None,
+        model_path: str | None = None, servers: ServerGroup | None = None,
     ) -> None:
-        self.config: AgentLoopConfig = resolve_config(config, model_path=model_path)  # fails before Ray
+        # fails before Ray
+        self.config: AgentLoopConfig = resolve_config(config, model_path=model_path)
         self.rollout = self.config.rollout
-        if isinstance(worker_group, AsyncLLMServerManager):  # verl 0.9: AgentLoopManager(config, llm_client)
+        # verl 0.9: AgentLoopManager(config, llm_client)
+        if isinstance(worker_group, AsyncLLMServerManager):
             llm_client, worker_group = worker_group, None
         check_verl_arguments(worker_group, rollout_resource_pool, rm_resource_pool, teacher_client,
                              reward_loop_worker_handles, llm_client)
@@ -90,7 +100,9 @@ class AgentLoopManager:
             ray.init()
         self._owns_servers = llm_client is None
         if llm_client is not None:
-            self.servers: ServerGroup = ServerGroup(list(llm_client.server_handles), None, "shared", [], "shared")
+            self.servers: ServerGroup = ServerGroup(
+                list(llm_client.server_handles), None, "shared", [], "shared"
+            )
         elif servers is not None:
             self.servers = servers
         elif worker_group is not None:
@@ -103,20 +115,29 @@ class AgentLoopManager:
         self._sleep_noop_logged = False
         # One server leaves nothing to balance: workers then route locally and skip the actor hop.
         self.balancer = (
-            create_global_balancer(len(self.server_handles), max_cache_size=self.config.server.max_cache_size)
-            if len(self.server_handles) > 1 else None
+            create_global_balancer(
+                len(self.server_handles), max_cache_size=self.config.server.max_cache_size
+            )
+            if len(self.server_handles) > 1
+            else None
         )
-        self.gateways: list[Any] = []  # started on the first batch that has a gateway agent (openai_agent)
+        # started on the first batch that has a gateway agent (openai_agent)
+        self.gateways: list[Any] = []
         self._gateway_hangs: HangWatch[int] = HangWatch()
         agent, server = self.config.agent, self.config.server
-        self.supervisor = ServerSupervisor(self.servers, self.balancer, self._swap_server, restart=server.restart_dead)
-        self.weights = WeightSync(self.supervisor, backend=self.config.engine.name, mode=server.weight_update,
-                                  timeout_s=server.weight_update_timeout or None, wake_up=self.wake_up)
+        self.supervisor = ServerSupervisor(
+            self.servers, self.balancer, self._swap_server, restart=server.restart_dead
+        )
+        self.weights = WeightSync(
+            self.supervisor, backend=self.config.engine.name, mode=server.weight_update,
+            timeout_s=server.weight_update_timeout or None, wake_up=self.wake_up,
+        )
         self.workers = Dispatcher(
             spawn=self._spawn_worker, num_workers=agent.num_workers, error_rows=self._error_rows,
             balancer=self.balancer, max_sample_retries=agent.max_sample_retries,
-            batch_timeout=agent.batch_timeout or None, tick=self._watch if server.stall_timeout else None,
-            hang_s=agent.stall_timeout or None, weight_version=lambda: self.weights.version,
+            batch_timeout=agent.batch_timeout or None,
+            tick=self._watch if server.stall_timeout else None, hang_s=agent.stall_timeout or None,
+            weight_version=lambda: self.weights.version,
         )
         self._nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         try:
@@ -129,7 +150,8 @@ class AgentLoopManager:
 
     @property
     def weight_version(self) -> int:
-        """The version of the weights the servers serve: what :meth:`update_weights` returned last (0 before)."""
+        """The version of the weights the servers serve: what :meth:`update_weights` returned
+        last (0 before)."""
         return self.weights.version
 
     @property
@@ -139,74 +161,99 @@ class AgentLoopManager:
 
     def _spawn_worker(self, index: int, worker_id: str) -> Any:
         cls: Any = ray.remote(AgentLoopWorker)
-        # round-robin over the nodes alive now (a replacement avoids a node that is gone); a hard affinity, since
-        # Ray's soft one let several workers pile onto one node of a 4-node cluster (tests/integration/test_multinode)
+        # round-robin over the nodes alive now (a replacement avoids a node that is gone); a hard
+        # affinity, since
+        # Ray's soft one let several workers pile onto one node of a 4-node cluster
+        # (tests/integration/test_multinode)
         nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) or self._nodes
         return cls.options(
             num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                nodes[index % len(nodes)], soft=False
+            ),
             max_concurrency=10000,
-        ).remote(WorkerSections.of(self.config), self.config.root, list(self.server_handles), self.balancer,
-                 self.registry, worker_id=worker_id)
+        ).remote(
+            WorkerSections.of(self.config), self.config.root, list(self.server_handles),
+            self.balancer, self.registry, worker_id=worker_id,
+        )
 
     def _error_rows(self, chunk: DataProto, status: RolloutStatus, message: str) -> DataProto:
         pad = self.tokenizer.pad_token_id
-        return error_batch(chunk, status, message, engine=self.config.engine,
-                           calculate_log_probs=self.config.sampling.calculate_log_probs,
-                           pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
-                           default_agent=self.config.agent.default_agent_loop)
+        return error_batch(
+            chunk, status, message, engine=self.config.engine,
+            calculate_log_probs=self.config.sampling.calculate_log_probs,
+            pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
+            default_agent=self.config.agent.default_agent_loop,
+        )
 
     def _watch(self) -> None:
-        """Every few seconds of a batch: a server or gateway whose actor stopped answering is killed (and
-        restarted, or replaced before the next batch)."""
+        """Every few seconds of a batch: a server or gateway whose actor stopped answering is killed
+        (and restarted, or replaced before the next batch)."""
         hang_s = float(self.config.server.stall_timeout or 0)
         if self._owns_servers:
             self.supervisor.watch(hang_s)
         if self.gateways:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
+            # agent
             from agentloop.gateway.actor import kill_hung_gateways
 
-            self._gateways_hung += len(kill_hung_gateways(
-                self.gateways, self._gateway_hangs, hang_s, tell=functools.partial(self.workers.tell, "gateway_lost")))
+            self._gateways_hung += len(
+                kill_hung_gateways(
+                    self.gateways, self._gateway_hangs, hang_s,
+                    tell=functools.partial(self.workers.tell, "gateway_lost"),
+                )
+            )
 
     def _swap_server(self, index: int, handle: Any) -> None:
         """A restarted server replaces server ``index`` for every worker (and later workers)."""
         self.server_handles[index] = handle
         self.workers.broadcast("replace_server", index, handle)
         if self.gateways:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
+            # agent
             from agentloop.gateway.actor import tell_gateways
 
             tell_gateways(self.gateways, index, handle)
 
     def _wait_for_workers(self) -> None:
-        """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing (it was
-        ~7 s of the demo's first batch) nor fail only when the first batch is sent."""
+        """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing
+        (it was ~7 s of the demo's first batch) nor fail only when the first batch is sent."""
         infos = self.workers.start()
-        self.init_errors: dict[str, str] = {k: v for info in infos for k, v in info.get("init_errors", {}).items()}
+        self.init_errors: dict[str, str] = {
+            k: v for info in infos for k, v in info.get("init_errors", {}).items()
+        }
         for name, error in sorted(self.init_errors.items()):
-            logger.warning("agent loop %r failed to initialise (%s); samples that use it will come back with "
-                           "status 'error', other agent loops are not affected", name, error)
+            logger.warning(
+                "agent loop %r failed to initialise (%s); samples that use it "
+                "will come back with "
+                "status 'error', other agent loops are not affected",
+                name,
+                error,
+            )
 
     @functools.cached_property
     def tokenizer(self) -> Any:
         """The HF tokenizer of the served model (``model.tokenizer_path`` or ``model.path``, with
-        ``custom_chat_template``), as the workers load it; loaded once in the driver, on first use."""
+        ``custom_chat_template``), as the workers load it; loaded once in the driver, on first use.
+        """
         return load_tokenizer(self.config.model)
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Roll out ``prompts`` (one row per sample; ``raw_prompt`` required) and return padded trajectories.
+        """Roll out ``prompts`` (one row per sample; ``raw_prompt`` required) and return padded
+        trajectories.
 
-        ``meta_info["global_steps"]`` (verl's trainer sets it; traces and trajectory info carry it) defaults to
-        the version of the weights being served (what :meth:`update_weights` returned last; 0 before it).
-        Built on the same worker stream as :meth:`generate_sequences_stream` (row ranges instead of groups, put
-        back in the batch's order), so both share one fault path (docs/faults.md).
+        ``meta_info["global_steps"]`` (verl's trainer sets it; traces and trajectory info carry it)
+        defaults to the version of the weights being served (what :meth:`update_weights` returned
+        last; 0 before it). Built on the same worker stream as :meth:`generate_sequences_stream`
+        (row ranges instead of groups, put back in the batch's order), so both share one fault path
+        (docs/faults.md).
         """
         t0 = time.perf_counter()
         prompts = self.prepare(prompts)
         parts = self.workers.run(prompts)
         failovers = sum(p.stats.server_failovers for p in parts)
-        # per-row metrics stay a list in row order (verl's concat would fold the workers' lists into a dict)
+        # per-row metrics stay a list in row order (verl's concat would fold the workers' lists into
+        # a dict)
         metrics = [m for p in parts for m in p.stats.metrics]
         output = DataProto.concat(align_keys([p.rows for p in parts]))
         if self._owns_servers:
@@ -219,17 +266,21 @@ class AgentLoopManager:
         output.meta_info = {**output.meta_info, "timing": timing}
         return output
 
-    def generate_sequences_stream(self, prompts: DataProto, group_by: str | None = "uid") -> Iterator[DataProto]:
-        """Roll out ``prompts`` and yield padded mini-batches, one per complete group, in completion order.
+    def generate_sequences_stream(
+        self, prompts: DataProto, group_by: str | None = "uid"
+    ) -> Iterator[DataProto]:
+        """Roll out ``prompts`` and yield padded mini-batches, one per complete group, in completion
+        order.
 
-        A group is every row sharing ``non_tensor_batch[group_by]`` (GRPO's ``uid``: all ``n`` trajectories of a
-        prompt); ``group_by=None`` or a batch without that column makes each row its own group.  A group is
-        yielded once all its samples are done (each exactly once, whatever fails: see docs/faults.md), so a
-        trainer can start computing advantages while the slowest samples still run.  Each mini-batch has
-        verl's padded layout (same widths as :meth:`generate_sequences`), ``meta_info["metrics"]`` for its rows
-        and ``meta_info["timing"]`` (``agent_loop/wall`` = seconds since the stream started).  Closing the
-        iterator early (``break``, ``.close()``) cancels the samples still running and aborts their engine
-        requests.  Sync iterator; use it from a thread in async code.
+        A group is every row sharing ``non_tensor_batch[group_by]`` (GRPO's ``uid``: all ``n``
+        trajectories of a prompt); ``group_by=None`` or a batch without that column makes each row
+        its own group.  A group is yielded once all its samples are done (each exactly once,
+        whatever fails: see docs/faults.md), so a trainer can start computing advantages while the
+        slowest samples still run.  Each mini-batch has verl's padded layout (same widths as
+        :meth:`generate_sequences`), ``meta_info["metrics"]`` for its rows and
+        ``meta_info["timing"]`` (``agent_loop/wall`` = seconds since the stream started). Closing
+        the iterator early (``break``, ``.close()``) cancels the samples still running and aborts
+        their engine requests.  Sync iterator; use it from a thread in async code.
         """
         t0 = time.perf_counter()
         prompts = self.prepare(prompts)
@@ -249,19 +300,24 @@ class AgentLoopManager:
                 self.sleep()
 
     def prepare(self, prompts: DataProto) -> DataProto:
-        """Check a batch and get ready for it: the one batch check (:func:`~agentloop.rollout.worker.check_batch`),
-        gateways started or replaced, servers woken, restarted servers put back, the sticky cache grown.  Returns the
-        batch with ``meta_info["global_steps"]`` (default: :attr:`weight_version`; a copy, the caller's is left as it
-        is).
+        """Check a batch and get ready for it: the one batch check
+        (:func:`~agentloop.rollout.worker.check_batch`), gateways started or replaced, servers
+        woken, restarted servers put back, the sticky cache grown.  Returns the batch with
+        ``meta_info["global_steps"]`` (default: :attr:`weight_version`; a copy, the caller's is left
+        as it is).
 
         Raises:
             DatasetError, UnknownAgentError: the batch check failed (before anything ran).
         """
         if "global_steps" not in prompts.meta_info:  # a copy: the caller's batch is left as it is
-            prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
-                                meta_info={**prompts.meta_info, "global_steps": self.weight_version})
+            prompts = DataProto(
+                batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
+                meta_info={**prompts.meta_info, "global_steps": self.weight_version},
+            )
         names = check_batch(prompts, self.registry, self.config.agent.default_agent_loop)
-        if not self.gateways and any(self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())):
+        if not self.gateways and any(
+            self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())
+        ):
             self.start_gateways()
         elif self.gateways:
             self._replace_dead_gateways()
@@ -272,30 +328,40 @@ class AgentLoopManager:
         return prompts
 
     def _replace_dead_gateways(self) -> None:
-        """Gateway actors that died are replaced before the batch, and the workers given the new set."""
+        """Gateway actors that died are replaced before the batch, and the workers given the new
+        set."""
         # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
         from agentloop.gateway.actor import replace_dead_gateways
 
-        replaced = replace_dead_gateways(self.gateways, GatewaySections.of(self.config), self.server_handles,
-                                         self.balancer)
+        replaced = replace_dead_gateways(
+            self.gateways, GatewaySections.of(self.config), self.server_handles, self.balancer
+        )
         if replaced:
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
             self._gateway_restarts += replaced
 
     def grow_sticky_cache(self, entries: int) -> None:
-        """Make the shared balancer keep at least ``entries`` request-id -> server bindings (one actor call, only
-        when that grows it): ``rollout.server.max_cache_size`` is a floor, so a batch larger than it does not
-        evict the bindings of samples still running (their next turn would lose its prefix cache)."""
+        """Make the shared balancer keep at least ``entries`` request-id -> server bindings (one
+        actor call, only when that grows it): ``rollout.server.max_cache_size`` is a floor, so a
+        batch larger than it does not evict the bindings of samples still running (their next turn
+        would lose its prefix cache).
+        """
         if self.balancer is not None and entries > self._sticky_capacity:
-            self._sticky_capacity = int(ray.get(self.balancer.ensure_cache_capacity.remote(int(entries))))
+            self._sticky_capacity = int(
+                ray.get(self.balancer.ensure_cache_capacity.remote(int(entries)))
+            )
 
     _sticky_capacity: int = 0
 
     def _fault_metrics(self, failovers: int) -> dict[str, float]:
-        """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch, servers now down."""
-        counts = {**self.workers.fault_counts, "servers_restarted": self.supervisor.counts["server_restarts"],
-                  "servers_hung": self.supervisor.counts["servers_hung"], "gateways_replaced": self._gateway_restarts,
-                  "gateways_hung": self._gateways_hung}
+        """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch,
+        servers now down."""
+        counts = {
+            **self.workers.fault_counts,
+            "servers_restarted": self.supervisor.counts["server_restarts"],
+            "servers_hung": self.supervisor.counts["servers_hung"],
+            "gateways_replaced": self._gateway_restarts, "gateways_hung": self._gateways_hung,
+        }
         before, self._fault_totals = self._fault_totals, dict(counts)
         metrics = {k: v - before.get(k, 0) for k, v in counts.items()}  # the counts are cumulative
         metrics.update(server_failovers=failovers, servers_down=len(self.supervisor.down))
@@ -306,49 +372,58 @@ class AgentLoopManager:
     _gateways_hung: int = 0
 
     def recover(self, timeout: float = 0.0) -> dict[str, int]:
-        """Put back restarted servers and replacement workers that finished starting, waiting up to ``timeout``
-        seconds for them (batches do this themselves, without waiting); returns the pool's state:
-        ``servers_down``, ``servers_restarting``, ``servers_awaiting_weights`` (restarted after a weight update:
-        they rejoin after the next :meth:`update_weights`), ``workers``, ``workers_starting``.  Restarts begin when a
-        batch finds a server dead (after each batch) or a worker dies."""
+        """Put back restarted servers and replacement workers that finished starting, waiting up to
+        ``timeout`` seconds for them (batches do this themselves, without waiting); returns the
+        pool's state: ``servers_down``, ``servers_restarting``, ``servers_awaiting_weights``
+        (restarted after a weight update: they rejoin after the next :meth:`update_weights`),
+        ``workers``, ``workers_starting``. Restarts begin when a batch finds a server dead (after
+        each batch) or a worker dies."""
         self.supervisor.poll(self.weight_version, wait_s=timeout)
         self.workers.poll_replacements(timeout)
         waiting = len(self.supervisor.awaiting_weights())
-        return {"servers_down": len(self.supervisor.down),
-                "servers_restarting": len(self.supervisor.restarting) - waiting, "servers_awaiting_weights": waiting,
-                "workers": len(self.workers.handles),
-                "workers_starting": sum(1 for s in self.workers.slots if s.starting)}
+        return {
+            "servers_down": len(self.supervisor.down),
+            "servers_restarting": len(self.supervisor.restarting) - waiting,
+            "servers_awaiting_weights": waiting, "workers": len(self.workers.handles),
+            "workers_starting": sum(1 for s in self.workers.slots if s.starting),
+        }
 
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> AgentLoopManager:
-        """verl 0.9's constructor entry point (``AgentLoopManager.create(config, llm_client, ...)``): builds the
-        manager and waits for its workers, as the constructor does.  Synchronous here (verl's is awaitable)."""
+        """verl 0.9's constructor entry point
+        (``AgentLoopManager.create(config, llm_client, ...)``): builds the manager and waits for its
+        workers, as the constructor does.  Synchronous here (verl's is awaitable)."""
         return cls(*args, **kwargs)
 
     def clear_kv_cache(self) -> None:
         """Drop every server's prefix (KV) cache, e.g. after a weight update made it stale."""
         self._each_server("clear_kv_cache")
 
-    def _each_server(self, method: str, only: list[bool] | None = None, **kwargs: Any) -> dict[int, Any]:
-        """``method`` on every serving server; a dead or silent one is restarted, not raised (supervisor.each)."""
+    def _each_server(
+        self, method: str, only: list[bool] | None = None, **kwargs: Any
+    ) -> dict[int, Any]:
+        """``method`` on every serving server; a dead or silent one is restarted, not raised
+        (supervisor.each)."""
         return self.weights.each(method, only, **kwargs)
 
     def engine_busy_seconds(self) -> list[float]:
-        """Per server: seconds it had at least one request in its engine since it started (a restarted server
-        starts again from 0; a server that cannot answer counts nan).  Two samples' difference over the wall time
-        between is the engine-busy fraction (:class:`~agentloop.rollout.rollouter.Rollouter` metrics, bench_async)."""
+        """Per server: seconds it had at least one request in its engine since it started (a
+        restarted server starts again from 0; a server that cannot answer counts nan).  Two samples'
+        difference over the wall time between is the engine-busy fraction
+        (:class:`~agentloop.rollout.rollouter.Rollouter` metrics, bench_async)."""
         refs = [s.busy_seconds.remote() for s in self.server_handles]
         out = []
         for ref in refs:
             try:
                 out.append(float(ray.get(ref, timeout=30)))
-            except Exception:  # noqa: BLE001 - a dead or foreign server: unknown, not a failure of the caller
+            # a dead or foreign server: unknown, not a failure of the caller
+            except Exception:  # noqa: BLE001
                 out.append(float("nan"))
         return out
 
     def start_profile(self, **kwargs: Any) -> None:
-        """Start the engines' profilers (vLLM's torch profiler needs ``VLLM_TORCH_PROFILER_DIR``; a logged
-        no-op where the engine has none)."""
+        """Start the engines' profilers (vLLM's torch profiler needs ``VLLM_TORCH_PROFILER_DIR``; a
+        logged no-op where the engine has none)."""
         self._each_server("start_profile", **kwargs)
 
     def stop_profile(self) -> None:
@@ -361,10 +436,13 @@ class AgentLoopManager:
         Called automatically before the first batch with a gateway agent; returns the actor handles.
         """
         if not self.gateways:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
+            # agent
             from agentloop.gateway.actor import start_gateways
 
-            self.gateways = start_gateways(GatewaySections.of(self.config), self.server_handles, self.balancer)
+            self.gateways = start_gateways(
+                GatewaySections.of(self.config), self.server_handles, self.balancer
+            )
             self.workers.broadcast("attach_gateways", self.gateways, remember=True)
         return self.gateways
 
@@ -372,31 +450,37 @@ class AgentLoopManager:
         """Abort every in-flight engine request and hold new ones until :meth:`resume` (e.g. around
         :meth:`update_weights` while a rollout runs in another thread or the
         :class:`~agentloop.rollout.rollouter.Rollouter`).
-        With ``async_training.partial_rollout: true`` the routers re-issue each cut request after the resume with
-        its tokens so far, so agent loops see one uninterrupted generation (docs/concepts.md, "Pause, resume and
-        partial rollouts"); otherwise cut requests end ``aborted``.  Returns how many requests were cut."""
+        With ``async_training.partial_rollout: true`` the routers re-issue each cut request after
+        the resume with its tokens so far, so agent loops see one uninterrupted generation
+        (docs/concepts.md, "Pause, resume and partial rollouts"); otherwise cut requests end
+        ``aborted``.  Returns how many requests were cut."""
         return self.weights.pause()
 
     def resume(self) -> None:
         """Let the servers run the held and re-issued requests again (after :meth:`pause`)."""
         self.weights.resume()
 
-    def update_weights(self, weights: Any, *, global_steps: int | None = None, bucket_mb: float = 512) -> int:
+    def update_weights(
+        self, weights: Any, *, global_steps: int | None = None, bucket_mb: float = 512
+    ) -> int:
         """Load new policy weights into every server; returns the new weight version.
 
         Args:
-            weights: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full, unsharded
-                tensors, any device), read once and lazily, sent in buckets shared by all servers, never as one
-                object (:mod:`agentloop.servers.weight_sync`).
-            global_steps: the new version (default: the previous + 1; servers start at 0), which later generations
-                report (``extra_fields["global_steps"]``, trajectories' ``min_global_steps`` / ``max_global_steps``).
+            weights: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full,
+            unsharded
+                tensors, any device), read once and lazily, sent in buckets shared by all servers,
+                never as one object (:mod:`agentloop.servers.weight_sync`).
+            global_steps: the new version (default: the previous + 1; servers start at 0), which
+            later generations
+                report (``extra_fields["global_steps"]``, trajectories' ``min_global_steps`` /
+                ``max_global_steps``).
             bucket_mb: the bucket size in MiB.
 
-        Sleeping servers are woken first (and left awake); new requests wait until the update is done.  What
-        happens to the requests in flight is ``rollout.server.weight_update``: ``abort`` (default), ``drain`` or
-        ``keep`` (docs/async.md).  A server that dies, or does not answer a step within
-        ``rollout.server.weight_update_timeout`` seconds, is restarted and the update goes on with the others
-        (docs/faults.md).
+        Sleeping servers are woken first (and left awake); new requests wait until the update is
+        done.  What happens to the requests in flight is ``rollout.server.weight_update``: ``abort``
+        (default), ``drain`` or ``keep`` (docs/async.md).  A server that dies, or does not answer a
+        step within ``rollout.server.weight_update_timeout`` seconds, is restarted and the update
+        goes on with the others (docs/faults.md).
 
         Raises:
             ServerError: see :meth:`agentloop.rollout.weights.WeightSync.update`.
@@ -404,22 +488,29 @@ class AgentLoopManager:
         return self.weights.update(weights, global_steps=global_steps, bucket_mb=bucket_mb)
 
     def set_weight_update(self, mode: str) -> None:
-        """Switch ``rollout.server.weight_update`` (``abort`` | ``drain`` | ``keep``) for later updates, on the
-        manager and every server (refused by a server while requests run on it or an update is open).
+        """Switch ``rollout.server.weight_update`` (``abort`` | ``drain`` | ``keep``) for later
+        updates, on the manager and every server (refused by a server while requests run on it or an
+        update is open).
 
         Raises:
             ValueError: an unknown mode, or ``keep`` on a backend other than vLLM.
         """
         self.weights.set_mode(mode)
         self.rollout.server.weight_update = mode  # servers restarted later start with it
-        before, self.config = self.config, dataclasses.replace(self.config)  # sections rebuilt from the slice
+        # sections rebuilt from the slice
+        before, self.config = self.config, dataclasses.replace(self.config)
         if self.servers.config is before:  # servers restarted later are built from the new sections
             self.servers.config = self.config
 
-    def _update_weights_whole(self, named_tensors: dict[str, Any], *, global_steps: int | None = None,
-                              transport: str = "file") -> int:
-        """The pre-streaming path (scripts/bench_weight_sync.py): :meth:`WeightSync.update_whole`."""
-        return self.weights.update_whole(named_tensors, global_steps=global_steps, transport=transport)
+    def _update_weights_whole(
+        self, named_tensors: dict[str, Any], *, global_steps: int | None = None,
+        transport: str = "file",
+    ) -> int:
+        """The pre-streaming path (scripts/bench_weight_sync.py):
+        :meth:`WeightSync.update_whole`."""
+        return self.weights.update_whole(
+            named_tensors, global_steps=global_steps, transport=transport
+        )
 
     @property
     def can_sleep(self) -> bool:
@@ -429,27 +520,36 @@ class AgentLoopManager:
 
     @property
     def sleeping(self) -> bool:
-        """Whether the servers are asleep: True from :meth:`sleep` until :meth:`wake_up`.  Always False where no
-        server can sleep (nothing was released, so there is nothing to wake)."""
+        """Whether the servers are asleep: True from :meth:`sleep` until :meth:`wake_up`.  Always
+        False where no server can sleep (nothing was released, so there is nothing to wake)."""
         return self._sleeping
 
     def wake_up(self) -> None:
-        """Wake the servers :meth:`sleep` put to sleep, re-acquiring their memory (no-op when none sleeps)."""
+        """Wake the servers :meth:`sleep` put to sleep, re-acquiring their memory (no-op when
+        none sleeps)."""
         if self._sleeping:
             self._each_server("wake_up", only=self._sleep_support)
             self._sleeping = False
 
     def sleep(self) -> None:
-        """Put every server that can sleep to sleep, freeing its accelerator memory.  Servers that cannot
-        (``can_sleep`` False) are left running; that is logged once per manager, not on every call."""
+        """Put every server that can sleep to sleep, freeing its accelerator memory.  Servers that
+        cannot (``can_sleep`` False) are left running; that is logged once per manager, not on every
+        call.
+        """
         if self._sleeping:
             return
         if not self.can_sleep and not self._sleep_noop_logged:
             self._sleep_noop_logged = True
             log = logger.warning if self.servers.device == "cuda" else logger.info
-            log("AgentLoopManager.sleep: %d of %d servers cannot sleep (%s engine%s); sleep/wake_up leave them "
-                "running and their memory held", self._sleep_support.count(False), len(self._sleep_support),
-                self.servers.device, "" if self.servers.device != "cuda" else ", free_cache_engine=false")
+            log(
+                "AgentLoopManager.sleep: %d of %d servers cannot sleep (%s engine%s); "
+                "sleep/wake_up leave them "
+                "running and their memory held",
+                self._sleep_support.count(False),
+                len(self._sleep_support),
+                self.servers.device,
+                "" if self.servers.device != "cuda" else ", free_cache_engine=false",
+            )
         if any(self._sleep_support):
             self._each_server("sleep", only=self._sleep_support)
             self._sleeping = True
@@ -462,7 +562,8 @@ class AgentLoopManager:
             for restart in self.supervisor.restarting.values():
                 ray.kill(restart.handle)
         if self.gateways:
-            with contextlib.suppress(Exception):  # best effort (a gateway may have died); all are killed next
+            # best effort (a gateway may have died); all are killed next
+            with contextlib.suppress(Exception):
                 ray.get([g.shutdown.remote() for g in self.gateways], timeout=30)
             for g in self.gateways:
                 ray.kill(g)

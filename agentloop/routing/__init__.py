@@ -13,16 +13,7 @@ from agentloop.routing.strategies import (
 )
 
 __all__ = [
-    "AsyncLLMServerManager",
-    "Balancer",
-    "BalancerActor",
-    "LLMServerClient",
-    "LeastInFlight",
-    "RemoteBalancer",
-    "RouteContext",
-    "RoutingStrategy",
-    "StickySession",
-    "build_router",
-    "create_global_balancer",
-    "make_balancer",
+    "AsyncLLMServerManager", "Balancer", "BalancerActor", "LLMServerClient", "LeastInFlight",
+    "RemoteBalancer", "RouteContext", "RoutingStrategy", "StickySession", "build_router",
+    "create_global_balancer", "make_balancer",
 ]

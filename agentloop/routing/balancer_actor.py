@@ -33,8 +33,11 @@ class BalancerActor:
         """A request on ``server`` ended."""
         self.balancer.release(server, owner)
 
-    def acquire_many(self, requests: list[tuple[str, int]], releases: list[int], owner: str | None = None) -> list[int]:
-        """Apply ``releases`` first, then acquire a server for each ``(request_id, prompt_len)``, all for ``owner``."""
+    def acquire_many(
+        self, requests: list[tuple[str, int]], releases: list[int], owner: str | None = None
+    ) -> list[int]:
+        """Apply ``releases`` first, then acquire a server for each ``(request_id, prompt_len)``,
+        all for ``owner``."""
         for server in releases:
             self.balancer.release(server, owner)
         return [self.balancer.acquire(rid, plen, owner) for rid, plen in requests]
@@ -67,11 +70,16 @@ class BalancerActor:
 def create_global_balancer(num_servers: int, *, name: str | None = None, **kwargs: Any) -> Any:
     """Start the shared balancer actor (no CPU reserved) on the caller's node and return its handle.
 
-    Pinned to the caller's (the manager's) node: with no CPU reserved Ray may put it on any node, and losing that
-    node would take routing away from every worker (found by tests/integration/test_multinode.py)."""
+    Pinned to the caller's (the manager's) node: with no CPU reserved Ray may put it on any node,
+    and losing that node would take routing away from every worker (found by
+    tests/integration/test_multinode.py).
+    """
     options: dict[str, Any] = {
-        "num_cpus": 0, "max_concurrency": 1,
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        "num_cpus": 0,
+        "max_concurrency": 1,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
     }
     if name:
         options["name"] = name
@@ -92,11 +100,13 @@ class RemoteBalancer:
     def __init__(self, handle: Any, owner: str | None = None) -> None:
         self.handle = handle
         self.owner = owner
-        """Whose slots these are (the worker's id): the manager releases them all if the worker dies."""
+        """Whose slots these are (the worker's id): the manager releases them all if the worker
+        dies."""
         self._acquires: list[tuple[str, int, asyncio.Future[int]]] = []
         self._releases: list[int] = []
         self._busy = False
-        self._task: asyncio.Task[None] | None = None  # strong reference: unreferenced tasks can be collected
+        # strong reference: unreferenced tasks can be collected
+        self._task: asyncio.Task[None] | None = None
 
     async def acquire(self, request_id: str, prompt_len: int = 0) -> int:
         """Ask the actor for a server (batched with concurrent acquires and pending releases)."""
@@ -130,18 +140,22 @@ class RemoteBalancer:
                 releases, self._releases = self._releases, []
                 await self._trip(batch, releases)
         finally:
-            if self._releases:  # cancelled mid-trip (loop shutting down): do not lose queued releases
+            # cancelled mid-trip (loop shutting down): do not lose queued releases
+            if self._releases:
                 self._send_releases(self._releases)
                 self._releases = []
             self._busy = False
             self._task = None
 
-    async def _trip(self, batch: list[tuple[str, int, asyncio.Future[int]]], releases: list[int]) -> None:
+    async def _trip(
+        self, batch: list[tuple[str, int, asyncio.Future[int]]], releases: list[int]
+    ) -> None:
         """One actor call: apply ``releases``, acquire for ``batch`` and resolve its futures."""
         ref = self.handle.acquire_many.remote([(r, p) for r, p, _ in batch], releases, self.owner)
         try:
             servers = await ref
-        except asyncio.CancelledError:  # the loop is going away: nobody will use what the call acquires
+        # the loop is going away: nobody will use what the call acquires
+        except asyncio.CancelledError:
             for _, _, fut in batch:
                 fut.cancel()
             if isinstance(ref, ray.ObjectRef):

@@ -2,11 +2,11 @@
 
 A worker running hundreds of agent loops issues their first turns in the same event-loop iteration.
 One Ray actor call per request costs a task submission, a scheduling round and a result object each;
-on small CPU boxes that is a visible share of the engine's time.  :class:`ServerCallBatcher` collects
-the requests submitted during one loop iteration and sends them as one
-``generate_batch`` call (a Ray streaming generator, see
-:class:`agentloop.servers.base.GenerateBatcher`); results come back in groups as they finish, so a
-short request never waits for a long one.  A lone request takes the plain ``generate`` call.
+on small CPU boxes that is a visible share of the engine's time.  :class:`ServerCallBatcher`
+collects the requests submitted during one loop iteration and sends them as one ``generate_batch``
+call (a Ray streaming generator, see :class:`agentloop.servers.base.GenerateBatcher`); results come
+back in groups as they finish, so a short request never waits for a long one.  A lone request takes
+the plain ``generate`` call.
 """
 
 from __future__ import annotations
@@ -55,13 +55,19 @@ class ServerCallBatcher:
             return
         self.num_calls += 1
         self.num_requests += len(batch)
-        # The Ray call is submitted here, synchronously, not in the task's first step: that step would
-        # only run after every task already queued in this loop iteration (e.g. the rest of a batch's
+        # The Ray call is submitted here, synchronously, not in the task's first step: that step
+        # would
+        # only run after every task already queued in this loop iteration (e.g. the rest of a
+        # batch's
         # agent loops rendering their prompts).
         if len(batch) == 1:
-            task = asyncio.ensure_future(self._run_one(self.handle.generate.remote(**batch[0][0]), batch[0][1]))
+            task = asyncio.ensure_future(
+                self._run_one(self.handle.generate.remote(**batch[0][0]), batch[0][1])
+            )
         else:
-            stream = self.handle.generate_batch.options(num_returns="streaming").remote([kw for kw, _ in batch])
+            stream = self.handle.generate_batch.options(num_returns="streaming").remote(
+                [kw for kw, _ in batch]
+            )
             task = asyncio.ensure_future(self._run_many(stream, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -69,12 +75,15 @@ class ServerCallBatcher:
     async def _run_one(self, ref: Any, future: asyncio.Future) -> None:
         try:
             result = await ref
-        except Exception as e:  # noqa: BLE001 - handed to the waiting caller (the router maps a dead server)
+        # handed to the waiting caller (the router maps a dead server)
+        except Exception as e:  # noqa: BLE001
             _settle(future, exc=e)
         else:
             _settle(future, result=result)
 
-    async def _run_many(self, stream: Any, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
+    async def _run_many(
+        self, stream: Any, batch: list[tuple[dict[str, Any], asyncio.Future]]
+    ) -> None:
         try:
             async for ref in stream:
                 for index, result in await ref:
@@ -83,16 +92,24 @@ class ServerCallBatcher:
                         _settle(future, exc=result)
                     else:
                         _settle(future, result=result)
-        except Exception as e:  # noqa: BLE001 - the whole call failed: every waiting request gets the error
+        # the whole call failed: every waiting request gets the error
+        except Exception as e:  # noqa: BLE001
             for _, future in batch:
                 _settle(future, exc=e)
         finally:
             for kwargs, future in batch:
-                _settle(future, exc=ServerError(
-                    f"server {self.server_index} ended the batch without answering request {kwargs['request_id']}"))
+                _settle(
+                    future,
+                    exc=ServerError(
+                        f"server {self.server_index} ended the batch without answering request "
+                        f"{kwargs['request_id']}"
+                    ),
+                )
 
 
-def _settle(future: asyncio.Future, *, result: Any = None, exc: BaseException | None = None) -> None:
+def _settle(
+    future: asyncio.Future, *, result: Any = None, exc: BaseException | None = None
+) -> None:
     if future.done():
         return
     with contextlib.suppress(asyncio.InvalidStateError):

@@ -2,10 +2,10 @@
 
 ``generate(request_id, *, prompt_ids, sampling_params, image_data=None) -> TokenOutput``: acquire a
 server from the balancer (sticky by request id, else least in-flight), call it, and release the
-in-flight slot when the call ends (success, error or cancellation).  A request whose server died fails
-over to another server with the same prompt ids; with ``partial_rollout`` a generation a server pause
-cut is resumed and the pieces joined.  Spec (failover, partial rollouts, output fields, verl's extra
-keywords): docs/routing.md#the-router-asyncllmservermanager.
+in-flight slot when the call ends (success, error or cancellation).  A request whose server died
+fails over to another server with the same prompt ids; with ``partial_rollout`` a generation a
+server pause cut is resumed and the pieces joined.  Spec (failover, partial rollouts, output fields,
+verl's extra keywords): docs/routing.md#the-router-asyncllmservermanager.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ class AsyncLLMServerManager:
         server_handles: Ray actor handles or in-process LLMServer objects.
         balancer: a GlobalBalancer actor handle or a local Balancer (default: a new local one).
         max_cache_size: sticky LRU size for the default local balancer.
-        batch_calls: send the generate calls of one event-loop iteration for one server actor as one Ray call.
-        owner: who holds this client's in-flight slots in a shared balancer (default: a fresh id).
-        max_failovers: how many times one request may move on after its server died (default: once to every
+        batch_calls: send the generate calls of one event-loop iteration for one server actor as one
+        Ray call. owner: who holds this client's in-flight slots in a shared balancer (default: a
+        fresh id). max_failovers: how many times one request may move on after its server died
+        (default: once to every
             other server).
-        partial_rollout: resume generations a server pause interrupted and join the pieces; False returns them
+        partial_rollout: resume generations a server pause interrupted and join the pieces; False
+        returns them
             ``aborted``, or with ``restart_preempted`` runs them again from their start.
         priority: ``(request_id, prompt_len) -> int`` sent as ``sampling_params["priority"]`` (e.g.
             :class:`agentloop.routing.tail.ContextPriority`); None: arrival order.
@@ -65,7 +67,9 @@ class AsyncLLMServerManager:
         self.server_handles = list(server_handles)
         self.priority = priority
         if not self.server_handles:
-            raise RoutingError("no servers to route to: AsyncLLMServerManager got an empty server_handles list")
+            raise RoutingError(
+                "no servers to route to: AsyncLLMServerManager got an empty server_handles list"
+            )
         self.balancer: Any = balancer if balancer is not None else make_balancer(
             len(self.server_handles), max_cache_size=max_cache_size
         )
@@ -77,15 +81,19 @@ class AsyncLLMServerManager:
             i: ServerCallBatcher(h, i) for i, h in enumerate(self.server_handles)
             if batch_calls and isinstance(h, ActorHandle)
         }
-        self.max_failovers = len(self.server_handles) - 1 if max_failovers is None else int(max_failovers)
+        self.max_failovers = (
+            len(self.server_handles) - 1 if max_failovers is None else int(max_failovers)
+        )
         self.down: set[int] = set()
         """Servers this client saw die (and has not seen replaced)."""
         self.num_failovers = 0
-        """Requests re-sent to another server after theirs died (reported in the batch's fault metrics)."""
+        """Requests re-sent to another server after theirs died (reported in the batch's fault
+        metrics)."""
         self.partial_rollout = bool(partial_rollout)
         self.restart_preempted = bool(restart_preempted) and not self.partial_rollout
         self.num_restarts = 0
-        """Generations run again from their start after a server pause interrupted them (``restart_preempted``)."""
+        """Generations run again from their start after a server pause interrupted them
+        (``restart_preempted``)."""
         self.num_resumes = 0
         """Generations re-issued after a server pause interrupted them (``partial_rollout``)."""
 
@@ -102,10 +110,12 @@ class AsyncLLMServerManager:
             self.balancer.release(server)
 
     async def _call(self, server: int, method: str, **kwargs: Any) -> Any:
-        """Call ``method`` on server ``server``, awaiting an actor call or a local coroutine alike."""
+        """Call ``method`` on server ``server``, awaiting an actor call or a local coroutine
+        alike."""
         if not 0 <= server < len(self.server_handles):
             raise RoutingError(
-                f"the balancer chose server {server} but this manager has {len(self.server_handles)} servers; "
+                f"the balancer chose server {server} but this manager has "
+                f"{len(self.server_handles)} servers; "
                 "create the GlobalBalancer with num_servers equal to the number of server handles"
             )
         handle = self.server_handles[server]
@@ -113,7 +123,8 @@ class AsyncLLMServerManager:
             future = self._batchers[server].submit(kwargs)
             try:
                 return await future
-            except asyncio.CancelledError:  # the caller gave up (timeout, abort): stop the engine too
+            # the caller gave up (timeout, abort): stop the engine too
+            except asyncio.CancelledError:
                 handle.abort.remote(request_id=kwargs["request_id"])
                 raise
         if isinstance(handle, ActorHandle):
@@ -121,38 +132,32 @@ class AsyncLLMServerManager:
         return await getattr(handle, method)(**kwargs)
 
     async def generate(
-        self,
-        request_id: str,
-        *,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        image_data: list[Any] | None = None,
-        sticky_key: str | None = None,
-        video_data: list[Any] | None = None,
-        audio_data: list[Any] | None = None,
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+        image_data: list[Any] | None = None, sticky_key: str | None = None,
+        video_data: list[Any] | None = None, audio_data: list[Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
-        mm_processor_output: list[dict[str, Any]] | None = None,
-        priority: int = 0,
-        **kwargs: Any,
+        mm_processor_output: list[dict[str, Any]] | None = None, priority: int = 0, **kwargs: Any,
     ) -> TokenOutput:
         """Generate on the server chosen for ``request_id``.
 
-        Spec: docs/routing.md#the-router-asyncllmservermanager.  ``sticky_key`` (default: ``request_id``)
-        is what routing sticks by, for callers whose concurrent requests need distinct engine request
-        ids but one server (the gateway's sessions).  Returns one TokenOutput (the pieces of a resumed
-        generation joined), with ``server_index`` and the weight versions in ``extra_fields``.  verl
-        0.7–0.9's extra keywords (``video_data``, ``audio_data``, ``mm_processor_kwargs``, ...) are
-        accepted; ``video_data`` is passed on.
+        Spec: docs/routing.md#the-router-asyncllmservermanager.  ``sticky_key`` (default:
+        ``request_id``) is what routing sticks by, for callers whose concurrent requests need
+        distinct engine request ids but one server (the gateway's sessions).  Returns one
+        TokenOutput (the pieces of a resumed generation joined), with ``server_index`` and the
+        weight versions in ``extra_fields``.  verl 0.7–0.9's extra keywords (``video_data``,
+        ``audio_data``, ``mm_processor_kwargs``, ...) are accepted; ``video_data`` is passed on.
 
         Raises:
-            ServerDeadError: the server died and no failover is left (``max_failovers`` used, or every
+            ServerDeadError: the server died and no failover is left (``max_failovers`` used, or
+            every
                 server down).
             NotImplementedError: ``audio_data`` given, or ``video_data`` to a server without it.
             Exception: any other error the server raised, as it raised it (not Ray's wrapper).
         """
         if audio_data:
             raise NotImplementedError(
-                "AsyncLLMServerManager.generate got audio_data: agentloop passes images and videos to the "
+                "AsyncLLMServerManager.generate got audio_data: agentloop passes images and "
+                "videos to the "
                 "engine but not audio yet (docs/porting-from-verl.md, 'Remaining differences')"
             )
         media = {"image_data": image_data, **({"video_data": video_data} if video_data else {})}
@@ -162,50 +167,70 @@ class AsyncLLMServerManager:
             if rank:
                 sampling_params = {**sampling_params, "priority": rank}
         try:
-            output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
+            output, server = await self._generate_once(
+                request_id, key, prompt_ids, sampling_params, media
+            )
         except TypeError as e:  # a server whose generate() has no video_data keyword
             if video_data and "video_data" in str(e):
-                raise NotImplementedError(f"the server does not take video_data ({e}); serve with vLLM") from e
+                raise NotImplementedError(
+                    f"the server does not take video_data ({e}); serve with vLLM"
+                ) from e
             raise
         while self.restart_preempted and output.preempted_by_pause and not output.cut_by_update:
             self.num_restarts += 1
-            output, server = await self._generate_once(request_id, key, prompt_ids, sampling_params, media)
-        pieces, server = await self._resume(request_id, key, prompt_ids, sampling_params, media, output, server)
+            output, server = await self._generate_once(
+                request_id, key, prompt_ids, sampling_params, media
+            )
+        pieces, server = await self._resume(
+            request_id, key, prompt_ids, sampling_params, media, output, server
+        )
         output = _join(pieces) if self.partial_rollout or len(pieces) > 1 else pieces[0]
-        return output.model_copy(update={"extra_fields": _with_versions(output.extra_fields, server)})
+        return output.model_copy(
+            update={"extra_fields": _with_versions(output.extra_fields, server)}
+        )
 
-    async def _resume(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-                      media: dict[str, Any], output: TokenOutput, server: int) -> tuple[list[TokenOutput], int]:
-        """The pieces of a generation whose first piece is ``output`` (from ``server``): while a piece was cut
-        and :meth:`_resumes` says it goes on, re-issue it with the prompt plus the tokens so far and the rest of
-        ``max_tokens``.  A piece cut after its last allowed token ends the generation ``length``.  Returns the
-        pieces and the server of the last one."""
+    async def _resume(
+        self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+        media: dict[str, Any], output: TokenOutput, server: int,
+    ) -> tuple[list[TokenOutput], int]:
+        """The pieces of a generation whose first piece is ``output`` (from ``server``): while a
+        piece was cut and :meth:`_resumes` says it goes on, re-issue it with the prompt plus the
+        tokens so far and the rest of ``max_tokens``.  A piece cut after its last allowed token ends
+        the generation ``length``. Returns the pieces and the server of the last one."""
         pieces = [output]
         while self._resumes(output):
             generated = [t for piece in pieces for t in piece.token_ids]
             limit = pieces[0].max_tokens or sampling_params.get("max_tokens")
             params = dict(sampling_params)
             if limit is not None:
-                if int(limit) - len(generated) <= 0:  # cut after its last allowed token: nothing is left
-                    pieces[-1] = output.model_copy(update={"stop_reason": StopReason.LENGTH, **_UNCUT})
+                # cut after its last allowed token: nothing is left
+                if int(limit) - len(generated) <= 0:
+                    pieces[-1] = output.model_copy(
+                        update={"stop_reason": StopReason.LENGTH, **_UNCUT}
+                    )
                     break
                 params["max_tokens"] = int(limit) - len(generated)
             self.num_resumes += 1
-            logger.debug("request %s: interrupted by a server pause after %d tokens; resuming", request_id,
-                         len(generated))
-            output, server = await self._generate_once(request_id, key, list(prompt_ids) + generated, params,
-                                                       media)
+            logger.debug(
+                "request %s: interrupted by a server pause after %d tokens; resuming", request_id,
+                len(generated),
+            )
+            output, server = await self._generate_once(
+                request_id, key, list(prompt_ids) + generated, params, media
+            )
             pieces.append(output)
         return pieces, server
 
     def _resumes(self, piece: TokenOutput | TokenDelta) -> bool:
-        """Whether a piece a server pause cut goes on after the resume: with ``partial_rollout``, or when a weight
-        update cut it (``cut_by_update``: ``server.weight_update: abort``, resumed whatever ``partial_rollout``
-        says, as verl's fully-async parameter sync does)."""
+        """Whether a piece a server pause cut goes on after the resume: with ``partial_rollout``, or
+        when a weight update cut it (``cut_by_update``: ``server.weight_update: abort``, resumed
+        whatever ``partial_rollout`` says, as verl's fully-async parameter sync does)."""
         return piece.preempted_by_pause and (self.partial_rollout or piece.cut_by_update)
 
-    async def _generate_once(self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-                             media: dict[str, Any]) -> tuple[TokenOutput, int]:
+    async def _generate_once(
+        self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+        media: dict[str, Any],
+    ) -> tuple[TokenOutput, int]:
         """One server call, failing over to another server when the chosen one is dead."""
         attempt = 0
         while True:
@@ -216,7 +241,8 @@ class AsyncLLMServerManager:
                         server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
                         request_id=request_id, **media,
                     )
-                timing.record_generate(server, start, len(prompt_ids), output)  # for `agentloop report`
+                # for `agentloop report`
+                timing.record_generate(server, start, len(prompt_ids), output)
                 if trace_enabled():
                     _trace_generate(request_id, server, start, prompt_ids, output)
                 return output, server
@@ -229,7 +255,8 @@ class AsyncLLMServerManager:
                 logger.warning("request %s: %s; failing over to another server", request_id, e)
 
     async def _mark_down(self, error: ServerDeadError) -> None:
-        """Take the dead server out of routing, for this client and (shared balancer) every other."""
+        """Take the dead server out of routing, for this client and (shared balancer) every
+        other."""
         server = error.server
         if server is None or server in self.down:
             return
@@ -240,7 +267,8 @@ class AsyncLLMServerManager:
             self.balancer.mark_down(server)
 
     def replace_server(self, index: int, handle: Any) -> None:
-        """Use ``handle`` (a restarted server) as server ``index`` from now on and route to it again."""
+        """Use ``handle`` (a restarted server) as server ``index`` from now on and route to it
+        again."""
         self.server_handles[index] = handle
         self._batchers.pop(index, None)
         if self._batch_calls and isinstance(handle, ActorHandle):
@@ -250,34 +278,33 @@ class AsyncLLMServerManager:
             self.balancer.mark_up(index)  # a shared balancer actor is told once, by the manager
 
     async def generate_stream(
-        self,
-        request_id: str,
-        *,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        image_data: list[Any] | None = None,
-        sticky_key: str | None = None,
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+        image_data: list[Any] | None = None, sticky_key: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream a generation from the server chosen for ``request_id`` (same routing as :meth:`generate`).
+        """Stream a generation from the server chosen for ``request_id`` (same routing as
+        :meth:`generate`).
 
         The in-flight slot is held until the stream ends, fails, or the consumer stops iterating;
         a consumer that stops early should :meth:`abort` the request so the engine stops too.
 
-        With ``partial_rollout`` a stream a server pause cut goes on after the resume, as :meth:`generate` does:
-        the tokens of the cut piece are passed on as an ordinary chunk and the request is re-issued with
-        ``prompt_ids`` plus every token so far and the rest of ``max_tokens``; the consumer sees one stream whose
-        last chunk has the last piece's stop reason and, in ``extra_fields``, ``num_preempted`` and the
-        ``min_global_steps`` / ``max_global_steps`` over the pieces.  (``restart_preempted`` does not apply to
-        streams: tokens already streamed cannot be taken back, so a cut stream ends ``aborted``.)
+        With ``partial_rollout`` a stream a server pause cut goes on after the resume, as
+        :meth:`generate` does: the tokens of the cut piece are passed on as an ordinary chunk and
+        the request is re-issued with ``prompt_ids`` plus every token so far and the rest of
+        ``max_tokens``; the consumer sees one stream whose last chunk has the last piece's stop
+        reason and, in ``extra_fields``, ``num_preempted`` and the ``min_global_steps`` /
+        ``max_global_steps`` over the pieces. (``restart_preempted`` does not apply to streams:
+        tokens already streamed cannot be taken back, so a cut stream ends ``aborted``.)
         """
         generated: list[int] = []
-        pieces: list[tuple[int | None, int]] = []  # per piece: its weight version, the tokens it sampled
+        # per piece: its weight version, the tokens it sampled
+        pieces: list[tuple[int | None, int]] = []
         params = dict(sampling_params)
         limit = sampling_params.get("max_tokens")
         while True:
             final, before = None, len(generated)
-            async for delta in self._stream_once(request_id, sticky_key, list(prompt_ids) + generated, params,
-                                                 image_data):
+            async for delta in self._stream_once(
+                request_id, sticky_key, list(prompt_ids) + generated, params, image_data
+            ):
                 if delta.finished:
                     final = delta
                     continue
@@ -286,24 +313,39 @@ class AsyncLLMServerManager:
             if final is None:
                 return
             version = final.extra_fields.get("global_steps")
-            pieces.append((None if version is None else int(version), len(generated) - before + len(final.token_ids)))
+            pieces.append(
+                (
+                    None if version is None else int(version),
+                    len(generated) - before + len(final.token_ids),
+                )
+            )
             extra = dict(final.extra_fields)
             if len(pieces) > 1:
                 extra["num_preempted"] = len(pieces) - 1
                 known = [(v, n) for v, n in pieces if v is not None]
-                sampled = [v for v, n in known if n] or [v for v, _ in known]  # a piece cut before any token
-                if sampled:                                                     # does not widen the range
+                # a piece cut before any token
+                sampled = [v for v, n in known if n] or [v for v, _ in known]
+                # does not widen the range
+                if sampled:
                     extra.update(min_global_steps=min(sampled), max_global_steps=max(sampled))
             if not self._resumes(final):
-                yield final if len(pieces) == 1 else final.model_copy(update={"extra_fields": extra, **_UNCUT})
+                yield (
+                    final
+                    if len(pieces) == 1
+                    else final.model_copy(update={"extra_fields": extra, **_UNCUT})
+                )
                 return
             generated += final.token_ids
-            if final.token_ids:  # the cut piece's last tokens: an ordinary chunk, the stream goes on
+            # the cut piece's last tokens: an ordinary chunk, the stream goes on
+            if final.token_ids:
                 yield TokenDelta(token_ids=final.token_ids, log_probs=final.log_probs)
             limit = limit if limit is not None else final.max_tokens
-            if limit is not None and int(limit) - len(generated) <= 0:  # cut after its last allowed token
-                yield TokenDelta(token_ids=[], log_probs=None if final.log_probs is None else [], finished=True,
-                                 stop_reason=StopReason.LENGTH, extra_fields=extra)
+            # cut after its last allowed token
+            if limit is not None and int(limit) - len(generated) <= 0:
+                yield TokenDelta(
+                    token_ids=[], log_probs=None if final.log_probs is None else [], finished=True,
+                    stop_reason=StopReason.LENGTH, extra_fields=extra,
+                )
                 return
             if limit is not None:
                 params["max_tokens"] = int(limit) - len(generated)
@@ -312,8 +354,10 @@ class AsyncLLMServerManager:
     async def _stream_once(self, request_id: str, sticky_key: str | None, prompt_ids: list[int],
                            sampling_params: dict[str, Any], image_data: list[Any] | None
                            ) -> AsyncIterator[TokenDelta]:
-        kwargs = {"prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
-                  "image_data": image_data}
+        kwargs = {
+            "prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
+            "image_data": image_data,
+        }
         async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
             handle = self.server_handles[server]
             if isinstance(handle, ActorHandle):
@@ -327,8 +371,10 @@ class AsyncLLMServerManager:
     @contextlib.asynccontextmanager
     async def _slot(self, key: str, prompt_len: int, request_id: str) -> AsyncIterator[int]:
         """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
-        cancellation alike.  A dead server actor becomes a ServerDeadError; an error raised inside the server
-        propagates as the server raised it (out of Ray's task-error wrapper: :func:`server_cause`)."""
+        cancellation alike.  A dead server actor becomes a ServerDeadError; an error raised inside
+        the server propagates as the server raised it (out of Ray's task-error wrapper:
+        :func:`server_cause`).
+        """
         server = await self._acquire(key, prompt_len)
         cancelled = False
         try:
@@ -337,11 +383,17 @@ class AsyncLLMServerManager:
             cancelled = True
             raise
         except RayActorError as e:
-            raise ServerDeadError(f"server {server} died (its actor is gone) while serving request {request_id}: "
-                                  f"{_plain(first_line(e))}", server) from e
-        except ServerDeadError as e:  # raised by the server itself (its engine died): name it by our index
+            raise ServerDeadError(
+                f"server {server} died (its actor is gone) while serving "
+                f"request {request_id}: "
+                f"{_plain(first_line(e))}",
+                server,
+            ) from e
+        # raised by the server itself (its engine died): name it by our index
+        except ServerDeadError as e:
             raise ServerDeadError(_plain(str(server_cause(e))), server) from e
-        except RayTaskError as e:  # any other error the server raised: its own, not Ray's traceback text
+        # any other error the server raised: its own, not Ray's traceback text
+        except RayTaskError as e:
             cause = server_cause(e)
             if cause is e:
                 raise
@@ -356,8 +408,8 @@ class AsyncLLMServerManager:
         return delta.model_copy(update={"extra_fields": _with_versions(delta.extra_fields, server)})
 
     async def abort(self, request_id: str, sticky_key: str | None = None) -> None:
-        """Abort ``request_id`` on the server it is bound to (no-op if unknown); pass the ``sticky_key``
-        it was generated with, if any."""
+        """Abort ``request_id`` on the server it is bound to (no-op if unknown); pass the
+        ``sticky_key`` it was generated with, if any."""
         key = sticky_key or request_id
         if self._remote_balancer:
             server = await self.balancer.lookup.remote(key)
@@ -367,12 +419,14 @@ class AsyncLLMServerManager:
             await self._call(server, "abort", request_id=request_id)
 
     def _choose_server(self, request_id: str) -> Any:
-        """verl 0.5–0.7 exposed the chosen server actor (with ``get_server_address``) for loops that talk to
-        its OpenAI HTTP server.  agentloop's engines have no HTTP server: point an OpenAI client at the
-        gateway (``openai_agent`` loops, docs/gateway.md) instead."""
+        """verl 0.5–0.7 exposed the chosen server actor (with ``get_server_address``) for loops that
+        talk to its OpenAI HTTP server.  agentloop's engines have no HTTP server: point an OpenAI
+        client at the gateway (``openai_agent`` loops, docs/gateway.md) instead."""
         raise NotImplementedError(
-            "AsyncLLMServerManager._choose_server / get_server_address (verl 0.5-0.7): agentloop servers have no "
-            "OpenAI HTTP address; run OpenAI-client agents through the gateway (docs/gateway.md) or call "
+            "AsyncLLMServerManager._choose_server / get_server_address (verl 0.5-0.7): "
+            "agentloop servers have no "
+            "OpenAI HTTP address; run OpenAI-client agents through the gateway "
+            "(docs/gateway.md) or call "
             "server_manager.generate (docs/porting-from-verl.md#not-provided)"
         )
 
@@ -390,23 +444,32 @@ _RAY_FRAME = re.compile(r"^ray::\S+\(\).*$")
 
 
 def server_cause(error: BaseException) -> BaseException:
-    """The exception a server raised, out of Ray's wrapper (``RayTaskError.cause``, whose own text is the remote
-    traceback under a ``ray::Class.method() (pid=…, ip=…)`` line); ``error`` itself when it is not wrapped."""
-    while isinstance(error, RayTaskError) and isinstance(error.cause, BaseException) and error.cause is not error:
+    """The exception a server raised, out of Ray's wrapper (``RayTaskError.cause``, whose own text
+    is the remote traceback under a ``ray::Class.method() (pid=…, ip=…)`` line); ``error`` itself
+    when it is not wrapped."""
+    while (
+        isinstance(error, RayTaskError)
+        and isinstance(error.cause, BaseException)
+        and error.cause is not error
+    ):
         error = error.cause
     return error
 
 
 def _plain(message: str) -> str:
-    """``message`` without terminal colour codes and without Ray's ``ray::Class.method() (pid=…)`` lines."""
-    lines = [line for line in _ANSI.sub("", message).splitlines() if not _RAY_FRAME.match(line.strip())]
+    """``message`` without terminal colour codes and without Ray's
+    ``ray::Class.method() (pid=…)`` lines."""
+    lines = [
+        line for line in _ANSI.sub("", message).splitlines() if not _RAY_FRAME.match(line.strip())
+    ]
     return "\n".join(lines).strip() or _ANSI.sub("", message).strip()
 
 
 def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:
-    """A copy of a server's ``extra_fields`` with the routed ``server_index`` and, when the server reports a
-    weight version (``global_steps``), ``min_global_steps`` / ``max_global_steps`` defaulting to it, as verl's
-    client sets them (a caller that merges several calls narrows them to the range it saw)."""
+    """A copy of a server's ``extra_fields`` with the routed ``server_index`` and, when the server
+    reports a weight version (``global_steps``), ``min_global_steps`` / ``max_global_steps``
+    defaulting to it, as verl's client sets them (a caller that merges several calls narrows them to
+    the range it saw)."""
     fields = {**extra_fields, "server_index": server}
     if "global_steps" in fields:
         fields.setdefault("min_global_steps", fields["global_steps"])
@@ -414,27 +477,40 @@ def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:
     return fields
 
 
-def _trace_generate(request_id: str, server: int, start: float, prompt_ids: list[int], output: TokenOutput) -> None:
-    """One ``generate`` span per engine call (``rollout.trace``); decoded text with ``token2text``."""
-    outputs: dict[str, Any] = {"response_tokens": len(output.token_ids),
-                               "stop_reason": getattr(output.stop_reason, "value", output.stop_reason),
-                               "global_steps": output.extra_fields.get("global_steps")}
+def _trace_generate(
+    request_id: str, server: int, start: float, prompt_ids: list[int], output: TokenOutput
+) -> None:
+    """One ``generate`` span per engine call (``rollout.trace``); decoded text with
+    ``token2text``."""
+    outputs: dict[str, Any] = {
+        "response_tokens": len(output.token_ids),
+        "stop_reason": getattr(output.stop_reason, "value", output.stop_reason),
+        "global_steps": output.extra_fields.get("global_steps"),
+    }
     text = decode_tokens(output.token_ids)
     if text is not None:
         outputs["response_text"] = text
-    record_span("generate", inputs={"request_id": request_id, "server": server, "prompt_tokens": len(prompt_ids)},
-                outputs=outputs, start=start, end=timing.now(), attrs={"server": server})
+    record_span(
+        "generate",
+        inputs={"request_id": request_id, "server": server, "prompt_tokens": len(prompt_ids)},
+        outputs=outputs, start=start, end=timing.now(), attrs={"server": server},
+    )
 
 
 def _join(pieces: list[TokenOutput]) -> TokenOutput:
-    """One TokenOutput from the pieces of a resumed generation (see AsyncLLMServerManager.generate)."""
+    """One TokenOutput from the pieces of a resumed generation (see
+    AsyncLLMServerManager.generate)."""
     last = pieces[-1]
     fields = dict(last.extra_fields)
-    signals: dict[str, Any] = {} if last.preempted_by_pause else {"cut_by_update": False, "max_tokens": None}
+    signals: dict[str, Any] = (
+        {} if last.preempted_by_pause else {"cut_by_update": False, "max_tokens": None}
+    )
     if all(p.extra_fields.get("global_steps") is not None for p in pieces):
         versions = [int(p.extra_fields["global_steps"]) for p in pieces]
-        # a piece cut before its first token sampled nothing with its weights: it does not widen the range
-        per_token = [p.extra_fields.get("weight_versions") or [v] * len(p.token_ids)  # a piece may span an update
+        # a piece cut before its first token sampled nothing with its weights: it does not widen the
+        # range
+        # a piece may span an update
+        per_token = [p.extra_fields.get("weight_versions") or [v] * len(p.token_ids)
                      for p, v in zip(pieces, versions, strict=True)]  # (server.weight_update: keep)
         sampled = [v for vs in per_token for v in vs] or versions
         fields["min_global_steps"] = min(sampled)
@@ -442,14 +518,19 @@ def _join(pieces: list[TokenOutput]) -> TokenOutput:
         fields["weight_versions"] = [v for vs in per_token for v in vs]
     if len(pieces) == 1:
         return last.model_copy(update={"extra_fields": fields, **signals})
-    log_probs = None if any(p.log_probs is None for p in pieces) else [x for p in pieces for x in p.log_probs or []]
+    log_probs = (
+        None
+        if any(p.log_probs is None for p in pieces)
+        else [x for p in pieces for x in p.log_probs or []]
+    )
     return last.model_copy(update={
         "token_ids": [t for p in pieces for t in p.token_ids], "log_probs": log_probs,
         "num_preempted": len(pieces) - 1, "extra_fields": fields, **signals})
 
 
 _UNCUT: dict[str, Any] = {"preempted_by_pause": False, "cut_by_update": False, "max_tokens": None}
-"""The control fields of a piece the router has handled: never passed on as a cut (TokenOutput's defaults)."""
+"""The control fields of a piece the router has handled: never passed on as a cut (TokenOutput's
+defaults)."""
 
 LLMServerClient = AsyncLLMServerManager
 """verl 0.9's name for the router client agent loops receive as ``server_manager``."""

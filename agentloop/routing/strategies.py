@@ -3,14 +3,15 @@
 Servers are numbered ``0..N-1``.  A strategy picks one for a request given the current in-flight
 counts; :class:`Balancer` owns the counts (``acquire`` on start, ``release`` on end — success,
 error or cancellation alike).  The default is :func:`make_balancer`: sticky by request id (an LRU
-of ``max_cache_size`` entries, verl's default 10000, grown to the batch by :meth:`Balancer.ensure_cache_capacity`
-so a 100k-sample batch never evicts the binding of a sample still running) wrapping least-in-flight with a
-random tie-break, so ties never pin to server 0.
+of ``max_cache_size`` entries, verl's default 10000, grown to the batch by
+:meth:`Balancer.ensure_cache_capacity` so a 100k-sample batch never evicts the binding of a sample
+still running) wrapping least-in-flight with a random tie-break, so ties never pin to server 0.
 
-Faults: a server marked down (:meth:`Balancer.mark_down`, when a request found it dead) is never chosen
-until :meth:`Balancer.mark_up`; a request stuck to it is re-bound to a healthy one.  In-flight counts are
-also kept per owner (one per agent-loop worker), so a worker that dies holding slots has them released
-with :meth:`Balancer.release_owner` instead of leaving its servers looking busy forever.
+Faults: a server marked down (:meth:`Balancer.mark_down`, when a request found it dead) is never
+chosen until :meth:`Balancer.mark_up`; a request stuck to it is re-bound to a healthy one. In-flight
+counts are also kept per owner (one per agent-loop worker), so a worker that dies holding slots has
+them released with :meth:`Balancer.release_owner` instead of leaving its servers looking busy
+forever.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class RoutingStrategy(Protocol):
 class LeastInFlight:
     """The server with the fewest in-flight requests; ties broken at random or by rotation.
 
-    With ``k`` servers tied at the lowest count, ``random`` picks the ``randrange(k)``-th of them (in index
-    order) and ``rotate`` the ``cursor % k``-th, the cursor advancing once per tied choice.  A decision is
-    O(N) but at C speed: one pass for the minimum, one for the tie count, and at most ``k / 2`` index searches
-    for the chosen tied server, never a Python-level loop over the servers (``scripts/bench_balancer.py``:
-    1.2-1.6x the decisions/s of the list-building scan it replaced at 8-256 servers, the same choices).
+    With ``k`` servers tied at the lowest count, ``random`` picks the ``randrange(k)``-th of them
+    (in index order) and ``rotate`` the ``cursor % k``-th, the cursor advancing once per tied
+    choice.  A decision is O(N) but at C speed: one pass for the minimum, one for the tie count, and
+    at most ``k / 2`` index searches for the chosen tied server, never a Python-level loop over the
+    servers (``scripts/bench_balancer.py``: 1.2-1.6x the decisions/s of the list-building scan it
+    replaced at 8-256 servers, the same choices).
     """
 
     def __init__(self, tie_break: str = "random", seed: int | None = None) -> None:
@@ -73,8 +75,8 @@ class LeastInFlight:
 
     @staticmethod
     def _nth_index(counts: list[int], value: int, k: int, total: int) -> int:
-        """Index of the ``k``-th (0-based) of the ``total`` occurrences of ``value`` in ``counts``, searching
-        from whichever end is nearer."""
+        """Index of the ``k``-th (0-based) of the ``total`` occurrences of ``value`` in ``counts``,
+        searching from whichever end is nearer."""
         if k < total // 2:
             i = counts.index(value)
             for _ in range(k):
@@ -88,14 +90,16 @@ class LeastInFlight:
 
 
 class BucketedLeastInFlight(LeastInFlight):
-    """:class:`LeastInFlight` in O(log N) per decision: the servers are kept in buckets by in-flight count (each a
-    sorted list), so a choice reads the lowest bucket instead of scanning every server.  The same choices (the
-    ``k``-th tied server in index order, ``k`` drawn as ``LeastInFlight`` draws it).
+    """:class:`LeastInFlight` in O(log N) per decision: the servers are kept in buckets by in-flight
+    count (each a sorted list), so a choice reads the lowest bucket instead of scanning every
+    server.  The same choices (the ``k``-th tied server in index order, ``k`` drawn as
+    ``LeastInFlight`` draws it).
 
-    It must see every count change: the :class:`Balancer` it serves calls :meth:`track` once and :meth:`moved`
-    on each change.  A view it does not track (the balancer's health-filtered one while a server is down) is
-    scanned as ``LeastInFlight`` does.  :func:`make_balancer` uses it from 32 servers on, where it is faster
-    (``scripts/bench_balancer.py``: 2.5x the scan at 256 servers; slower than the scan at 8).
+    It must see every count change: the :class:`Balancer` it serves calls :meth:`track` once and
+    :meth:`moved` on each change.  A view it does not track (the balancer's health-filtered one
+    while a server is down) is scanned as ``LeastInFlight`` does.  :func:`make_balancer` uses it
+    from 32 servers on, where it is faster (``scripts/bench_balancer.py``: 2.5x the scan at 256
+    servers; slower than the scan at 8).
     """
 
     def __init__(self, tie_break: str = "random", seed: int | None = None) -> None:
@@ -105,7 +109,8 @@ class BucketedLeastInFlight(LeastInFlight):
         self._low = 0
 
     def track(self, in_flight: list[int]) -> None:
-        """Follow ``in_flight`` (the balancer's own list, changed only through :meth:`moved` from now on)."""
+        """Follow ``in_flight`` (the balancer's own list, changed only through :meth:`moved` from
+        now on)."""
         self._tracked = in_flight
         self._buckets = {}
         for server, count in enumerate(in_flight):
@@ -166,7 +171,8 @@ class StickySession:
         self._cache.pop(request_id, None)
 
     def track(self, in_flight: list[int]) -> None:
-        """Pass the balancer's counts on to a fallback that follows them (:class:`BucketedLeastInFlight`)."""
+        """Pass the balancer's counts on to a fallback that follows them
+        (:class:`BucketedLeastInFlight`)."""
         track = getattr(self.fallback, "track", None)
         if track is not None:
             track(in_flight)
@@ -201,7 +207,8 @@ class Balancer:
             track(self.in_flight)
 
     def acquire(self, request_id: str, prompt_len: int = 0, owner: str | None = None) -> int:
-        """Choose a healthy server for a request starting now and count it in flight (for ``owner`` too)."""
+        """Choose a healthy server for a request starting now and count it in flight (for
+        ``owner`` too)."""
         if all(self.healthy):
             server = self.strategy.choose(RouteContext(request_id, prompt_len), self.in_flight)
         else:
@@ -217,8 +224,10 @@ class Balancer:
     def _choose_healthy(self, ctx: RouteContext) -> int:
         if not any(self.healthy):
             raise RoutingError(
-                f"all {self.num_servers} rollout servers are marked down (their engines died); requests fail until "
-                "one is restarted (the AgentLoopManager restarts dead servers it started; see docs/faults.md)"
+                f"all {self.num_servers} rollout servers are marked down (their engines "
+                f"died); requests fail until "
+                "one is restarted (the AgentLoopManager restarts dead servers it started; "
+                "see docs/faults.md)"
             )
         down = 1 << 40  # a down server looks infinitely busy to least-in-flight strategies
         view = [c if ok else down for c, ok in zip(self.in_flight, self.healthy, strict=True)]
@@ -229,14 +238,18 @@ class Balancer:
                 forget(ctx.request_id)
                 server = self.strategy.choose(ctx, view)
             if not self.healthy[server]:
-                server = min((i for i in range(self.num_servers) if self.healthy[i]), key=lambda i: view[i])
+                server = min(
+                    (i for i in range(self.num_servers) if self.healthy[i]), key=lambda i: view[i]
+                )
         return server
 
     def release(self, server: int, owner: str | None = None) -> None:
-        """A request on ``server`` ended (any way).  With an ``owner`` whose slots were already released
-        (:meth:`release_owner`), nothing changes."""
+        """A request on ``server`` ended (any way).  With an ``owner`` whose slots were already
+        released (:meth:`release_owner`), nothing changes."""
         if not 0 <= server < self.num_servers:
-            raise RoutingError(f"release: server index {server} out of range 0..{self.num_servers - 1}")
+            raise RoutingError(
+                f"release: server index {server} out of range 0..{self.num_servers - 1}"
+            )
         if owner is not None:
             owned = self._owned.get(owner)
             if owned is None or owned[server] <= 0:
@@ -271,25 +284,30 @@ class Balancer:
             owned[server] = 0
 
     def ensure_cache_capacity(self, entries: int) -> int:
-        """Grow a sticky strategy's binding cache to at least ``entries`` (the manager passes a multiple of the
-        batch, or of the Rollouter's in-flight budget, so bindings of running samples are never evicted);
-        returns the capacity (0 when the strategy is not sticky)."""
+        """Grow a sticky strategy's binding cache to at least ``entries`` (the manager passes a
+        multiple of the batch, or of the Rollouter's in-flight budget, so bindings of running
+        samples are never evicted); returns the capacity (0 when the strategy is not sticky)."""
         grow = getattr(self.strategy, "ensure_capacity", None)
         return int(grow(entries)) if grow is not None else 0
 
     def lookup(self, request_id: str) -> int | None:
         """The server a request id is bound to, when the strategy is sticky."""
-        return self.strategy.lookup(request_id) if isinstance(self.strategy, StickySession) else None
+        return (
+            self.strategy.lookup(request_id) if isinstance(self.strategy, StickySession) else None
+        )
 
     def stats(self) -> dict[str, list[int]]:
-        """Current in-flight and total routed counts per server, and which servers are healthy (1) or down (0)."""
+        """Current in-flight and total routed counts per server, and which servers are healthy
+        (1) or down (0)."""
         return {"in_flight": list(self.in_flight), "routed": list(self.routed),
                 "healthy": [int(h) for h in self.healthy]}
 
 
 def make_balancer(
-    num_servers: int, *, max_cache_size: int = 10000, tie_break: str = "random", seed: int | None = None
+    num_servers: int, *, max_cache_size: int = 10000, tie_break: str = "random",
+    seed: int | None = None,
 ) -> Balancer:
-    """The default: sticky by request id over least in-flight (bucketed from 32 servers on: same choices)."""
+    """The default: sticky by request id over least in-flight (bucketed from 32 servers on: same
+    choices)."""
     least = (BucketedLeastInFlight if num_servers >= 32 else LeastInFlight)(tie_break, seed)
     return Balancer(num_servers, StickySession(least, max_cache_size))

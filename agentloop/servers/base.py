@@ -17,19 +17,25 @@ from agentloop.errors import ServerError
 from agentloop.servers.weight_sync import OpenWeightUpdate, WeightBucket, Weights, iter_buckets
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
-LOST_FOR_UPDATE = ("the weight update goes on without this server, which is restarted and loads the weights at the "
-                   "next update")
-"""How a :class:`ServerDeadError` raised by a weight-update step ends (the manager's side: ServerSupervisor)."""
+LOST_FOR_UPDATE = (
+    "the weight update goes on without this server, which is restarted and "
+    "loads the weights at the "
+    "next update"
+)
+"""How a :class:`ServerDeadError` raised by a weight-update step ends (the manager's side:
+ServerSupervisor)."""
 GOES_ON_WITHOUT = "{} goes on without this server, which is restarted"
-"""How a :class:`ServerDeadError` raised by a server-wide call (pause, sleep, ...) ends: ``.format(call)``."""
+"""How a :class:`ServerDeadError` raised by a server-wide call (pause, sleep, ...) ends:
+``.format(call)``."""
 
 
 class ServerDeadError(ServerError):
-    """A server can serve nothing more: its actor died, or its engine process did (the actor lives on).
+    """A server can serve nothing more: its actor died, or its engine process did (the actor lives
+    on).
 
-    Servers raise it from ``generate`` once their engine is gone; the router raises it for a dead actor.
-    The router then marks the server down, retries the request on another server (failover) and the
-    AgentLoopManager restarts the server (see docs/faults.md).
+    Servers raise it from ``generate`` once their engine is gone; the router raises it for a dead
+    actor. The router then marks the server down, retries the request on another server (failover)
+    and the AgentLoopManager restarts the server (see docs/faults.md).
     """
 
     def __init__(self, message: str, server: int | None = None) -> None:
@@ -42,23 +48,21 @@ class ServerDeadError(ServerError):
 
 @runtime_checkable
 class LLMServer(Protocol):
-    """Token-in/token-out inference server: the methods the router and the manager call (as Ray actor methods).
+    """Token-in/token-out inference server: the methods the router and the manager call (as Ray
+    actor methods).
 
-    Optional: ``generate_batch(requests)`` (an async generator, see :class:`GenerateBatcher`; the router uses it
-    for server actors), ``busy_seconds()`` (see :meth:`PauseGate.busy_seconds`), ``check_health()``,
-    ``set_weight_update(mode)``.  agentloop's servers are built from parts held as attributes: ``batcher``
-    (:class:`GenerateBatcher`), ``gate`` (:class:`PauseGate`), ``weights`` (a :class:`WeightLoader`) and, on
-    vLLM, ``inflight`` (keep-mode updates).
+    Optional: ``generate_batch(requests)`` (an async generator, see :class:`GenerateBatcher`; the
+    router uses it for server actors), ``busy_seconds()`` (see :meth:`PauseGate.busy_seconds`),
+    ``check_health()``, ``set_weight_update(mode)``.  agentloop's servers are built from parts held
+    as attributes: ``batcher`` (:class:`GenerateBatcher`), ``gate`` (:class:`PauseGate`),
+    ``weights`` (a :class:`WeightLoader`) and, on vLLM, ``inflight`` (keep-mode updates).
     """
 
     supports_sleep: bool
     """Whether :meth:`sleep` really frees accelerator memory (False: a logged no-op)."""
 
     async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
         image_data: list[Any] | None = None,
     ) -> TokenOutput:
         """Generate a continuation of ``prompt_ids``.
@@ -69,13 +73,11 @@ class LLMServer(Protocol):
         ...
 
     def generate_stream(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
         image_data: list[Any] | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Like :meth:`generate`, yielding ids as they are sampled; the last chunk has ``finished=True``."""
+        """Like :meth:`generate`, yielding ids as they are sampled; the last chunk has
+        ``finished=True``."""
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -83,13 +85,15 @@ class LLMServer(Protocol):
         ...
 
     async def pause(self, for_update: bool = False) -> int:
-        """Abort every in-flight request and hold new ``generate`` calls until :meth:`resume`; returns how many
-        requests were in flight.  Each aborted call returns the tokens and log-probs sampled before the abort,
-        ``stop_reason='aborted'``, ``preempted_by_pause=True`` and ``max_tokens`` (the limit it ran under; typed
-        fields of TokenOutput, see :meth:`PauseGate.signals`), so the router can resume it (``partial_rollout``).
-        ``for_update`` (a weight update with ``server.weight_update: abort``) also sets ``cut_by_update``: the
-        router resumes those whatever ``partial_rollout`` says.  A weight update may run while paused; held calls
-        still wait for :meth:`resume`.  Pausing a paused server returns 0."""
+        """Abort every in-flight request and hold new ``generate`` calls until :meth:`resume`;
+        returns how many requests were in flight.  Each aborted call returns the tokens and
+        log-probs sampled before the abort, ``stop_reason='aborted'``, ``preempted_by_pause=True``
+        and ``max_tokens`` (the limit it ran under; typed fields of TokenOutput, see
+        :meth:`PauseGate.signals`), so the router can resume it (``partial_rollout``).
+        ``for_update`` (a weight update with ``server.weight_update: abort``) also sets
+        ``cut_by_update``: the router resumes those whatever ``partial_rollout`` says.  A weight
+        update may run while paused; held calls still wait for :meth:`resume`.  Pausing a paused
+        server returns 0."""
         ...
 
     async def resume(self) -> None:
@@ -113,8 +117,9 @@ class LLMServer(Protocol):
         ...
 
     async def begin_weight_update(self, global_steps: int | None = None) -> None:
-        """Open a streamed weight update (protocol in :mod:`agentloop.servers.weight_sync`): new requests wait
-        until :meth:`finish_weight_update`; ``global_steps`` (default current + 1) is published at the end."""
+        """Open a streamed weight update (protocol in :mod:`agentloop.servers.weight_sync`): new
+        requests wait until :meth:`finish_weight_update`; ``global_steps`` (default current + 1) is
+        published at the end."""
         ...
 
     async def load_weight_bucket(self, bucket: WeightBucket) -> None:
@@ -122,7 +127,8 @@ class LLMServer(Protocol):
         ...
 
     async def finish_weight_update(self) -> dict[str, Any]:
-        """Apply the update, reset the prefix cache, publish the version, resume; returns what was loaded."""
+        """Apply the update, reset the prefix cache, publish the version, resume; returns what
+        was loaded."""
         ...
 
     async def abort_weight_update(self) -> None:
@@ -130,7 +136,8 @@ class LLMServer(Protocol):
         ...
 
     async def update_weights(self, named_tensors: Any, global_steps: int | None = None) -> Any:
-        """The whole update in one call: ``named_tensors`` (HF checkpoint names → tensors) as one bucket."""
+        """The whole update in one call: ``named_tensors`` (HF checkpoint names → tensors) as one
+        bucket."""
         ...
 
     async def clear_kv_cache(self) -> None:
@@ -151,12 +158,13 @@ GenerateFn = Callable[..., Awaitable[Any]]
 
 
 class GenerateBatcher:
-    """A server's ``generate_batch``: many requests in one call, results streamed back as they finish.
+    """A server's ``generate_batch``: many requests in one call, results streamed back as they
+    finish.
 
-    The router sends all requests a worker has ready for one server in a single Ray call (a streaming
-    generator) instead of one actor call each; each yielded item is a list of ``(index, result)`` for
-    the requests that finished since the previous item, where ``result`` is a TokenOutput or the
-    ServerError the request raised.
+    The router sends all requests a worker has ready for one server in a single Ray call (a
+    streaming generator) instead of one actor call each; each yielded item is a list of
+    ``(index, result)`` for the requests that finished since the previous item, where ``result`` is
+    a TokenOutput or the ServerError the request raised.
 
     Args:
         generate: the server's ``generate`` (LLMServer signature), run once per request.
@@ -166,15 +174,18 @@ class GenerateBatcher:
         self.generate = generate
 
     async def run(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
-        """Run ``generate(**request)`` for every request concurrently; yield completions in groups.  A request
-        that raises yields its error (a ServerError; any other exception wrapped in one)."""
+        """Run ``generate(**request)`` for every request concurrently; yield completions in groups.
+        A request that raises yields its error (a ServerError; any other exception wrapped in one).
+        """
         done: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def one(i: int, request: dict[str, Any]) -> None:
             try:
                 result: Any = await self.generate(**request)
             except Exception as e:  # noqa: BLE001 - sent back to the caller of this request only
-                result = e if isinstance(e, ServerError) else ServerError(f"{type(e).__name__}: {e}")
+                result = (
+                    e if isinstance(e, ServerError) else ServerError(f"{type(e).__name__}: {e}")
+                )
             done.put_nowait((i, result))
 
         tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
@@ -193,8 +204,9 @@ class GenerateBatcher:
 
 @runtime_checkable
 class WeightLoader(Protocol):
-    """The weight-loading part of a server (``server.weights``): what the server's weight-update actor methods
-    delegate to.  Implementations: :class:`agentloop.servers.vllm_weights.VLLMWeights`,
+    """The weight-loading part of a server (``server.weights``): what the server's weight-update
+    actor methods delegate to.  Implementations:
+    :class:`agentloop.servers.vllm_weights.VLLMWeights`,
     :class:`agentloop.servers.sglang_weights.SGLangWeights`."""
 
     version: int
@@ -211,7 +223,8 @@ class WeightLoader(Protocol):
         ...
 
     async def finish(self) -> dict[str, Any]:
-        """Apply the update and publish its version; returns what was loaded (``finish_weight_update``)."""
+        """Apply the update and publish its version; returns what was loaded
+        (``finish_weight_update``)."""
         ...
 
     async def abort(self) -> None:
@@ -222,8 +235,8 @@ class WeightLoader(Protocol):
 
 async def load_whole(loader: WeightLoader, named_tensors: Weights, global_steps: int | None = None,
                      transport: str = "auto") -> dict[str, Any]:
-    """A whole weight update in one call (a server's ``update_weights``): begin, every tensor as one bucket,
-    finish; returns :meth:`WeightLoader.finish`'s result."""
+    """A whole weight update in one call (a server's ``update_weights``): begin, every tensor as one
+    bucket, finish; returns :meth:`WeightLoader.finish`'s result."""
     await loader.begin(global_steps, transport)
     for bucket in iter_buckets(named_tensors, bucket_bytes=1 << 62):
         await loader.load(bucket)
@@ -231,8 +244,8 @@ async def load_whole(loader: WeightLoader, named_tensors: Weights, global_steps:
 
 
 class CutSignals(TypedDict, total=False):
-    """The control fields a pause sets on an output it cut (:meth:`PauseGate.signals`): keyword updates for a
-    :class:`~agentloop.types.TokenOutput` or :class:`~agentloop.types.TokenDelta`."""
+    """The control fields a pause sets on an output it cut (:meth:`PauseGate.signals`): keyword
+    updates for a :class:`~agentloop.types.TokenOutput` or :class:`~agentloop.types.TokenDelta`."""
 
     preempted_by_pause: bool
     cut_by_update: bool
@@ -242,11 +255,12 @@ class CutSignals(TypedDict, total=False):
 class PauseGate:
     """The bookkeeping behind a server's :meth:`LLMServer.pause` / :meth:`LLMServer.resume`.
 
-    ``generate`` runs inside :meth:`admitted`: it waits there while the gate is closed, then counts as in flight.
-    :meth:`close` (pause) remembers which in-flight requests it preempts; the server aborts them in its engine and
-    sets each output's control fields from :meth:`signals`, which tags a preempted, aborted output for the
-    router.  A caller's own abort (:meth:`caller_abort`) is never tagged: the router resumes only what a pause
-    interrupted.  :meth:`busy_seconds` is the server's ``busy_seconds`` actor method.
+    ``generate`` runs inside :meth:`admitted`: it waits there while the gate is closed, then counts
+    as in flight. :meth:`close` (pause) remembers which in-flight requests it preempts; the server
+    aborts them in its engine and sets each output's control fields from :meth:`signals`, which tags
+    a preempted, aborted output for the router.  A caller's own abort (:meth:`caller_abort`) is
+    never tagged: the router resumes only what a pause interrupted.  :meth:`busy_seconds` is the
+    server's ``busy_seconds`` actor method.
     """
 
     def __init__(self) -> None:
@@ -256,14 +270,16 @@ class PauseGate:
         """Request ids admitted and not finished -> how many calls use the id."""
         self._waiting: dict[str, int] = {}
         self._preempted: dict[str, bool] = {}
-        """Request ids a pause cut -> whether it was a weight update's (``server.weight_update: abort``)."""
+        """Request ids a pause cut -> whether it was a weight update's
+        (``server.weight_update: abort``)."""
         self._dropped: set[str] = set()
         self._busy_total = 0.0
         self._busy_since: float | None = None
 
     def busy_seconds(self) -> float:
-        """Seconds (monotonic clock) during which at least one admitted request was in the engine, since the
-        server started: the numerator of the engine-busy fraction (requests held by a pause do not count)."""
+        """Seconds (monotonic clock) during which at least one admitted request was in the engine,
+        since the server started: the numerator of the engine-busy fraction (requests held by a
+        pause do not count)."""
         running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
         return self._busy_total + running
 
@@ -274,8 +290,9 @@ class PauseGate:
 
     @contextlib.asynccontextmanager
     async def admitted(self, request_id: str) -> AsyncIterator[bool]:
-        """Wait while paused, then count ``request_id`` in flight until the block ends.  Yields False when the
-        caller aborted the request while it was held (it must not reach the engine then)."""
+        """Wait while paused, then count ``request_id`` in flight until the block ends.  Yields
+        False when the caller aborted the request while it was held (it must not reach the engine
+        then)."""
         _count(self._waiting, request_id, +1)
         try:
             while not self._open.is_set():
@@ -299,8 +316,8 @@ class PauseGate:
                 self._busy_since = None
 
     def close(self, for_update: bool = False) -> int:
-        """Hold new requests and mark the in-flight ones preempted (``for_update``: by a weight update); returns
-        how many calls were in flight (0 when already closed)."""
+        """Hold new requests and mark the in-flight ones preempted (``for_update``: by a weight
+        update); returns how many calls were in flight (0 when already closed)."""
         if not self._open.is_set():
             return 0
         self._open.clear()
@@ -317,10 +334,12 @@ class PauseGate:
         if request_id in self._waiting:
             self._dropped.add(request_id)
 
-    def signals(self, stop_reason: str | None, request_id: str, max_tokens: int | None) -> CutSignals:
-        """The control fields for an output ending with ``stop_reason``: ``preempted_by_pause`` (+ ``cut_by_update``
-        for a weight update's pause, + ``max_tokens`` when known) when a pause, not the caller, aborted it; else
-        none.  What the router needs to resume it."""
+    def signals(
+        self, stop_reason: str | None, request_id: str, max_tokens: int | None
+    ) -> CutSignals:
+        """The control fields for an output ending with ``stop_reason``: ``preempted_by_pause`` (+
+        ``cut_by_update`` for a weight update's pause, + ``max_tokens`` when known) when a pause,
+        not the caller, aborted it; else none.  What the router needs to resume it."""
         if stop_reason != StopReason.ABORTED or request_id not in self._preempted:
             return {}
         signals: CutSignals = {"preempted_by_pause": True}

@@ -14,14 +14,7 @@ from agentloop.cluster.colocated import (  # noqa: F401
 )
 
 __all__ = [
-    "BundledWorkerGroup",
-    "ResourcePoolLike",
-    "TrainerWorkerGroup",
-    "TrainerWorkers",
-    "WorkerLocation",
-    "colocated_slots",
-    "group_replicas",
-    "locate_workers",
-    "replica_size",
+    "BundledWorkerGroup", "ResourcePoolLike", "TrainerWorkerGroup", "TrainerWorkers",
+    "WorkerLocation", "colocated_slots", "group_replicas", "locate_workers", "replica_size",
     "start_colocated_servers",
 ]

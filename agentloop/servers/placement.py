@@ -16,16 +16,7 @@ from agentloop.cluster.placement import (  # noqa: F401
 )
 
 __all__ = [
-    "PLACEMENT_STRATEGIES",
-    "SERVER_CLASSES",
-    "ServerGroup",
-    "ServerSlot",
-    "count_servers",
-    "cpu_bind_env",
-    "create_server_actor",
-    "detect_device",
-    "launch_servers",
-    "sleep_support",
-    "start_standalone_servers",
-    "stop_servers",
+    "PLACEMENT_STRATEGIES", "SERVER_CLASSES", "ServerGroup", "ServerSlot", "count_servers",
+    "cpu_bind_env", "create_server_actor", "detect_device", "launch_servers", "sleep_support",
+    "start_standalone_servers", "stop_servers",
 ]

@@ -1,12 +1,13 @@
 """vLLM general plugin: Qwen2-VL image rollouts where torchvision is not installed.
 
-:func:`install` (idempotent; returns True when the patches are in place, False where torchvision is installed
-and nothing is done) answers imports of transformers' torchvision-backed Qwen2-VL image processor with its
-PIL twin (``Qwen2VLImageProcessorPil``) and makes ``Qwen2VLProcessor.from_pretrained`` (so ``AutoProcessor``)
-assemble an image-only processor: images work, a video raises ``RuntimeError`` (videos need torchvision).
-:func:`engine_arg_defaults` gives such engines ``limit_mm_per_prompt: {video: 0}``. :func:`register` is the
-``vllm.general_plugins`` entry point (``agentloop_qwen2_vl``: vLLM runs it in each of its processes;
-leave it out of ``VLLM_PLUGINS`` to disable it); :func:`agentloop.tokenization.loader.load_processor` calls
+:func:`install` (idempotent; returns True when the patches are in place, False where torchvision is
+installed and nothing is done) answers imports of transformers' torchvision-backed Qwen2-VL image
+processor with its PIL twin (``Qwen2VLImageProcessorPil``) and makes
+``Qwen2VLProcessor.from_pretrained`` (so ``AutoProcessor``) assemble an image-only processor: images
+work, a video raises ``RuntimeError`` (videos need torchvision). :func:`engine_arg_defaults` gives
+such engines ``limit_mm_per_prompt: {video: 0}``. :func:`register` is the ``vllm.general_plugins``
+entry point (``agentloop_qwen2_vl``: vLLM runs it in each of its processes; leave it out of
+``VLLM_PLUGINS`` to disable it); :func:`agentloop.tokenization.loader.load_processor` calls
 :func:`install` too.
 
 Spec (why, what is patched): docs/multimodal.md#without-torchvision-cpu-machines.
@@ -38,9 +39,9 @@ def torchvision_available() -> bool:
 
 
 class _PilImageProcessingModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves the torchvision image-processing module of Qwen2-VL from its PIL twin, and patches the processor
-    module when something imports it (nothing is imported before that: vLLM loads this plugin in every process,
-    text-only ones too)."""
+    """Serves the torchvision image-processing module of Qwen2-VL from its PIL twin, and patches the
+    processor module when something imports it (nothing is imported before that: vLLM loads this
+    plugin in every process, text-only ones too)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name == _TORCHVISION_MODULE:
@@ -78,7 +79,9 @@ class _PatchAfterLoading(importlib.abc.Loader):
 def _patch_processor(module: ModuleType) -> None:
     cls = module.Qwen2VLProcessor
 
-    def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+    def from_pretrained(
+        cls: Any, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         return image_only_qwen2_vl_processor(cls, str(pretrained_model_name_or_path), **kwargs)
 
     cls.from_pretrained = classmethod(from_pretrained)
@@ -96,17 +99,22 @@ class VideosNeedTorchvision(dict):  # type: ignore[type-arg]  # a dict so the pr
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            "this Qwen2-VL processor has no video processor: transformers builds it only with torchvision, which "
-            "is not installed; install a torchvision build matching torch to pass videos (images work without it)"
+            "this Qwen2-VL processor has no video processor: transformers builds it only "
+            "with torchvision, which "
+            "is not installed; install a torchvision build matching torch to pass videos "
+            "(images work without it)"
         )
 
 
 def image_only_qwen2_vl_processor(cls: Any, path: str, **kwargs: Any) -> Any:
-    """A ``cls`` (``Qwen2VLProcessor``) made of the checkpoint's tokenizer, PIL image processor and chat template;
-    its video processor is :class:`VideosNeedTorchvision`."""
-    from transformers import AutoImageProcessor, AutoTokenizer  # heavy: the plugin loads in every vLLM process
+    """A ``cls`` (``Qwen2VLProcessor``) made of the checkpoint's tokenizer, PIL image processor and
+    chat template; its video processor is :class:`VideosNeedTorchvision`."""
+    # heavy: the plugin loads in every vLLM process
+    from transformers import AutoImageProcessor, AutoTokenizer
 
-    opts = {k: kwargs[k] for k in ("trust_remote_code", "revision", "local_files_only") if k in kwargs}
+    opts = {
+        k: kwargs[k] for k in ("trust_remote_code", "revision", "local_files_only") if k in kwargs
+    }
     tokenizer = AutoTokenizer.from_pretrained(path, **opts)
     processor = cls.__new__(cls)  # __init__ insists on a video processor
     processor.tokenizer = tokenizer
@@ -134,9 +142,9 @@ def install() -> bool:
 
 
 def engine_arg_defaults(model_path: str) -> dict[str, Any]:
-    """Engine arguments a Qwen2-VL-family checkpoint needs where torchvision is missing: no video inputs
-    (``limit_mm_per_prompt: {video: 0}``), else vLLM's start-up profiling calls the missing video processor.
-    Empty for every other model, and wherever torchvision is installed."""
+    """Engine arguments a Qwen2-VL-family checkpoint needs where torchvision is missing: no video
+    inputs (``limit_mm_per_prompt: {video: 0}``), else vLLM's start-up profiling calls the missing
+    video processor. Empty for every other model, and wherever torchvision is installed."""
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             model_type = json.load(f).get("model_type")

@@ -1,10 +1,12 @@
-"""Weight updates of :class:`agentloop.servers.vllm.VLLMServer`: begin, load buckets, finish (or abort).
+"""Weight updates of :class:`agentloop.servers.vllm.VLLMServer`: begin, load buckets, finish (or
+abort).
 
 Buckets go straight into the engine worker's memory through
-:class:`agentloop.servers.weight_sync.VLLMWeightSyncExtension` (transport ``direct``: a shared-memory segment, or
-the RPC message where none can be made), else as safetensors shards in a temporary directory that the engine
-reloads at the end (transport ``file``).  Drain (default): running requests finish on the old weights and new
-ones wait; keep (``server.weight_update: keep``): running requests are frozen and go on after the update.
+:class:`agentloop.servers.weight_sync.VLLMWeightSyncExtension` (transport ``direct``: a
+shared-memory segment, or the RPC message where none can be made), else as safetensors shards in a
+temporary directory that the engine reloads at the end (transport ``file``).  Drain (default):
+running requests finish on the old weights and new ones wait; keep (``server.weight_update: keep``):
+running requests are frozen and go on after the update.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ RaiseIfDead = Callable[[BaseException, str], None]
 
 
 class VLLMWeights:
-    """The weight-loading part of a vLLM server: the open update, the version being served, the transport.
+    """The weight-loading part of a vLLM server: the open update, the version being served, the
+    transport.
 
     Args:
         server_index: for error messages.
@@ -42,8 +45,10 @@ class VLLMWeights:
         raise_if_dead: turns an error met on a dead engine into ServerDeadError.
     """
 
-    def __init__(self, server_index: int, engine: Callable[[], Any], gate: PauseGate, inflight: InFlightUpdate,
-                 engine_dead: Callable[[], bool], raise_if_dead: RaiseIfDead) -> None:
+    def __init__(
+        self, server_index: int, engine: Callable[[], Any], gate: PauseGate,
+        inflight: InFlightUpdate, engine_dead: Callable[[], bool], raise_if_dead: RaiseIfDead,
+    ) -> None:
         self.server_index = server_index
         self._engine = engine
         self.gate = gate
@@ -51,11 +56,14 @@ class VLLMWeights:
         self._engine_dead = engine_dead
         self._raise_if_dead = raise_if_dead
         self.version = 0
-        """Version of the weights being served (the server's ``global_steps``); published by :meth:`finish`."""
+        """Version of the weights being served (the server's ``global_steps``); published by
+        :meth:`finish`."""
         self.transport = "file"
-        """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set when it starts."""
+        """``direct`` (tensors into the engine worker's memory) or ``file`` (the fallback); set
+        when it starts."""
         self.tie_word_embeddings = False
-        """The model ties its output layer to the embeddings (``lm_head.weight`` loaded from them); set at start."""
+        """The model ties its output layer to the embeddings (``lm_head.weight`` loaded from
+        them); set at start."""
         self.open: OpenWeightUpdate | None = None
         """The open update, None between updates."""
 
@@ -63,22 +71,32 @@ class VLLMWeights:
         """Open a weight update (see :meth:`agentloop.servers.vllm.VLLMServer.begin_weight_update`).
 
         Raises:
-            ServerError: an update is already open, ``transport`` is not available, or the engine failed to pause.
-            ServerDeadError: the engine died.
+            ServerError: an update is already open, ``transport`` is not available, or the engine
+            failed to pause. ServerDeadError: the engine died.
         """
         if self.open is not None:
-            raise ServerError(f"vLLM server {self.server_index}: a weight update (to version {self.open.version}) "
-                              "is already open; finish_weight_update() it first")
+            raise ServerError(
+                f"vLLM server {self.server_index}: a weight update (to "
+                f"version {self.open.version}) "
+                "is already open; finish_weight_update() it first"
+            )
         chosen = self.transport if transport == "auto" else transport
         if chosen not in ("direct", "file") or (chosen == "direct" and self.transport != "direct"):
-            raise ServerError(f"vLLM server {self.server_index}: weight transport {transport!r} is not available "
-                              f"(this server has {self.transport!r}; use 'auto', 'direct' or 'file')")
+            raise ServerError(
+                f"vLLM server {self.server_index}: weight transport "
+                f"{transport!r} is not available "
+                f"(this server has {self.transport!r}; use 'auto', 'direct' "
+                f"or 'file')"
+            )
         version = self.version + 1 if global_steps is None else int(global_steps)
         self.open = OpenWeightUpdate(version, chosen, time.perf_counter())
         engine = self._engine()
         try:
-            # drain: running requests finish on the old weights; keep: they are frozen and go on after the update
-            await engine.pause_generation(mode="keep" if self.inflight.keep else "wait", clear_cache=False)
+            # drain: running requests finish on the old weights; keep: they are frozen and go on
+            # after the update
+            await engine.pause_generation(
+                mode="keep" if self.inflight.keep else "wait", clear_cache=False
+            )
             if chosen == "direct":
                 await engine.collective_rpc("agentloop_begin_weight_update")
             else:
@@ -86,7 +104,9 @@ class VLLMWeights:
         except Exception as e:
             await self.abort()
             self._raise_if_dead(e, LOST_FOR_UPDATE)
-            raise ServerError(f"vLLM server {self.server_index}: could not open a weight update: {e}") from e
+            raise ServerError(
+                f"vLLM server {self.server_index}: could not open a weight update: {e}"
+            ) from e
 
     async def load(self, bucket: WeightBucket) -> None:
         """Load one bucket of the open update (HF names; any order; a layer may straddle buckets).
@@ -105,18 +125,22 @@ class VLLMWeights:
         except Exception as e:
             await self.abort()
             self._raise_if_dead(e, LOST_FOR_UPDATE)
-            raise ServerError(f"vLLM server {self.server_index}: loading weights {bucket.names[:3]}... failed: {e}; "
-                              "the engine may now mix old and new weights, run the update again") from e
+            raise ServerError(
+                f"vLLM server {self.server_index}: loading weights "
+                f"{bucket.names[:3]}... failed: {e}; "
+                "the engine may now mix old and new weights, run the update "
+                "again"
+            ) from e
         update.tensors += len(bucket)
         update.nbytes += bucket.nbytes
 
     async def finish(self) -> dict[str, Any]:
-        """Apply the open update, reset the prefix cache (not in keep mode), publish its version and resume
-        generation.  Returns what was loaded: version, transport, tensors, bytes, seconds.
+        """Apply the open update, reset the prefix cache (not in keep mode), publish its version and
+        resume generation.  Returns what was loaded: version, transport, tensors, bytes, seconds.
 
         Raises:
-            ServerError: no update is open, or applying it failed (the update is closed, the version kept).
-            ServerDeadError: the engine died.
+            ServerError: no update is open, or applying it failed (the update is closed, the version
+            kept). ServerDeadError: the engine died.
         """
         update = self._require("finish_weight_update")
         engine = self._engine()
@@ -125,22 +149,27 @@ class VLLMWeights:
                 await engine.collective_rpc("agentloop_finish_weight_update")
             elif update.tensors:
                 await self._reload_from(update.tmpdir.name)  # type: ignore[union-attr]
-            if not self.inflight.keep:  # keep: cached prefixes stay in use, as the running requests' KV does
+            # keep: cached prefixes stay in use, as the running requests' KV does
+            if not self.inflight.keep:
                 await engine.reset_prefix_cache()
             elif self.inflight.counts_tokens:
-                self.inflight.record_switch(engine, update.version)  # the engine is still frozen: counts are exact
+                # the engine is still frozen: counts are exact
+                self.inflight.record_switch(engine, update.version)
         except Exception as e:
             await self._close()
             self._raise_if_dead(e, LOST_FOR_UPDATE)
-            raise ServerError(f"vLLM server {self.server_index}: applying the weight update failed: {e}") from e
+            raise ServerError(
+                f"vLLM server {self.server_index}: applying the weight update failed: {e}"
+            ) from e
         self.version = update.version
         await self._close()
         return {"version": update.version, "transport": update.transport, "tensors": update.tensors,
                 "bytes": update.nbytes, "seconds": time.perf_counter() - update.started}
 
     async def abort(self) -> None:
-        """Close an open weight update without publishing its version and resume generation (a no-op when none
-        is open).  Layers that got all their tensors keep the new values: run the update again."""
+        """Close an open weight update without publishing its version and resume generation (a no-op
+        when none is open).  Layers that got all their tensors keep the new values: run the update
+        again."""
         update = self.open
         if update is None:
             return
@@ -164,16 +193,20 @@ class VLLMWeights:
 
     def _require(self, method: str) -> OpenWeightUpdate:
         if self.open is None:
-            raise ServerError(f"vLLM server {self.server_index}: {method}() without an open weight update; "
-                              "call begin_weight_update() first")
+            raise ServerError(
+                f"vLLM server {self.server_index}: {method}() without an open "
+                f"weight update; "
+                "call begin_weight_update() first"
+            )
         return self.open
 
     async def _reload_from(self, path: str) -> None:
         if self.transport == "direct":  # our extension is there: quiet, and the model path is kept
             await self._engine().collective_rpc("agentloop_reload_weights_from", args=(path,))
         else:
-            await self._engine().collective_rpc("reload_weights", kwargs={"weights_path": path,
-                                                                          "is_checkpoint_format": True})
+            await self._engine().collective_rpc(
+                "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}
+            )
 
     async def _close(self) -> None:
         """Close the open update (whatever state it is in) and let generation go on."""
@@ -184,5 +217,6 @@ class VLLMWeights:
             try:
                 await self._engine().resume_generation()
             except Exception:
-                if not self._engine_dead():  # a dead engine cannot resume: the caller reports that instead
+                # a dead engine cannot resume: the caller reports that instead
+                if not self._engine_dead():
                     raise

@@ -1,17 +1,17 @@
 """Streaming new policy weights into the rollout servers, bucket by bucket.
 
 Driver side: :func:`iter_buckets` cuts a state dict or any iterable of ``(name, tensor)`` pairs into
-:class:`WeightBucket` s of about ``bucket_bytes`` each, in order (a larger tensor travels alone; a tensor is
-never split). Server protocol (every :class:`~agentloop.servers.base.LLMServer`)::
+:class:`WeightBucket` s of about ``bucket_bytes`` each, in order (a larger tensor travels alone; a
+tensor is never split). Server protocol (every :class:`~agentloop.servers.base.LLMServer`)::
 
     begin_weight_update(global_steps)   # pause new requests, open the update
     load_weight_bucket(bucket)          # any number of times, any order
     finish_weight_update()              # apply, reset the prefix cache, publish the version, resume
 
-Engine side for vLLM: :class:`VLLMWeightSyncExtension` (vLLM's ``worker_extension_cls``, qualified name
-:data:`WORKER_EXTENSION`) feeds every bucket to vLLM's layerwise reload; a bucket reaches the worker through a
-:class:`SharedBucket` (a ``/dev/shm`` segment; ``create`` returns None where none can be made) or, failing
-that, inside the engine's RPC message (:meth:`WeightBucket.to_wire`).
+Engine side for vLLM: :class:`VLLMWeightSyncExtension` (vLLM's ``worker_extension_cls``, qualified
+name :data:`WORKER_EXTENSION`) feeds every bucket to vLLM's layerwise reload; a bucket reaches the
+worker through a :class:`SharedBucket` (a ``/dev/shm`` segment; ``create`` returns None where none
+can be made) or, failing that, inside the engine's RPC message (:meth:`WeightBucket.to_wire`).
 
 Spec: docs/concepts.md#weight-sync; measurements: docs/benchmarks.md.
 """
@@ -58,14 +58,17 @@ class WeightBucket:
 
     def add(self, name: str, tensor: Any) -> None:
         """Append ``tensor`` (any device and dtype; detached, made contiguous, moved to CPU)."""
-        import torch  # heavy: imported where tensors are packed, not by every user of the server protocol
+        # heavy: imported where tensors are packed, not by every user of the server protocol
+        import torch
 
         t = tensor.detach().to("cpu").contiguous()
         self.names.append(str(name))
         self.dtypes.append(str(t.dtype).removeprefix("torch."))
         self.shapes.append(tuple(int(s) for s in t.shape))
         flat = t.reshape(-1)
-        self.data.append(flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8))
+        self.data.append(
+            flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
+        )
 
     def __len__(self) -> int:
         return len(self.names)
@@ -76,15 +79,21 @@ class WeightBucket:
         return sum(int(d.nbytes) for d in self.data)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` pairs viewing the bucket's bytes (no copy: treat them as read-only)."""
-        for name, dtype, shape, data in zip(self.names, self.dtypes, self.shapes, self.data, strict=True):
+        """``(name, tensor)`` pairs viewing the bucket's bytes (no copy: treat them as
+        read-only)."""
+        for name, dtype, shape, data in zip(
+            self.names, self.dtypes, self.shapes, self.data, strict=True
+        ):
             yield name, tensor_view(data, dtype, shape)
 
     def to_wire(self) -> list[tuple[str, str, list[int], list[memoryview]]]:
-        """The bucket as msgpack-friendly tuples ``(name, dtype, shape, [byte pieces])`` for the engine RPC
-        (memoryviews over the bucket's arrays: encoded as msgpack bin, without an intermediate copy)."""
+        """The bucket as msgpack-friendly tuples ``(name, dtype, shape, [byte pieces])`` for the
+        engine RPC (memoryviews over the bucket's arrays: encoded as msgpack bin, without an
+        intermediate copy)."""
         wire = []
-        for name, dtype, shape, data in zip(self.names, self.dtypes, self.shapes, self.data, strict=True):
+        for name, dtype, shape, data in zip(
+            self.names, self.dtypes, self.shapes, self.data, strict=True
+        ):
             raw = data.data.cast("B")
             pieces = [raw[k:k + _WIRE_CHUNK] for k in range(0, len(raw), _WIRE_CHUNK)] or [raw]
             wire.append((name, dtype, list(shape), pieces))
@@ -98,7 +107,8 @@ Layout = list[tuple[str, str, list[int], int, int]]
 class SharedBucket:
     """A bucket's bytes in one POSIX shared-memory segment, for engine workers on this machine.
 
-    ``SharedBucket.create(bucket)`` returns None where no segment can be made; ``close()`` unlinks it.
+    ``SharedBucket.create(bucket)`` returns None where no segment can be made; ``close()`` unlinks
+    it.
     """
 
     SHM_DIR = "/dev/shm"
@@ -125,7 +135,9 @@ class SharedBucket:
         layout: Layout = []
         offset = 0
         with segment:
-            for name, dtype, shape, data in zip(bucket.names, bucket.dtypes, bucket.shapes, bucket.data, strict=True):
+            for name, dtype, shape, data in zip(
+                bucket.names, bucket.dtypes, bucket.shapes, bucket.data, strict=True
+            ):
                 segment[offset:offset + data.nbytes] = data.data.cast("B")
                 layout.append((name, dtype, list(shape), offset, int(data.nbytes)))
                 offset += int(data.nbytes)
@@ -138,28 +150,41 @@ class SharedBucket:
 
 
 def shared_tensors(path: str, size: int, layout: Layout) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs viewing the :class:`SharedBucket` segment at ``path`` of ``size`` bytes, as
-    ``layout`` places them (read-only; each keeps the mapping alive).  Raises OSError if it cannot be mapped."""
+    """``(name, tensor)`` pairs viewing the :class:`SharedBucket` segment at ``path`` of ``size``
+    bytes, as ``layout`` places them (read-only; each keeps the mapping alive).  Raises OSError if
+    it cannot be mapped."""
     fd = os.open(path, os.O_RDONLY)
     try:
         segment = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     for name, dtype, shape, offset, nbytes in layout:
-        yield name, tensor_view(np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=offset), dtype, shape)
+        yield (
+            name,
+            tensor_view(
+                np.frombuffer(segment, dtype=np.uint8, count=nbytes, offset=offset), dtype, shape
+            ),
+        )
 
 
 def tensor_view(data: Any, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
-    """A tensor of ``dtype`` (a torch dtype's name) and ``shape`` over the bytes in ``data`` (uint8 numpy array,
-    bytes or memoryview), without a copy where the buffer allows (treat it as read-only)."""
-    import torch  # heavy: imported where tensors are unpacked, not by every user of the server protocol
+    """A tensor of ``dtype`` (a torch dtype's name) and ``shape`` over the bytes in ``data`` (uint8
+    numpy array, bytes or memoryview), without a copy where the buffer allows (treat it as
+    read-only)."""
+    # heavy: imported where tensors are unpacked, not by every user of the server protocol
+    import torch
 
     torch_dtype = getattr(torch, dtype)
     if not len(data):  # uint8 array / bytes / byte memoryview: its length is its size in bytes
         return torch.empty(tuple(shape), dtype=torch_dtype)
-    with warnings.catch_warnings():  # read-only buffers (object store, RPC message, mapping): only read
+    # read-only buffers (object store, RPC message, mapping): only read
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.frombuffer(data, dtype=torch.uint8)
+        flat = (
+            torch.from_numpy(data)
+            if isinstance(data, np.ndarray)
+            else torch.frombuffer(data, dtype=torch.uint8)
+        )
     return flat.view(torch_dtype).view(tuple(shape))
 
 
@@ -172,8 +197,9 @@ def named_tensors(weights: Weights) -> Iterator[tuple[str, Any]]:
 
 
 def iter_buckets(weights: Weights, bucket_bytes: int) -> Iterator[WeightBucket]:
-    """Cut ``weights`` into buckets of at most ``bucket_bytes`` (a bigger tensor gets a bucket of its own),
-    keeping the given order; reads the input lazily, so an iterator is never held whole."""
+    """Cut ``weights`` into buckets of at most ``bucket_bytes`` (a bigger tensor gets a bucket of
+    its own), keeping the given order; reads the input lazily, so an iterator is never held whole.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     bucket = WeightBucket()
@@ -190,9 +216,9 @@ def iter_buckets(weights: Weights, bucket_bytes: int) -> Iterator[WeightBucket]:
 
 
 def tied_aliases(bucket: WeightBucket, tie_word_embeddings: bool) -> dict[str, str]:
-    """``{"lm_head.weight": "model.embed_tokens.weight"}`` when embeddings are tied and the bucket has the
-    embeddings but no ``lm_head``: the engine keeps a separate (on CPU, repacked) output layer that
-    only changes when ``lm_head.weight`` itself is loaded."""
+    """``{"lm_head.weight": "model.embed_tokens.weight"}`` when embeddings are tied and the bucket
+    has the embeddings but no ``lm_head``: the engine keeps a separate (on CPU, repacked) output
+    layer that only changes when ``lm_head.weight`` itself is loaded."""
     if tie_word_embeddings and EMBED_NAME in bucket.names and LM_HEAD_NAME not in bucket.names:
         return {LM_HEAD_NAME: EMBED_NAME}
     return {}
@@ -200,7 +226,8 @@ def tied_aliases(bucket: WeightBucket, tie_word_embeddings: bool) -> dict[str, s
 
 @contextlib.contextmanager
 def quiet_vllm_logs(level: int = logging.ERROR) -> Iterator[None]:
-    """Raise the ``vllm`` logger to ``level`` (errors still show) for the duration of a weight load."""
+    """Raise the ``vllm`` logger to ``level`` (errors still show) for the duration of a weight
+    load."""
     logger = logging.getLogger("vllm")
     previous = logger.level
     logger.setLevel(max(previous, level))
@@ -226,9 +253,12 @@ class VLLMWeightSyncExtension:
         with quiet_vllm_logs(), set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 
-    def agentloop_load_shared(self, path: str, size: int, layout: Layout, aliases: dict[str, str]) -> int:
-        """Load one bucket from a :class:`SharedBucket` segment; each ``aliases`` entry ``new → source`` loads a
-        tensor of the bucket under a second name too (the tied ``lm_head``).  Returns the tensors loaded."""
+    def agentloop_load_shared(
+        self, path: str, size: int, layout: Layout, aliases: dict[str, str]
+    ) -> int:
+        """Load one bucket from a :class:`SharedBucket` segment; each ``aliases`` entry
+        ``new → source`` loads a tensor of the bucket under a second name too (the tied
+        ``lm_head``).  Returns the tensors loaded."""
         return self._agentloop_load(shared_tensors(path, size, layout), aliases)
 
     def agentloop_load_weights(self, wire: list[tuple[str, str, list[int], list[bytes]]],
@@ -256,8 +286,8 @@ class VLLMWeightSyncExtension:
         return len(loaded) + len(aliases)
 
     def agentloop_finish_weight_update(self) -> None:
-        """Close the layerwise reload (layers that got nothing keep their weights) and drop caches that
-        depend on the weights, as vLLM's own ``reload_weights`` does."""
+        """Close the layerwise reload (layers that got nothing keep their weights) and drop caches
+        that depend on the weights, as vLLM's own ``reload_weights`` does."""
         # vLLM: runs inside the engine's worker process, where it is loaded
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -270,10 +300,13 @@ class VLLMWeightSyncExtension:
             runner.reset_mm_cache()
 
     def agentloop_reload_weights_from(self, path: str) -> None:
-        """The file fallback: reload from safetensors files in ``path``, quietly, without leaving the
-        model config pointing at ``path`` (vLLM's ``reload_weights`` rewrites it)."""
+        """The file fallback: reload from safetensors files in ``path``, quietly, without leaving
+        the model config pointing at ``path`` (vLLM's ``reload_weights`` rewrites it)."""
         model_config, load_config = self.vllm_config.model_config, self.vllm_config.load_config
-        saved = (model_config.model, model_config.model_weights, model_config.revision, load_config.use_tqdm_on_load)
+        saved = (
+            model_config.model, model_config.model_weights, model_config.revision,
+            load_config.use_tqdm_on_load,
+        )
         load_config.use_tqdm_on_load = False
         try:
             with quiet_vllm_logs():

@@ -1,7 +1,7 @@
 """A byte-level fake tokenizer for unit tests of agent loops (no model files, no transformers).
 
-Token ids are UTF-8 bytes + 3; ids 0, 1, 2 are pad, ``<|im_start|>`` and ``<|im_end|>`` (eos).  The chat
-template is ChatML-like: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message.
+Token ids are UTF-8 bytes + 3; ids 0, 1, 2 are pad, ``<|im_start|>`` and ``<|im_end|>`` (eos).  The
+chat template is ChatML-like: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message.
 """
 
 from __future__ import annotations
@@ -48,17 +48,16 @@ class FakeTokenizer:
         return "".join(out)
 
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tokenize: bool = True,
-        add_generation_prompt: bool = False,
-        return_dict: bool = False,
-        **kwargs: Any,
+        self, messages: list[dict[str, Any]], tokenize: bool = True,
+        add_generation_prompt: bool = False, return_dict: bool = False, **kwargs: Any,
     ) -> Any:
         """ChatML-like render; returns ids when ``tokenize`` (a dict when ``return_dict``)."""
         ids: list[int] = []
         for m in messages:
-            ids += [IM_START, *self.encode(f"{m['role']}\n{m.get('content') or ''}"), IM_END, *self.encode("\n")]
+            ids += [
+                IM_START, *self.encode(f"{m['role']}\n{m.get('content') or ''}"), IM_END,
+                *self.encode("\n"),
+            ]
         if add_generation_prompt:
             ids += [IM_START, *self.encode("assistant\n")]
         if not tokenize:

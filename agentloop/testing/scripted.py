@@ -6,9 +6,10 @@ run against it exactly as against vLLM.  Use it in your own tests::
     server = ScriptedServer([[11, 12, 2], RuntimeError("boom")], eos_token_id=2)
     manager = AsyncLLMServerManager([server])
 
-Replies come from the script (token lists shaped to ``max_tokens`` with a stop reason, TokenOutputs as
-they are, Exceptions raised); ``abort``, ``pause`` / ``resume``, ``kill_engine`` and weight updates behave
-as on a real server.  The exact reply rules: docs/testing.md#the-scripted-engine-scriptedserver.
+Replies come from the script (token lists shaped to ``max_tokens`` with a stop reason, TokenOutputs
+as they are, Exceptions raised); ``abort``, ``pause`` / ``resume``, ``kill_engine`` and weight
+updates behave as on a real server.  The exact reply rules:
+docs/testing.md#the-scripted-engine-scriptedserver.
 """
 
 from __future__ import annotations
@@ -40,32 +41,29 @@ class ScriptedServer:
     """Replies from a script (the exact rules: docs/testing.md#the-scripted-engine-scriptedserver).
 
     Args:
-        responses: a list consumed in order (token id lists, TokenOutputs, or Exceptions to raise), or
-            a callable ``(prompt_ids, sampling_params, request_id) -> list[int] | TokenOutput``; None
-            echoes the last ``min(4, max_tokens)`` prompt ids.
+        responses: a list consumed in order (token id lists, TokenOutputs, or Exceptions to raise),
+        or
+            a callable ``(prompt_ids, sampling_params, request_id) -> list[int] | TokenOutput``;
+            None echoes the last ``min(4, max_tokens)`` prompt ids.
         eos_token_id: a reply ending with it has ``stop_reason='stop'``.
         delay: seconds to wait before replying.
-        token_delay: seconds per token of the reply, handed out one by one (a pause or abort can cut it).
-        name: shown in error messages.
+        token_delay: seconds per token of the reply, handed out one by one (a pause or abort can cut
+        it). name: shown in error messages.
 
     Attributes:
         calls: one dict per ``generate`` call (request_id, prompt_ids, sampling_params, image_data).
         counts: calls of ``wake_up``, ``sleep``, ``update_weights`` and ``abort``.
-        weights, buckets: the tensors of the last update; the tensor names of each bucket of a streamed one.
-        global_steps: the weight version put in every reply.
-        lifecycle: sleep, wake_up, weight-update steps, pause and resume, in call order.
-        gate, batcher: the ``PauseGate`` behind pause / resume, the ``GenerateBatcher`` behind ``generate_batch``.
+        weights, buckets: the tensors of the last update; the tensor names of each bucket of a
+        streamed one. global_steps: the weight version put in every reply. lifecycle: sleep,
+        wake_up, weight-update steps, pause and resume, in call order. gate, batcher: the
+        ``PauseGate`` behind pause / resume, the ``GenerateBatcher`` behind ``generate_batch``.
     """
 
     supports_sleep = True
 
     def __init__(
-        self,
-        responses: Sequence[Script] | ScriptFn | None = None,
-        *,
-        eos_token_id: int | None = None,
-        delay: float = 0.0,
-        token_delay: float = 0.0,
+        self, responses: Sequence[Script] | ScriptFn | None = None, *,
+        eos_token_id: int | None = None, delay: float = 0.0, token_delay: float = 0.0,
         name: str = "scripted",
     ) -> None:
         self._script: list[Script] | ScriptFn | None = (
@@ -77,8 +75,10 @@ class ScriptedServer:
         self.token_delay = token_delay
         self.name = name
         self.calls: list[dict[str, Any]] = []
-        self.counts = {"wake_up": 0, "sleep": 0, "update_weights": 0, "abort": 0, "clear_kv_cache": 0,
-                       "start_profile": 0, "stop_profile": 0}
+        self.counts = {
+            "wake_up": 0, "sleep": 0, "update_weights": 0, "abort": 0, "clear_kv_cache": 0,
+            "start_profile": 0, "stop_profile": 0,
+        }
         self.weights: dict[str, Any] = {}
         self.global_steps = 0
         self.buckets: list[list[str]] = []
@@ -104,8 +104,10 @@ class ScriptedServer:
             return self._script(list(prompt_ids), params, request_id)
         if self._next >= len(self._script):
             raise ServerError(
-                f"{self.name}: script exhausted: {len(self._script)} replies were scripted and all were used; "
-                f"request {request_id!r} is call {len(self.calls)} — add more replies or pass a callable"
+                f"{self.name}: script exhausted: {len(self._script)} replies were scripted "
+                f"and all were used; "
+                f"request {request_id!r} is call {len(self.calls)} — add more replies or "
+                f"pass a callable"
             )
         reply = self._script[self._next]
         self._next += 1
@@ -129,37 +131,43 @@ class ScriptedServer:
                 self._pending.pop(request_id, None)
 
     async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
         image_data: list[Any] | None = None,
     ) -> TokenOutput:
-        """Record the call, wait while paused, wait ``delay`` (abortable), then reply from the script (one token
-        per ``token_delay``, abortable)."""
+        """Record the call, wait while paused, wait ``delay`` (abortable), then reply from the
+        script (one token per ``token_delay``, abortable)."""
         call = {"request_id": request_id, "prompt_ids": list(prompt_ids),
                 "sampling_params": dict(sampling_params), "image_data": image_data}
         self.calls.append(call)
         self._raise_if_dead()
         async with self.gate.admitted(request_id) as admitted:
-            output = await self._generate(prompt_ids, sampling_params, request_id) if admitted else None
+            output = (
+                await self._generate(prompt_ids, sampling_params, request_id) if admitted else None
+            )
             if output is None:  # aborted before the reply was made
-                output = TokenOutput(token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
-                                     stop_reason=StopReason.ABORTED, extra_fields={"global_steps": self.global_steps})
+                output = TokenOutput(
+                    token_ids=[], log_probs=[] if sampling_params.get("logprobs") else None,
+                    stop_reason=StopReason.ABORTED,
+                    extra_fields={"global_steps": self.global_steps},
+                )
             update: dict[str, Any] = dict(self.gate.signals(output.stop_reason, request_id,
                                                             sampling_params.get("max_tokens")))
-            if sampling_params.get("structured_outputs"):  # a grammar the script cannot follow (rule 9)
+            # a grammar the script cannot follow (rule 9)
+            if sampling_params.get("structured_outputs"):
                 update["extra_fields"] = {**output.extra_fields, "structured_outputs_ignored": True}
             return output.model_copy(update=update) if update else output
 
-    async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+    async def generate_batch(
+        self, requests: list[dict[str, Any]]
+    ) -> AsyncIterator[list[tuple[int, Any]]]:
         """Many ``generate`` calls in one, results in groups as they finish (see
         :class:`~agentloop.servers.base.GenerateBatcher`)."""
         async for group in self.batcher.run(requests):
             yield group
 
     def busy_seconds(self) -> float:
-        """Seconds with at least one request past the pause gate (:meth:`PauseGate.busy_seconds`)."""
+        """Seconds with at least one request past the pause gate
+        (:meth:`PauseGate.busy_seconds`)."""
         return self.gate.busy_seconds()
 
     async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -171,7 +179,9 @@ class ScriptedServer:
         reply = self._reply(prompt_ids, sampling_params, request_id)
         if isinstance(reply, Exception):
             raise reply
-        output = reply if isinstance(reply, TokenOutput) else self._shape(list(reply), sampling_params)
+        output = (
+            reply if isinstance(reply, TokenOutput) else self._shape(list(reply), sampling_params)
+        )
         for i in range(len(output.token_ids) if self.token_delay else 0):
             if await self._wait(request_id, self.token_delay):
                 self._raise_if_dead()
@@ -181,21 +191,23 @@ class ScriptedServer:
         return output
 
     async def generate_stream(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
+        self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
         image_data: list[Any] | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """The reply of :meth:`generate`, one token per chunk, then a final chunk with the stop reason."""
+        """The reply of :meth:`generate`, one token per chunk, then a final chunk with the stop
+        reason."""
         out = await self.generate(prompt_ids, sampling_params, request_id, image_data)
         for i, token in enumerate(out.token_ids):
             await asyncio.sleep(0)
-            yield TokenDelta(token_ids=[token], log_probs=None if out.log_probs is None else [out.log_probs[i]])
-        yield TokenDelta(token_ids=[], log_probs=None if out.log_probs is None else [], finished=True,
-                         stop_reason=out.stop_reason, extra_fields=dict(out.extra_fields),
-                         preempted_by_pause=out.preempted_by_pause, cut_by_update=out.cut_by_update,
-                         max_tokens=out.max_tokens)
+            yield TokenDelta(
+                token_ids=[token], log_probs=None if out.log_probs is None else [out.log_probs[i]]
+            )
+        yield TokenDelta(
+            token_ids=[], log_probs=None if out.log_probs is None else [], finished=True,
+            stop_reason=out.stop_reason, extra_fields=dict(out.extra_fields),
+            preempted_by_pause=out.preempted_by_pause, cut_by_update=out.cut_by_update,
+            max_tokens=out.max_tokens,
+        )
 
     def _shape(self, ids: list[int], params: dict[str, Any]) -> TokenOutput:
         """Apply ``max_tokens``, pick the stop reason and add log-probs (rule 4)."""
@@ -227,12 +239,15 @@ class ScriptedServer:
                 event.set()
 
     async def freeze(self, seconds: float) -> None:
-        """Block this actor's event loop for ``seconds`` (a synchronous sleep inside it): nothing it holds
-        or is sent answers meanwhile, health checks included (a server actor hung in its own code)."""
+        """Block this actor's event loop for ``seconds`` (a synchronous sleep inside it): nothing it
+        holds or is sent answers meanwhile, health checks included (a server actor hung in its own
+        code).
+        """
         time.sleep(seconds)
 
     def stall_weight_updates(self) -> None:
-        """From now on ``begin_weight_update`` never returns (a server hung inside a weight update)."""
+        """From now on ``begin_weight_update`` never returns (a server hung inside a weight
+        update)."""
         self._stalled = True
 
     async def check_health(self) -> dict[str, Any]:
@@ -241,17 +256,17 @@ class ScriptedServer:
         return {"name": self.name, "global_steps": self.global_steps}
 
     async def abort(self, request_id: str) -> None:
-        """End the pending call(s) with this id at once, with ``stop_reason='aborted'`` and the tokens produced
-        so far (a call held by a pause ends so without running)."""
+        """End the pending call(s) with this id at once, with ``stop_reason='aborted'`` and the
+        tokens produced so far (a call held by a pause ends so without running)."""
         self.counts["abort"] += 1
         self.gate.caller_abort(request_id)
         for event in self._pending.pop(request_id, []):
             event.set()
 
     async def pause(self, for_update: bool = False) -> int:
-        """Cut every call in flight (rule 8) and hold new ones until :meth:`resume`; returns how many calls were
-        in flight (0 when already paused; ``for_update``: cut by a weight update, tagged ``cut_by_update``).
-        Raises ServerDeadError after :meth:`kill_engine`, as every
+        """Cut every call in flight (rule 8) and hold new ones until :meth:`resume`; returns how
+        many calls were in flight (0 when already paused; ``for_update``: cut by a weight update,
+        tagged ``cut_by_update``). Raises ServerDeadError after :meth:`kill_engine`, as every
         server-wide call below does (a vLLM server's dead engine)."""
         self._raise_if_dead()
         self.lifecycle.append("pause")
@@ -267,13 +282,15 @@ class ScriptedServer:
         return self.gate.paused
 
     async def resume(self) -> None:
-        """Let held and new calls run again (they fail over when the engine died: then this raises too)."""
+        """Let held and new calls run again (they fail over when the engine died: then this
+        raises too)."""
         self.lifecycle.append("resume")
         self.gate.open()
         self._raise_if_dead()
 
     weight_update = "abort"
-    """``server.weight_update`` as :meth:`set_weight_update` last set it (the fake behaves the same in every mode)."""
+    """``server.weight_update`` as :meth:`set_weight_update` last set it (the fake behaves the
+    same in every mode)."""
 
     async def set_weight_update(self, mode: str) -> None:
         """Record the mode, as a vLLM server switches it."""
@@ -291,8 +308,11 @@ class ScriptedServer:
         self.counts["sleep"] += 1
         self.lifecycle.append("sleep")
 
-    async def update_weights(self, named_tensors: Any, global_steps: int | None = None, **kwargs: Any) -> None:
-        """Count the call, keep the tensors in :attr:`weights` and set the version (default: previous + 1)."""
+    async def update_weights(
+        self, named_tensors: Any, global_steps: int | None = None, **kwargs: Any
+    ) -> None:
+        """Count the call, keep the tensors in :attr:`weights` and set the version (default:
+        previous + 1)."""
         self.counts["update_weights"] += 1
         self.lifecycle.append("update_weights")
         self.weights = dict(named_tensors)
@@ -328,10 +348,14 @@ class ScriptedServer:
             raise ServerError(f"{self.name}: finish_weight_update() without begin_weight_update()")
         self.lifecycle.append("finish_weight_update")
         self.global_steps, self._open_version = self._open_version, None
-        return {"version": self.global_steps, "tensors": len(self.weights), "buckets": len(self.buckets)}
+        return {
+            "version": self.global_steps, "tensors": len(self.weights),
+            "buckets": len(self.buckets),
+        }
 
     async def abort_weight_update(self) -> None:
-        """Close an open streamed update without publishing its version (no-op when none is open)."""
+        """Close an open streamed update without publishing its version (no-op when none is
+        open)."""
         if self._open_version is not None:
             self.lifecycle.append("abort_weight_update")
             self._open_version = None

@@ -1,12 +1,13 @@
-"""A discrete-event simulation of multi-turn rollout, driving agentloop's real balancer (no Ray, no engine).
+"""A discrete-event simulation of multi-turn rollout, driving agentloop's real balancer (no Ray, no
+engine).
 
-Servers batch continuously (a decode step costs ``step_a + step_b * n``, plus prefill of uncached prompt
-tokens); heavy-tailed trajectories (:class:`Workload`) are routed exactly as the workers route them
-(``acquire`` / ``release`` on the balancer).  :func:`simulate` runs one synchronous batch and returns its
-makespan against a lower bound; :func:`simulate_stream` runs the Rollouter with partial rollouts and weight
-updates and returns the steady-state time per batch against the per-batch work bound.
-``python scripts/sim_rollout.py`` prints a table.  Spec (the cost model, both regimes, the bound):
-docs/routing.md#simulator.
+Servers batch continuously (a decode step costs ``step_a + step_b * n``, plus prefill of uncached
+prompt tokens); heavy-tailed trajectories (:class:`Workload`) are routed exactly as the workers
+route them (``acquire`` / ``release`` on the balancer).  :func:`simulate` runs one synchronous batch
+and returns its makespan against a lower bound; :func:`simulate_stream` runs the Rollouter with
+partial rollouts and weight updates and returns the steady-state time per batch against the
+per-batch work bound. ``python scripts/sim_rollout.py`` prints a table.  Spec (the cost model, both
+regimes, the bound): docs/routing.md#simulator.
 """
 
 from __future__ import annotations
@@ -67,16 +68,24 @@ class _Trajectory:
 @dataclass
 class _Server:
     running: dict[int, int] = field(default_factory=dict)  # trajectory -> tokens left in this turn
-    waiting: list[tuple[int, int, int, int]] = field(default_factory=list)  # (priority, seq, trajectory, uncached)
+    # (priority, seq, trajectory, uncached)
+    waiting: list[tuple[int, int, int, int]] = field(default_factory=list)
     busy: bool = False
     tokens: int = 0
     stall: float = 0.0  # seconds added to the next step (a weight update's pause and re-prefill)
 
 
 def _trajectory(rng: random.Random, w: Workload, index: int) -> _Trajectory:
-    turns = max(1, min(w.max_turns, round(rng.lognormvariate(math.log(w.turns_median), w.turns_sigma))))
-    lengths = [max(1, min(w.max_tokens, round(rng.lognormvariate(math.log(w.tokens_median), w.tokens_sigma))))
-               for _ in range(turns)]
+    turns = max(
+        1, min(w.max_turns, round(rng.lognormvariate(math.log(w.turns_median), w.turns_sigma)))
+    )
+    lengths = [
+        max(
+            1,
+            min(w.max_tokens, round(rng.lognormvariate(math.log(w.tokens_median), w.tokens_sigma))),
+        )
+        for _ in range(turns)
+    ]
     tools = [rng.lognormvariate(math.log(w.tool_median_s), w.tool_sigma) for _ in range(turns - 1)]
     return _Trajectory(index, lengths, tools, context=w.prompt_tokens)
 
@@ -87,33 +96,49 @@ def make_trajectories(w: Workload) -> list[_Trajectory]:
 
 
 def _prefill_s(t: _Trajectory, w: Workload, m: ServerModel) -> float:
-    """Prefill every schedule pays for ``t``: its prompt and each tool result, once (a turn landing on its previous
-    server reads only the new tokens; any other placement, or an update that empties the cache, reads more)."""
+    """Prefill every schedule pays for ``t``: its prompt and each tool result, once (a turn landing
+    on its previous server reads only the new tokens; any other placement, or an update that empties
+    the cache, reads more)."""
     return (w.prompt_tokens + w.tool_tokens * (len(t.turns) - 1)) * m.prefill_per_token
 
 
 def _alone(t: _Trajectory, w: Workload, m: ServerModel, prefill: bool = True) -> float:
-    return sum(t.turns) * (m.step_a + m.step_b) + sum(t.tools) + (_prefill_s(t, w, m) if prefill else 0.0)
+    return (
+        sum(t.turns) * (m.step_a + m.step_b)
+        + sum(t.tools)
+        + (_prefill_s(t, w, m) if prefill else 0.0)
+    )
 
 
-def _work(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int, prefill: bool = True) -> float:
-    """The work every schedule must do, spread over the servers: each token decoded at full batch, each prompt and
-    tool result prefilled once (``prefill=False``: the tokens alone, the bound reported before 2026-11-27)."""
+def _work(
+    trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int, prefill: bool = True
+) -> float:
+    """The work every schedule must do, spread over the servers: each token decoded at full batch,
+    each prompt and tool result prefilled once (``prefill=False``: the tokens alone, the bound
+    reported before 2026-11-27)."""
     decode = sum(sum(t.turns) for t in trajs) * (m.step_b + m.step_a / m.max_batch)
     return (decode + (sum(_prefill_s(t, w, m) for t in trajs) if prefill else 0.0)) / servers
 
 
-def lower_bound(trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int, prefill: bool = True) -> float:
-    """max(longest trajectory alone on an idle server, all the work at full batch spread over the servers)."""
+def lower_bound(
+    trajs: list[_Trajectory], w: Workload, m: ServerModel, servers: int, prefill: bool = True
+) -> float:
+    """max(longest trajectory alone on an idle server, all the work at full batch spread over the
+    servers)."""
     return max(max(_alone(t, w, m, prefill) for t in trajs), _work(trajs, w, m, servers, prefill))
 
 
 class _Sim:
-    """The servers, the event queue and the routing; ``on_done`` is called as each trajectory finishes."""
+    """The servers, the event queue and the routing; ``on_done`` is called as each trajectory
+    finishes."""
 
-    def __init__(self, balancer: Any, w: Workload, m: ServerModel, servers: int,
-                 priority: Callable[[str, int], int] | None, on_done: Callable[[_Trajectory], None]) -> None:
-        self.balancer, self.w, self.m, self.priority, self.on_done = balancer, w, m, priority, on_done
+    def __init__(
+        self, balancer: Any, w: Workload, m: ServerModel, servers: int,
+        priority: Callable[[str, int], int] | None, on_done: Callable[[_Trajectory], None],
+    ) -> None:
+        self.balancer, self.w, self.m, self.priority, self.on_done = (
+            balancer, w, m, priority, on_done,
+        )
         self.nodes = [_Server() for _ in range(servers)]
         self.trajs: dict[int, _Trajectory] = {}
         self.events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, id)
@@ -121,7 +146,8 @@ class _Sim:
         self.hits = self.misses = 0
         self.now = 0.0
         self.stopped = False
-        self.draining: float | None = None  # a weight update waiting for the running requests (its pause seconds)
+        # a weight update waiting for the running requests (its pause seconds)
+        self.draining: float | None = None
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -158,15 +184,24 @@ class _Sim:
             return
         node.busy = True
         stall, node.stall = node.stall, 0.0
-        self.push(self.now + stall + m.step_a + m.step_b * len(node.running) + m.prefill_per_token * prefill,
-                  "step", server)
+        self.push(
+            self.now
+            + stall
+            + m.step_a
+            + m.step_b * len(node.running)
+            + m.prefill_per_token * prefill,
+            "step",
+            server,
+        )
 
     def weight_update(self, pause_s: float, mode: str = "abort") -> None:
-        """A weight update on every server.  ``abort`` (``manager.pause()`` + partial rollouts): the running
-        requests are cut and re-issued, re-reading their contexts, and the prefix caches are emptied; ``drain``
-        (``manager.update_weights`` alone): new requests wait until every running one has finished, then the
-        update runs and the caches are emptied; ``keep`` (``server.weight_update: keep``): running requests are
-        frozen for the pause and go on with their KV cache, the prefix caches are kept."""
+        """A weight update on every server.  ``abort`` (``manager.pause()`` + partial rollouts): the
+        running requests are cut and re-issued, re-reading their contexts, and the prefix caches are
+        emptied; ``drain`` (``manager.update_weights`` alone): new requests wait until every running
+        one has finished, then the update runs and the caches are emptied; ``keep``
+        (``server.weight_update: keep``): running requests are frozen for the pause and go on with
+        their KV cache, the prefix caches are kept.
+        """
         if mode == "drain":
             self.draining = pause_s
             if not any(n.running for n in self.nodes):
@@ -175,7 +210,9 @@ class _Sim:
         self._apply_update(pause_s, keep_kv=mode == "keep")
         if mode == "abort":
             for node in self.nodes:
-                node.stall += self.m.prefill_per_token * sum(self.trajs[i].context for i in node.running)
+                node.stall += self.m.prefill_per_token * sum(
+                    self.trajs[i].context for i in node.running
+                )
 
     def _apply_update(self, pause_s: float, keep_kv: bool) -> None:
         self.draining = None
@@ -222,40 +259,51 @@ class _Sim:
                 "load_imbalance": max(tokens) / (sum(tokens) / len(tokens)) if sum(tokens) else 1.0}
 
 
-def simulate(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
-             servers: int = 8, priority: Callable[[str, int], int] | None = None) -> dict[str, float]:
+def simulate(
+    balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
+    servers: int = 8, priority: Callable[[str, int], int] | None = None,
+) -> dict[str, float]:
     """Run one synchronous batch through ``balancer_factory(servers)`` (e.g.
-    ``agentloop.routing.strategies.make_balancer``; anything with ``acquire(request_id, prompt_len)`` and
-    ``release(server)``) and report what happened.
+    ``agentloop.routing.strategies.make_balancer``; anything with
+    ``acquire(request_id, prompt_len)`` and ``release(server)``) and report what happened.
 
     ``priority(request_id, prompt_len)`` (as the router computes it, e.g.
-    :class:`agentloop.routing.tail.ContextPriority`) orders each server's waiting requests as vLLM's priority
-    scheduler does: lowest value first, ties in arrival order; without it, arrival order."""
+    :class:`agentloop.routing.tail.ContextPriority`) orders each server's waiting requests as vLLM's
+    priority scheduler does: lowest value first, ties in arrival order; without it, arrival order.
+    """
     w, m = w or Workload(), m or ServerModel()
     trajs = make_trajectories(w)
     sim = _Sim(balancer_factory(servers), w, m, servers, priority, lambda t: None)
     for traj in trajs:
         sim.start_turn(traj)
     sim.run()
-    bound, decode = lower_bound(trajs, w, m, servers), lower_bound(trajs, w, m, servers, prefill=False)
-    return {"makespan_s": sim.now, "lower_bound_s": bound, "ratio": sim.now / bound, "decode_bound_s": decode,
-            "decode_ratio": sim.now / decode, **sim.result()}
+    bound, decode = (
+        lower_bound(trajs, w, m, servers),
+        lower_bound(trajs, w, m, servers, prefill=False),
+    )
+    return {
+        "makespan_s": sim.now, "lower_bound_s": bound, "ratio": sim.now / bound,
+        "decode_bound_s": decode, "decode_ratio": sim.now / decode, **sim.result(),
+    }
 
 
-def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
-                    servers: int = 8, *, batches: int = 6, in_flight: int | None = None, sync_s: float = 2.0,
-                    max_staleness: int | None = 1, priority: Callable[[str, int], int] | None = None,
-                    update: str = "abort") -> dict[str, float]:
-    """The Rollouter regime (module docstring): ``batches`` hand-outs of ``w.trajectories`` finished trajectories
-    each, ``in_flight`` (default: one batch) running at all times.
+def simulate_stream(
+    balancer_factory: Callable[[int], Any], w: Workload | None = None, m: ServerModel | None = None,
+    servers: int = 8, *, batches: int = 6, in_flight: int | None = None, sync_s: float = 2.0,
+    max_staleness: int | None = 1, priority: Callable[[str, int], int] | None = None,
+    update: str = "abort",
+) -> dict[str, float]:
+    """The Rollouter regime (module docstring): ``batches`` hand-outs of ``w.trajectories`` finished
+    trajectories each, ``in_flight`` (default: one batch) running at all times.
 
-    ``ratio`` is the mean time per hand-out after the first over the mean work bound of the trajectories handed
-    out (their tokens at full batch and their prompts and tool results prefilled once, over the servers, plus
-    ``sync_s``; ``decode_ratio``: against their tokens alone); ``first_batch_s`` is the cold start (it fills from
-    empty as a synchronous batch does); ``wasted_tokens`` the share of generated tokens thrown away with stale
-    trajectories; ``mean_staleness`` the versions the trajectories handed out lag behind on average.  ``update``:
-    how the weight update after each hand-out treats running requests (:meth:`_Sim.weight_update`: abort, drain or
-    keep)."""
+    ``ratio`` is the mean time per hand-out after the first over the mean work bound of the
+    trajectories handed out (their tokens at full batch and their prompts and tool results prefilled
+    once, over the servers, plus ``sync_s``; ``decode_ratio``: against their tokens alone);
+    ``first_batch_s`` is the cold start (it fills from empty as a synchronous batch does);
+    ``wasted_tokens`` the share of generated tokens thrown away with stale trajectories;
+    ``mean_staleness`` the versions the trajectories handed out lag behind on average. ``update``:
+    how the weight update after each hand-out treats running requests (:meth:`_Sim.weight_update`:
+    abort, drain or keep)."""
     if update not in ("abort", "drain", "keep"):
         raise ValueError(f"update must be 'abort', 'drain' or 'keep', not {update!r}")
     w, m = w or Workload(), m or ServerModel()
@@ -268,7 +316,8 @@ def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None =
     times: list[float] = []
     wasted = total = 0
     lags: list[int] = []
-    generated: list[int] = []  # tokens generated by each hand-out (all trajectories, finished or not)
+    # tokens generated by each hand-out (all trajectories, finished or not)
+    generated: list[int] = []
 
     def fresh() -> Iterator[_Trajectory]:
         while True:
@@ -305,13 +354,19 @@ def simulate_stream(balancer_factory: Callable[[int], Any], w: Workload | None =
         sim.start_turn(next(source))
     sim.run()
     if len(handed) < 2:
-        raise ValueError("simulate_stream needs batches >= 2 (the first hand-out is the cold start)")
+        raise ValueError(
+            "simulate_stream needs batches >= 2 (the first hand-out is the cold start)"
+        )
     steady = times[-1] - times[0]
     per_token = (m.step_b + m.step_a / m.max_batch) / servers
-    bound = statistics.mean(_work(h, w, m, servers) for h in handed[1:]) + sync_s  # one update per hand-out
+    # one update per hand-out
+    bound = statistics.mean(_work(h, w, m, servers) for h in handed[1:]) + sync_s
     decode = statistics.mean(_work(h, w, m, servers, prefill=False) for h in handed[1:])
     per_batch = steady / (len(times) - 1)
-    return {"batch_s": per_batch, "first_batch_s": times[0], "work_bound_s": bound, "ratio": per_batch / bound,
-            "decode_bound_s": decode, "decode_ratio": per_batch / decode,
-            "utilisation": (generated[-1] - generated[0]) * per_token / steady, "wasted_tokens": wasted / max(1, total),
-            "mean_staleness": statistics.mean(lags), **sim.result()}
+    return {
+        "batch_s": per_batch, "first_batch_s": times[0], "work_bound_s": bound,
+        "ratio": per_batch / bound, "decode_bound_s": decode, "decode_ratio": per_batch / decode,
+        "utilisation": (generated[-1] - generated[0]) * per_token / steady,
+        "wasted_tokens": wasted / max(1, total), "mean_staleness": statistics.mean(lags),
+        **sim.result(),
+    }

@@ -1,11 +1,12 @@
-"""Chat templates of four tool-calling families, written for this repo, and small tokenizers to go with them.
+"""Chat templates of four tool-calling families, written for this repo, and small tokenizers to go
+with them.
 
-``chatml_hermes`` (Qwen2.5), ``qwen3``, ``llama3_json`` (Llama 3.1-3.3) and ``harmony`` (gpt-oss) reproduce
-the rendering format of the vendors' templates (not their text), so that
+``chatml_hermes`` (Qwen2.5), ``qwen3``, ``llama3_json`` (Llama 3.1-3.3) and ``harmony`` (gpt-oss)
+reproduce the rendering format of the vendors' templates (not their text), so that
 :func:`agentloop.tokenization.check_incremental` runs on each family without downloading a model;
-:data:`STOP_TOKENS` holds each family's end-of-turn tokens, and :func:`make_template_tokenizer` trains a
-small byte-level BPE tokenizer for a family (cached).  Spec (each family's format, where harmony differs
-from OpenAI's template): docs/tokenization.md#test-chat-templates.
+:data:`STOP_TOKENS` holds each family's end-of-turn tokens, and :func:`make_template_tokenizer`
+trains a small byte-level BPE tokenizer for a family (cached).  Spec (each family's format, where
+harmony differs from OpenAI's template): docs/tokenization.md#test-chat-templates.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agentloop.testing.tiny_model import CHAT_TEMPLATE, PRETOKENIZE_REGEX, TOOLS_FOOTER, TOOLS_HEADER, synthetic_corpus
+from agentloop.testing.tiny_model import (
+    CHAT_TEMPLATE,
+    PRETOKENIZE_REGEX,
+    TOOLS_FOOTER,
+    TOOLS_HEADER,
+    synthetic_corpus,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -42,9 +49,13 @@ QWEN3 = (
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if has_system %}{{- messages[0].content + '\n\n' }}{%- endif %}
-    {{- """ + _lit(TOOLS_HEADER.lstrip("\n")) + r""" }}
+    {{- """
+    + _lit(TOOLS_HEADER.lstrip("\n"))
+    + r""" }}
     {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-    {{- """ + _lit(TOOLS_FOOTER) + r""" + '<|im_end|>\n' }}
+    {{- """
+    + _lit(TOOLS_FOOTER)
+    + r""" + '<|im_end|>\n' }}
 {%- elif has_system %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -89,8 +100,10 @@ QWEN3 = (
 )
 
 LLAMA_TOOLS_PROMPT = (
-    "Answer with a JSON function call if one of these functions helps with the request. Use the form "
-    '{"name": function name, "parameters": object of argument names and values}. Use literal values, not '
+    "Answer with a JSON function call if one of these functions helps with the request. Use "
+    "the form "
+    '{"name": function name, "parameters": object of argument names and values}. Use '
+    "literal values, not "
     "variables.\n\n"
 )
 
@@ -99,7 +112,9 @@ LLAMA3_JSON = (
     {%- if x is none -%}{%- elif x is string -%}{{- x -}}{%- else -%}{{- x | tojson -}}{%- endif -%}
 {%- endmacro -%}
 {%- macro tool_block(tools) -%}
-    {{- """ + _lit(LLAMA_TOOLS_PROMPT) + r""" -}}
+    {{- """
+    + _lit(LLAMA_TOOLS_PROMPT)
+    + r""" -}}
     {%- for tool in tools %}{{- (tool | tojson(indent=4)) + '\n\n' -}}{%- endfor -%}
 {%- endmacro -%}
 {%- set in_user = tools_in_user_message if tools_in_user_message is defined else true %}
@@ -139,7 +154,9 @@ LLAMA3_JSON = (
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"""
 )
 
-HARMONY_CHANNELS = "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+HARMONY_CHANNELS = (
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+)
 
 HARMONY = (
     r"""{%- macro text(x) -%}
@@ -178,7 +195,9 @@ HARMONY = (
 {%- set end_rewrite = return_as_end is defined and return_as_end %}
 {{- '<|start|>system<|message|>' + (model_identity if model_identity is defined else 'You are a helpful assistant.')
     + '\nKnowledge cutoff: 2024-06\n\nReasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium')
-    + '\n\n' + """ + _lit(HARMONY_CHANNELS) + r""" }}
+    + '\n\n' + """
+    + _lit(HARMONY_CHANNELS)
+    + r""" }}
 {%- if tools %}{{- "\nCalls to these tools must go to the commentary channel: 'functions'." }}{%- endif %}
 {{- '<|end|>' }}
 {%- if has_system or tools %}
@@ -233,11 +252,14 @@ LLAMA3_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-O200K_PRETOKENIZE_REGEX = "|".join((
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
-))
+O200K_PRETOKENIZE_REGEX = "|".join(
+    (
+        
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -266,22 +288,37 @@ FAMILIES: dict[str, TemplateFamily] = {
         ("<|im_end|>",), PRETOKENIZE_REGEX,
     ),
     "qwen3": TemplateFamily(
-        "qwen3", QWEN3, _QWEN_SPECIAL, (*_HERMES_TAGS, "<think>", "</think>"), "<|im_end|>", "<|endoftext|>",
-        ("<|im_end|>",), PRETOKENIZE_REGEX, reasoning_key="reasoning_content",
+        "qwen3", QWEN3, _QWEN_SPECIAL, (*_HERMES_TAGS, "<think>", "</think>"), "<|im_end|>",
+        "<|endoftext|>", ("<|im_end|>",), PRETOKENIZE_REGEX, reasoning_key="reasoning_content",
     ),
     "llama3_json": TemplateFamily(
-        "llama3_json", LLAMA3_JSON,
-        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-         "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>"),
-        (), "<|eot_id|>", "<|finetune_right_pad_id|>", ("<|eot_id|>",), LLAMA3_PRETOKENIZE_REGEX,
+        "llama3_json",
+        LLAMA3_JSON,
+        (
+            "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>",
+        ),
+        (),
+        "<|eot_id|>",
+        "<|finetune_right_pad_id|>",
+        ("<|eot_id|>",),
+        LLAMA3_PRETOKENIZE_REGEX,
         bos_token="<|begin_of_text|>",
     ),
     "harmony": TemplateFamily(
-        "harmony", HARMONY,
-        ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
-         "<|constrain|>", "<|return|>", "<|call|>"),
-        (), "<|return|>", "<|endoftext|>", ("<|return|>", "<|call|>"), O200K_PRETOKENIZE_REGEX,
-        reasoning_key="thinking", max_calls_per_turn=1,
+        "harmony",
+        HARMONY,
+        (
+            "<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>",
+            "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+        ),
+        (),
+        "<|return|>",
+        "<|endoftext|>",
+        ("<|return|>", "<|call|>"),
+        O200K_PRETOKENIZE_REGEX,
+        reasoning_key="thinking",
+        max_calls_per_turn=1,
     ),
 }
 STOP_TOKENS: dict[str, tuple[str, ...]] = {name: fam.stop_tokens for name, fam in FAMILIES.items()}
@@ -293,11 +330,14 @@ def family(name: str) -> TemplateFamily:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise KeyError(f"unknown template family {name!r}; choose one of {sorted(FAMILIES)}") from None
+        raise KeyError(
+            f"unknown template family {name!r}; choose one of {sorted(FAMILIES)}"
+        ) from None
 
 
 def _template_literals(template: str, specials: tuple[str, ...]) -> list[str]:
-    """The quoted strings of a template, special tokens cut out: boilerplate the BPE should learn."""
+    """The quoted strings of a template, special tokens cut out: boilerplate the BPE should
+    learn."""
     texts = []
     for raw in re.findall(r"'((?:[^'\\\n]|\\.)*)'|\"((?:[^\"\\\n]|\\.)*)\"", template):
         text = (raw[0] or raw[1]).replace("\\n", "\n").replace('\\"', '"')
@@ -317,22 +357,33 @@ def _corpus(fam: TemplateFamily) -> list[str]:
 
 @functools.cache
 def make_template_tokenizer(name: str) -> PreTrainedTokenizerFast:
-    """A small byte-level BPE tokenizer for family ``name``, with its special tokens and chat template.
+    """A small byte-level BPE tokenizer for family ``name``, with its special tokens and chat
+    template.
 
     Trained (deterministically, well under a second) on the tiny model's synthetic corpus plus the
-    template's own boilerplate; the pre-tokenizer uses the family's split regex (Qwen2, Llama 3, o200k).
-    Cached per family: callers share one instance and must not modify it.
+    template's own boilerplate; the pre-tokenizer uses the family's split regex (Qwen2, Llama 3,
+    o200k). Cached per family: callers share one instance and must not modify it.
     """
     # heavy (tokenizers, transformers): only when a test tokenizer is built
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     fam = family(name)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     split = pre_tokenizers.Split(Regex(fam.pretokenize_regex), behavior="isolated", invert=False)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=_VOCAB_SIZE, special_tokens=list(fam.special_tokens),
@@ -341,6 +392,7 @@ def make_template_tokenizer(name: str) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(_corpus(fam), trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in fam.added_tokens])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=fam.eos_token, pad_token=fam.pad_token, bos_token=fam.bos_token,
-        unk_token=None, chat_template=fam.chat_template, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok, eos_token=fam.eos_token, pad_token=fam.pad_token,
+        bos_token=fam.bos_token, unk_token=None, chat_template=fam.chat_template,
+        clean_up_tokenization_spaces=False,
     )

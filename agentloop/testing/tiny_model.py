@@ -1,10 +1,11 @@
 """Build the tiny local model used by the demo and the integration tests (no model hub needed).
 
-:func:`ensure_tiny_model` returns the directory of a Qwen2.5-style checkpoint (a byte-level BPE tokenizer
-with ChatML + hermes tool tokens, :data:`CHAT_TEMPLATE`, a 2-layer ``Qwen2ForCausalLM`` trained to call the
-calculator), copying the shipped one or building it deterministically under ``$AGENTLOOP_CACHE_DIR`` (file lock, atomic
-rename, rebuilt when :data:`BUILDER_VERSION` or the files' hash changes); ``snapshot_step`` gives a weaker
-checkpoint of the same run.  Spec (tokenizer, template, weights, cache): docs/testing.md#the-tiny-model.
+:func:`ensure_tiny_model` returns the directory of a Qwen2.5-style checkpoint (a byte-level BPE
+tokenizer with ChatML + hermes tool tokens, :data:`CHAT_TEMPLATE`, a 2-layer ``Qwen2ForCausalLM``
+trained to call the calculator), copying the shipped one or building it deterministically under
+``$AGENTLOOP_CACHE_DIR`` (file lock, atomic rename, rebuilt when :data:`BUILDER_VERSION` or the
+files' hash changes); ``snapshot_step`` gives a weaker checkpoint of the same run.  Spec (tokenizer,
+template, weights, cache): docs/testing.md#the-tiny-model.
 """
 
 from __future__ import annotations
@@ -39,19 +40,22 @@ from agentloop.testing.tiny_corpus import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = [  # the chat format and synthetic data are agentloop.testing.tiny_corpus's, re-exported here
-    "BUILDER_VERSION", "CACHE_ENV", "CALCULATOR_TOOL", "CHAT_TEMPLATE", "DEFAULT_CACHE_DIR", "DEFAULT_NAME",
-    "DEFAULT_SYSTEM_PROMPT", "IM_END", "IM_START", "MARKER", "MODEL_SHAPE", "PAD_TOKEN", "PRETOKENIZE_REGEX",
-    "SHIPPED_DIR", "SNAPSHOT_STEP", "SPECIAL_TOKENS", "TOOLS_FOOTER", "TOOLS_HEADER", "TOOL_TOKENS", "TRAIN_STEPS",
-    "VOCAB_SIZE", "build_into", "build_tokenizer", "cache_dir", "calculate", "content_hash", "default_train_steps",
-    "ensure_tiny_model", "init_model", "save_model", "shipped_model", "snapshot_name", "synthetic_corpus",
-    "tiny_model_path", "word_problem", "word_problem_rows"
+# the chat format and synthetic data are agentloop.testing.tiny_corpus's, re-exported here
+__all__ = [
+    "BUILDER_VERSION", "CACHE_ENV", "CALCULATOR_TOOL", "CHAT_TEMPLATE", "DEFAULT_CACHE_DIR",
+    "DEFAULT_NAME", "DEFAULT_SYSTEM_PROMPT", "IM_END", "IM_START", "MARKER", "MODEL_SHAPE",
+    "PAD_TOKEN", "PRETOKENIZE_REGEX", "SHIPPED_DIR", "SNAPSHOT_STEP", "SPECIAL_TOKENS",
+    "TOOLS_FOOTER", "TOOLS_HEADER", "TOOL_TOKENS", "TRAIN_STEPS", "VOCAB_SIZE", "build_into",
+    "build_tokenizer", "cache_dir", "calculate", "content_hash", "default_train_steps",
+    "ensure_tiny_model", "init_model", "save_model", "shipped_model", "snapshot_name",
+    "synthetic_corpus", "tiny_model_path", "word_problem", "word_problem_rows",
 ]
 _SYSTEM_PROMPTS = SYSTEM_PROMPTS  # its former name here (tests and scripts import it)
 
 BUILDER_VERSION = "5"  # 5: the template skips role-less messages (as Qwen2.5 does); same weights
 TRAIN_STEPS = 1100  # ~4.5 min on 2 idle cores; see agentloop.testing.train_tiny
-SNAPSHOT_STEP = 400  # a weaker checkpoint of the same run (right about half the time): room for RL to improve
+# a weaker checkpoint of the same run (right about half the time): room for RL to improve
+SNAPSHOT_STEP = 400
 MARKER = "agentloop_tiny_model.json"
 CACHE_ENV = "AGENTLOOP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/agentloop/models").expanduser()
@@ -61,16 +65,12 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 # Qwen2's pre-tokenizer split; ``\p{N}`` alone puts every digit in its own pre-token.
 PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| "
+    r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 MODEL_SHAPE: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
+    "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 4096, "tie_word_embeddings": True,
 }
 
 
@@ -86,14 +86,25 @@ def tiny_model_path(name: str = DEFAULT_NAME) -> Path:
 
 
 def snapshot_name(snapshot_step: int) -> str:
-    """The cache directory name of the snapshot after ``snapshot_step`` training steps (``tiny-qwen2-step400``)."""
+    """The cache directory name of the snapshot after ``snapshot_step`` training steps
+    (``tiny-qwen2-step400``)."""
     return f"{DEFAULT_NAME}-step{snapshot_step}"
 
 
 def build_tokenizer(out_dir: Path | None = None) -> PreTrainedTokenizerBase:
-    """Train the BPE tokenizer, wrap it with the chat template, and save it into ``out_dir`` if given."""
+    """Train the BPE tokenizer, wrap it with the chat template, and save it into ``out_dir`` if
+    given."""
     # heavy (tokenizers, transformers): only when building; a shipped model is copied without them
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -103,17 +114,16 @@ def build_tokenizer(out_dir: Path | None = None) -> PreTrainedTokenizerBase:
     tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(TOOL_TOKENS),
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()),
-        show_progress=False,
+        vocab_size=VOCAB_SIZE - len(TOOL_TOKENS), special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()), show_progress=False,
     )
     tok.train_from_iterator(synthetic_corpus(), trainer)
     # Added but not special: kept by skip_special_tokens decoding, as in Qwen2.5.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None, chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_SHAPE["max_position_embeddings"], clean_up_tokenization_spaces=False,
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD_TOKEN, unk_token=None,
+        chat_template=CHAT_TEMPLATE, model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
     )
     if out_dir is not None:
         _save_tokenizer(fast, out_dir)
@@ -122,7 +132,8 @@ def build_tokenizer(out_dir: Path | None = None) -> PreTrainedTokenizerBase:
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
-    # Name the class AutoTokenizer builds for a qwen2 config anyway (transformers 4.x needs it spelled out).
+    # Name the class AutoTokenizer builds for a qwen2 config anyway (transformers 4.x needs it
+    # spelled out).
     config_file = out_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "Qwen2Tokenizer"
@@ -152,21 +163,24 @@ def init_model(tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> PreTrainedM
 
 
 def save_model(model: PreTrainedModel, out_dir: Path) -> None:
-    """Save weights (safetensors), ``config.json`` and a ``generation_config.json`` ending at ``<|im_end|>``."""
+    """Save weights (safetensors), ``config.json`` and a ``generation_config.json`` ending at
+    ``<|im_end|>``."""
     # heavy (transformers): only when building
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
     config = model.config
     bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # one tiny shard: the "Writing model shards" bar is only noise
+    # one tiny shard: the "Writing model shards" bar is only noise
+    hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(str(out_dir))
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
     generation = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
     )
     generation.save_pretrained(str(out_dir))
 
@@ -202,8 +216,9 @@ def build_into(out_dir: Path, train_steps: int = 0, snapshot_step: int | None = 
     """Build the whole model directory into ``out_dir`` (which must exist), marker included.
 
     With ``train_steps > 0`` the model is trained on synthetic calculator conversations
-    (:mod:`agentloop.testing.train_tiny`) before it is saved; the rates it reaches are in the marker.
-    With ``snapshot_step`` the ``train_steps`` schedule stops after that many steps (recorded in the marker).
+    (:mod:`agentloop.testing.train_tiny`) before it is saved; the rates it reaches are in the
+    marker. With ``snapshot_step`` the ``train_steps`` schedule stops after that many steps
+    (recorded in the marker).
     """
     _check_snapshot(train_steps, snapshot_step)
     tokenizer = build_tokenizer(out_dir)
@@ -215,25 +230,33 @@ def build_into(out_dir: Path, train_steps: int = 0, snapshot_step: int | None = 
         # imported only to train: it loads torch and the tokenization stack
         from agentloop.testing.train_tiny import evaluate_tool_use, train_tool_use
 
-        marker_extra["training"] = train_tool_use(model, tokenizer, steps=train_steps, stop_after=snapshot_step)
+        marker_extra["training"] = train_tool_use(
+            model, tokenizer, steps=train_steps, stop_after=snapshot_step
+        )
         marker_extra["eval"] = evaluate_tool_use(model, tokenizer)
     save_model(model, out_dir)
     for file in out_dir.iterdir():
         file.chmod(0o644)
-    marker = {"builder_version": BUILDER_VERSION, "content_sha256": content_hash(out_dir), "vocab": len(tokenizer),
-              **marker_extra}
+    marker = {
+        "builder_version": BUILDER_VERSION, "content_sha256": content_hash(out_dir),
+        "vocab": len(tokenizer), **marker_extra,
+    }
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
 
 def _check_snapshot(train_steps: int, snapshot_step: int | None) -> None:
     if snapshot_step is not None and not 0 < snapshot_step <= train_steps:
-        raise ValueError(f"snapshot_step must be in 1..train_steps={train_steps}, got {snapshot_step} "
-                         "(a snapshot is an intermediate checkpoint of a training run)")
+        raise ValueError(
+            f"snapshot_step must be in 1..train_steps={train_steps}, got "
+            f"{snapshot_step} "
+            "(a snapshot is an intermediate checkpoint of a training run)"
+        )
 
 
 @contextmanager
 def _build_lock(target: Path) -> Iterator[None]:
-    """An exclusive ``flock`` next to ``target``, so parallel callers build once, one after another."""
+    """An exclusive ``flock`` next to ``target``, so parallel callers build once, one after
+    another."""
     with open(target.parent / f".{target.name}.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -254,13 +277,15 @@ def _swap_in(new: Path, target: Path) -> None:
 
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets"
-"""The trained models shipped in the package (``agentloop/assets/tiny-qwen2`` and its step-400 snapshot), built
-by this module (``scripts/make_tiny_model.py --force`` rebuilds and compares the content hash)."""
+"""The trained models shipped in the package (``agentloop/assets/tiny-qwen2`` and its step-400
+snapshot), built by this module (``scripts/make_tiny_model.py --force`` rebuilds and compares the
+content hash)."""
 
 
 def shipped_model(train_steps: int, snapshot_step: int | None = None) -> Path | None:
     """The shipped copy of the model these settings build, when the package has it and it is intact
-    (its marker matches the builder version, steps and snapshot, and its files match the recorded hash)."""
+    (its marker matches the builder version, steps and snapshot, and its files match the recorded
+    hash)."""
     name = DEFAULT_NAME if snapshot_step is None else snapshot_name(snapshot_step)
     path = SHIPPED_DIR / name
     return path if path.is_dir() and _is_current(path, train_steps, snapshot_step) else None
@@ -270,14 +295,16 @@ def ensure_tiny_model(
     path: str | Path | None = None, *, force: bool = False, train_steps: int | None = None,
     snapshot_step: int | None = None,
 ) -> Path:
-    """Build the tiny model at ``path`` (default :func:`tiny_model_path`) unless it is there and current.
+    """Build the tiny model at ``path`` (default :func:`tiny_model_path`) unless it is there and
+    current.
 
-    Idempotent: an up-to-date directory is returned untouched.  When the package ships the trained model these
-    settings give (:func:`shipped_model`), it is copied there in well under a second instead of being trained
-    (~4-6 min on 2 cores).  ``force`` rebuilds (trains) anyway.
+    Idempotent: an up-to-date directory is returned untouched.  When the package ships the trained
+    model these settings give (:func:`shipped_model`), it is copied there in well under a second
+    instead of being trained (~4-6 min on 2 cores).  ``force`` rebuilds (trains) anyway.
     ``train_steps`` defaults to :func:`default_train_steps`; 0 gives the untrained (random) model.
-    ``snapshot_step`` (e.g. :data:`SNAPSHOT_STEP`) gives the weaker checkpoint of the same run after that many
-    of its ``train_steps`` steps, by default at ``tiny_model_path(snapshot_name(snapshot_step))``.
+    ``snapshot_step`` (e.g. :data:`SNAPSHOT_STEP`) gives the weaker checkpoint of the same run after
+    that many of its ``train_steps`` steps, by default at
+    ``tiny_model_path(snapshot_name(snapshot_step))``.
     """
     steps = default_train_steps() if train_steps is None else int(train_steps)
     snapshot = None if snapshot_step is None else int(snapshot_step)
@@ -288,12 +315,16 @@ def ensure_tiny_model(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(target):
-        if not force and _is_current(target, steps, snapshot):  # another caller built it while we waited
+        # another caller built it while we waited
+        if not force and _is_current(target, steps, snapshot):
             return target
         shipped = shipped_model(steps, snapshot)
-        if not force and shipped is not None:  # the trained copy in the package: copied, never retrained
+        # the trained copy in the package: copied, never retrained
+        if not force and shipped is not None:
             if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-                raise FileExistsError(f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it")
+                raise FileExistsError(
+                    f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
+                )
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-copy-", dir=target.parent))
             try:
                 shutil.copytree(shipped, tmp, dirs_exist_ok=True)
@@ -303,7 +334,9 @@ def ensure_tiny_model(
                 shutil.rmtree(tmp, ignore_errors=True)
             return target
         if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-            raise FileExistsError(f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it")
+            raise FileExistsError(
+                f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
         try:
             build_into(tmp, steps, snapshot)

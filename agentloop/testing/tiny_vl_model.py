@@ -1,13 +1,14 @@
 """Build a tiny Qwen2-VL checkpoint locally (no model hub), for multimodal tests and examples.
 
 :func:`ensure_tiny_vl_model` writes, in a few seconds and deterministically, a directory that
-``transformers`` (``AutoProcessor``, ``Qwen2VLForConditionalGeneration``) and vLLM load like any Qwen2-VL
-checkpoint: the tiny text model's tokenizer plus Qwen2-VL's vision tokens, :data:`VL_CHAT_TEMPLATE` (image
-and video parts rendered as Qwen2-VL does), image / video processor configs with small pixel bounds
-(:data:`MIN_PIXELS`, :data:`MAX_PIXELS`: at most 16 tokens an image), and random fp32 weights (M-RoPE
-sections :data:`MROPE_SECTION`, a one-block vision tower): its output changes with the pixels but means
-nothing.  Cached under ``$AGENTLOOP_CACHE_DIR/tiny-qwen2-vl`` like the text model.
-Spec: docs/multimodal.md#the-tiny-vision-language-model.
+``transformers`` (``AutoProcessor``, ``Qwen2VLForConditionalGeneration``) and vLLM load like any
+Qwen2-VL checkpoint: the tiny text model's tokenizer plus Qwen2-VL's vision tokens,
+:data:`VL_CHAT_TEMPLATE` (image and video parts rendered as Qwen2-VL does), image / video processor
+configs with small pixel bounds (:data:`MIN_PIXELS`, :data:`MAX_PIXELS`: at most 16 tokens an
+image), and random fp32 weights (M-RoPE sections :data:`MROPE_SECTION`, a one-block vision tower):
+its output changes with the pixels but means nothing.  Cached under
+``$AGENTLOOP_CACHE_DIR/tiny-qwen2-vl`` like the text model. Spec:
+docs/multimodal.md#the-tiny-vision-language-model.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ _CONTENT_MACRO = (
 def _vl_template() -> str:
     template = CHAT_TEMPLATE.replace("(message.content or '')", "render_content(message.content)")
     template = template.replace("messages[0].content", "render_content(messages[0].content)")
-    template = template.replace("'\\n' ~ message.content", "'\\n' ~ render_content(message.content)")
-    template = template.replace("'\\n' ~ message.content ~", "'\\n' ~ render_content(message.content) ~")
+    template = template.replace(
+        "'\\n' ~ message.content", "'\\n' ~ render_content(message.content)"
+    )
+    template = template.replace(
+        "'\\n' ~ message.content ~", "'\\n' ~ render_content(message.content) ~"
+    )
     return _CONTENT_MACRO + template
 
 
@@ -75,40 +80,49 @@ VL_CHAT_TEMPLATE = _vl_template()
 
 
 def tiny_vl_model_path() -> Path:
-    """Where :func:`ensure_tiny_vl_model` puts the model by default (``$AGENTLOOP_CACHE_DIR/tiny-qwen2-vl``)."""
+    """Where :func:`ensure_tiny_vl_model` puts the model by default
+    (``$AGENTLOOP_CACHE_DIR/tiny-qwen2-vl``)."""
     return tiny_model_path(VL_NAME)
 
 
 def build_vl_tokenizer() -> Any:
-    """The tiny text model's tokenizer with the Qwen2-VL special tokens and :data:`VL_CHAT_TEMPLATE`."""
+    """The tiny text model's tokenizer with the Qwen2-VL special tokens and
+    :data:`VL_CHAT_TEMPLATE`."""
     from transformers import AutoTokenizer  # heavy: only when building
 
     shipped = SHIPPED_DIR / DEFAULT_NAME
-    # the tokenizer does not depend on training: the shipped copy, else the deterministic build (seconds)
-    tokenizer = (AutoTokenizer.from_pretrained(str(shipped)) if (shipped / "tokenizer.json").is_file()
-                 else build_tokenizer())
+    # the tokenizer does not depend on training: the shipped copy, else the deterministic build
+    # (seconds)
+    tokenizer = (
+        AutoTokenizer.from_pretrained(str(shipped))
+        if (shipped / "tokenizer.json").is_file()
+        else build_tokenizer()
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(VL_SPECIAL_TOKENS)})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     return tokenizer
 
 
 def image_processor_config() -> dict[str, Any]:
-    """``preprocessor_config.json``: Qwen2-VL's image processor with :data:`MIN_PIXELS` / :data:`MAX_PIXELS`."""
+    """``preprocessor_config.json``: Qwen2-VL's image processor with :data:`MIN_PIXELS` /
+    :data:`MAX_PIXELS`."""
     return {
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "rescale_factor": 1 / 255, "resample": 3, "patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE,
-        "temporal_patch_size": TEMPORAL_PATCH_SIZE, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "rescale_factor": 1 / 255, "resample": 3,
+        "patch_size": PATCH_SIZE, "merge_size": MERGE_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE, "min_pixels": MIN_PIXELS,
+        "max_pixels": MAX_PIXELS, "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     }
 
 
 def write_processor_files(tokenizer: Any, out_dir: Path) -> None:
-    """Tokenizer, chat template, image / video processor and processor configs, as a Qwen2-VL checkpoint has.
+    """Tokenizer, chat template, image / video processor and processor configs, as a Qwen2-VL
+    checkpoint has.
 
-    Written as JSON rather than through ``Qwen2VLProcessor.save_pretrained``: transformers 5 cannot build
-    that class without torchvision (its video processor needs it), and the files are the same.
+    Written as JSON rather than through ``Qwen2VLProcessor.save_pretrained``: transformers 5 cannot
+    build that class without torchvision (its video processor needs it), and the files are the same.
     """
     tokenizer.save_pretrained(str(out_dir))
     image = image_processor_config()
@@ -122,8 +136,9 @@ def write_processor_files(tokenizer: Any, out_dir: Path) -> None:
 
 
 def load_vl_processor(path: str | Path) -> Any:
-    """The model's ``Qwen2VLProcessor`` (``AutoProcessor``).  Without torchvision (which transformers 5 needs
-    for Qwen2-VL's video processor) an image-only one (:mod:`agentloop.servers.vllm_plugin`): videos raise."""
+    """The model's ``Qwen2VLProcessor`` (``AutoProcessor``).  Without torchvision (which
+    transformers 5 needs for Qwen2-VL's video processor) an image-only one
+    (:mod:`agentloop.servers.vllm_plugin`): videos raise."""
     import transformers  # heavy: only when loading
 
     install()
@@ -140,12 +155,20 @@ def init_vl_model(tokenizer: Any, seed: int = 0) -> Any:
     pad, eos = vocab[PAD_TOKEN], vocab[IM_END]
     text = {k: v for k, v in MODEL_SHAPE.items() if k != "tie_word_embeddings"}
     text_config = {
-        **text, "vocab_size": (len(tokenizer) + 63) // 64 * 64, "bos_token_id": pad, "eos_token_id": eos,
-        "pad_token_id": pad, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
-                                                 "mrope_section": list(MROPE_SECTION)},
+        **text,
+        "vocab_size": (len(tokenizer) + 63) // 64 * 64,
+        "bos_token_id": pad,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(MROPE_SECTION),
+        },
     }
-    vision_config = {**VISION_SHAPE, "hidden_size": MODEL_SHAPE["hidden_size"], "patch_size": PATCH_SIZE,
-                     "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE, "in_channels": 3}
+    vision_config = {
+        **VISION_SHAPE, "hidden_size": MODEL_SHAPE["hidden_size"], "patch_size": PATCH_SIZE,
+        "spatial_merge_size": MERGE_SIZE, "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "in_channels": 3,
+    }
     config = Qwen2VLConfig(
         text_config=text_config, vision_config=vision_config, image_token_id=vocab[IMAGE_PAD],
         video_token_id=vocab[VIDEO_PAD], vision_start_token_id=vocab[VISION_START],
@@ -158,27 +181,33 @@ def init_vl_model(tokenizer: Any, seed: int = 0) -> Any:
 
 
 def build_vl_into(out_dir: Path) -> None:
-    """Write tokenizer, processor configs, weights, generation config and the marker into ``out_dir``."""
+    """Write tokenizer, processor configs, weights, generation config and the marker into
+    ``out_dir``."""
     # heavy (transformers): only when building
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one tiny shard: the "Writing model shards" bar is only noise
+    # one tiny shard: the "Writing model shards" bar is only noise
+    hf_logging.disable_progress_bar()
     tokenizer = build_vl_tokenizer()
     write_processor_files(tokenizer, out_dir)
     model = init_vl_model(tokenizer)
     model.save_pretrained(str(out_dir))
     vocab = tokenizer.get_vocab()
     pad, eos = vocab[PAD_TOKEN], vocab[IM_END]
-    GenerationConfig(bos_token_id=pad, eos_token_id=eos, pad_token_id=pad).save_pretrained(str(out_dir))
+    GenerationConfig(bos_token_id=pad, eos_token_id=eos, pad_token_id=pad).save_pretrained(
+        str(out_dir)
+    )
     tokenizer_config = out_dir / "tokenizer_config.json"
     data = json.loads(tokenizer_config.read_text())
     data["tokenizer_class"] = "Qwen2Tokenizer"
     tokenizer_config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     for file in out_dir.iterdir():
         file.chmod(0o644)
-    marker = {"builder_version": f"vl-{VL_BUILDER_VERSION}", "content_sha256": content_hash(out_dir),
-              "vocab": len(tokenizer)}
+    marker = {
+        "builder_version": f"vl-{VL_BUILDER_VERSION}", "content_sha256": content_hash(out_dir),
+        "vocab": len(tokenizer),
+    }
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
 
@@ -192,11 +221,12 @@ def _is_current(path: Path) -> bool:
 
 
 def ensure_tiny_vl_model(path: str | Path | None = None, *, force: bool = False) -> Path:
-    """Build the tiny Qwen2-VL model at ``path`` (default :func:`tiny_vl_model_path`) unless it is current.
+    """Build the tiny Qwen2-VL model at ``path`` (default :func:`tiny_vl_model_path`) unless it is
+    current.
 
-    Idempotent and safe to call from parallel processes (file lock, build into a temporary directory,
-    atomic rename).  ``force`` rebuilds.  Raises ``FileExistsError`` rather than replace a non-empty
-    directory that holds no tiny model.
+    Idempotent and safe to call from parallel processes (file lock, build into a temporary
+    directory, atomic rename).  ``force`` rebuilds.  Raises ``FileExistsError`` rather than replace
+    a non-empty directory that holds no tiny model.
     """
     target = Path(path).expanduser().absolute() if path is not None else tiny_vl_model_path()
     if not force and _is_current(target):
@@ -206,7 +236,9 @@ def ensure_tiny_vl_model(path: str | Path | None = None, *, force: bool = False)
         if not force and _is_current(target):
             return target
         if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-            raise FileExistsError(f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it")
+            raise FileExistsError(
+                f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
         try:
             build_vl_into(tmp)

@@ -1,9 +1,10 @@
 """Encoding text with a fast tokenizer's Rust backend directly, when that gives exactly HF's ids.
 
-``tokenizer.encode(text, add_special_tokens=False)`` on a fast HF tokenizer ends in the Rust backend's
-``encode``; around it HF spends ~20-40 µs of Python per call (argument handling, a batch of one, a
-``BatchEncoding``).  Agent loops encode a prompt per sample and a delta per tool turn, so they call the backend
-directly whenever it is safe.  ``tests/unit/test_tokenization_families.py`` checks the ids are identical.
+``tokenizer.encode(text, add_special_tokens=False)`` on a fast HF tokenizer ends in the Rust
+backend's ``encode``; around it HF spends ~20-40 µs of Python per call (argument handling, a batch
+of one, a ``BatchEncoding``).  Agent loops encode a prompt per sample and a delta per tool turn, so
+they call the backend directly whenever it is safe.  ``tests/unit/test_tokenization_families.py``
+checks the ids are identical.
 """
 
 from __future__ import annotations
@@ -12,19 +13,29 @@ from typing import Any
 
 
 def fast_backend(tokenizer: Any) -> Any | None:
-    """The Rust ``tokenizers.Tokenizer`` behind a fast HF tokenizer, when encoding with it directly gives
-    exactly what ``tokenizer(text, add_special_tokens=False)`` gives: no truncation or padding set on it
-    (HF resets both per call; a direct call would apply leftovers) and no special-token splitting."""
+    """The Rust ``tokenizers.Tokenizer`` behind a fast HF tokenizer, when encoding with it directly
+    gives exactly what ``tokenizer(text, add_special_tokens=False)`` gives: no truncation or padding
+    set on it (HF resets both per call; a direct call would apply leftovers) and no special-token
+    splitting.
+    """
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode") or getattr(tokenizer, "split_special_tokens", False):
+    if (
+        backend is None
+        or not hasattr(backend, "encode")
+        or getattr(tokenizer, "split_special_tokens", False)
+    ):
         return None
-    if getattr(backend, "truncation", None) is not None or getattr(backend, "padding", None) is not None:
+    if (
+        getattr(backend, "truncation", None) is not None
+        or getattr(backend, "padding", None) is not None
+    ):
         return None
     return backend
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """``tokenizer.encode(text, add_special_tokens=False)`` as a list, through the backend when safe."""
+    """``tokenizer.encode(text, add_special_tokens=False)`` as a list, through the backend when
+    safe."""
     backend = fast_backend(tokenizer)
     if backend is not None:
         return list(backend.encode(text, add_special_tokens=False).ids)

@@ -7,7 +7,8 @@ Keys honoured, with verl's meaning:
   processor's) ``chat_template``;
 * ``trust_remote_code`` — passed to ``from_pretrained``.
 
-Neutral module: workers, the gateway and the CLI all load through here, so they agree on the template.
+Neutral module: workers, the gateway and the CLI all load through here, so they agree on the
+template.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from agentloop.servers.vllm_plugin import install
 
 logger = logging.getLogger(__name__)
 
-# Files whose presence marks a multimodal processor (transformers' PROCESSOR_NAME, IMAGE_PROCESSOR_NAME /
+# Files whose presence marks a multimodal processor (transformers' PROCESSOR_NAME,
+# IMAGE_PROCESSOR_NAME /
 # FEATURE_EXTRACTOR_NAME and VIDEO_PROCESSOR_NAME); a text model's directory has none of them.
-_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+_PROCESSOR_FILES = (
+    "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+)
 
 
 def model_config(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> ModelConfig:
-    """``model_cfg`` as a :class:`ModelConfig`: the ``actor_rollout_ref.model`` mapping (absent keys take the
-    YAML's values) or a ModelConfig already.
+    """``model_cfg`` as a :class:`ModelConfig`: the ``actor_rollout_ref.model`` mapping (absent keys
+    take the YAML's values) or a ModelConfig already.
 
     Raises:
         ConfigError: a value is mistyped.
@@ -41,19 +45,22 @@ def model_config(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> ModelConfi
 
 
 def tokenizer_source(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> str:
-    """Where the tokenizer comes from: ``tokenizer_path`` when set, else ``path`` (``~`` expanded)."""
+    """Where the tokenizer comes from: ``tokenizer_path`` when set, else ``path`` (``~``
+    expanded)."""
     model = model_config(model_cfg)
     return model.local_tokenizer_path or model.local_path
 
 
 def load_tokenizer(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> Any:
     """The HF tokenizer for ``model_cfg`` (a :class:`ModelConfig` or the model mapping): from
-    ``tokenizer_path`` (else ``path``), with ``custom_chat_template`` installed as its ``chat_template`` when
-    set."""
+    ``tokenizer_path`` (else ``path``), with ``custom_chat_template`` installed as its
+    ``chat_template`` when set."""
     from transformers import AutoTokenizer  # heavy (~1 s): config and dataset checks run before it
 
     model = model_config(model_cfg)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model), trust_remote_code=model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_source(model), trust_remote_code=model.trust_remote_code
+    )
     template = model.custom_chat_template
     if template is not None:
         tokenizer.chat_template = str(template)
@@ -61,22 +68,26 @@ def load_tokenizer(model_cfg: ModelConfig | Mapping[str, Any] | Any) -> Any:
 
 
 def is_multimodal_dir(path: str | Path) -> bool:
-    """True when a local model/tokenizer directory ships a processor config (image, video or audio)."""
+    """True when a local model/tokenizer directory ships a processor config (image, video or
+    audio)."""
     p = Path(path)
     return any((p / name).is_file() for name in _PROCESSOR_FILES)
 
 
-def load_processor(model_cfg: ModelConfig | Mapping[str, Any] | Any, tokenizer: Any | None = None) -> Any | None:
+def load_processor(
+    model_cfg: ModelConfig | Mapping[str, Any] | Any, tokenizer: Any | None = None
+) -> Any | None:
     """The HF processor of a multimodal model, else ``None``.
 
     Cheap for text models: a local directory without a processor config file is answered without
-    importing anything.  Never raises: a processor that fails to load is logged and ``None`` returned
-    (text-only generation still works).  The processor gets the tokenizer's chat template when it has
-    none (as verl does), and ``custom_chat_template`` when set.
+    importing anything.  Never raises: a processor that fails to load is logged and ``None``
+    returned (text-only generation still works).  The processor gets the tokenizer's chat template
+    when it has none (as verl does), and ``custom_chat_template`` when set.
 
     Args:
         model_cfg: a :class:`ModelConfig` or the model config slice.
-        tokenizer: the already-loaded tokenizer, whose chat template a template-less processor takes.
+        tokenizer: the already-loaded tokenizer, whose chat template a template-less processor
+        takes.
     """
     model = model_config(model_cfg)
     src = tokenizer_source(model)
@@ -85,10 +96,13 @@ def load_processor(model_cfg: ModelConfig | Mapping[str, Any] | Any, tokenizer: 
     try:
         from transformers import AutoProcessor, PreTrainedTokenizerBase  # heavy, as above
 
-        install()  # Qwen2-VL without torchvision: an image-only processor (a no-op with torchvision)
+        # Qwen2-VL without torchvision: an image-only processor (a no-op with torchvision)
+        install()
         processor = AutoProcessor.from_pretrained(src, trust_remote_code=model.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a text model with a stray config must still run
-        logger.warning("no processor loaded from %s (%s: %s); continuing text-only", src, type(e).__name__, e)
+        logger.warning(
+            "no processor loaded from %s (%s: %s); continuing text-only", src, type(e).__name__, e
+        )
         return None
     if isinstance(processor, PreTrainedTokenizerBase):  # AutoProcessor fell back to the tokenizer
         return None

@@ -19,7 +19,12 @@ from agentloop.tools.function_tool import (
     normalize_function_tool_return,
 )
 from agentloop.tools.gsm8k import Gsm8kTool
-from agentloop.tools.registry import TOOLS, initialize_tools_from_config, load_all_tools, register_tool
+from agentloop.tools.registry import (
+    TOOLS,
+    initialize_tools_from_config,
+    load_all_tools,
+    register_tool,
+)
 from agentloop.tools.schemas import (
     OpenAIFunctionCallSchema,
     OpenAIFunctionParametersSchema,
@@ -32,31 +37,12 @@ from agentloop.tools.schemas import (
 )
 
 __all__ = [
-    "FUNCTION_TOOL_REGISTRY",
-    "FUNCTION_TOOLS",
-    "BaseTool",
-    "CalculatorTool",
-    "ContextEdit",
-    "DeleteContextTool",
-    "FunctionTool",
-    "Gsm8kTool",
-    "OpenAIFunctionCallSchema",
-    "OpenAIFunctionParametersSchema",
-    "OpenAIFunctionParsedSchema",
-    "OpenAIFunctionPropertySchema",
-    "OpenAIFunctionSchema",
-    "OpenAIFunctionToolCall",
-    "OpenAIFunctionToolSchema",
-    "SummarizeContextTool",
-    "TOOLS",
-    "ToolResponse",
-    "current_messages",
-    "function_tool",
-    "get_function_tool",
-    "initialize_tools_from_config",
-    "load_all_tools",
-    "load_function_tools_from_path",
-    "normalize_function_tool_return",
-    "register_tool",
+    "FUNCTION_TOOL_REGISTRY", "FUNCTION_TOOLS", "BaseTool", "CalculatorTool", "ContextEdit",
+    "DeleteContextTool", "FunctionTool", "Gsm8kTool", "OpenAIFunctionCallSchema",
+    "OpenAIFunctionParametersSchema", "OpenAIFunctionParsedSchema", "OpenAIFunctionPropertySchema",
+    "OpenAIFunctionSchema", "OpenAIFunctionToolCall", "OpenAIFunctionToolSchema",
+    "SummarizeContextTool", "TOOLS", "ToolResponse", "current_messages", "function_tool",
+    "get_function_tool", "initialize_tools_from_config", "load_all_tools",
+    "load_function_tools_from_path", "normalize_function_tool_return", "register_tool",
     "request_context_edit",
 ]

@@ -1,8 +1,8 @@
 """A calculator tool: evaluates arithmetic safely (an AST walk, never ``eval``).
 
-Supports integers and decimals, ``+ - * / // % **``, unary signs and parentheses.  Exponents are capped
-(|exponent| <= 64) and results larger than 10**100 are refused, so a hostile expression cannot hang a
-worker.  Errors come back to the model as text.
+Supports integers and decimals, ``+ - * / // % **``, unary signs and parentheses.  Exponents are
+capped (|exponent| <= 64) and results larger than 10**100 are refused, so a hostile expression
+cannot hang a worker.  Errors come back to the model as text.
 """
 
 from __future__ import annotations
@@ -22,15 +22,19 @@ _BINARY: dict[type, Callable[[Any, Any], Any]] = {
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _LIMIT = 10**100
 
-# The exact schema the tiny test model is trained on (agentloop.testing.tiny_model): keep it byte-stable.
+# The exact schema the tiny test model is trained on (agentloop.testing.tiny_model): keep it
+# byte-stable.
 CALCULATOR_TOOL_DICT: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression with integers and the operators +, - and *.",
+        "description": "Evaluate an arithmetic expression with integers and the operators "
+        "+, - and *.",
         "parameters": {
             "type": "object",
-            "properties": {"expression": {"type": "string", "description": "The expression, e.g. 12 * 7"}},
+            "properties": {
+                "expression": {"type": "string", "description": "The expression, e.g. 12 * 7"}
+            },
             "required": ["expression"],
         },
     },
@@ -76,7 +80,10 @@ def format_number(value: int | float) -> str:
 class CalculatorTool(BaseTool):
     """``calculator(expression)`` → the value as text."""
 
-    def __init__(self, config: dict[str, Any] | None = None, tool_schema: OpenAIFunctionToolSchema | None = None):
+    def __init__(
+        self, config: dict[str, Any] | None = None,
+        tool_schema: OpenAIFunctionToolSchema | None = None,
+    ):
         super().__init__(config or {}, tool_schema or CALCULATOR_SCHEMA)
 
     async def execute(

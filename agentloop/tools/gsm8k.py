@@ -1,10 +1,10 @@
 """Gsm8kTool: the model submits its final GSM8K answer and gets it checked, with a reward.
 
-The ground truth comes per sample through ``tools_kwargs`` (verl's ``gsm8k_tool_agent_loop`` data shape;
-``create`` raises ValueError when it is missing or holds no number).  :func:`extract_answer` parses the
-submitted number; ``execute``'s step reward is 1.0 for a correct first submission, else 0.0, and a later
-submission that does not improve gets ``config.no_improvement_reward``; ``calc_reward`` is the instance's
-best score.  Spec: docs/tools.md#gsm8ktool.
+The ground truth comes per sample through ``tools_kwargs`` (verl's ``gsm8k_tool_agent_loop`` data
+shape; ``create`` raises ValueError when it is missing or holds no number).  :func:`extract_answer`
+parses the submitted number; ``execute``'s step reward is 1.0 for a correct first submission, else
+0.0, and a later submission that does not improve gets ``config.no_improvement_reward``;
+``calc_reward`` is the instance's best score.  Spec: docs/tools.md#gsm8ktool.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ GSM8K_TOOL_DICT: dict[str, Any] = {
         "parameters": {
             "type": "object",
             "properties": {
-                "answer": {"type": "string", "description": "The final answer as a number, e.g. 72 (no units)"},
+                "answer": {
+                    "type": "string",
+                    "description": "The final answer as a number, e.g. 72 (no units)",
+                },
             },
             "required": ["answer"],
         },
@@ -36,7 +39,9 @@ GSM8K_SCHEMA = OpenAIFunctionToolSchema.model_validate(GSM8K_TOOL_DICT)
 
 # A number: optional sign (not right after a word character, so "5-3" is not "-3"), optional "$",
 # then digits with optional thousands separators and decimals.
-_NUMBER = re.compile(r"(?<![\w.])(?P<sign>-)?\$?\s?(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+_NUMBER = re.compile(
+    r"(?<![\w.])(?P<sign>-)?\$?\s?(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
 _MARKER = "####"
 
 
@@ -77,20 +82,31 @@ class Gsm8kTool(BaseTool):
     Config keys: ``no_improvement_reward`` (default -0.05).
     """
 
-    def __init__(self, config: dict[str, Any] | None = None, tool_schema: OpenAIFunctionToolSchema | None = None):
+    def __init__(
+        self, config: dict[str, Any] | None = None,
+        tool_schema: OpenAIFunctionToolSchema | None = None,
+    ):
         super().__init__(config or {}, tool_schema or GSM8K_SCHEMA)
         self.no_improvement_reward = float(self.config.get("no_improvement_reward", -0.05))
         self._instances: dict[str, _Instance] = {}
 
-    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
-        """Store the ground truth: ``create(create_kwargs={"ground_truth": x})`` or ``create(iid, ground_truth=x)``."""
+    async def create(
+        self, instance_id: str | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
+        """Store the ground truth: ``create(create_kwargs={"ground_truth": x})`` or
+        ``create(iid, ground_truth=x)``."""
         ground_truth = self.create_kwargs(kwargs).get("ground_truth")
         if ground_truth is None:
-            raise ValueError(f"{self.name}: no ground truth; give it in tools_kwargs.{self.name}.create_kwargs."
-                             "ground_truth")
+            raise ValueError(
+                f"{self.name}: no ground truth; give it in "
+                f"tools_kwargs.{self.name}.create_kwargs."
+                "ground_truth"
+            )
         truth = extract_answer(str(ground_truth))
         if truth is None:
-            raise ValueError(f"{self.name}: the ground truth {str(ground_truth)[:80]!r} contains no number")
+            raise ValueError(
+                f"{self.name}: the ground truth {str(ground_truth)[:80]!r} contains no number"
+            )
         instance_id = instance_id or uuid4().hex
         self._instances[instance_id] = _Instance(ground_truth=truth)
         return instance_id, ToolResponse()
@@ -110,7 +126,10 @@ class Gsm8kTool(BaseTool):
         state.submissions += 1
         state.best = max(state.best, score)
         if value is None:
-            text = f"No number found in the answer {str(answer)[:80]!r}; give the final answer as a number."
+            text = (
+                f"No number found in the answer {str(answer)[:80]!r}; give the final "
+                f"answer as a number."
+            )
         else:
             verdict = "correct" if score == 1.0 else "incorrect"
             text = f"Parsed answer: {format_decimal(value)}. The answer is {verdict}."

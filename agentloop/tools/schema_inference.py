@@ -1,8 +1,8 @@
 """Inferring a function's OpenAI tool schema from its signature, type hints and docstring.
 
 Used by :func:`agentloop.tools.function_tool.function_tool` (the rules are listed in that module's
-docstring); everything that does not fit raises :class:`~agentloop.errors.ConfigError` naming the function
-and the parameter.
+docstring); everything that does not fit raises :class:`~agentloop.errors.ConfigError` naming the
+function and the parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def infer_schema(
     label = fn_label(fn)
     tool_name = str(name or getattr(fn, "__name__", ""))
     if not _NAME.match(tool_name):
-        raise ConfigError(f"@function_tool: tool name {tool_name!r} of {label} must match [A-Za-z0-9_-]{{1,64}}")
+        raise ConfigError(
+            f"@function_tool: tool name {tool_name!r} of {label} must match [A-Za-z0-9_-]{{1,64}}"
+        )
     try:
         hints = typing.get_type_hints(fn)
     except Exception as e:  # noqa: BLE001 - unresolved forward references, bad annotations
@@ -44,8 +46,11 @@ def infer_schema(
     for param in inspect.signature(fn).parameters.values():
         where = f"{label} parameter {param.name!r}"
         if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-            raise ConfigError(f"@function_tool: {where}: *args, **kwargs and positional-only parameters "
-                              "are not supported")
+            raise ConfigError(
+                f"@function_tool: {where}: *args, **kwargs and "
+                f"positional-only parameters "
+                "are not supported"
+            )
         if param.name not in hints:
             raise ConfigError(f"@function_tool: {where} has no type annotation")
         inner, optional = _strip_none(hints[param.name])
@@ -55,8 +60,10 @@ def infer_schema(
         properties[param.name] = prop
         if not optional and param.default is param.empty:
             required.append(param.name)
-    function = {"name": tool_name, "description": description if description is not None else summary,
-                "parameters": {"type": "object", "properties": properties, "required": required}}
+    function = {
+        "name": tool_name, "description": description if description is not None else summary,
+        "parameters": {"type": "object", "properties": properties, "required": required},
+    }
     return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": function})
 
 
@@ -75,7 +82,8 @@ def json_schema_for(tp: Any, where: str) -> dict[str, Any]:
     if origin in (Union, types.UnionType) and all(a in _SCALARS for a in args):
         return {"type": [_SCALARS[a] for a in args]}
     raise ConfigError(
-        f"@function_tool: {where}: unsupported annotation {tp!r}; use str, int, float, bool, list[...], dict, "
+        f"@function_tool: {where}: unsupported annotation {tp!r}; use str, int, float, "
+        f"bool, list[...], dict, "
         "Literal[...] or a union of scalars (Optional[...] / X | None only on the parameter itself)"
     )
 
@@ -94,11 +102,14 @@ def _literal_type(value: Any, where: str) -> str:
     for tp, name in _SCALARS.items():
         if type(value) is tp:
             return name
-    raise ConfigError(f"@function_tool: {where}: Literal values must be str, int, float or bool, got {value!r}")
+    raise ConfigError(
+        f"@function_tool: {where}: Literal values must be str, int, float or bool, got {value!r}"
+    )
 
 
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """(first paragraph joined on one line, {parameter: description} from a Google-style ``Args:``)."""
+    """(first paragraph joined on one line, {parameter: description} from a Google-style
+    ``Args:``)."""
     lines = (doc or "").splitlines()
     summary: list[str] = []
     for line in lines:
@@ -106,8 +117,14 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
             break
         summary.append(line.strip())
     args: dict[str, str] = {}
-    start = next((i for i, line in enumerate(lines) if line.strip() in _ARG_SECTIONS and not line[:1].isspace()),
-                 None)
+    start = next(
+        (
+            i
+            for i, line in enumerate(lines)
+            if line.strip() in _ARG_SECTIONS and not line[:1].isspace()
+        ),
+        None,
+    )
     if start is not None:
         _parse_args(lines[start + 1:], args)
     return " ".join(summary), args

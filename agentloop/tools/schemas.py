@@ -1,12 +1,13 @@
 """OpenAI function-tool schemas (pydantic), with verl's class names, and the tool result type.
 
-For the same YAML, ``OpenAIFunctionToolSchema.model_dump(exclude_unset=True, exclude_none=True)`` gives the
-dict verl's class gives (what the chat template renders), with one deliberate difference: a property's
-``items`` (the element schema of an array) is kept, where verl drops it.
+For the same YAML, ``OpenAIFunctionToolSchema.model_dump(exclude_unset=True, exclude_none=True)``
+gives the dict verl's class gives (what the chat template renders), with one deliberate difference:
+a property's ``items`` (the element schema of an array) is kept, where verl drops it.
 
-Parsed tool calls: :class:`OpenAIFunctionParsedSchema` (name + arguments as the model wrote them, a JSON
-string) → :meth:`OpenAIFunctionCallSchema.from_openai_function_parsed_schema` → (name + arguments as a
-dict, whether the arguments failed to decode); :class:`OpenAIFunctionToolCall` adds the call id.
+Parsed tool calls: :class:`OpenAIFunctionParsedSchema` (name + arguments as the model wrote them, a
+JSON string) → :meth:`OpenAIFunctionCallSchema.from_openai_function_parsed_schema` → (name +
+arguments as a dict, whether the arguments failed to decode); :class:`OpenAIFunctionToolCall` adds
+the call id.
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ class OpenAIFunctionSchema(BaseModel):
 
     name: str = Field(min_length=1)
     description: str = ""
-    parameters: OpenAIFunctionParametersSchema = Field(default_factory=OpenAIFunctionParametersSchema)
+    parameters: OpenAIFunctionParametersSchema = Field(
+        default_factory=OpenAIFunctionParametersSchema
+    )
     strict: bool = False
 
 
 class OpenAIFunctionToolSchema(BaseModel):
-    """``{"type": "function", "function": {...}}`` as passed to chat templates and the OpenAI API."""
+    """``{"type": "function", "function": {...}}`` as passed to chat templates and the OpenAI
+    API."""
 
     type: Literal["function"] = "function"
     function: OpenAIFunctionSchema
@@ -103,13 +107,15 @@ class ToolResponse(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _media_are_lists(cls, values: Any) -> Any:
-        """A single image / video must be wrapped in a list; say so instead of a bare validation error."""
+        """A single image / video must be wrapped in a list; say so instead of a bare validation
+        error."""
         if isinstance(values, dict):
             for key in ("image", "video"):
                 value = values.get(key)
                 if value is not None and not isinstance(value, list):
                     raise ValueError(
-                        f"ToolResponse.{key} must be a list, got {type(value).__name__}; wrap a single {key} "
+                        f"ToolResponse.{key} must be a list, got {type(value).__name__}; "
+                        f"wrap a single {key} "
                         f"in a list: ToolResponse({key}=[value])"
                     )
         return values

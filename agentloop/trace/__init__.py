@@ -1,4 +1,5 @@
-"""Rollout tracing: one recorder API, with ``none``, ``jsonl`` and ``mlflow`` backends (docs/tracing.md).
+"""Rollout tracing: one recorder API, with ``none``, ``jsonl`` and ``mlflow`` backends
+(docs/tracing.md).
 
     from agentloop import trace
 
@@ -7,8 +8,8 @@
         with trace.span("my_tool", inputs={"x": 1}) as s:
             s.outputs = {"y": 2}
 
-verl's decorator and context manager (``rollout_trace_op``, ``rollout_trace_attr``, ``RolloutTraceConfig``)
-are in :mod:`agentloop.compat.rollout_trace`, built on this API.
+verl's decorator and context manager (``rollout_trace_op``, ``rollout_trace_attr``,
+``RolloutTraceConfig``) are in :mod:`agentloop.compat.rollout_trace`, built on this API.
 """
 
 from agentloop.trace.jsonl import JsonlBackend, to_jsonable
@@ -30,20 +31,7 @@ from agentloop.trace.recorder import (
 )
 
 __all__ = [
-    "BACKENDS",
-    "JsonlBackend",
-    "TraceBackend",
-    "backend",
-    "configure",
-    "current_attributes",
-    "decode_tokens",
-    "enabled",
-    "flush",
-    "new_span_id",
-    "record_span",
-    "set_token_decoder",
-    "span",
-    "suppressed",
-    "to_jsonable",
-    "trace_attributes",
+    "BACKENDS", "JsonlBackend", "TraceBackend", "backend", "configure", "current_attributes",
+    "decode_tokens", "enabled", "flush", "new_span_id", "record_span", "set_token_decoder", "span",
+    "suppressed", "to_jsonable", "trace_attributes",
 ]

@@ -1,11 +1,12 @@
 """The ``jsonl`` trace backend: one JSON object per span, appended to a file.
 
-Values are made JSON-safe by :func:`to_jsonable`: pydantic models are dumped, numpy / torch arrays become
-lists, lists longer than ``max_list_items`` keep their head and end with a ``"... (+N more)"`` marker,
-strings longer than ``max_str_chars`` are cut the same way, and anything else falls back to ``repr``.
+Values are made JSON-safe by :func:`to_jsonable`: pydantic models are dumped, numpy / torch arrays
+become lists, lists longer than ``max_list_items`` keep their head and end with a
+``"... (+N more)"`` marker, strings longer than ``max_str_chars`` are cut the same way, and anything
+else falls back to ``repr``.
 
-Several processes may append to one file: the file is opened with ``O_APPEND`` and each span is written
-with a single ``write`` call, so lines do not interleave on a local file system.
+Several processes may append to one file: the file is opened with ``O_APPEND`` and each span is
+written with a single ``write`` call, so lines do not interleave on a local file system.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ def _sequence(value: Sequence[Any], max_items: int, max_chars: int, depth: int) 
 
 
 def _array(value: Any, max_items: int, max_chars: int, depth: int) -> Any:
-    """numpy arrays, torch tensors and their scalars: slice before ``tolist`` so huge arrays stay cheap."""
+    """numpy arrays, torch tensors and their scalars: slice before ``tolist`` so huge arrays stay
+    cheap."""
     shape = getattr(value, "shape", None)
     if shape is None or len(shape) == 0:
-        return to_jsonable(value.item() if hasattr(value, "item") else value.tolist(), max_items, max_chars, depth)
+        return to_jsonable(
+            value.item() if hasattr(value, "item") else value.tolist(), max_items, max_chars, depth
+        )
     head = value[:max_items]
     if hasattr(head, "detach"):
         head = head.detach().cpu()
@@ -58,10 +62,8 @@ def _array(value: Any, max_items: int, max_chars: int, depth: int) -> Any:
 
 
 def to_jsonable(
-    value: Any,
-    max_list_items: int = DEFAULT_MAX_LIST_ITEMS,
-    max_str_chars: int = DEFAULT_MAX_STR_CHARS,
-    _depth: int = 0,
+    value: Any, max_list_items: int = DEFAULT_MAX_LIST_ITEMS,
+    max_str_chars: int = DEFAULT_MAX_STR_CHARS, _depth: int = 0,
 ) -> Any:
     """A JSON-safe copy of ``value`` (see the module docstring for the rules)."""
     if value is None or isinstance(value, (bool, int)):
@@ -69,7 +71,11 @@ def to_jsonable(
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, str):
-        return value if len(value) <= max_str_chars else value[:max_str_chars] + _more(len(value) - max_str_chars)
+        return (
+            value
+            if len(value) <= max_str_chars
+            else value[:max_str_chars] + _more(len(value) - max_str_chars)
+        )
     if _depth >= _MAX_DEPTH:
         return repr(value)[:max_str_chars]
     if isinstance(value, enum.Enum):
@@ -77,7 +83,10 @@ def to_jsonable(
     if isinstance(value, BaseModel):
         return to_jsonable(value.model_dump(), max_list_items, max_str_chars, _depth + 1)
     if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v, max_list_items, max_str_chars, _depth + 1) for k, v in value.items()}
+        return {
+            str(k): to_jsonable(v, max_list_items, max_str_chars, _depth + 1)
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return _sequence(value, max_list_items, max_str_chars, _depth)
     if isinstance(value, (set, frozenset)):
@@ -95,12 +104,15 @@ def to_jsonable(
         except Exception:  # noqa: BLE001 - an exotic array type: fall back to repr
             pass
     if isinstance(value, (bytes, bytearray, Path)):
-        return to_jsonable(str(value) if isinstance(value, Path) else repr(value), max_list_items, max_str_chars)
+        return to_jsonable(
+            str(value) if isinstance(value, Path) else repr(value), max_list_items, max_str_chars
+        )
     return to_jsonable(repr(value), max_list_items, max_str_chars)
 
 
 class JsonlBackend:
-    """Appends one JSON line per span to ``path`` (``{pid}`` in the path is replaced by the process id).
+    """Appends one JSON line per span to ``path`` (``{pid}`` in the path is replaced by the process
+    id).
 
     Args:
         path: the file to append to; parent directories are created.
@@ -111,9 +123,7 @@ class JsonlBackend:
     name = "jsonl"
 
     def __init__(
-        self,
-        path: str | os.PathLike[str],
-        max_list_items: int = DEFAULT_MAX_LIST_ITEMS,
+        self, path: str | os.PathLike[str], max_list_items: int = DEFAULT_MAX_LIST_ITEMS,
         max_str_chars: int = DEFAULT_MAX_STR_CHARS,
     ) -> None:
         if max_list_items < 1 or max_str_chars < 1:
@@ -135,9 +145,12 @@ class JsonlBackend:
         self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` as one line; the limits apply to its ``inputs``, ``outputs`` and ``attrs``."""
+        """Append ``record`` as one line; the limits apply to its ``inputs``, ``outputs`` and
+        ``attrs``."""
         safe = {
-            k: to_jsonable(v, self.max_list_items, self.max_str_chars) if k in _PAYLOAD else to_jsonable(v)
+            k: to_jsonable(v, self.max_list_items, self.max_str_chars)
+            if k in _PAYLOAD
+            else to_jsonable(v)
             for k, v in record.items()
         }
         data = (json.dumps(safe, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")

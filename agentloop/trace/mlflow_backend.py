@@ -1,14 +1,17 @@
-"""The ``mlflow`` trace backend: one MLflow trace per sample, its generate / tool / interaction spans inside.
+"""The ``mlflow`` trace backend: one MLflow trace per sample, its generate / tool / interaction
+spans inside.
 
-Spans reach :meth:`MlflowBackend.write` as finished records (children before their parent: a span is recorded
-when it ends).  Records wait in memory until their root span ends (the sample's ``agent_loop`` span, opened by
-``rollout_trace_attr``); the root and everything under it then go to a background thread that writes one trace
-with the recorded start / end times, so the worker's event loop never waits on the store.  Records with no
-root left at :meth:`close` become traces of their own.
+Spans reach :meth:`MlflowBackend.write` as finished records (children before their parent: a span is
+recorded when it ends).  Records wait in memory until their root span ends (the sample's
+``agent_loop`` span, opened by ``rollout_trace_attr``); the root and everything under it then go to
+a background thread that writes one trace with the recorded start / end times, so the worker's event
+loop never waits on the store. Records with no root left at :meth:`close` become traces of their
+own.
 
-Store: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<cwd>/rollout_traces/mlflow.db``; experiment: the
-trace config's ``project_name``.  Look at it with ``mlflow ui --backend-store-uri sqlite:///rollout_traces/mlflow.db``
-(docs/tracing.md).  Needs ``pip install agentloop[trace]`` (mlflow-skinny, sqlalchemy, alembic).
+Store: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<cwd>/rollout_traces/mlflow.db``;
+experiment: the trace config's ``project_name``.  Look at it with
+``mlflow ui --backend-store-uri sqlite:///rollout_traces/mlflow.db`` (docs/tracing.md).  Needs
+``pip install agentloop[trace]`` (mlflow-skinny, sqlalchemy, alembic).
 """
 
 from __future__ import annotations
@@ -44,21 +47,29 @@ class MlflowBackend:
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = "agentloop") -> None:
         try:
-            os.environ.setdefault("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")  # our own thread writes
-            import mlflow
-            from mlflow import MlflowClient
+            # our own thread writes
+            os.environ.setdefault("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
+            import mlflow  # optional dependency (the trace extra)
+            from mlflow import MlflowClient  # optional dependency (the trace extra)
         except ImportError as e:
-            raise ConfigError("rollout.trace.backend: mlflow needs MLflow: pip install 'agentloop[trace]' "
-                              f"(mlflow-skinny, sqlalchemy, alembic); import failed: {e}") from e
+            raise ConfigError(
+                "rollout.trace.backend: mlflow needs MLflow: pip install "
+                "'agentloop[trace]' "
+                f"(mlflow-skinny, sqlalchemy, alembic); import failed: {e}"
+            ) from e
         self.tracking_uri = tracking_uri or default_tracking_uri()
-        mlflow.set_tracking_uri(self.tracking_uri)  # MLflow's span exporter writes to the process-wide store
-        registry = f"file://{Path('rollout_traces').absolute() / 'registry'}"  # unused; skinny needs one
+        # MLflow's span exporter writes to the process-wide store
+        mlflow.set_tracking_uri(self.tracking_uri)
+        # unused; skinny needs one
+        registry = f"file://{Path('rollout_traces').absolute() / 'registry'}"
         self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=registry)
         found = self._client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found else self._create_experiment(experiment)
         self._pending: dict[str, dict[str, Any]] = {}
         self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._drain, name="agentloop-mlflow-traces", daemon=True)
+        self._thread = threading.Thread(
+            target=self._drain, name="agentloop-mlflow-traces", daemon=True
+        )
         self._thread.start()
 
     def _create_experiment(self, name: str) -> str:
@@ -71,7 +82,8 @@ class MlflowBackend:
             return str(found.experiment_id)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Keep ``record``; when it is a root span, hand it and its descendants to the writer thread."""
+        """Keep ``record``; when it is a root span, hand it and its descendants to the writer
+        thread."""
         self._pending[record["span_id"]] = record
         if record.get("parent_id") is None:
             self._queue.put(self._take_tree(record["span_id"]))
@@ -99,14 +111,18 @@ class MlflowBackend:
             time.sleep(0.01)
 
     def close(self) -> None:
-        """Write what is left (spans whose root never ended become traces of their own) and stop the thread."""
+        """Write what is left (spans whose root never ended become traces of their own) and stop
+        the thread."""
         while self._pending:
-            top = next(s for s, r in self._pending.items() if r.get("parent_id") not in self._pending)
+            top = next(
+                s for s, r in self._pending.items() if r.get("parent_id") not in self._pending
+            )
             self._queue.put(self._take_tree(top))
         self._queue.put(None)
         self._thread.join(timeout=60)
 
-    # ------------------------------------------------------------------------------------- writer thread
+    # ------------------------------------------------------------------------------------- writer
+    # thread
     def _drain(self) -> None:
         while True:
             tree = self._queue.get()
@@ -119,7 +135,9 @@ class MlflowBackend:
                         break
                     except Exception as e:  # noqa: BLE001 - a trace never fails the rollout
                         if attempt == 2:
-                            logger.warning("could not write a rollout trace to %s: %s", self.tracking_uri, e)
+                            logger.warning(
+                                "could not write a rollout trace to %s: %s", self.tracking_uri, e
+                            )
                         time.sleep(0.2 * (attempt + 1))
             finally:
                 self._queue.task_done()
@@ -129,18 +147,26 @@ class MlflowBackend:
         ids = {r["span_id"] for r in tree}
         root = next(r for r in tree if r.get("parent_id") not in ids)
         attrs = {k: str(v) for k, v in (root.get("attrs") or {}).items()}
-        trace = client.start_trace(root["name"], inputs=to_jsonable(root.get("inputs") or root.get("attrs")),
-                                   attributes=attrs, experiment_id=self.experiment_id,
-                                   start_time_ns=int(root["start"] * 1e9))
+        trace = client.start_trace(
+            root["name"], inputs=to_jsonable(root.get("inputs") or root.get("attrs")),
+            attributes=attrs, experiment_id=self.experiment_id,
+            start_time_ns=int(root["start"] * 1e9),
+        )
         mlflow_ids = {root["span_id"]: trace.span_id}
         for r in sorted((r for r in tree if r is not root), key=lambda r: r["start"]):
             parent = mlflow_ids.get(r.get("parent_id"), trace.span_id)
-            span = client.start_span(r["name"], trace_id=trace.trace_id, parent_id=parent,
-                                     inputs=to_jsonable(r.get("inputs")), attributes=to_jsonable(r.get("attrs")),
-                                     start_time_ns=int(r["start"] * 1e9))
+            span = client.start_span(
+                r["name"], trace_id=trace.trace_id, parent_id=parent,
+                inputs=to_jsonable(r.get("inputs")), attributes=to_jsonable(r.get("attrs")),
+                start_time_ns=int(r["start"] * 1e9),
+            )
             mlflow_ids[r["span_id"]] = span.span_id
-            client.end_span(trace.trace_id, span.span_id, outputs=to_jsonable(r.get("outputs")),
-                            attributes={"error": r["error"]} if r.get("error") else None,
-                            status="ERROR" if r.get("error") else "OK", end_time_ns=int(r["end"] * 1e9))
-        client.end_trace(trace.trace_id, outputs=to_jsonable(root.get("outputs")),
-                         status="ERROR" if root.get("error") else "OK", end_time_ns=int(root["end"] * 1e9))
+            client.end_span(
+                trace.trace_id, span.span_id, outputs=to_jsonable(r.get("outputs")),
+                attributes={"error": r["error"]} if r.get("error") else None,
+                status="ERROR" if r.get("error") else "OK", end_time_ns=int(r["end"] * 1e9),
+            )
+        client.end_trace(
+            trace.trace_id, outputs=to_jsonable(root.get("outputs")),
+            status="ERROR" if root.get("error") else "OK", end_time_ns=int(root["end"] * 1e9),
+        )

@@ -2,15 +2,18 @@
 
 Spec:
 
-* :func:`configure` picks the backend (``"none"``, ``"jsonl"`` or ``"mlflow"``) for this process; a second call closes
-  the previous backend first.  Ray workers are separate processes: each configures its own recorder.
-* :func:`enabled` is one module-global bool check while tracing is off; when on, it is also False inside
-  :func:`suppressed` (verl's ``rollout_trace_attr(trace=False)``).
+* :func:`configure` picks the backend (``"none"``, ``"jsonl"`` or ``"mlflow"``) for this process; a
+  second call closes the previous backend first.  Ray workers are separate processes: each
+  configures its own recorder.
+* :func:`enabled` is one module-global bool check while tracing is off; when on, it is also False
+  inside :func:`suppressed` (verl's ``rollout_trace_attr(trace=False)``).
 * :func:`record_span` writes one span: ``name``, ``inputs``, ``outputs``, ``start``/``end`` (epoch
-  seconds), ``attrs`` (the context's attributes updated by the explicit ones), ``span_id``, ``parent_id``
-  (the innermost open :func:`span`), ``pid`` and ``error``.  It does nothing while tracing is off.
-* :func:`trace_attributes` attaches attributes (``step``, ``sample_index``, ``rollout_n``, ``validate``, ...)
-  to every span recorded inside it, also in tasks created inside it (contextvars); nesting merges.
+  seconds), ``attrs`` (the context's attributes updated by the explicit ones), ``span_id``,
+  ``parent_id`` (the innermost open :func:`span`), ``pid`` and ``error``.  It does nothing while
+  tracing is off.
+* :func:`trace_attributes` attaches attributes (``step``, ``sample_index``, ``rollout_n``,
+  ``validate``, ...) to every span recorded inside it, also in tasks created inside it
+  (contextvars); nesting merges.
 * :func:`span` times a block and records it on exit, with the exception as ``error`` if one escaped.
 """
 
@@ -41,7 +44,9 @@ class TraceBackend(Protocol):
 
 _on: bool = False
 _backend: TraceBackend | None = None
-_attributes: ContextVar[dict[str, Any] | None] = ContextVar("agentloop_trace_attributes", default=None)
+_attributes: ContextVar[dict[str, Any] | None] = ContextVar(
+    "agentloop_trace_attributes", default=None
+)
 _suppressed: ContextVar[bool] = ContextVar("agentloop_trace_suppressed", default=False)
 _current_span: ContextVar[str | None] = ContextVar("agentloop_trace_span", default=None)
 _ids = itertools.count(1)
@@ -49,7 +54,8 @@ _decoder: Any = None
 
 
 def set_token_decoder(decode: Any) -> None:
-    """``decode(ids) -> str`` used by :func:`decode_tokens` (verl's ``token2text``); None turns text off."""
+    """``decode(ids) -> str`` used by :func:`decode_tokens` (verl's ``token2text``); None turns
+    text off."""
     global _decoder
     _decoder = decode
 
@@ -66,19 +72,19 @@ def decode_tokens(ids: Any) -> str | None:
 
 
 def configure(
-    backend: str | None = "none",
-    path: str | os.PathLike[str] | None = None,
-    *,
-    max_list_items: int = DEFAULT_MAX_LIST_ITEMS,
-    max_str_chars: int = DEFAULT_MAX_STR_CHARS,
+    backend: str | None = "none", path: str | os.PathLike[str] | None = None, *,
+    max_list_items: int = DEFAULT_MAX_LIST_ITEMS, max_str_chars: int = DEFAULT_MAX_STR_CHARS,
     experiment: str = "agentloop",
 ) -> None:
-    """Turn tracing on (``"jsonl"``, which needs ``path``; ``"mlflow"``) or off (``"none"`` or None) here.
+    """Turn tracing on (``"jsonl"``, which needs ``path``; ``"mlflow"``) or off (``"none"`` or None)
+    here.
 
     Args:
-        backend: ``"none"`` / None, ``"jsonl"`` or ``"mlflow"`` (:mod:`agentloop.trace.mlflow_backend`).
-        path: the JSONL file spans are appended to (``{pid}`` is replaced by the process id); for mlflow the
-            tracking URI (default ``MLFLOW_TRACKING_URI``, else ``sqlite:///./rollout_traces/mlflow.db``).
+        backend: ``"none"`` / None, ``"jsonl"`` or ``"mlflow"``
+        (:mod:`agentloop.trace.mlflow_backend`). path: the JSONL file spans are appended to
+        (``{pid}`` is replaced by the process id); for mlflow the
+            tracking URI (default ``MLFLOW_TRACKING_URI``, else
+            ``sqlite:///./rollout_traces/mlflow.db``).
         max_list_items: lists longer than this are truncated in records.
         max_str_chars: strings longer than this are truncated in records.
         experiment: the MLflow experiment the traces go to.
@@ -86,15 +92,22 @@ def configure(
     global _on, _backend
     name = "none" if backend is None else str(backend).lower()
     if name not in BACKENDS:
-        raise ConfigError(f"unknown trace backend {backend!r}; supported backends: {list(BACKENDS)}")
+        raise ConfigError(
+            f"unknown trace backend {backend!r}; supported backends: {list(BACKENDS)}"
+        )
     new: TraceBackend | None = None
-    if name == "mlflow":  # path: the tracking URI (default: MLFLOW_TRACKING_URI, else a local SQLite file)
+    # path: the tracking URI (default: MLFLOW_TRACKING_URI, else a local SQLite file)
+    if name == "mlflow":
+        # mlflow is an optional dependency: imported only when chosen
         from agentloop.trace.mlflow_backend import MlflowBackend
 
         new = MlflowBackend(None if path is None else str(path), experiment=experiment)
     if name == "jsonl":
         if path is None:
-            raise ConfigError("trace backend 'jsonl' needs a file: configure(backend='jsonl', path='traces.jsonl')")
+            raise ConfigError(
+                "trace backend 'jsonl' needs a file: "
+                "configure(backend='jsonl', path='traces.jsonl')"
+            )
         new = JsonlBackend(path, max_list_items=max_list_items, max_str_chars=max_str_chars)
     old, _backend, _on = _backend, new, new is not None
     if old is not None:
@@ -102,7 +115,8 @@ def configure(
 
 
 def flush() -> None:
-    """Wait until the backend has written what it was given (the mlflow backend writes from a thread)."""
+    """Wait until the backend has written what it was given (the mlflow backend writes from a
+    thread)."""
     sink = _backend
     if sink is not None and hasattr(sink, "flush"):
         sink.flush()
@@ -129,15 +143,8 @@ def new_span_id() -> str:
 
 
 def record_span(
-    name: str,
-    *,
-    inputs: Any = None,
-    outputs: Any = None,
-    start: float,
-    end: float,
-    attrs: dict[str, Any] | None = None,
-    error: str | None = None,
-    span_id: str | None = None,
+    name: str, *, inputs: Any = None, outputs: Any = None, start: float, end: float,
+    attrs: dict[str, Any] | None = None, error: str | None = None, span_id: str | None = None,
     parent_id: str | None = None,
 ) -> None:
     """Write one span to the backend (nothing while tracing is off; see the module docstring)."""
@@ -149,17 +156,10 @@ def record_span(
         merged.update(attrs)
     sink.write(
         {
-            "name": name,
-            "span_id": span_id or new_span_id(),
+            "name": name, "span_id": span_id or new_span_id(),
             "parent_id": parent_id if parent_id is not None else _current_span.get(),
-            "start": start,
-            "end": end,
-            "duration_s": end - start,
-            "attrs": merged,
-            "inputs": inputs,
-            "outputs": outputs,
-            "error": error,
-            "pid": os.getpid(),
+            "start": start, "end": end, "duration_s": end - start, "attrs": merged,
+            "inputs": inputs, "outputs": outputs, "error": error, "pid": os.getpid(),
         }
     )
 
@@ -207,13 +207,17 @@ class suppressed:  # lower-case: used like a function, ``with suppressed():``
 class span:  # lower-case: used like a function, ``with span("tool", inputs=...) as s:``
     """Time a block and record it as a span on exit; spans opened inside it name it as their parent.
 
-    Set ``outputs`` on the object the ``with`` yields.  An exception escaping the block is recorded as
-    ``error`` and re-raised.  While tracing is off the block runs with no bookkeeping.
+    Set ``outputs`` on the object the ``with`` yields.  An exception escaping the block is recorded
+    as ``error`` and re-raised.  While tracing is off the block runs with no bookkeeping.
     """
 
-    __slots__ = ("name", "inputs", "outputs", "attrs", "error", "span_id", "parent_id", "start", "_token")
+    __slots__ = (
+        "name", "inputs", "outputs", "attrs", "error", "span_id", "parent_id", "start", "_token",
+    )
 
-    def __init__(self, name: str, *, inputs: Any = None, attrs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, name: str, *, inputs: Any = None, attrs: dict[str, Any] | None = None
+    ) -> None:
         self.name = name
         self.inputs = inputs
         self.outputs: Any = None
@@ -233,7 +237,8 @@ class span:  # lower-case: used like a function, ``with span("tool", inputs=...)
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         if self._token is None:
             return
@@ -243,6 +248,6 @@ class span:  # lower-case: used like a function, ``with span("tool", inputs=...)
         if exc is not None and self.error is None:
             self.error = f"{type(exc).__name__}: {exc}"
         record_span(
-            self.name, inputs=self.inputs, outputs=self.outputs, start=self.start, end=end, attrs=self.attrs,
-            error=self.error, span_id=self.span_id, parent_id=self.parent_id,
+            self.name, inputs=self.inputs, outputs=self.outputs, start=self.start, end=end,
+            attrs=self.attrs, error=self.error, span_id=self.span_id, parent_id=self.parent_id,
         )

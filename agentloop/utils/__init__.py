@@ -1,1 +1,2 @@
-"""Small verl-shaped utility modules (``agentloop.utils.tensordict_utils`` mirrors ``verl.utils.tensordict_utils``)."""
+"""Small verl-shaped utility modules (``agentloop.utils.tensordict_utils`` mirrors
+``verl.utils.tensordict_utils``)."""

@@ -1,4 +1,5 @@
-"""Loading classes named in YAML (``_target_`` / ``class_name``) and YAML entry lists, with clear errors."""
+"""Loading classes named in YAML (``_target_`` / ``class_name``) and YAML entry lists, with clear
+errors."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def import_subclass(path: str, base: type[T], where: str, hint: str = "") -> typ
             raise ConfigError(f"{where}: cannot import {path!r}: {e}") from e
         return import_subclass(ported, base, where, hint)
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(f"{where}: {path!r} is not a {base.__name__} subclass{'; ' + hint if hint else ''}")
+        raise ConfigError(
+            f"{where}: {path!r} is not a {base.__name__} subclass{'; ' + hint if hint else ''}"
+        )
     return cls
 
 
@@ -64,8 +67,9 @@ def import_object(path: str, where: str) -> Any:
 
 
 def _verl_equivalent(path: str) -> str | None:
-    """agentloop's class for a ``verl.*`` class path in a config (verl's tool / interaction YAML names
-    ``verl.tools.gsm8k_tool.Gsm8kTool``) when verl itself is not importable; None otherwise."""
+    """agentloop's class for a ``verl.*`` class path in a config (verl's tool / interaction YAML
+    names ``verl.tools.gsm8k_tool.Gsm8kTool``) when verl itself is not importable; None otherwise.
+    """
     if not path.startswith("verl."):
         return None
     from agentloop.compat.import_map import VERL_IMPORT_MAP  # the verl seam; only for verl paths

@@ -1,10 +1,11 @@
 """One registration pattern for every extension kind: a :class:`Registry` of name -> object.
 
-Agent loops, agent runners, tool parsers, tools and interactions each keep one ``Registry``, filled in
-code by a decorator (``@register(name)``, ``@register_agent_runner(name)``, ``@ToolParser.register(name)``,
-``@register_tool(name)``, ``@register_interaction(name)``) and in YAML by entries of the form
-``{name: ..., _target_: pkg.module.Obj, **kwargs}`` (verl's ``class_name`` is an alias of ``_target_``).
-A ``_target_`` is a registered name or an import path.  Guide: docs/concepts.md#extending-agentloop.
+Agent loops, agent runners, tool parsers, tools and interactions each keep one ``Registry``, filled
+in code by a decorator (``@register(name)``, ``@register_agent_runner(name)``,
+``@ToolParser.register(name)``, ``@register_tool(name)``, ``@register_interaction(name)``) and in
+YAML by entries of the form ``{name: ..., _target_: pkg.module.Obj, **kwargs}`` (verl's
+``class_name`` is an alias of ``_target_``). A ``_target_`` is a registered name or an import path.
+Guide: docs/concepts.md#extending-agentloop.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from agentloop.utils.imports import import_object, import_subclass
 __all__ = ["Entry", "Registry", "did_you_mean", "entry_target", "target_of"]
 
 TARGET_KEYS = ("_target_", "class_name")
-"""Keys naming an entry's object in YAML; ``class_name`` is verl's spelling for tools and interactions."""
+"""Keys naming an entry's object in YAML; ``class_name`` is verl's spelling for tools and
+interactions."""
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One registration: ``target`` is the object's import path; ``obj`` is the object itself when it
-    was registered in code (None: imported from ``target`` on first use); ``kwargs`` are extra values
-    the kind passes on (an agent loop's constructor kwargs)."""
+    """One registration: ``target`` is the object's import path; ``obj`` is the object itself when
+    it was registered in code (None: imported from ``target`` on first use); ``kwargs`` are extra
+    values the kind passes on (an agent loop's constructor kwargs)."""
 
     name: str
     target: str
@@ -36,7 +38,8 @@ class Entry:
 
 
 def target_of(obj: Any) -> str:
-    """The import path ``module.qualname`` of a class or function (of its class for other objects)."""
+    """The import path ``module.qualname`` of a class or function (of its class for other
+    objects)."""
     named = obj if hasattr(obj, "__qualname__") else type(obj)
     return f"{getattr(named, '__module__', None) or '?'}.{named.__qualname__}"
 
@@ -74,7 +77,8 @@ class Registry(MutableMapping[str, Any]):
         expected: what the decorator must decorate, for messages ("an AgentLoopBase subclass").
         check: a test every object must pass besides ``base`` (default: none).
         where: the config key that names objects of this kind, for messages (optional).
-        fallback: a registry consulted for names this one lacks (built-ins under user registrations).
+        fallback: a registry consulted for names this one lacks (built-ins under user
+        registrations).
     """
 
     def __init__(self, kind: str, *, decorator: str, how: str, base: type | None = None,
@@ -88,7 +92,8 @@ class Registry(MutableMapping[str, Any]):
 
     # ------------------------------------------------------------------ registering
     def register(self, name: str, **kwargs: Any) -> Callable[[Any], Any]:
-        """Decorator registering its target as ``name`` (with ``kwargs``); returns the target unchanged."""
+        """Decorator registering its target as ``name`` (with ``kwargs``); returns the target
+        unchanged."""
 
         def decorator(obj: Any) -> Any:
             self.add(name, obj, **kwargs)
@@ -103,7 +108,8 @@ class Registry(MutableMapping[str, Any]):
         ``replace=True`` allows any.
 
         Raises:
-            ConfigError: ``obj`` is not what this kind takes, or ``name`` is taken by another object.
+            ConfigError: ``obj`` is not what this kind takes, or ``name`` is taken by another
+            object.
         """
         if isinstance(obj, str):
             entry = Entry(str(name), obj, None, dict(kwargs))
@@ -116,7 +122,8 @@ class Registry(MutableMapping[str, Any]):
         return entry
 
     def refuse_taken(self, name: str, target: str, obj: Any = None) -> None:
-        """Raise ConfigError if ``name`` is registered here by another object than ``obj`` / ``target``.
+        """Raise ConfigError if ``name`` is registered here by another object than ``obj`` /
+        ``target``.
 
         The same import path counts as the same object for classes and functions (a module imported
         twice or reloaded, a path entry being filled in), not for other objects (two partials).
@@ -124,7 +131,9 @@ class Registry(MutableMapping[str, Any]):
         old = self._entries.get(name)
         if old is None or (obj is not None and old.obj is obj):
             return
-        same_path = old.target == target and (obj is None or old.obj is None or hasattr(obj, "__qualname__"))
+        same_path = old.target == target and (
+            obj is None or old.obj is None or hasattr(obj, "__qualname__")
+        )
         if not same_path:
             raise ConfigError(
                 f"{self.kind} {name!r} is already registered as {old.target}; refusing to register "
@@ -135,14 +144,17 @@ class Registry(MutableMapping[str, Any]):
     def _check(self, name: str, obj: Any) -> None:
         ok = isinstance(obj, type) and issubclass(obj, self.base) if self.base is not None else True
         if not ok or (self.check is not None and not self.check(obj)):
-            raise ConfigError(f"@{self.decorator}({name!r}) must decorate {self.expected}, got {obj!r}")
+            raise ConfigError(
+                f"@{self.decorator}({name!r}) must decorate {self.expected}, got {obj!r}"
+            )
 
     # ------------------------------------------------------------------ looking up
     def entry(self, name: str) -> Entry:
         """The entry registered as ``name`` (here, else in the fallback).
 
         Raises:
-            ConfigError: no such name; the message lists the known names and says how to register one.
+            ConfigError: no such name; the message lists the known names and says how to register
+            one.
         """
         found = self.find(name)
         if found is None:
@@ -150,7 +162,8 @@ class Registry(MutableMapping[str, Any]):
         return found
 
     def find(self, name: str, local: bool = False) -> Entry | None:
-        """The entry registered as ``name`` here, else (unless ``local``) in the fallback; or None."""
+        """The entry registered as ``name`` here, else (unless ``local``) in the fallback; or
+        None."""
         found = self._entries.get(name)
         if found is None and self.fallback is not None and not local:
             return self.fallback.find(name)
@@ -198,7 +211,8 @@ class Registry(MutableMapping[str, Any]):
         return obj
 
     def unknown_message(self, name: str) -> str:
-        """The error text for an unknown ``name``: did-you-mean, the known names, how to register."""
+        """The error text for an unknown ``name``: did-you-mean, the known names, how to
+        register."""
         where = f" ({self.where})" if self.where else ""
         return (f"unknown {self.kind} {name!r}{where}; {did_you_mean(name, self.names())}"
                 f"registered: {self.names()}. {self.how}")
@@ -223,7 +237,8 @@ class Registry(MutableMapping[str, Any]):
         self.add(name, obj, replace=True)
 
     def __delitem__(self, name: str) -> None:
-        """Unregister ``name`` here (a fallback's registration is left alone: KeyError if only it has it)."""
+        """Unregister ``name`` here (a fallback's registration is left alone: KeyError if only it
+        has it)."""
         del self._entries[name]
 
     def __contains__(self, name: object) -> bool:
@@ -242,7 +257,8 @@ class Registry(MutableMapping[str, Any]):
 class EntryDictView(MutableMapping[str, dict[str, Any]]):
     """A registry's own layer (not its fallback) seen as verl's ``_agent_loop_registry``: name ->
     ``{"_target_": path, "_class_": cls, **kwargs}`` (``_class_`` only once the object is known).
-    Writes register (replacing) in the registry; a written dict needs ``_target_`` or ``_class_``."""
+    Writes register (replacing) in the registry; a written dict needs ``_target_`` or ``_class_``.
+    """
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
@@ -260,7 +276,9 @@ class EntryDictView(MutableMapping[str, dict[str, Any]]):
         obj = value.pop("_class_", None)
         target = value.pop("_target_", None)
         if obj is None and target is None:
-            raise ConfigError(f"registry entry {name!r} needs '_target_' (an import path), got {value!r}")
+            raise ConfigError(
+                f"registry entry {name!r} needs '_target_' (an import path), got {value!r}"
+            )
         self.registry.add(name, obj if obj is not None else str(target), replace=True, **value)
 
     def __delitem__(self, name: str) -> None:

@@ -1,4 +1,5 @@
-"""The part of verl's ``verl.utils.tensordict_utils`` that DataProto code uses: :func:`get_tensordict`."""
+"""The part of verl's ``verl.utils.tensordict_utils`` that DataProto code uses:
+:func:`get_tensordict`."""
 
 from agentloop.batch.protocol_utils import get_tensordict
 

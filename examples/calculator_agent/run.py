@@ -1,9 +1,11 @@
-"""Calculator agent example: make problems, roll them out with `tool_agent`, report tool use and reward.
+"""Calculator agent example: make problems, roll them out with `tool_agent`, report tool use and
+reward.
 
     .venv/bin/python examples/calculator_agent/run.py [--num-problems 64]
 
-Writes outputs/calculator_agent/{problems.jsonl, rollout.dataproto, trajectories.jsonl, summary.json} and prints
-the tool-call rate (trajectories with at least one tool turn) and the mean reward (final answer correct).
+Writes outputs/calculator_agent/{problems.jsonl, rollout.dataproto, trajectories.jsonl,
+summary.json} and prints the tool-call rate (trajectories with at least one tool turn) and the mean
+reward (final answer correct).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 
 
 def make_problems(n: int, seed: int = 0) -> list[dict]:
-    """Arithmetic word problems (the tiny model's task family) in verl's dataset format, routed to `tool_agent`."""
+    """Arithmetic word problems (the tiny model's task family) in verl's dataset format, routed
+    to `tool_agent`."""
     from agentloop.testing.tiny_model import word_problem_rows
 
     return word_problem_rows(n, agent_name="tool_agent", data_source="calculator_agent", seed=seed)
@@ -46,8 +49,13 @@ def main() -> None:
     (out / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems))
     model = subprocess.run([sys.executable, "scripts/make_tiny_model.py", "--quiet"], check=True,
                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    subprocess.run([str(Path(sys.executable).parent / "agentloop"), "rollout", "--config",
-                    "examples/calculator_agent/config.yaml", f"actor_rollout_ref.model.path={model}"], check=True)
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "agentloop"), "rollout", "--config",
+            "examples/calculator_agent/config.yaml", f"actor_rollout_ref.model.path={model}",
+        ],
+        check=True,
+    )
     print(json.dumps(score(out / "trajectories.jsonl", problems)))
 
 

@@ -1,8 +1,10 @@
-"""FollowUpInteraction: a user who asks several arithmetic questions in a row (the context-window example).
+"""FollowUpInteraction: a user who asks several arithmetic questions in a row (the context-window
+example).
 
-``interaction_kwargs``: ``questions`` (the follow-up questions, asked one by one after each answer) and
-``answers`` (the right answer to the first question, then to each follow-up, as strings).  Each answer
-"The answer is N." scores 1.0 or 0.0 as a turn score; the conversation's score is the fraction answered right.
+``interaction_kwargs``: ``questions`` (the follow-up questions, asked one by one after each answer)
+and ``answers`` (the right answer to the first question, then to each follow-up, as strings).  Each
+answer "The answer is N." scores 1.0 or 0.0 as a turn score; the conversation's score is the
+fraction answered right.
 """
 
 from __future__ import annotations
@@ -24,18 +26,24 @@ class FollowUpInteraction(BaseInteraction):
 
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         instance_id = await super().start_interaction(instance_id)
-        self._state[instance_id] = {"questions": list(kwargs.get("questions") or []),
-                                    "answers": [str(a) for a in kwargs.get("answers") or []], "right": []}
+        self._state[instance_id] = {
+            "questions": list(kwargs.get("questions") or []),
+            "answers": [str(a) for a in kwargs.get("answers") or []], "right": [],
+        }
         return instance_id
 
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
     ) -> tuple[bool, str, float, dict[str, Any]]:
         state = self._state[instance_id]
-        last = messages[-1].get("content") if messages and messages[-1]["role"] == "assistant" else ""
+        last = (
+            messages[-1].get("content") if messages and messages[-1]["role"] == "assistant" else ""
+        )
         found = _ANSWER.findall(last if isinstance(last, str) else "")
         k = len(state["right"])
-        right = float(bool(found) and k < len(state["answers"]) and found[-1] == state["answers"][k])
+        right = float(
+            bool(found) and k < len(state["answers"]) and found[-1] == state["answers"][k]
+        )
         state["right"].append(right)
         if k >= len(state["questions"]):
             return True, "Thanks.", right, {}

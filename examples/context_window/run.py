@@ -1,14 +1,17 @@
-"""Context-window example: the calculator agent with a sliding window of 1 turn and several questions per episode.
+"""Context-window example: the calculator agent with a sliding window of 1 turn and several
+questions per episode.
 
-    .venv/bin/python examples/context_window/run.py [--problems 8] [--n 4] [--window 1] [--questions 3]
+    .venv/bin/python examples/context_window/run.py [--problems 8] [--n 4] [--window 1] [--questions
+    3]
 
-Run it from the repository root (the workers import ``examples.context_window.followups``).  Each episode is
-one word problem followed by ``--questions - 1`` follow-up problems (``FollowUpInteraction``); ``tool_agent``
-keeps the system prompt, the first question and the last ``--window`` turns, so every follow-up pushes an
-older calculator result out of the window: the trajectory so far is closed as a snapshot and a new one starts
-from the edited conversation.  Prints, per episode, its trajectories (rows), how each ended and its reward,
-then the GRPO advantages of ``agentloop.batch.grpo.group_advantages`` (each episode counted once in its group), and
-a JSON summary; checks that every row is a full chat-template render of its own conversation.
+Run it from the repository root (the workers import ``examples.context_window.followups``).  Each
+episode is one word problem followed by ``--questions - 1`` follow-up problems
+(``FollowUpInteraction``); ``tool_agent`` keeps the system prompt, the first question and the last
+``--window`` turns, so every follow-up pushes an older calculator result out of the window: the
+trajectory so far is closed as a snapshot and a new one starts from the edited conversation. Prints,
+per episode, its trajectories (rows), how each ended and its reward, then the GRPO advantages of
+``agentloop.batch.grpo.group_advantages`` (each episode counted once in its group), and a JSON
+summary; checks that every row is a full chat-template render of its own conversation.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def make_rows(count: int, questions: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Word problems (the tiny model's task), each with ``questions - 1`` follow-ups for the interaction."""
+    """Word problems (the tiny model's task), each with ``questions - 1`` follow-ups for the
+    interaction."""
     from agentloop.testing.tiny_model import word_problem, word_problem_rows
 
-    rows = word_problem_rows(count, agent_name="tool_agent", data_source="context_window", seed=seed)
+    rows = word_problem_rows(
+        count, agent_name="tool_agent", data_source="context_window", seed=seed
+    )
     rng = random.Random(seed + 1)
     for row in rows:
         follow = [word_problem(rng) for _ in range(questions - 1)]
@@ -40,7 +46,8 @@ def make_rows(count: int, questions: int, seed: int = 0) -> list[dict[str, Any]]
 
 
 def rollout_config(model_path: str, window: int, questions: int, greedy: bool = False) -> Any:
-    """The calculator agent's settings plus the window, the follow-up interaction and the conversation per row."""
+    """The calculator agent's settings plus the window, the follow-up interaction and the
+    conversation per row."""
     from omegaconf import OmegaConf
 
     from agentloop.config import default_config
@@ -61,8 +68,10 @@ def rollout_config(model_path: str, window: int, questions: int, greedy: bool = 
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.multi_turn.enable": True,
         "actor_rollout_ref.rollout.multi_turn.format": "hermes",
-        "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/calculator_agent/tools.yaml",
-        "actor_rollout_ref.rollout.multi_turn.interaction_config_path": str(HERE / "interactions.yaml"),
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/calculator_agent/tools.yaml",  # noqa: E501
+        "actor_rollout_ref.rollout.multi_turn.interaction_config_path": str(
+            HERE / "interactions.yaml"
+        ),
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3 * questions,
         "actor_rollout_ref.rollout.multi_turn.context_window": window,
         "actor_rollout_ref.rollout.multi_turn.return_messages": True,
@@ -79,8 +88,9 @@ def row_tokens(out: Any, i: int) -> list[int]:
 
 
 def exact_rows(out: Any, tokenizer: Any, tools: list[dict[str, Any]] | None) -> tuple[int, int]:
-    """How many rows equal a full chat-template render of their own conversation (``messages``): of all rows,
-    and of the rows without a malformed tool call (whose parsed message cannot re-render the sampled text)."""
+    """How many rows equal a full chat-template render of their own conversation (``messages``): of
+    all rows, and of the rows without a malformed tool call (whose parsed message cannot re-render
+    the sampled text)."""
     from agentloop.loops.prompt import apply_chat_template
     from agentloop.tokenization.incremental import turn_separator
 
@@ -117,8 +127,9 @@ def main() -> None:
     ray.init(include_dashboard=False, logging_level=logging.ERROR)
     manager = AgentLoopManager(rollout_config(model, args.window, args.questions))
     try:
-        out = manager.generate_sequences(repeat_for_rollout(rows_to_batch(make_rows(args.problems, args.questions)),
-                                                            args.n))
+        out = manager.generate_sequences(
+            repeat_for_rollout(rows_to_batch(make_rows(args.problems, args.questions)), args.n)
+        )
     finally:
         manager.shutdown()
         ray.shutdown()
@@ -129,22 +140,33 @@ def main() -> None:
     for i, session in enumerate(nt["session_id"].tolist()):
         episodes[session].append(i)
     for session, rows in episodes.items():
-        print(f"problem {nt['index'][rows[0]]} episode {str(session)[:8]}: {len(rows)} trajectories")
+        print(
+            f"problem {nt['index'][rows[0]]} episode {str(session)[:8]}: {len(rows)} trajectories"
+        )
         for i in rows:
-            print(f"  [{nt['trajectory_index'][i]}] closed by {nt['context_edit'][i] or 'end':<8} "
-                  f"status {nt['status'][i]:<9} response {int(out.batch['response_mask'][i].sum()):>3} sampled tokens"
-                  f"  reward {scores[i]:.2f}  advantage {float(grouped.advantages[i]):+.3f}  "
-                  f"weight {float(grouped.weights[i]):.2f}")
+            print(
+                f"  [{nt['trajectory_index'][i]}] closed by {nt['context_edit'][i] or 'end':<8} "
+                f"status {nt['status'][i]:<9} response "
+                f"{int(out.batch['response_mask'][i].sum()):>3} sampled tokens"
+                f"  reward {scores[i]:.2f}  advantage {float(grouped.advantages[i]):+.3f}  "
+                f"weight {float(grouped.weights[i]):.2f}"
+            )
     tokenizer = AutoTokenizer.from_pretrained(model)
     per_episode = [len(rows) for rows in episodes.values()]
     exact = exact_rows(out, tokenizer, [CALCULATOR_TOOL_DICT])
     summary = {
-        "episodes": len(episodes), "rows": len(out), "trajectories_per_episode": sum(per_episode) / len(per_episode),
-        "episodes_with_snapshots": sum(k > 1 for k in per_episode), "max_trajectories": max(per_episode),
-        "rows_exact": exact[0], "rows_without_malformed_calls": sum(1 for e in nt["num_parse_errors"] if e == 0),
+        "episodes": len(episodes),
+        "rows": len(out),
+        "trajectories_per_episode": sum(per_episode) / len(per_episode),
+        "episodes_with_snapshots": sum(k > 1 for k in per_episode),
+        "max_trajectories": max(per_episode),
+        "rows_exact": exact[0],
+        "rows_without_malformed_calls": sum(1 for e in nt["num_parse_errors"] if e == 0),
         "of_those_exact": exact[1],
         "mean_episode_reward": sum(scores[rows[-1]] for rows in episodes.values()) / len(episodes),
-        "episode_weight_sums": sorted({round(float(grouped.weights[rows].sum()), 6) for rows in episodes.values()}),
+        "episode_weight_sums": sorted(
+            {round(float(grouped.weights[rows].sum()), 6) for rows in episodes.values()}
+        ),
     }
     print(json.dumps(summary))
 

@@ -2,21 +2,23 @@
 
 The pieces ``train.py`` (the example) and ``tests/integration/test_grpo_smoke.py`` share:
 
-* :func:`rollout_config`: the rollout config (defaults ← ``agentloop/configs/cpu_train.yaml`` ← this task:
-  ``tool_agent`` with the calculator tool, lengths, temperature);
+* :func:`rollout_config`: the rollout config (defaults ← ``agentloop/configs/cpu_train.yaml`` ← this
+  task: ``tool_agent`` with the calculator tool, lengths, temperature);
 * :func:`make_batch`: dataset rows → a batch of ``n`` samples per prompt sharing a ``uid``
   (:func:`agentloop.batch.data.repeat_for_rollout`, verl's contract);
-* :func:`sequence_rewards`: the rollout's ``rm_scores`` / ``reward_valid`` when it has them (the workers run
-  ``custom_reward_function``, here ``agentloop.rewards.calculator.compute_score``), else the same answer match
-  on the decoded response, in the driver;
-* :func:`group_advantages`: GRPO's outcome advantage, ``(r - mean) / (std + eps)`` within each ``uid`` group
-  (rows without a valid reward are left out and get 0);
-* :func:`response_log_probs`: the policy's fp32 log-probs of the sampled response tokens (HF recompute);
+* :func:`sequence_rewards`: the rollout's ``rm_scores`` / ``reward_valid`` when it has them (the
+  workers run ``custom_reward_function``, here ``agentloop.rewards.calculator.compute_score``), else
+  the same answer match on the decoded response, in the driver;
+* :func:`group_advantages`: GRPO's outcome advantage, ``(r - mean) / (std + eps)`` within each
+  ``uid`` group (rows without a valid reward are left out and get 0);
+* :func:`response_log_probs`: the policy's fp32 log-probs of the sampled response tokens (HF
+  recompute);
 * :func:`ppo_clip_loss` and :func:`train_on_rollout`: PPO's clipped objective against the rollout's
-  ``rollout_log_probs`` (the behaviour policy is the served one), token-mean over sampled tokens, one optimizer
-  step per mini-batch, skipped when every advantage of the mini-batch is zero (AdamW would still move the
-  weights through its moment estimates);
-* :func:`greedy_success`: the fraction of held-out problems answered right with greedy decoding (``validate``).
+  ``rollout_log_probs`` (the behaviour policy is the served one), token-mean over sampled tokens,
+  one optimizer step per mini-batch, skipped when every advantage of the mini-batch is zero (AdamW
+  would still move the weights through its moment estimates);
+* :func:`greedy_success`: the fraction of held-out problems answered right with greedy decoding
+  (``validate``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class GRPOConfig:
     clip_ratio: float = 0.2
     """PPO clip range: the ratio to the rollout policy is clipped to ``[1 - c, 1 + c]``."""
     mini_batches: int = 2
-    """Optimizer steps per round (the round's groups are split between them; later ones are off-policy)."""
+    """Optimizer steps per round (the round's groups are split between them; later ones are
+    off-policy)."""
     max_grad_norm: float = 1.0
     """Gradient clipping."""
     temperature: float = 1.0
@@ -73,13 +76,13 @@ class GRPOConfig:
 def rollout_config(model_path: str | Path, *, temperature: float = 1.0, prompt_length: int = 320,
                    response_length: int = 128, num_servers: int = 1, score_in_workers: bool = True,
                    **overrides: Any) -> DictConfig:
-    """The rollout config: agentloop's defaults ← the ``cpu_train`` preset ← this task ← ``overrides``
-    (dotted keys, e.g. ``{"actor_rollout_ref.rollout.max_num_seqs": 64}``).  With ``score_in_workers`` the
-    workers score every trajectory (``custom_reward_function``: the calculator answer match) into ``rm_scores``."""
+    """The rollout config: agentloop's defaults ← the ``cpu_train`` preset ← this task ←
+    ``overrides`` (dotted keys, e.g. ``{"actor_rollout_ref.rollout.max_num_seqs": 64}``).  With
+    ``score_in_workers`` the workers score every trajectory (``custom_reward_function``: the
+    calculator answer match) into ``rm_scores``."""
     cfg: Any = OmegaConf.merge(default_config(), OmegaConf.load(CONFIG_DIR / "cpu_train.yaml"))
     task = {
-        "actor_rollout_ref.model.path": str(model_path),
-        "data.max_prompt_length": prompt_length,
+        "actor_rollout_ref.model.path": str(model_path), "data.max_prompt_length": prompt_length,
         "data.max_response_length": response_length,
         "actor_rollout_ref.rollout.temperature": temperature,
         "actor_rollout_ref.rollout.server.num_servers": num_servers,
@@ -103,13 +106,15 @@ def problem_rows(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def make_batch(rows: list[dict[str, Any]], n: int) -> DataProto:
-    """One row per problem with its own ``uid``, then ``n`` interleaved copies (what verl's trainer sends)."""
+    """One row per problem with its own ``uid``, then ``n`` interleaved copies (what verl's
+    trainer sends)."""
     return repeat_for_rollout(rows_to_batch(rows), n)
 
 
 def calculator_score_fn() -> ScoreFn:
-    """``agentloop.rewards.calculator.compute_score`` (verl's ``compute_score`` signature); where this agentloop
-    has no such module, the same rule through ``agentloop.rewards.final_answer_match``."""
+    """``agentloop.rewards.calculator.compute_score`` (verl's ``compute_score`` signature); where
+    this agentloop has no such module, the same rule through
+    ``agentloop.rewards.final_answer_match``."""
     try:
         from agentloop.rewards.calculator import compute_score
 
@@ -117,7 +122,9 @@ def calculator_score_fn() -> ScoreFn:
     except ImportError:
         from agentloop.rewards import final_answer_match
 
-        def score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+        def score(
+            data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None
+        ) -> float:
             return final_answer_match([{"role": "assistant", "content": solution_str}],
                                       reward_model={"ground_truth": ground_truth})
 
@@ -127,7 +134,10 @@ def calculator_score_fn() -> ScoreFn:
 def decoded_responses(out: DataProto, tokenizer: Any) -> list[str]:
     """Each row's response (sampled turns and tool turns) as text, special tokens dropped."""
     assert out.batch is not None
-    responses, mask = out.batch["responses"], out.batch["attention_mask"][:, -out.batch["responses"].shape[1]:]
+    responses, mask = (
+        out.batch["responses"],
+        out.batch["attention_mask"][:, -out.batch["responses"].shape[1] :],
+    )
     return [tokenizer.decode(responses[i][mask[i].bool()].tolist(), skip_special_tokens=True)
             for i in range(len(out))]
 
@@ -136,15 +146,20 @@ def sequence_rewards(out: DataProto, tokenizer: Any, score_fn: ScoreFn | None = 
                      use_rm_scores: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(reward, valid)`` per row.
 
-    The rollout's ``rm_scores`` summed over the response, valid where ``reward_valid`` says so (all rows in
-    verl's layout, which has no ``reward_valid``), when the rollout carries them and ``use_rm_scores``; else
-    ``score_fn`` (default :func:`calculator_score_fn`) on the decoded response and ``reward_model.ground_truth``,
-    valid unless the scorer raises ``ValueError`` (e.g. no ground truth).  Invalid rows have reward 0.
+    The rollout's ``rm_scores`` summed over the response, valid where ``reward_valid`` says so (all
+    rows in verl's layout, which has no ``reward_valid``), when the rollout carries them and
+    ``use_rm_scores``; else ``score_fn`` (default :func:`calculator_score_fn`) on the decoded
+    response and ``reward_model.ground_truth``, valid unless the scorer raises ``ValueError`` (e.g.
+    no ground truth).  Invalid rows have reward 0.
     """
     assert out.batch is not None
     keys = set(out.batch.keys())  # TensorDict: `in` alone is not a key lookup
     if use_rm_scores and "rm_scores" in keys:
-        valid = out.batch["reward_valid"].bool() if "reward_valid" in keys else torch.ones(len(out), dtype=torch.bool)
+        valid = (
+            out.batch["reward_valid"].bool()
+            if "reward_valid" in keys
+            else torch.ones(len(out), dtype=torch.bool)
+        )
         return out.batch["rm_scores"].float().sum(-1) * valid, valid
     score_fn = score_fn or calculator_score_fn()
     nt = out.non_tensor_batch
@@ -162,8 +177,9 @@ def sequence_rewards(out: DataProto, tokenizer: Any, score_fn: ScoreFn | None = 
 
 def group_advantages(rewards: torch.Tensor, uids: np.ndarray, valid: torch.Tensor | None = None,
                      eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's outcome advantage per row: ``(r - mean) / (std + eps)`` over the valid rows sharing its ``uid``
-    (unbiased std).  Invalid rows, groups with fewer than two valid rows and groups of equal rewards get 0."""
+    """GRPO's outcome advantage per row: ``(r - mean) / (std + eps)`` over the valid rows sharing
+    its ``uid`` (unbiased std).  Invalid rows, groups with fewer than two valid rows and groups of
+    equal rewards get 0."""
     advantages = torch.zeros_like(rewards)
     for rows in group_rows(uids):
         kept = [i for i in rows if valid is None or bool(valid[i])]
@@ -175,15 +191,18 @@ def group_advantages(rewards: torch.Tensor, uids: np.ndarray, valid: torch.Tenso
 
 
 def response_log_probs(policy: Any, batch: Any, temperature: float = 1.0) -> torch.Tensor:
-    """``[B, R]`` log-probs under ``policy`` of each response token given everything before it (0 on padding).
+    """``[B, R]`` log-probs under ``policy`` of each response token given everything before it (0 on
+    padding).
 
-    The rows are re-packed without their left padding (prompt, then response, then right padding), so the
-    forward pass needs no attention mask or position ids; the output layer runs on response positions only.
+    The rows are re-packed without their left padding (prompt, then response, then right padding),
+    so the forward pass needs no attention mask or position ids; the output layer runs on response
+    positions only.
     """
     prompts, responses, attention = batch["prompts"], batch["responses"], batch["attention_mask"]
     rows, p_width, r_width = prompts.shape[0], prompts.shape[1], responses.shape[1]
     p_len = attention[:, :p_width].sum(-1)
-    ids = torch.zeros((rows, int(p_len.max()) + r_width), dtype=torch.long)  # padding after the tokens: unseen
+    # padding after the tokens: unseen
+    ids = torch.zeros((rows, int(p_len.max()) + r_width), dtype=torch.long)
     for i in range(rows):
         n = int(p_len[i])
         ids[i, :n] = prompts[i, p_width - n:]
@@ -197,9 +216,12 @@ def response_log_probs(policy: Any, batch: Any, temperature: float = 1.0) -> tor
     return logp * attention[:, p_width:].to(logp.dtype)
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  clip_ratio: float) -> tuple[torch.Tensor, float]:
-    """PPO's clipped surrogate, token-mean over ``mask``; returns (loss, fraction of tokens clipped)."""
+def ppo_clip_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_ratio: float,
+) -> tuple[torch.Tensor, float]:
+    """PPO's clipped surrogate, token-mean over ``mask``; returns (loss, fraction of tokens
+    clipped)."""
     ratio = torch.exp(logp - old_logp)
     adv = advantages[:, None]
     unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * adv
@@ -218,14 +240,19 @@ def group_rows(uids: np.ndarray) -> list[list[int]]:
     return list(groups.values())
 
 
-def train_on_rollout(policy: Any, optimizer: torch.optim.Optimizer, out: DataProto, advantages: torch.Tensor,
-                     cfg: GRPOConfig) -> dict[str, float]:
-    """PPO-clip updates on one rollout: ``cfg.mini_batches`` optimizer steps, each over whole ``uid`` groups.
+def train_on_rollout(
+    policy: Any, optimizer: torch.optim.Optimizer, out: DataProto, advantages: torch.Tensor,
+    cfg: GRPOConfig,
+) -> dict[str, float]:
+    """PPO-clip updates on one rollout: ``cfg.mini_batches`` optimizer steps, each over whole
+    ``uid`` groups.
 
-    Returns ``loss`` (mean over the steps taken), ``clipfrac``, ``updates`` (steps taken: a mini-batch whose
-    advantages are all zero is skipped) and ``logprob_gap_mean`` / ``logprob_gap_max``: |recomputed - rollout|
-    log-prob over the sampled tokens of the first mini-batch, before any update (the engine served exactly
-    these weights; fp32 kernels differ by ~2e-7 on average, up to ~1e-4 on single tokens).
+    Returns ``loss`` (mean over the steps taken), ``clipfrac``, ``updates`` (steps taken: a
+    mini-batch whose advantages are all zero is skipped) and ``logprob_gap_mean`` /
+    ``logprob_gap_max``: |recomputed
+    - rollout| log-prob over the sampled tokens of the first mini-batch, before any update (the
+    engine served exactly these weights; fp32 kernels differ by ~2e-7 on average, up to ~1e-4 on
+    single tokens).
     """
     assert out.batch is not None
     groups = group_rows(out.non_tensor_batch["uid"])
@@ -260,8 +287,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def greedy_success(manager: Any, rows: list[dict[str, Any]], score_fn: ScoreFn | None = None) -> float:
-    """Mean reward of a greedy rollout (``meta_info["validate"]``: the ``val_kwargs`` sampling) of ``rows``."""
+def greedy_success(
+    manager: Any, rows: list[dict[str, Any]], score_fn: ScoreFn | None = None
+) -> float:
+    """Mean reward of a greedy rollout (``meta_info["validate"]``: the ``val_kwargs`` sampling)
+    of ``rows``."""
     batch = make_batch(rows, 1)
     batch.meta_info["validate"] = True
     out = manager.generate_sequences(batch)

@@ -1,20 +1,22 @@
 """GRPO on the calculator task: an HF policy trained from agentloop rollouts on vLLM (CPU).
 
-    .venv/bin/python examples/grpo_calculator/train.py [--steps 30] [--prompts 16] [--n 8] [--lr 1e-4] [--async]
+    .venv/bin/python examples/grpo_calculator/train.py [--steps 30] [--prompts 16] [--n 8] [--lr
+    1e-4] [--async]
 
-1. Builds (first time only, ~2-4 min) and loads the weak starting checkpoint: the tiny model's training run
-   stopped at step 400 of 1100 (``ensure_tiny_model(snapshot_step=400)``).
-2. Starts an :class:`agentloop.AgentLoopManager` (``cpu_train`` preset, ``tool_agent`` + calculator tool) and
-   loads the same checkpoint as the HF ``Qwen2ForCausalLM`` policy.
+1. Builds (first time only, ~2-4 min) and loads the weak starting checkpoint: the tiny model's
+   training run stopped at step 400 of 1100 (``ensure_tiny_model(snapshot_step=400)``).
+2. Starts an :class:`agentloop.AgentLoopManager` (``cpu_train`` preset, ``tool_agent`` + calculator
+   tool) and loads the same checkpoint as the HF ``Qwen2ForCausalLM`` policy.
 3. Greedy evaluation on held-out problems.
-4. Each step: ``prompts`` new problems × ``n`` samples (:func:`agentloop.batch.data.repeat_for_rollout`) →
-   ``manager.generate_sequences`` → rewards → group advantages → PPO-clip updates →
-   ``manager.update_weights(policy.state_dict())``.
+4. Each step: ``prompts`` new problems × ``n`` samples
+   (:func:`agentloop.batch.data.repeat_for_rollout`) → ``manager.generate_sequences`` → rewards →
+   group advantages → PPO-clip updates → ``manager.update_weights(policy.state_dict())``.
 5. Greedy evaluation again; writes ``outputs/grpo_calculator/{metrics.json, reward_curve.png}``.
 
-``--async``: the rollout runs ahead of training (:class:`agentloop.rollout.rollouter.Rollouter`, one step of data in
-flight beyond the step being trained, ``max_staleness`` 1 weight version): each step takes the first ``prompts``
-complete groups, trains on them while the engine keeps generating, then syncs the weights.
+``--async``: the rollout runs ahead of training (:class:`agentloop.rollout.rollouter.Rollouter`, one
+step of data in flight beyond the step being trained, ``max_staleness`` 1 weight version): each step
+takes the first ``prompts`` complete groups, trains on them while the engine keeps generating, then
+syncs the weights.
 """
 
 from __future__ import annotations
@@ -48,20 +50,26 @@ from grpo import (  # noqa: E402 - the example's own module, next to this file
 def parse_args(argv: list[str] | None = None) -> tuple[GRPOConfig, Path]:
     """Command line → (hyper-parameters, output directory)."""
     d = GRPOConfig()
-    parser = argparse.ArgumentParser(description="GRPO on the calculator task with agentloop rollouts.")
+    parser = argparse.ArgumentParser(
+        description="GRPO on the calculator task with agentloop rollouts."
+    )
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--prompts", type=int, default=d.prompts_per_step, help="problems per step")
     parser.add_argument("--n", type=int, default=d.n, help="samples per problem (the GRPO group)")
     parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--mini-batches", type=int, default=d.mini_batches, help="optimizer steps per rollout")
+    parser.add_argument(
+        "--mini-batches", type=int, default=d.mini_batches, help="optimizer steps per rollout"
+    )
     parser.add_argument("--eval-problems", type=int, default=d.eval_problems)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", default="outputs/grpo_calculator")
     parser.add_argument("--async", dest="async_rollout", action="store_true",
                         help="generate ahead of training with the Rollouter (max_staleness 1)")
     a = parser.parse_args(argv)
-    cfg = GRPOConfig(steps=a.steps, prompts_per_step=a.prompts, n=a.n, lr=a.lr, mini_batches=a.mini_batches,
-                     eval_problems=a.eval_problems, seed=a.seed, async_rollout=a.async_rollout)
+    cfg = GRPOConfig(
+        steps=a.steps, prompts_per_step=a.prompts, n=a.n, lr=a.lr, mini_batches=a.mini_batches,
+        eval_problems=a.eval_problems, seed=a.seed, async_rollout=a.async_rollout,
+    )
     return cfg, Path(a.out)
 
 
@@ -74,15 +82,22 @@ def plot_curve(history: list[dict[str, float]], before: float, after: float, pat
 
     steps, rewards = [h["step"] for h in history], [h["reward"] for h in history]
     window = 5
-    smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-              for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     ax.plot(steps, rewards, marker="o", ms=3, alpha=0.45, label="sampled reward (T=1), per step")
     ax.plot(steps, smooth, color="C0", lw=2, label=f"sampled reward, mean of last {window} steps")
-    ax.scatter([0, steps[-1] + 1], [before, after], color="C3", zorder=3, label="greedy, held-out problems")
+    ax.scatter(
+        [0, steps[-1] + 1], [before, after], color="C3", zorder=3, label="greedy, held-out problems"
+    )
     ax.annotate(f"{before:.2f}", (0, before), textcoords="offset points", xytext=(6, -12))
     ax.annotate(f"{after:.2f}", (steps[-1] + 1, after), textcoords="offset points", xytext=(-28, 6))
-    ax.set(xlabel="GRPO step", ylabel="success rate", ylim=(0, 1), title="GRPO on the calculator task (tiny model)")
+    ax.set(
+        xlabel="GRPO step", ylabel="success rate", ylim=(0, 1),
+        title="GRPO on the calculator task (tiny model)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -108,7 +123,10 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
         held_out = problem_rows(cfg.eval_problems, seed=cfg.seed + 1000)
         train_rows = problem_rows(cfg.steps * cfg.prompts_per_step, seed=cfg.seed)
         before = greedy_success(manager, held_out)
-        print(f"greedy success before: {before:.3f} ({cfg.eval_problems} held-out problems)", flush=True)
+        print(
+            f"greedy success before: {before:.3f} ({cfg.eval_problems} held-out problems)",
+            flush=True,
+        )
         history, t_start = [], time.perf_counter()
         step_rows = [train_rows[(s - 1) * cfg.prompts_per_step: s * cfg.prompts_per_step]
                      for s in range(1, cfg.steps + 1)]
@@ -116,12 +134,17 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
         if cfg.async_rollout:
             from agentloop.rollout.rollouter import Rollouter
 
-            # one step of samples generating while the previous step trains; at most one step finished and waiting
-            rollouter = Rollouter(manager, (make_batch(rows, cfg.n) for rows in step_rows),
-                                  max_inflight=cfg.prompts_per_step * cfg.n, max_queue=cfg.prompts_per_step,
-                                  max_staleness=1, groups_per_dispatch=2).start()
+            # one step of samples generating while the previous step trains; at most one step
+            # finished and waiting
+            rollouter = Rollouter(
+                manager, (make_batch(rows, cfg.n) for rows in step_rows),
+                max_inflight=cfg.prompts_per_step * cfg.n, max_queue=cfg.prompts_per_step,
+                max_staleness=1, groups_per_dispatch=2,
+            ).start()
         for step in range(1, cfg.steps + 1):
-            history.append(grpo_step(manager, policy, optimizer, cfg, step, step_rows[step - 1], rollouter))
+            history.append(
+                grpo_step(manager, policy, optimizer, cfg, step, step_rows[step - 1], rollouter)
+            )
         if rollouter is not None:
             rollouter.stop()
         train_seconds = time.perf_counter() - t_start
@@ -132,8 +155,10 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
         manager.shutdown()
         ray.shutdown()
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"config": asdict(cfg), "model": str(model_path), "greedy_before": before, "greedy_after": after,
-              "train_seconds": train_seconds, "history": history}
+    result = {
+        "config": asdict(cfg), "model": str(model_path), "greedy_before": before,
+        "greedy_after": after, "train_seconds": train_seconds, "history": history,
+    }
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     plot_curve(history, before, after, out_dir / "reward_curve.png")
     print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'reward_curve.png'}")
@@ -142,8 +167,9 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
 
 def grpo_step(manager: Any, policy: Any, optimizer: Any, cfg: GRPOConfig, step: int,
               rows: list[dict[str, Any]], rollouter: Any = None) -> dict[str, float]:
-    """One rollout → update → weight sync round; prints and returns its metrics.  With a ``rollouter`` the
-    step's data are the next ``prompts_per_step`` groups it finished (generated while the last step trained)."""
+    """One rollout → update → weight sync round; prints and returns its metrics.  With a
+    ``rollouter`` the step's data are the next ``prompts_per_step`` groups it finished (generated
+    while the last step trained)."""
     t0 = time.perf_counter()
     out = (rollouter.get(num_groups=cfg.prompts_per_step) if rollouter is not None
            else manager.generate_sequences(make_batch(rows, cfg.n)))
@@ -157,18 +183,27 @@ def grpo_step(manager: Any, policy: Any, optimizer: Any, cfg: GRPOConfig, step: 
     t3 = time.perf_counter()
     groups = group_rows(out.non_tensor_batch["uid"])
     mixed = sum(bool(advantages[g].ne(0).any()) for g in groups) / len(groups)
-    record = {"step": step, "reward": float(rewards.mean()), "invalid": int((~valid).sum()), "mixed_groups": mixed,
-              **stats, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
-    print(f"step {step:3d}  reward {record['reward']:.3f}  mixed groups {mixed:.2f}  loss {stats['loss']:+.4f}  "
-          f"clipfrac {stats['clipfrac']:.3f}  |dlogp| {stats['logprob_gap_mean']:.0e}/{stats['logprob_gap_max']:.0e}  "
-          f"rollout {t1 - t0:.1f}s  train {t2 - t1:.1f}s  sync {t3 - t2:.2f}s", flush=True)
+    record = {
+        "step": step, "reward": float(rewards.mean()), "invalid": int((~valid).sum()),
+        "mixed_groups": mixed, **stats, "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+    }
+    print(
+        f"step {step:3d}  reward {record['reward']:.3f}  mixed groups {mixed:.2f}  loss "
+        f"{stats['loss']:+.4f}  "
+        f"clipfrac {stats['clipfrac']:.3f}  |dlogp| "
+        f"{stats['logprob_gap_mean']:.0e}/{stats['logprob_gap_max']:.0e}  "
+        f"rollout {t1 - t0:.1f}s  train {t2 - t1:.1f}s  sync {t3 - t2:.2f}s",
+        flush=True,
+    )
     return record
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments and run (environment defaults as in the Makefile)."""
-    for key, value in {"RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_DEDUP_LOGS": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
+    for key, value in {
+        "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_DEDUP_LOGS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
         os.environ.setdefault(key, value)
     cfg, out_dir = parse_args(argv)
     run(cfg, out_dir)

@@ -18,16 +18,21 @@ CALCULATOR = {  # the schema the tiny model was trained with
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression with integers and the operators +, - and *.",
+        "description": "Evaluate an arithmetic expression with integers and the operators "
+        "+, - and *.",
         "parameters": {
             "type": "object",
-            "properties": {"expression": {"type": "string", "description": "The expression, e.g. 12 * 7"}},
+            "properties": {
+                "expression": {"type": "string", "description": "The expression, e.g. 12 * 7"}
+            },
             "required": ["expression"],
         },
     },
 }
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
 
 
 def calculate(expression: str) -> str:
@@ -52,8 +57,9 @@ def main() -> None:
     client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment
     messages = json.loads(os.environ["AGENTLOOP_RAW_PROMPT"])
     for _ in range(4):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR],
-                                               max_tokens=96)
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALCULATOR], max_tokens=96
+        )
         choice = reply.choices[0]
         messages.append(choice.message.model_dump(exclude_none=True))
         if choice.finish_reason != "tool_calls":
@@ -63,7 +69,9 @@ def main() -> None:
                 expression = json.loads(call.function.arguments).get("expression", "")
             except json.JSONDecodeError:
                 expression = ""
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))}
+            )
 
 
 if __name__ == "__main__":

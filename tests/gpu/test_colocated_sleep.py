@@ -1,6 +1,6 @@
 """Colocated placement on a GPU: the vLLM server shares the trainer worker's GPU (its bundle, its
-``CUDA_VISIBLE_DEVICES``) and really releases memory while asleep.  Skipped unless CUDA and the CUDA build of
-vLLM are present.
+``CUDA_VISIBLE_DEVICES``) and really releases memory while asleep.  Skipped unless CUDA and the CUDA
+build of vLLM are present.
 
 Passed on an H100 (vLLM 0.25.1 CUDA, torch 2.11, 2026-11-26; docs/benchmarks.md, "On a GPU").
 Run on a GPU machine: ``make install EXTRA=gpu && .venv/bin/python -m pytest tests/gpu -q``.
@@ -47,7 +47,8 @@ def test_colocated_server_shares_the_trainer_gpu_and_frees_it_when_asleep():
             def used_gib(self) -> float:
                 import torch
 
-                free, total = torch.cuda.mem_get_info()  # device-wide: counts the engine's memory too
+                # device-wide: counts the engine's memory too
+                free, total = torch.cuda.mem_get_info()
                 return (total - free) / 2**30
 
             def total_gib(self) -> float:
@@ -55,13 +56,13 @@ def test_colocated_server_shares_the_trainer_gpu_and_frees_it_when_asleep():
 
                 return torch.cuda.mem_get_info()[1] / 2**30
 
-        trainer = TrainerWorker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+        trainer = TrainerWorker.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)
+        ).remote()
         cfg = default_config()
         for k, v in {
-            "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-            "data.max_prompt_length": 128,
-            "data.max_response_length": 32,
-            "actor_rollout_ref.rollout.gpu_memory_utilization": 0.3,
+            "actor_rollout_ref.model.path": str(ensure_tiny_model()), "data.max_prompt_length": 128,
+            "data.max_response_length": 32, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.3,
             "actor_rollout_ref.rollout.free_cache_engine": True,
             "actor_rollout_ref.rollout.agent.num_workers": 1,
             "actor_rollout_ref.rollout.server.device": "cuda",
@@ -70,18 +71,27 @@ def test_colocated_server_shares_the_trainer_gpu_and_frees_it_when_asleep():
         manager = AgentLoopManager(cfg, TrainerWorkers([trainer], pg, [0]))
         try:
             assert manager.servers.placement == "colocated" and len(manager.server_handles) == 1
-            assert manager.can_sleep and manager.sleeping  # free_cache_engine: asleep right after start
+            # free_cache_engine: asleep right after start
+            assert manager.can_sleep and manager.sleeping
             server = manager.server_handles[0]
-            assert ray.get(server.__ray_call__.remote(lambda s: os.environ["CUDA_VISIBLE_DEVICES"])) == ",".join(
-                ray.get(trainer.gpu_ids.remote()))
-            assert ray.get(server.__ray_call__.remote(lambda s: ray.get_runtime_context().get_placement_group_id())) \
+            assert ray.get(
+                server.__ray_call__.remote(lambda s: os.environ["CUDA_VISIBLE_DEVICES"])
+            ) == ",".join(ray.get(trainer.gpu_ids.remote()))
+            assert (
+                ray.get(
+                    server.__ray_call__.remote(
+                        lambda s: ray.get_runtime_context().get_placement_group_id()
+                    )
+                )
                 == pg.id.hex()
+            )
             total = ray.get(trainer.total_gib.remote())
             asleep = ray.get(trainer.used_gib.remote())
             manager.wake_up()
             assert not manager.sleeping
             awake = ray.get(trainer.used_gib.remote())
-            assert awake - asleep > 0.1 * total, (asleep, awake, total)  # KV cache (0.3 of the GPU) came back
+            # KV cache (0.3 of the GPU) came back
+            assert awake - asleep > 0.1 * total, (asleep, awake, total)
             manager.sleep()
             assert manager.sleeping and ray.get(trainer.used_gib.remote()) < awake - 0.1 * total
 

@@ -1,6 +1,7 @@
 """The SGLang backend on a real engine. Skipped unless CUDA and SGLang are present.
 
-Run on a GPU machine: ``make install EXTRA=sglang && .venv/bin/python -m pytest tests/gpu/test_sglang_gpu.py -q``.
+Run on a GPU machine:
+``make install EXTRA=sglang && .venv/bin/python -m pytest tests/gpu/test_sglang_gpu.py -q``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ def manager():
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-        "actor_rollout_ref.rollout.name": "sglang",
-        "data.max_prompt_length": 128,
-        "data.max_response_length": 32,
-        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.rollout.name": "sglang", "data.max_prompt_length": 128,
+        "data.max_response_length": 32, "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.gpu_memory_utilization": 0.3,
         "actor_rollout_ref.rollout.agent.num_workers": 2,
         "actor_rollout_ref.rollout.server.device": "cuda",
@@ -69,6 +68,8 @@ def test_weight_update_sleep_and_abort_on_sglang(manager):
     manager.sleep()
     manager.wake_up()
     server = manager.server_handles[0]
-    out = manager.generate_sequences(rows_to_batch([{"prompt": [{"role": "user", "content": "again"}]}] * 4))
+    out = manager.generate_sequences(
+        rows_to_batch([{"prompt": [{"role": "user", "content": "again"}]}] * 4)
+    )
     assert set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
     assert ray.get(server.check_health.remote())["global_steps"] >= 1

@@ -1,4 +1,5 @@
-"""The same rollout path on a CUDA vLLM engine. Skipped unless CUDA and the CUDA build of vLLM are present.
+"""The same rollout path on a CUDA vLLM engine. Skipped unless CUDA and the CUDA build of vLLM are
+present.
 
 Passed on an H100 (vLLM 0.25.1 CUDA, torch 2.11, 2026-11-26; docs/benchmarks.md, "On a GPU").
 
@@ -29,10 +30,8 @@ def test_rollout_on_cuda(tmp_path):
     ray.init(include_dashboard=False)
     cfg = default_config()
     for k, v in {
-        "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-        "data.max_prompt_length": 128,
-        "data.max_response_length": 32,
-        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.model.path": str(ensure_tiny_model()), "data.max_prompt_length": 128,
+        "data.max_response_length": 32, "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.gpu_memory_utilization": 0.3,
         "actor_rollout_ref.rollout.agent.num_workers": 2,
         "actor_rollout_ref.rollout.server.device": "cuda",

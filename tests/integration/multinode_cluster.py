@@ -1,18 +1,19 @@
-"""A simulated 4-node Ray cluster for the multi-node tests; run by ``test_multinode.py`` in its own process.
+"""A simulated 4-node Ray cluster for the multi-node tests; run by ``test_multinode.py`` in its own
+process.
 
 Usage: ``python tests/integration/multinode_cluster.py REPORT.json MODEL_PATH [--vllm]``.  Builds a
 ``ray.cluster_utils.Cluster`` of four nodes (two CPUs each, custom resource ``node_<i>``) and:
 
-1. ``spread``: a manager with four standalone servers (``server.placement_strategy: SPREAD``) and four agent-loop
-   workers rolls out a batch; which node every server and worker landed on;
-2. ``node_removed``: the same manager with slow servers; mid-batch a node holding a server and a worker is removed
-   (``cluster.remove_node``): the rows, their statuses and order, the fault counts, what ``recover`` reports and a
-   second batch;
-3. ``vllm`` (with ``--vllm``): the tiny model on vLLM CPU, one engine on each of two nodes (STRICT_SPREAD), a
-   tool-free batch through them.
+1. ``spread``: a manager with four standalone servers (``server.placement_strategy: SPREAD``) and
+   four agent-loop workers rolls out a batch; which node every server and worker landed on;
+2. ``node_removed``: the same manager with slow servers; mid-batch a node holding a server and a
+   worker is removed (``cluster.remove_node``): the rows, their statuses and order, the fault
+   counts, what ``recover`` reports and a second batch;
+3. ``vllm`` (with ``--vllm``): the tiny model on vLLM CPU, one engine on each of two nodes
+   (STRICT_SPREAD), a tool-free batch through them.
 
-Servers of 1 and 2 are :class:`NodeServer` (a ScriptedServer taking VLLMServer's constructor).  Writes what it saw
-as JSON for the test to check; it asserts nothing itself.
+Servers of 1 and 2 are :class:`NodeServer` (a ScriptedServer taking VLLMServer's constructor).
+Writes what it saw as JSON for the test to check; it asserts nothing itself.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import Any
 def _node_of(actor: Any) -> str:
     import ray
 
-    return ray.get(actor.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()), timeout=60)
+    return ray.get(
+        actor.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()), timeout=60
+    )
 
 
 def _try_node_of(actor: Any) -> str:
@@ -53,8 +56,8 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
     delay = {"s": 0.0}
 
     class NodeServer(ScriptedServer):
-        """ScriptedServer with VLLMServer's constructor and ``start``; replies after ``delay["s"]`` seconds (the
-        value when the actor was created)."""
+        """ScriptedServer with VLLMServer's constructor and ``start``; replies after ``delay["s"]``
+        seconds (the value when the actor was created)."""
 
         def __init__(self, sections: Any, server_index: int = 0, wait: float = delay["s"]) -> None:
             super().__init__(name=f"s{server_index}", delay=wait)
@@ -73,8 +76,10 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         return Slow
 
     t0 = time.monotonic()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_0": 1},
-                                                            "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"node_0": 1}, "include_dashboard": False},
+    )
     nodes = {"node_0": cluster.head_node}
     for i in range(1, 4):
         nodes[f"node_{i}"] = cluster.add_node(num_cpus=2, resources={f"node_{i}": 1})
@@ -87,23 +92,36 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         cfg = default_config()
         cfg.actor_rollout_ref.model.path = model_path
         cfg.data.max_response_length = 16
-        for key, value in {"agent.num_workers": 4, "server.device": "cpu", "server.num_servers": 4,
-                           "server.placement_strategy": "SPREAD", "free_cache_engine": False, **rollout}.items():
+        for key, value in {
+            "agent.num_workers": 4, "server.device": "cpu", "server.num_servers": 4,
+            "server.placement_strategy": "SPREAD", "free_cache_engine": False, **rollout,
+        }.items():
             OmegaConf.update(cfg.actor_rollout_ref.rollout, key, value)
         return cfg
 
     def rows(n: int, tag: str) -> Any:
-        return rows_to_batch([{"prompt": [{"role": "user", "content": f"{tag} {i}"}]} for i in range(n)])
+        return rows_to_batch(
+            [{"prompt": [{"role": "user", "content": f"{tag} {i}"}]} for i in range(n)]
+        )
 
     def summary(out: Any) -> dict[str, Any]:
         nt = out.non_tensor_batch
-        return {"rows": len(out), "statuses": nt["status"].tolist(), "index": nt["index"].tolist(),
-                "errors": [e for e in nt["error"].tolist() if e],
-                "faults": {k.rsplit("/", 1)[-1]: v for k, v in out.meta_info["timing"].items() if "/faults/" in k}}
+        return {
+            "rows": len(out),
+            "statuses": nt["status"].tolist(),
+            "index": nt["index"].tolist(),
+            "errors": [e for e in nt["error"].tolist() if e],
+            "faults": {
+                k.rsplit("/", 1)[-1]: v
+                for k, v in out.meta_info["timing"].items()
+                if "/faults/" in k
+            },
+        }
 
     try:
         delay["s"] = 2.0
-        placement.SERVER_CLASSES["vllm"] = slow_servers()  # stands in for VLLMServer, restarts included
+        # stands in for VLLMServer, restarts included
+        placement.SERVER_CLASSES["vllm"] = slow_servers()
         manager = AgentLoopManager(config())
         try:
             servers, workers = list(manager.server_handles), list(manager.agent_loop_workers)
@@ -111,12 +129,19 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
                                 "worker_nodes": [_node_of(h) for h in workers]}
             first = manager.generate_sequences(rows(8, "warm"))
             report["spread"].update(summary(first))
-            report["spread"]["calls"] = [len(ray.get(h.__ray_call__.remote(lambda s: s.calls))) for h in servers]
+            report["spread"]["calls"] = [
+                len(ray.get(h.__ray_call__.remote(lambda s: s.calls))) for h in servers
+            ]
 
             # a node (not the head: the driver is attached to it) holding a server and a worker
             server_nodes = report["spread"]["server_nodes"]
-            victim = next(name for name, node_id in ids.items() if name != "node_0" and node_id in server_nodes
-                          and node_id in report["spread"]["worker_nodes"])
+            victim = next(
+                name
+                for name, node_id in ids.items()
+                if name != "node_0"
+                and node_id in server_nodes
+                and node_id in report["spread"]["worker_nodes"]
+            )
             result: dict[str, Any] = {}
 
             def run() -> None:
@@ -131,14 +156,21 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
             time.sleep(0.7)
             cluster.remove_node(nodes[victim])
             thread.join(timeout=300)
-            removed: dict[str, Any] = {"victim": victim, "victim_id": ids[victim],
-                                       "batch_s": time.monotonic() - started, "error": result.get("error")}
+            removed: dict[str, Any] = {
+                "victim": victim, "victim_id": ids[victim], "batch_s": time.monotonic() - started,
+                "error": result.get("error"),
+            }
             if "out" in result:
                 removed.update(summary(result["out"]))
             waited = time.monotonic()
-            for _ in range(24):  # the lost server's bundle is re-placed on another node, then it restarts there
+            # the lost server's bundle is re-placed on another node, then it restarts there
+            for _ in range(24):
                 removed["recover"] = state = manager.recover(timeout=5)
-                if not (state["servers_down"] or state["servers_restarting"] or state["workers_starting"]):
+                if not (
+                    state["servers_down"]
+                    or state["servers_restarting"]
+                    or state["workers_starting"]
+                ):
                     break
             removed["recover_s"] = time.monotonic() - waited
             again = manager.generate_sequences(rows(8, "after"))
@@ -152,9 +184,13 @@ def main(report_path: str, model_path: str, with_vllm: bool) -> None:
         if with_vllm:
             del placement.SERVER_CLASSES["vllm"]  # the real VLLMServer again
             t1 = time.monotonic()
-            cfg = config(**{"server.num_servers": 2, "server.placement_strategy": "STRICT_SPREAD",
-                            "agent.num_workers": 2, "dtype": "float32", "enforce_eager": True, "max_num_seqs": 8,
-                            "calculate_log_probs": True})
+            cfg = config(
+                **{
+                    "server.num_servers": 2, "server.placement_strategy": "STRICT_SPREAD",
+                    "agent.num_workers": 2, "dtype": "float32", "enforce_eager": True,
+                    "max_num_seqs": 8, "calculate_log_probs": True,
+                }
+            )
             cfg.data.max_prompt_length = 64
             manager = AgentLoopManager(cfg)
             try:

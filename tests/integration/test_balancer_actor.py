@@ -1,4 +1,5 @@
-"""Two AsyncLLMServerManagers sharing one GlobalBalancer actor over ScriptedServer actors (local Ray, no engine)."""
+"""Two AsyncLLMServerManagers sharing one GlobalBalancer actor over ScriptedServer actors (local
+Ray, no engine)."""
 
 from __future__ import annotations
 
@@ -60,9 +61,13 @@ def test_two_managers_share_load_and_release(ray_session):
 
     outs = asyncio.run(main())
     assert all(o.token_ids == [2, 3] and o.stop_reason == StopReason.STOP for o in outs)
-    assert Counter(o.extra_fields["server_index"] for o in outs) == dict.fromkeys(range(NUM_SERVERS), 2)
+    assert Counter(o.extra_fields["server_index"] for o in outs) == dict.fromkeys(
+        range(NUM_SERVERS), 2
+    )
     stats = wait_idle(ray, balancer)
-    assert stats == {"in_flight": [0] * NUM_SERVERS, "routed": [2] * NUM_SERVERS, "healthy": [1] * NUM_SERVERS}
+    assert stats == {
+        "in_flight": [0] * NUM_SERVERS, "routed": [2] * NUM_SERVERS, "healthy": [1] * NUM_SERVERS,
+    }
 
 
 def test_sticky_across_managers_and_abort_reaches_the_bound_server(ray_session):
@@ -91,7 +96,9 @@ def test_cancellation_releases_during_acquire_and_during_generate(ray_session):
     ray.get([servers[0].wake_up.remote(), balancer.stats.remote()])  # both actors are up
 
     async def cancel_after(seconds: float) -> None:
-        task = asyncio.create_task(mgr.generate(f"slow{seconds}", prompt_ids=[1], sampling_params={}))
+        task = asyncio.create_task(
+            mgr.generate(f"slow{seconds}", prompt_ids=[1], sampling_params={})
+        )
         await asyncio.sleep(seconds)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -111,20 +118,25 @@ def test_dead_server_is_a_server_error_and_releases(ray_session):
     ray.kill(servers[0])
     with pytest.raises(ServerError, match=r"server 0 died .* request dead"):
         asyncio.run(mgr.generate("dead", prompt_ids=[1], sampling_params={}))
-    assert wait_idle(ray, balancer) == {"in_flight": [0], "routed": [1], "healthy": [0]}  # out of routing
+    # out of routing
+    assert wait_idle(ray, balancer) == {"in_flight": [0], "routed": [1], "healthy": [0]}
 
 
 def test_calls_issued_together_share_one_ray_call_and_keep_their_own_results(ray_session):
-    """The batcher: 64 requests → a couple of Ray calls; each caller gets its own reply or its own error."""
+    """The batcher: 64 requests → a couple of Ray calls; each caller gets its own reply or its
+    own error."""
 
     class CallCounting(ScriptedServer):
-        """Counts the ``generate_batch`` Ray calls and the requests they carry (``calls`` has them all)."""
+        """Counts the ``generate_batch`` Ray calls and the requests they carry (``calls`` has
+        them all)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.batch_calls = self.batched = 0
 
-        async def generate_batch(self, requests: list[dict[str, Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        async def generate_batch(
+            self, requests: list[dict[str, Any]]
+        ) -> AsyncIterator[list[tuple[int, Any]]]:
             self.batch_calls, self.batched = self.batch_calls + 1, self.batched + len(requests)
             async for group in super().generate_batch(requests):
                 yield group
@@ -140,7 +152,9 @@ def test_calls_issued_together_share_one_ray_call_and_keep_their_own_results(ray
     manager = AsyncLLMServerManager([server])
 
     async def go() -> list[Any]:
-        calls = [manager.generate(f"r{i}", prompt_ids=[1, 2, 3], sampling_params={}) for i in range(64)]
+        calls = [
+            manager.generate(f"r{i}", prompt_ids=[1, 2, 3], sampling_params={}) for i in range(64)
+        ]
         return await asyncio.gather(*calls, return_exceptions=True)
 
     results = asyncio.run(go())
@@ -160,8 +174,10 @@ def test_a_cancelled_batched_call_aborts_the_request_on_the_server(ray_session):
     manager = AsyncLLMServerManager([server])
 
     async def go() -> None:
-        tasks = [asyncio.ensure_future(manager.generate(f"q{i}", prompt_ids=[1, 2], sampling_params={}))
-                 for i in range(3)]
+        tasks = [
+            asyncio.ensure_future(manager.generate(f"q{i}", prompt_ids=[1, 2], sampling_params={}))
+            for i in range(3)
+        ]
         await asyncio.sleep(1.0)
         tasks[1].cancel()
         await asyncio.sleep(1.0)
@@ -181,7 +197,9 @@ def test_a_cancelled_batched_call_aborts_the_request_on_the_server(ray_session):
     assert counts["abort"] >= 3
 
 
-def _manager_on_scripted_servers(ray: Any, monkeypatch: pytest.MonkeyPatch, **overrides: Any) -> Any:
+def _manager_on_scripted_servers(
+    ray: Any, monkeypatch: pytest.MonkeyPatch, **overrides: Any
+) -> Any:
     """An AgentLoopManager whose servers are ScriptedServer actors (the workers are real actors)."""
     import agentloop.rollout.manager as manager_module
     from agentloop.cluster.placement import ServerGroup
@@ -195,19 +213,26 @@ def _manager_on_scripted_servers(ray: Any, monkeypatch: pytest.MonkeyPatch, **ov
     for key, value in {"agent.num_workers": 2, "free_cache_engine": False, **overrides}.items():
         OmegaConf.update(cfg.actor_rollout_ref.rollout, key, value)
     # the documented injection point for servers started elsewhere
-    return manager_module.AgentLoopManager(cfg, servers=ServerGroup(handles=handles, placement_group=None,
-                                                                    device="cpu", info=[]))
+    return manager_module.AgentLoopManager(
+        cfg, servers=ServerGroup(handles=handles, placement_group=None, device="cpu", info=[])
+    )
 
 
-def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session, monkeypatch, tmp_path):
-    """Worker set-up (tokenizer, tools) happens in the constructor: a broken tool config fails there, with
-    its own message, not on the first batch; a good one leaves the first batch nothing to wait for."""
+def test_manager_waits_for_its_workers_and_raises_their_setup_errors(
+    ray_session, monkeypatch, tmp_path
+):
+    """Worker set-up (tokenizer, tools) happens in the constructor: a broken tool config fails
+    there, with its own message, not on the first batch; a good one leaves the first batch nothing
+    to wait for.
+    """
     from agentloop.errors import ConfigError
 
     bad = tmp_path / "tools.yaml"
     bad.write_text("tools:\n  - class_name: no.such.module.Tool\n    config: {}\n")
     with pytest.raises(ConfigError, match="no.such.module"):
-        _manager_on_scripted_servers(ray_session, monkeypatch, **{"multi_turn.tool_config_path": str(bad)})
+        _manager_on_scripted_servers(
+            ray_session, monkeypatch, **{"multi_turn.tool_config_path": str(bad)}
+        )
 
     manager = _manager_on_scripted_servers(ray_session, monkeypatch)
     try:
@@ -217,15 +242,18 @@ def test_manager_waits_for_its_workers_and_raises_their_setup_errors(ray_session
         assert all(i["gc_frozen"] > 10_000 for i in infos)  # start-up heap out of full collections
         from agentloop.batch.data import rows_to_batch
 
-        out = manager.generate_sequences(rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 4))
+        out = manager.generate_sequences(
+            rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 4)
+        )
         assert len(out) == 4 and set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
     finally:
         manager.shutdown()
 
 
 def test_manager_takes_verl_entry_points_and_shares_an_llm_client(ray_session, monkeypatch):
-    """verl 0.9's AgentLoopManager.create(config, llm_client): the client's servers are used as they are (none
-    started, none stopped); clear_kv_cache / profiling reach every server; verl's unsupported hooks are refused."""
+    """verl 0.9's AgentLoopManager.create(config, llm_client): the client's servers are used as they
+    are (none started, none stopped); clear_kv_cache / profiling reach every server; verl's
+    unsupported hooks are refused."""
     from agentloop.batch.data import rows_to_batch
     from agentloop.config import default_config
     from agentloop.errors import ConfigError
@@ -244,21 +272,31 @@ def test_manager_takes_verl_entry_points_and_shares_an_llm_client(ray_session, m
     manager = AgentLoopManager.create(cfg, LLMServerClient(handles))
     try:
         assert manager.server_handles == handles
-        out = manager.generate_sequences(rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 3))
+        out = manager.generate_sequences(
+            rows_to_batch([{"prompt": [{"role": "user", "content": "hi"}]}] * 3)
+        )
         assert len(out) == 3 and len(out.meta_info["metrics"]) == 3
         manager.clear_kv_cache()
         manager.start_profile()
         manager.stop_profile()
         counts = ray_session.get([h.__ray_call__.remote(lambda s: s.counts) for h in handles])
-        assert all(c["clear_kv_cache"] == 1 and c["start_profile"] == 1 and c["stop_profile"] == 1 for c in counts)
+        assert all(
+            c["clear_kv_cache"] == 1 and c["start_profile"] == 1 and c["stop_profile"] == 1
+            for c in counts
+        )
     finally:
         manager.shutdown()
-    assert ray_session.get(handles[0].__ray_call__.remote(lambda s: s.name)) == "s0"  # still alive: not ours to stop
+    # still alive: not ours to stop
+    assert ray_session.get(handles[0].__ray_call__.remote(lambda s: s.name)) == "s0"
 
 
-def test_a_failed_sample_on_one_worker_actor_leaves_its_neighbours_reward(ray_session, monkeypatch, tmp_path):
-    """Two real worker actors, verl's custom_reward_function: worker A's first sample fails in the engine, its
-    neighbour's reward (and worker B's) stays 1.0; the failed row is reward_valid 0 with its reason."""
+def test_a_failed_sample_on_one_worker_actor_leaves_its_neighbours_reward(
+    ray_session, monkeypatch, tmp_path
+):
+    """Two real worker actors, verl's custom_reward_function: worker A's first sample fails in the
+    engine, its neighbour's reward (and worker B's) stays 1.0; the failed row is reward_valid 0 with
+    its reason.
+    """
     import agentloop.rollout.manager as manager_module
     from agentloop.batch.data import rows_to_batch
     from agentloop.cluster.placement import ServerGroup
@@ -271,8 +309,11 @@ def test_a_failed_sample_on_one_worker_actor_leaves_its_neighbours_reward(ray_se
         return prompt_ids[-2:]
 
     scorer = tmp_path / "reward.py"
-    scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
-                      "    return {'score': float(ground_truth == 'yes'), 'source': data_source}\n")
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None, **kwargs):\n"
+        "    return {'score': float(ground_truth == 'yes'), 'source': data_source}\n"
+    )
     handles = [ray_session.remote(num_cpus=0)(ScriptedServer).remote(reply)]
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
@@ -280,8 +321,9 @@ def test_a_failed_sample_on_one_worker_actor_leaves_its_neighbours_reward(ray_se
     cfg.custom_reward_function.path = str(scorer)
     OmegaConf.update(cfg.actor_rollout_ref.rollout, "agent.num_workers", 2)
     OmegaConf.update(cfg.actor_rollout_ref.rollout, "free_cache_engine", False)
-    manager = manager_module.AgentLoopManager(cfg, servers=ServerGroup(handles=handles, placement_group=None,
-                                                                       device="cpu", info=[]))
+    manager = manager_module.AgentLoopManager(
+        cfg, servers=ServerGroup(handles=handles, placement_group=None, device="cpu", info=[])
+    )
     try:
         rows = [{"prompt": [{"role": "user", "content": "fail " * 40 if i == 0 else f"hi {i}"}],
                  "data_source": "unit", "reward_model": {"ground_truth": "yes"}} for i in range(4)]

@@ -1,9 +1,9 @@
-"""Where ``agentloop rollout`` sends the engines' and Ray's logs: to ``<output_dir>/rollout.log`` by default, to
-the console with ``--verbose`` (README "The rollout job").
+"""Where ``agentloop rollout`` sends the engines' and Ray's logs: to ``<output_dir>/rollout.log`` by
+default, to the console with ``--verbose`` (README "The rollout job").
 
-Kept cheap: the model directory passes the start-up check (it has a ``config.json``) but holds no model, so the
-vLLM server actor fails as soon as its engine reads it; Ray, the actor and its log output are real.  The two runs
-go in parallel."""
+Kept cheap: the model directory passes the start-up check (it has a ``config.json``) but holds no
+model, so the vLLM server actor fails as soon as its engine reads it; Ray, the actor and its log
+output are real. The two runs go in parallel."""
 
 from __future__ import annotations
 
@@ -31,22 +31,32 @@ def start(tmp_path: Path, name: str, *flags: str) -> tuple[subprocess.Popen[str]
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n')
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "agentloop.cli.rollout", "rollout", *flags, f"actor_rollout_ref.model.path={model}",
-           f"data.train_files={data}", f"output_dir={out}", "actor_rollout_ref.rollout.server.device=cpu"]
+    cmd = [
+        sys.executable, "-m", "agentloop.cli.rollout", "rollout", *flags,
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}", f"output_dir={out}",
+        "actor_rollout_ref.rollout.server.device=cpu",
+    ]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env), out
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ), out
 
 
 def test_engine_and_ray_logs_go_to_rollout_log_unless_verbose(tmp_path: Path) -> None:
     quiet, quiet_out = start(tmp_path, "quiet")
     verbose, verbose_out = start(tmp_path, "verbose", "--verbose")
-    console = {"quiet": quiet.communicate(timeout=300)[0], "verbose": verbose.communicate(timeout=300)[0]}
-    assert quiet.returncode != 0 and verbose.returncode != 0, console  # the server cannot start: no model
+    console = {
+        "quiet": quiet.communicate(timeout=300)[0],
+        "verbose": verbose.communicate(timeout=300)[0],
+    }
+    # the server cannot start: no model
+    assert quiet.returncode != 0 and verbose.returncode != 0, console
 
     log = (quiet_out / "rollout.log").read_text()
     assert log.startswith("# agentloop rollout: engine and Ray worker logs")
     assert RAY_ACTOR_LOG in log  # the server actor's own output, copied at the end of the run
-    assert RAY_CONSOLE_PREFIX not in console["quiet"]  # ... and kept off the console, as are Ray's own logs
+    # ... and kept off the console, as are Ray's own logs
+    assert RAY_CONSOLE_PREFIX not in console["quiet"]
     assert RAY_STARTED not in console["quiet"]
     assert "agentloop: error:" in console["quiet"]  # the run's own error still is on it
 

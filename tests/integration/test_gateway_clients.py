@@ -61,8 +61,7 @@ def manager():
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-        "data.max_prompt_length": PROMPT_LEN,
-        "data.max_response_length": RESPONSE_LEN,
+        "data.max_prompt_length": PROMPT_LEN, "data.max_response_length": RESPONSE_LEN,
         "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.free_cache_engine": False,
@@ -82,11 +81,7 @@ def manager():
 
 
 def run_agents(
-    manager: Any,
-    agent_name: str,
-    prompts: list[list[dict[str, Any]]],
-    *,
-    greedy: bool = True,
+    manager: Any, agent_name: str, prompts: list[list[dict[str, Any]]], *, greedy: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> Any:
     """One batch: every prompt run by ``agent_name`` (``extra_info.index`` = its position)."""
@@ -120,12 +115,15 @@ def sampled_text(manager: Any, out: Any, row: int) -> list[str]:
 @runner("langchain_calculator")
 async def langchain_calculator(*, base_url: str, api_key: str, raw_prompt: list[dict[str, Any]],
                                extra_info: dict[str, Any], **_: Any) -> None:
-    """A langchain-openai tool loop on the calculator (``bind_tools``, greedy); every AI turn as the client
-    received it (content, tool calls with parsed args) goes to ``report``."""
-    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # optional (dev extra)
+    """A langchain-openai tool loop on the calculator (``bind_tools``, greedy); every AI turn as the
+    client received it (content, tool calls with parsed args) goes to ``report``."""
+    # optional (dev extra)
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI  # optional (dev extra)
 
-    llm = ChatOpenAI(model="policy", base_url=base_url, api_key=api_key, temperature=0, max_retries=0)
+    llm = ChatOpenAI(
+        model="policy", base_url=base_url, api_key=api_key, temperature=0, max_retries=0
+    )
     agent = llm.bind_tools([CALCULATOR_TOOL_DICT])
     kinds = {"system": SystemMessage, "user": HumanMessage}
     messages: list[Any] = [kinds[m["role"]](content=m["content"]) for m in raw_prompt]
@@ -139,7 +137,11 @@ async def langchain_calculator(*, base_url: str, api_key: str, raw_prompt: list[
         if not reply.tool_calls:
             break
         for call in reply.tool_calls:
-            messages.append(ToolMessage(content=str(evaluate(call["args"]["expression"])), tool_call_id=call["id"]))
+            messages.append(
+                ToolMessage(
+                    content=str(evaluate(call["args"]["expression"])), tool_call_id=call["id"]
+                )
+            )
     Path(extra_info["report"]).write_text(json.dumps(turns))
 
 
@@ -153,11 +155,17 @@ def hermes_turn(run: str) -> dict[str, Any]:
 
 
 def test_langchain_openai_tool_loop_records_what_the_client_received(manager, tmp_path):
-    """langchain-openai (``ChatOpenAI`` + ``bind_tools``) runs a calculator loop through a session unchanged;
-    the trajectory's sampled runs are exactly the turns the client received, token for token."""
+    """langchain-openai (``ChatOpenAI`` + ``bind_tools``) runs a calculator loop through a session
+    unchanged; the trajectory's sampled runs are exactly the turns the client received, token for
+    token."""
     rng = random.Random(11)
-    prompts = [[{"role": "system", "content": SYSTEM_PROMPTS[1]}, {"role": "user", "content": word_problem(rng)[0]}]
-               for _ in range(2)]
+    prompts = [
+        [
+            {"role": "system", "content": SYSTEM_PROMPTS[1]},
+            {"role": "user", "content": word_problem(rng)[0]},
+        ]
+        for _ in range(2)
+    ]
     reports = [tmp_path / f"langchain-{i}.json" for i in range(len(prompts))]
     rows = [{"prompt": p, "agent_name": "langchain_calculator",
              "extra_info": {"index": i, "report": str(reports[i])}} for i, p in enumerate(prompts)]
@@ -165,7 +173,8 @@ def test_langchain_openai_tool_loop_records_what_the_client_received(manager, tm
     batch.meta_info["validate"] = True  # greedy
     out = manager.generate_sequences(batch)
     nt = out.non_tensor_batch
-    assert nt["status"].tolist() == ["stop", "stop"], nt.get("error")  # one trajectory per agent: no branching
+    # one trajectory per agent: no branching
+    assert nt["status"].tolist() == ["stop", "stop"], nt.get("error")
     for row, index in enumerate(nt["index"].tolist()):
         turns = json.loads(reports[int(index)].read_text())
         assert any(turn["calls"] for turn in turns)  # the trained model calls the calculator
@@ -397,10 +406,13 @@ def test_anthropic_sdk_tool_loop_records_what_the_client_received(manager, tmp_p
     """``messages.create`` and ``messages.stream`` (each with the session root and its ``/v1`` as
     base URL) run a calculator loop through a session unchanged: the trajectory's sampled runs are
     exactly the messages the client received (tool_use input = the call's arguments, output_tokens =
-    the run's tokens, stop_reason tool_use for a call, else end_turn), and all four record one greedy
-    trajectory."""
+    the run's tokens, stop_reason tool_use for a call, else end_turn), and all four record one
+    greedy trajectory."""
     question = word_problem(random.Random(3))[0]
-    prompt = [{"role": "system", "content": SYSTEM_PROMPTS[1]}, {"role": "user", "content": question}]
+    prompt = [
+        {"role": "system", "content": SYSTEM_PROMPTS[1]},
+        {"role": "user", "content": question},
+    ]
     out = run_agents(manager, "anthropic_calculator", [prompt] * len(MESSAGES_MODES),
                      extra={"reports": str(tmp_path)})
     nt = out.non_tensor_batch
@@ -410,7 +422,9 @@ def test_anthropic_sdk_tool_loop_records_what_the_client_received(manager, tmp_p
         turns = json.loads((tmp_path / f"{int(index)}.json").read_text())
         assert turns[0]["stop_reason"] == "tool_use", turns  # the trained model calls the tool
         for turn in turns:
-            assert turn["stop_reason"] == ("tool_use" if anthropic_turn(turn)["calls"] else "end_turn")
+            assert turn["stop_reason"] == (
+                "tool_use" if anthropic_turn(turn)["calls"] else "end_turn"
+            )
         runs = sampled_text(manager, out, row)
         assert [hermes_turn(run) for run in runs] == [anthropic_turn(t) for t in turns]
         assert sampled_lengths(out, row) == [t["usage"]["output_tokens"] for t in turns]
@@ -441,7 +455,9 @@ async def structured_chat(*, base_url: str, api_key: str, raw_prompt: list[dict[
     import openai  # in the worker process
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    reply = await client.chat.completions.create(model="m", messages=raw_prompt, **extra_info["request"])
+    reply = await client.chat.completions.create(
+        model="m", messages=raw_prompt, **extra_info["request"]
+    )
     choice = reply.choices[0]
     got = {"message": choice.message.model_dump(exclude_none=True), "finish": choice.finish_reason}
     Path(extra_info["report"]).write_text(json.dumps(got))
@@ -451,7 +467,9 @@ def structured_turn(manager: Any, tmp_path: Path, prompt: list[dict[str, Any]], 
                     ) -> tuple[dict[str, Any], Any]:
     """(what the client received, the output batch) of one ``structured_chat`` sample."""
     report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
-    out = run_agents(manager, "structured_chat", [prompt], extra={"request": request, "report": str(report)})
+    out = run_agents(
+        manager, "structured_chat", [prompt], extra={"request": request, "report": str(report)}
+    )
     assert out.non_tensor_batch["status"][0] == "stop", out.non_tensor_batch.get("error")
     return json.loads(report.read_text()), out
 
@@ -462,7 +480,8 @@ def sampled_call_text(call: dict[str, Any]) -> str:
 
 
 def forced_share(out: Any) -> float:
-    """The share of sampled tokens of row 0 whose recorded log-prob is 0 (the grammar left one choice)."""
+    """The share of sampled tokens of row 0 whose recorded log-prob is 0 (the grammar left one
+    choice)."""
     mask = out.batch["response_mask"][0].bool()
     lps = out.batch["rollout_log_probs"][0][mask]
     return float((lps == 0).float().mean())
@@ -471,9 +490,13 @@ def forced_share(out: Any) -> float:
 def test_tool_choice_required_turns_a_chitchat_prompt_into_a_parsed_call(manager, tmp_path):
     free, free_out = structured_turn(manager, tmp_path, CHITCHAT, tools=[WEATHER_TOOL])
     # the tiny model was trained to call the calculator only: free, it never calls weather
-    assert not [c for c in free["message"].get("tool_calls", []) if c["function"]["name"] == "weather"]
+    assert not [
+        c for c in free["message"].get("tool_calls", []) if c["function"]["name"] == "weather"
+    ]
     assert free_out.non_tensor_batch["constrained"][0] is False
-    got, out = structured_turn(manager, tmp_path, CHITCHAT, tools=[WEATHER_TOOL], tool_choice="required")
+    got, out = structured_turn(
+        manager, tmp_path, CHITCHAT, tools=[WEATHER_TOOL], tool_choice="required"
+    )
     assert got["finish"] == "tool_calls"
     (call,) = got["message"]["tool_calls"]
     assert call["function"]["name"] == "weather"
@@ -483,8 +506,11 @@ def test_tool_choice_required_turns_a_chitchat_prompt_into_a_parsed_call(manager
     args = text[len(sampled_call_text(call)):-len("}\n</tool_call><|im_end|>")]
     assert json.loads(args) == json.loads(call["function"]["arguments"])
     assert out.non_tensor_batch["constrained"][0] is True
-    print(f"log-prob 0 (forced): {forced_share(out):.0%} of the tokens sampled under tool_choice required, "
-          f"{forced_share(free_out):.0%} of those sampled freely")
+    print(
+        f"log-prob 0 (forced): {forced_share(out):.0%} of the tokens sampled under "
+        f"tool_choice required, "
+        f"{forced_share(free_out):.0%} of those sampled freely"
+    )
 
 
 def test_a_named_function_calls_that_function(manager, tmp_path):
@@ -500,7 +526,10 @@ def test_a_named_function_calls_that_function(manager, tmp_path):
 
 
 def test_a_json_schema_response_parses_and_validates(manager, tmp_path):
-    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True},
+    }
     prompt = [{"role": "user", "content": "Is Paris in France? Answer in JSON."}]
     got, out = structured_turn(manager, tmp_path, prompt, response_format=fmt)
     assert got["finish"] == "stop"
@@ -508,7 +537,10 @@ def test_a_json_schema_response_parses_and_validates(manager, tmp_path):
     assert set(verdict) == {"answer", "sure"}
     assert verdict["answer"] in ("yes", "no") and isinstance(verdict["sure"], bool)
     (text,) = sampled_text(manager, out, 0)
-    assert text.endswith("<|im_end|>") and text.removesuffix("<|im_end|>").strip() == got["message"]["content"]
+    assert (
+        text.endswith("<|im_end|>")
+        and text.removesuffix("<|im_end|>").strip() == got["message"]["content"]
+    )
     assert out.non_tensor_batch["constrained"][0] is True
     print(f"json_schema: {forced_share(out):.0%} of the sampled tokens had log-prob 0 (forced)")
 
@@ -517,7 +549,9 @@ def test_an_unservable_tool_choice_is_a_400_and_records_nothing(manager, tmp_pat
     choice = {"type": "function", "function": {"name": "nope"}}
     report = tmp_path / "refused.json"
     request = {"tools": [WEATHER_TOOL], "tool_choice": choice}
-    out = run_agents(manager, "structured_chat", [CHITCHAT], extra={"request": request, "report": str(report)})
+    out = run_agents(
+        manager, "structured_chat", [CHITCHAT], extra={"request": request, "report": str(report)}
+    )
     assert out.non_tensor_batch["status"][0] == "error"
     assert "400" in str(out.non_tensor_batch["error"][0]) and not report.exists()
 

@@ -68,8 +68,7 @@ def manager():
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_reasoning_model()),
-        "data.max_prompt_length": PROMPT_LEN,
-        "data.max_response_length": RESPONSE_LEN,
+        "data.max_prompt_length": PROMPT_LEN, "data.max_response_length": RESPONSE_LEN,
         "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.free_cache_engine": False,

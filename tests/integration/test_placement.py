@@ -1,8 +1,8 @@
 """Colocated placement: rollout servers beside the trainer's workers.
 
-The cluster test runs ``placement_cluster.py`` in its own process (a ``ray.cluster_utils.Cluster`` needs its own
-``ray.init``, which must not meet the Ray sessions of the other integration modules); the other tests check the
-worker → replica → slot rules without Ray.
+The cluster test runs ``placement_cluster.py`` in its own process (a ``ray.cluster_utils.Cluster``
+needs its own ``ray.init``, which must not meet the Ray sessions of the other integration modules);
+the other tests check the worker → replica → slot rules without Ray.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from agentloop.cluster.colocated import (
     TrainerWorkerGroup,
@@ -33,9 +36,10 @@ SCRIPT = Path(__file__).with_name("placement_cluster.py")
 
 @pytest.mark.integration
 def test_servers_land_beside_their_trainer_workers_on_a_two_node_cluster(tmp_path):
-    """Three ways to say where the trainer runs (bundle list, nodes only, verl's resource pool): each server is
-    on its worker's node (in its bundle when one is declared), rollout runs end to end through the manager,
-    sleep state is public and the no-op is logged once, and shutdown leaves the trainer's workers alone."""
+    """Three ways to say where the trainer runs (bundle list, nodes only, verl's resource pool):
+    each server is on its worker's node (in its bundle when one is declared), rollout runs end to
+    end through the manager, sleep state is public and the no-op is logged once, and shutdown leaves
+    the trainer's workers alone."""
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     report_path = tmp_path / "report.json"
@@ -52,11 +56,18 @@ def test_servers_land_beside_their_trainer_workers_on_a_two_node_cluster(tmp_pat
     assert [i["trainer_ranks"] for i in bundled["info"]] == [[0], [1]]
     assert bundled["placement"] == "colocated"
     assert bundled["rows"] == 4 and bundled["statuses"] == ["stop"] and sum(bundled["calls"]) == 4
-    # server 0 can sleep, server 1 cannot: free_cache_engine puts 0 to sleep after start, wakes it for the batch
-    # and puts it back after; 1 is never called; the no-op is logged once for the three sleep() calls.
-    assert not bundled["can_sleep"] and bundled["sleeping"] and not bundled["sleeping_after_wake_up"]
+    # server 0 can sleep, server 1 cannot: free_cache_engine puts 0 to sleep after start, wakes it
+    # for the batch
+    # and puts it back after; 1 is never called; the no-op is logged once for the three sleep()
+    # calls.
+    assert (
+        not bundled["can_sleep"] and bundled["sleeping"] and not bundled["sleeping_after_wake_up"]
+    )
     assert [(c["sleep"], c["wake_up"]) for c in bundled["counts"]] == [(2, 1), (0, 0)]
-    assert len(bundled["no_op_logs"]) == 1 and "1 of 2 servers cannot sleep" in bundled["no_op_logs"][0]
+    assert (
+        len(bundled["no_op_logs"]) == 1
+        and "1 of 2 servers cannot sleep" in bundled["no_op_logs"][0]
+    )
     assert bundled["trainer_alive_after_shutdown"]
 
     by_node = report["by_node"]
@@ -66,7 +77,8 @@ def test_servers_land_beside_their_trainer_workers_on_a_two_node_cluster(tmp_pat
 
     verl = report["verl"]
     assert verl["server_nodes"] == verl["trainer_nodes"] and len(set(verl["trainer_nodes"])) == 2
-    assert verl["server_pgs"] == verl["pgs"]  # rank r's server in the pool's group that rank r reported
+    # rank r's server in the pool's group that rank r reported
+    assert verl["server_pgs"] == verl["pgs"]
     assert [i["bundle_index"] for i in verl["info"]] == [0, 0]
 
 
@@ -80,11 +92,17 @@ def _rollout(**kw):
 _NODE = {"a": "a" * 56, "b": "b" * 56}  # node ids are 28-byte hex strings
 
 
-def _locations(nodes: list[str], gpus: list[list[str]] | None = None, bundles: bool = False) -> list[WorkerLocation]:
+def _locations(
+    nodes: list[str], gpus: list[list[str]] | None = None, bundles: bool = False
+) -> list[WorkerLocation]:
     pg = object()
-    return [WorkerLocation(rank=r, node_id=_NODE[n], gpu_ids=tuple(gpus[r]) if gpus else (), placement_group_id=None,
-                           bundle=(pg, r) if bundles else None)  # type: ignore[arg-type]
-            for r, n in enumerate(nodes)]
+    return [
+        WorkerLocation(
+            rank=r, node_id=_NODE[n], gpu_ids=tuple(gpus[r]) if gpus else (),
+            placement_group_id=None, bundle=(pg, r) if bundles else None,
+        )  # type: ignore[arg-type]
+        for r, n in enumerate(nodes)
+    ]
 
 
 def test_replica_size_follows_tp_on_gpus_and_num_servers_on_cpu():
@@ -126,7 +144,8 @@ def test_cpu_slots_without_bundles_pin_to_the_node_and_split_its_cores():
     assert all(not s.scheduling_strategy.soft for s in slots)
     assert [s.facts["trainer_ranks"] for s in slots] == [[0], [1], [2]]
     binds = [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in slots]
-    assert binds[0] != binds[2] or binds[0] == "nobind"  # two engines on node a do not share their cores
+    # two engines on node a do not share their cores
+    assert binds[0] != binds[2] or binds[0] == "nobind"
 
 
 def test_worker_group_shape_is_checked():

@@ -1,6 +1,7 @@
-"""``agentloop verify`` and ``agentloop report`` on a real rollout: one vLLM CPU engine (tiny model, fp32) rolls out
-calculator problems with ``tool_agent`` through the rollout CLI's own ``run_rollout`` (so the output directory is
-exactly what ``agentloop rollout`` writes), at temperature 0.8 with the conversations saved.
+"""``agentloop verify`` and ``agentloop report`` on a real rollout: one vLLM CPU engine (tiny model,
+fp32) rolls out calculator problems with ``tool_agent`` through the rollout CLI's own
+``run_rollout`` (so the output directory is exactly what ``agentloop rollout`` writes), at
+temperature 0.8 with the conversations saved.
 """
 
 from __future__ import annotations
@@ -44,10 +45,8 @@ def rollout_dir(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> It
     (base / "problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = base / "out"
     cfg = build_config("examples/calculator_agent/config.yaml", [
-        f"actor_rollout_ref.model.path={model_path}",
-        f"data.train_files={base / 'problems.jsonl'}",
-        f"output_dir={out}",
-        f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
+        f"actor_rollout_ref.model.path={model_path}", f"data.train_files={base / 'problems.jsonl'}",
+        f"output_dir={out}", f"actor_rollout_ref.rollout.temperature={TEMPERATURE}",
         "actor_rollout_ref.rollout.multi_turn.return_messages=true",
         "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.rollout.server.num_servers=1",
@@ -61,12 +60,14 @@ def rollout_dir(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> It
         assert run_rollout(cfg) == 0
     finally:
         ray.shutdown()
-    assert (out / "config.yaml").is_file()  # saved by the rollout CLI: verify reads the sampling settings from it
+    # saved by the rollout CLI: verify reads the sampling settings from it
+    assert (out / "config.yaml").is_file()
     yield out
 
 
-def test_verify_passes_on_a_real_rollout(rollout_dir: Path, model_path: str, capsys: pytest.CaptureFixture[str]
-                                         ) -> None:
+def test_verify_passes_on_a_real_rollout(
+    rollout_dir: Path, model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = run_cli(["verify", str(rollout_dir), "--model", model_path], capsys)
     print(out)
     assert code == 0, out
@@ -86,7 +87,11 @@ def test_verify_fails_on_a_corrupted_log_prob(rollout_dir: Path, tmp_path: Path,
     (tmp_path / "config.yaml").write_text((rollout_dir / "config.yaml").read_text())
     code, out = run_cli(["verify", str(tmp_path), "--model", model_path], capsys)
     assert code == 3, out
-    assert "1 tokens over --atol" in out and f"row {row} response position {pos}" in out and "FAILED" in out
+    assert (
+        "1 tokens over --atol" in out
+        and f"row {row} response position {pos}" in out
+        and "FAILED" in out
+    )
 
 
 def test_report_on_a_real_rollout(rollout_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +102,11 @@ def test_report_on_a_real_rollout(rollout_dir: Path, capsys: pytest.CaptureFixtu
     assert all(p.stat().st_size > 2000 for p in (rollout_dir / "report").glob("*.png"))
     from agentloop.batch.protocol import DataProto
 
-    calls = DataProto.load_from_disk(str(rollout_dir / "rollout.dataproto")).non_tensor_batch["generate_calls"]
+    calls = DataProto.load_from_disk(str(rollout_dir / "rollout.dataproto")).non_tensor_batch[
+        "generate_calls"
+    ]
     per_sample = [c for c in calls.tolist() if c]  # on each sample's first trajectory
     assert len(per_sample) == len(calls) == 8  # one sample, one trajectory, its calls
-    assert all(call["end"] >= call["start"] and call["server"] == 0 for c in per_sample for call in c)
+    assert all(
+        call["end"] >= call["start"] and call["server"] == 0 for c in per_sample for call in c
+    )

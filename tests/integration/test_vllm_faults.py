@@ -1,9 +1,9 @@
-"""Server faults on the real engine (2 vLLM CPU servers, tiny model): an engine process SIGKILLed, an engine
-that hangs (SIGSTOP) and a server actor killed mid-batch, and an engine that died between batches when the next
-weight update starts.  Each time every row comes back (the dead or hung server's requests fail over to the other
-one with their tokens), the update goes on without the dead server, the dead server is restarted in its slot, and
-after a weight update made the initial weights stale, the restarted engine rejoins only once the next update
-loaded the current weights into it."""
+"""Server faults on the real engine (2 vLLM CPU servers, tiny model): an engine process SIGKILLed,
+an engine that hangs (SIGSTOP) and a server actor killed mid-batch, and an engine that died between
+batches when the next weight update starts.  Each time every row comes back (the dead or hung
+server's requests fail over to the other one with their tokens), the update goes on without the dead
+server, the dead server is restarted in its slot, and after a weight update made the initial weights
+stale, the restarted engine rejoins only once the next update loaded the current weights into it."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ def manager():
         "actor_rollout_ref.rollout.server.num_servers": 2,
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
-        "actor_rollout_ref.rollout.ignore_eos": True,  # every request decodes all 48 tokens: a kill lands mid-request
-        "actor_rollout_ref.rollout.server.stall_timeout": 5,  # a hung engine is found in seconds, not 5 minutes
+        # every request decodes all 48 tokens: a kill lands mid-request
+        "actor_rollout_ref.rollout.ignore_eos": True,
+        # a hung engine is found in seconds, not 5 minutes
+        "actor_rollout_ref.rollout.server.stall_timeout": 5,
     }.items():
         OmegaConf.update(cfg, k, v)
     m = AgentLoopManager(cfg)
@@ -81,14 +83,20 @@ def _process(pid: int) -> Any:
         return None
 
 
-def kill_when_busy(manager: Any, server: int, pids: list[int], sig: int = signal.SIGKILL) -> threading.Thread:
-    """SIGKILL (or send ``sig`` to) ``server``'s engine as soon as the balancer counts a request in flight on it
-    (a fixed delay raced the batch: the tiny model can finish a whole batch in 0.3 s)."""
+def kill_when_busy(
+    manager: Any, server: int, pids: list[int], sig: int = signal.SIGKILL
+) -> threading.Thread:
+    """SIGKILL (or send ``sig`` to) ``server``'s engine as soon as the balancer counts a request in
+    flight on it (a fixed delay raced the batch: the tiny model can finish a whole batch in 0.3 s).
+    """
     import ray
 
     def run() -> None:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not ray.get(manager.balancer.stats.remote())["in_flight"][server]:
+        while (
+            time.monotonic() < deadline
+            and not ray.get(manager.balancer.stats.remote())["in_flight"][server]
+        ):
             time.sleep(0.005)
         if sig == signal.SIGKILL:
             kill_engine(pids)
@@ -123,7 +131,9 @@ def test_a_sigkilled_engine_fails_over_and_its_server_is_restarted(manager):
     out = manager.generate_sequences(make_batch(8))
     killer.join()
     status = out.non_tensor_batch["status"].tolist()
-    assert len(out) == 8 and set(status) <= {"stop", "length"}, out.non_tensor_batch["error"].tolist()
+    assert len(out) == 8 and set(status) <= {"stop", "length"}, out.non_tensor_batch[
+        "error"
+    ].tolist()
     assert faults(out)["server_failovers"] >= 1 and faults(out)["servers_down"] == 1
     old = manager.server_handles[0]
     state = wait_recovered(manager)
@@ -135,9 +145,10 @@ def test_a_sigkilled_engine_fails_over_and_its_server_is_restarted(manager):
 
 
 def test_a_hung_engine_is_killed_its_requests_fail_over_and_its_server_is_restarted(manager):
-    """The engine stops making progress while alive (its processes SIGSTOPped mid-batch, as a hung collective
-    would leave it): after ``server.stall_timeout`` (5 s here) its requests fail over, its processes are killed
-    and the server is restarted; without the stall watch this batch never returned."""
+    """The engine stops making progress while alive (its processes SIGSTOPped mid-batch, as a hung
+    collective would leave it): after ``server.stall_timeout`` (5 s here) its requests fail over,
+    its processes are killed and the server is restarted; without the stall watch this batch never
+    returned."""
     import psutil
     import ray
 
@@ -149,10 +160,14 @@ def test_a_hung_engine_is_killed_its_requests_fail_over_and_its_server_is_restar
         took = time.monotonic() - t0
         stopper.join()
         status = out.non_tensor_batch["status"].tolist()
-        assert len(out) == 8 and set(status) <= {"stop", "length"}, out.non_tensor_batch["error"].tolist()
+        assert len(out) == 8 and set(status) <= {"stop", "length"}, out.non_tensor_batch[
+            "error"
+        ].tolist()
         assert faults(out)["server_failovers"] >= 1 and faults(out)["servers_down"] == 1
         assert took < 120, took
-        gone = psutil.wait_procs([p for p in map(_process, children) if p is not None], timeout=30)[1]
+        gone = psutil.wait_procs([p for p in map(_process, children) if p is not None], timeout=30)[
+            1
+        ]
         assert not gone, f"the hung engine's processes were left running: {gone}"
         old = manager.server_handles[0]
         state = wait_recovered(manager)
@@ -178,7 +193,8 @@ def test_a_killed_server_actor_rejoins_only_with_the_current_weights(manager):
     assert set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
     assert faults(out)["servers_down"] == 1
     state = wait_recovered(manager)
-    assert state["servers_down"] == 1 and state["servers_awaiting_weights"] == 1  # initial weights: held out
+    # initial weights: held out
+    assert state["servers_down"] == 1 and state["servers_awaiting_weights"] == 1
     assert manager.update_weights(weights, global_steps=8) == 8
     assert manager.recover()["servers_down"] == 0 and manager.server_handles[1] is not victim
     nxt = manager.generate_sequences(make_batch(8))
@@ -188,8 +204,9 @@ def test_a_killed_server_actor_rejoins_only_with_the_current_weights(manager):
 
 
 def test_an_engine_dead_before_a_weight_update_is_left_out_of_it_and_restarted(manager):
-    """The engine dies between batches (no batch found it yet): update_weights completes on the other server
-    instead of raising the engine's error; the dead one is restarted and rejoins with the next update."""
+    """The engine dies between batches (no batch found it yet): update_weights completes on the
+    other server instead of raising the engine's error; the dead one is restarted and rejoins with
+    the next update."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -210,8 +227,9 @@ def test_an_engine_dead_before_a_weight_update_is_left_out_of_it_and_restarted(m
 
 
 def test_pause_resume_and_clear_kv_cache_go_on_past_a_dead_engine(manager):
-    """The calls a trainer makes between batches do not raise vLLM's EngineDeadError into the training loop:
-    the server whose engine died is taken out and restarted, the others are paused, resumed and cleared."""
+    """The calls a trainer makes between batches do not raise vLLM's EngineDeadError into the
+    training loop: the server whose engine died is taken out and restarted, the others are paused,
+    resumed and cleared."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -224,7 +242,8 @@ def test_pause_resume_and_clear_kv_cache_go_on_past_a_dead_engine(manager):
     assert set(out.non_tensor_batch["status"].tolist()) <= {"stop", "length"}
     state = wait_recovered(manager)
     weights = AutoModelForCausalLM.from_pretrained(manager.config.model.path).state_dict()
-    version = manager.update_weights(weights, global_steps=manager.weight_version + 1)  # rejoins with them
+    # rejoins with them
+    version = manager.update_weights(weights, global_steps=manager.weight_version + 1)
     assert state["servers_awaiting_weights"] == 1 and manager.recover()["servers_down"] == 0
     nxt = manager.generate_sequences(make_batch(8))
     assert set(nxt.non_tensor_batch["max_global_steps"].tolist()) == {version}

@@ -31,18 +31,26 @@ class ThreeTurnProbe(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         request_id = uuid4().hex
-        ids = [int(t) for t in self.tokenizer.apply_chat_template(
-            list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True, return_dict=False)]
+        ids = [
+            int(t)
+            for t in self.tokenizer.apply_chat_template(
+                list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            )
+        ]
         prompt_len, mask, servers = len(ids), [], []
         for _ in range(3):
             out = await self.server_manager.generate(
-                request_id=request_id, prompt_ids=ids, sampling_params={**sampling_params, "max_tokens": 4}
+                request_id=request_id, prompt_ids=ids,
+                sampling_params={**sampling_params, "max_tokens": 4},
             )
             servers.append(out.extra_fields["server_index"])
             ids = ids + out.token_ids
             mask += [1] * len(out.token_ids)
-        return AgentLoopOutput(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], response_mask=mask,
-                               num_turns=4, extra_fields={"servers": servers})
+        return AgentLoopOutput(
+            prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], response_mask=mask,
+            num_turns=4, extra_fields={"servers": servers},
+        )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +68,10 @@ def manager(model_path):
     from agentloop.loops.base import _agent_loop_registry
     from agentloop.rollout.manager import AgentLoopManager
 
-    # Registered only while this module's manager lives: at import time (pytest collects every module
-    # first) they would reach the workers of other modules' managers, which cannot import this module.
+    # Registered only while this module's manager lives: at import time (pytest collects every
+    # module
+    # first) they would reach the workers of other modules' managers, which cannot import this
+    # module.
     register("three_turn_probe")(ThreeTurnProbe)
     register_agent_runner("it_sdk_calculator")(it_sdk_calculator)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -69,17 +79,15 @@ def manager(model_path):
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     cfg = default_config()
     for k, v in {
-        "actor_rollout_ref.model.path": model_path,
-        "data.max_prompt_length": PROMPT_LEN,
-        "data.max_response_length": RESPONSE_LEN,
-        "actor_rollout_ref.rollout.dtype": "float32",
+        "actor_rollout_ref.model.path": model_path, "data.max_prompt_length": PROMPT_LEN,
+        "data.max_response_length": RESPONSE_LEN, "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.free_cache_engine": False,
         "actor_rollout_ref.rollout.max_num_seqs": 32,
         "actor_rollout_ref.rollout.agent.num_workers": 2,
         "actor_rollout_ref.rollout.server.num_servers": 2,
         "actor_rollout_ref.rollout.server.device": "cpu",
-        "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/calculator_agent/tools.yaml",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/calculator_agent/tools.yaml",  # noqa: E501
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
         "actor_rollout_ref.rollout.multi_turn.return_messages": True,
     }.items():
@@ -95,8 +103,10 @@ def manager(model_path):
 def make_batch(n_prompts: int, n: int, agent_name: str | None = None):
     rows = []
     for i in range(n_prompts):
-        row: dict[str, Any] = {"prompt": [{"role": "user", "content": f"Say something about item {i}."}],
-                               "extra_info": {"index": i}}
+        row: dict[str, Any] = {
+            "prompt": [{"role": "user", "content": f"Say something about item {i}."}],
+            "extra_info": {"index": i},
+        }
         if agent_name:
             row["agent_name"] = agent_name
         rows.append(row)
@@ -117,12 +127,20 @@ def test_sixteen_samples_layout_and_logprobs(manager):
     assert torch.equal(b["position_ids"], torch.clamp(attn.cumsum(-1) - 1, min=0))
     assert torch.equal(b["response_mask"], r_attn)  # single-turn: every response token was sampled
     lp = b["rollout_log_probs"]
-    assert torch.isfinite(lp).all() and torch.all(lp[r_attn.bool()] <= 0) and torch.all(lp[~r_attn.bool()] == 0)
+    assert (
+        torch.isfinite(lp).all()
+        and torch.all(lp[r_attn.bool()] <= 0)
+        and torch.all(lp[~r_attn.bool()] == 0)
+    )
     assert set(nt["status"]) <= {"stop", "length"}
     assert list(nt["__num_turns__"]) == [2] * 16
     assert list(nt["index"]) == [i for i in range(8) for _ in range(2)]
     timing = out.meta_info["timing"]
-    assert timing["agent_loop/generate_sequences/max"] >= timing["agent_loop/generate_sequences/min"] > 0
+    assert (
+        timing["agent_loop/generate_sequences/max"]
+        >= timing["agent_loop/generate_sequences/min"]
+        > 0
+    )
 
 
 def test_every_turn_of_a_request_stays_on_one_server(manager):
@@ -133,14 +151,17 @@ def test_every_turn_of_a_request_stays_on_one_server(manager):
 
 
 def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
-    """Bucketed sync (buckets of ~20 kB, so fused q/k/v and gate/up layers straddle buckets) and the whole-dict
-    file sync load the same weights: both match an HF fp32 recompute of the new weights to 1e-5, generate the
-    same tokens, and every trajectory carries the version it was generated with."""
+    """Bucketed sync (buckets of ~20 kB, so fused q/k/v and gate/up layers straddle buckets) and the
+    whole-dict file sync load the same weights: both match an HF fp32 recompute of the new weights
+    to 1e-5, generate the same tokens, and every trajectory carries the version it was generated
+    with."""
     from transformers import AutoModelForCausalLM
 
     from agentloop.testing.hf_check import max_logprob_gap, perturbed_weights
 
-    original, new, hf = perturbed_weights(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32))
+    original, new, hf = perturbed_weights(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    )
     batch = make_batch(4, n=1)
     batch.meta_info["validate"] = True  # greedy
     try:
@@ -152,7 +173,11 @@ def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
         assert torch.equal(streamed.batch["responses"], whole.batch["responses"])
         for out, version in ((streamed, 41), (whole, 42)):
             nt = out.non_tensor_batch
-            assert nt["min_global_steps"].tolist() == nt["max_global_steps"].tolist() == [version] * len(out)
+            assert (
+                nt["min_global_steps"].tolist()
+                == nt["max_global_steps"].tolist()
+                == [version] * len(out)
+            )
     finally:
         assert manager.update_weights(original) == 43
     restored = manager.generate_sequences(batch)
@@ -177,7 +202,8 @@ def test_output_round_trips_through_disk(manager, tmp_path):
 
 
 def test_trained_tiny_model_calls_the_calculator(manager):
-    """The trained tiny model emits hermes tool calls; tool tokens are masked out, sampled ones are not."""
+    """The trained tiny model emits hermes tool calls; tool tokens are masked out, sampled ones
+    are not."""
     import random
 
     from agentloop.testing.tiny_model import _SYSTEM_PROMPTS, word_problem
@@ -186,7 +212,10 @@ def test_trained_tiny_model_calls_the_calculator(manager):
     rows = []
     for i in range(8):
         question, _, _ = word_problem(rng)
-        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[0]}, {"role": "user", "content": question}]
+        messages = [
+            {"role": "system", "content": _SYSTEM_PROMPTS[0]},
+            {"role": "user", "content": question},
+        ]
         rows.append({"prompt": messages, "agent_name": "tool_agent", "extra_info": {"index": i}})
     batch = rows_to_batch(rows)
     batch.meta_info["validate"] = True  # greedy
@@ -206,8 +235,8 @@ def test_trained_tiny_model_calls_the_calculator(manager):
 
 
 def assert_matches_full_render(tok: Any, out: Any, i: int) -> None:
-    """The trajectory equals a full chat-template render of its conversation, with the assistant turns as
-    sampled; every context (mask 0) run is the canonical encoding of its text."""
+    """The trajectory equals a full chat-template render of its conversation, with the assistant
+    turns as sampled; every context (mask 0) run is the canonical encoding of its text."""
     from agentloop.tools.registry import initialize_tools_from_config
 
     tools = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
@@ -230,14 +259,19 @@ def assert_matches_full_render(tok: Any, out: Any, i: int) -> None:
     n_prompt = len(out.non_tensor_batch["raw_prompt"][i])
     for j, msg in enumerate(out.non_tensor_batch["messages"][i]):
         if j >= n_prompt and msg["role"] == "assistant":
-            messages.append({"role": "assistant", "content": sampled[k].removesuffix(tok.eos_token)})
+            messages.append(
+                {"role": "assistant", "content": sampled[k].removesuffix(tok.eos_token)}
+            )
             k += 1
         else:
             messages.append(msg)
     assert k == len(sampled)
     full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
     got = tok.decode(prompt + resp)
-    assert full.startswith(got) and (full == got + "\n" or not got.endswith(tok.eos_token)), (got, full)
+    assert full.startswith(got) and (full == got + "\n" or not got.endswith(tok.eos_token)), (
+        got,
+        full,
+    )
 
 
 def manager_tokenizer(manager):
@@ -257,7 +291,9 @@ def test_tool_agent_runs_on_the_real_engine(manager):
     assert torch.all((mask.sum(-1) > 0) | (out.non_tensor_batch["__num_turns__"] == 0))
 
 
-async def it_sdk_calculator(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
+async def it_sdk_calculator(
+    *, base_url: str, api_key: str, raw_prompt: list, **fields: Any
+) -> None:
     """A plain OpenAI-SDK calculator agent; odd sample indices stream."""
     import json
 
@@ -269,7 +305,10 @@ async def it_sdk_calculator(*, base_url: str, api_key: str, raw_prompt: list, **
     messages = [dict(m) for m in raw_prompt]
     stream = fields["extra_info"]["index"] % 2 == 1
     for _ in range(3):
-        kwargs = {"model": "policy", "messages": messages, "tools": [CALCULATOR_TOOL_DICT], "temperature": 0}
+        kwargs = {
+            "model": "policy", "messages": messages, "tools": [CALCULATOR_TOOL_DICT],
+            "temperature": 0,
+        }
         if stream:
             content, calls, finish = "", {}, None
             async for chunk in await client.chat.completions.create(stream=True, **kwargs):
@@ -284,7 +323,10 @@ async def it_sdk_calculator(*, base_url: str, api_key: str, raw_prompt: list, **
                 msg["tool_calls"] = [calls[i] for i in sorted(calls)]
         else:
             resp = await client.chat.completions.create(**kwargs)
-            finish, msg = resp.choices[0].finish_reason, resp.choices[0].message.model_dump(exclude_none=True)
+            finish, msg = (
+                resp.choices[0].finish_reason,
+                resp.choices[0].message.model_dump(exclude_none=True),
+            )
         messages.append(msg)
         if finish != "tool_calls":
             return
@@ -297,7 +339,8 @@ async def it_sdk_calculator(*, base_url: str, api_key: str, raw_prompt: list, **
 
 
 def test_gateway_agents_and_tool_agent_in_one_batch(manager):
-    """OpenAI-SDK agents (through the gateway, streaming and not) and tool_agent samples in one batch."""
+    """OpenAI-SDK agents (through the gateway, streaming and not) and tool_agent samples in one
+    batch."""
     import random
 
     from agentloop.testing.tiny_model import _SYSTEM_PROMPTS, word_problem
@@ -306,10 +349,18 @@ def test_gateway_agents_and_tool_agent_in_one_batch(manager):
     rows = []
     problems = [word_problem(rng)[0] for _ in range(3)]
     for i in range(6):  # each problem once without and once with streaming
-        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[1]}, {"role": "user", "content": problems[i // 2]}]
-        rows.append({"prompt": messages, "agent_name": "it_sdk_calculator", "extra_info": {"index": i}})
+        messages = [
+            {"role": "system", "content": _SYSTEM_PROMPTS[1]},
+            {"role": "user", "content": problems[i // 2]},
+        ]
+        rows.append(
+            {"prompt": messages, "agent_name": "it_sdk_calculator", "extra_info": {"index": i}}
+        )
     for i in range(6, 8):
-        messages = [{"role": "system", "content": _SYSTEM_PROMPTS[1]}, {"role": "user", "content": problems[0]}]
+        messages = [
+            {"role": "system", "content": _SYSTEM_PROMPTS[1]},
+            {"role": "user", "content": problems[0]},
+        ]
         rows.append({"prompt": messages, "agent_name": "tool_agent", "extra_info": {"index": i}})
     batch = rows_to_batch(rows)
     batch.meta_info["validate"] = True  # greedy
@@ -328,20 +379,26 @@ def test_gateway_agents_and_tool_agent_in_one_batch(manager):
         assert int(mask.sum()) > 0
         assert "<tool_response>" not in tok.decode(resp[mask].tolist())
         by_index[int(nt["index"][i])] = resp.tolist()
-    called = [i for i in gateway_rows if "<tool_response>" in tok.decode(out.batch["responses"][i].tolist())]
+    called = [
+        i
+        for i in gateway_rows
+        if "<tool_response>" in tok.decode(out.batch["responses"][i].tolist())
+    ]
     assert len(called) >= 4  # the trained model calls the calculator through the SDK
     for k in range(3):  # streaming and non-streaming recorded the same greedy trajectory
         assert by_index[2 * k] == by_index[2 * k + 1]
 
 
 def test_abort_on_the_real_engine_returns_aborted(manager):
-    """A running request (its first tokens have streamed back) is aborted: it ends early with 'aborted'."""
+    """A running request (its first tokens have streamed back) is aborted: it ends early with
+    'aborted'."""
     import ray
 
     server = manager.server_handles[0]
     params = {"max_tokens": RESPONSE_LEN, "ignore_eos": True, "temperature": 1.0}
     load = [server.generate.remote(prompt_ids=[5, 6, 7, 8] * 8 + [10 + i], sampling_params=params,
-                                   request_id=f"load-{i}") for i in range(31)]  # slows every sequence down
+                                   # slows every sequence down
+                                   request_id=f"load-{i}") for i in range(31)]
     stream = server.generate_stream.options(num_returns="streaming").remote(
         prompt_ids=[9, 10, 11, 12] * 8, sampling_params=params, request_id="to-abort")
     deltas = [ray.get(next(stream))]  # the request is running now
@@ -349,4 +406,6 @@ def test_abort_on_the_real_engine_returns_aborted(manager):
     deltas += [ray.get(ref) for ref in stream]
     assert deltas[-1].finished and deltas[-1].stop_reason == "aborted"
     assert sum(len(d.token_ids) for d in deltas) < RESPONSE_LEN
-    assert all(o.stop_reason == "length" and len(o.token_ids) == RESPONSE_LEN for o in ray.get(load))
+    assert all(
+        o.stop_reason == "length" and len(o.token_ids) == RESPONSE_LEN for o in ray.get(load)
+    )

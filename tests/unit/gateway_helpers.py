@@ -1,4 +1,5 @@
-"""A live gateway on loopback for tests: real uvicorn + FastAPI, a fake engine, the tiny model's tokenizer."""
+"""A live gateway on loopback for tests: real uvicorn + FastAPI, a fake engine, the tiny model's
+tokenizer."""
 
 from __future__ import annotations
 
@@ -18,9 +19,17 @@ from agentloop.testing import ScriptedServer
 from agentloop.types import TokenOutput
 
 WORDS = ("Luminous.", "Serendipity.", "Ephemeral.", "Whimsical.", "Quietude.")
-CALC_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object", "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 
 
 def rollout_config(**gateway: Any) -> Any:
@@ -59,23 +68,30 @@ class FakePolicy:
             reply = next(self.words)
         else:
             reply = "OK."
-        return list(self.tokenizer.encode(reply, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
+        return list(self.tokenizer.encode(reply, add_special_tokens=False)) + [
+            self.tokenizer.eos_token_id
+        ]
 
 
 class LiveGateway:
-    """A GatewayActor (in-process, no Ray) serving HTTP on a background event loop (``processor``: the
-    model's processor, for image requests)."""
+    """A GatewayActor (in-process, no Ray) serving HTTP on a background event loop (``processor``:
+    the model's processor, for image requests)."""
 
-    def __init__(self, tokenizer: Any, server: Any = None, *, policy: Callable[..., list[int] | TokenOutput]
-                 | None = None, processor: Any = None, **gateway: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, server: Any = None, *,
+        policy: Callable[..., list[int] | TokenOutput] | None = None, processor: Any = None,
+        **gateway: Any,
+    ) -> None:
         self.tokenizer = tokenizer
         self.policy = policy or FakePolicy(tokenizer)
         self.server = server or ScriptedServer(self.policy, eos_token_id=tokenizer.eos_token_id)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.actor = GatewayActor.from_slices(rollout_config(**gateway), OmegaConf.create({"path": "tiny"}),
-                                              [self.server], tokenizer=tokenizer, processor=processor)
+        self.actor = GatewayActor.from_slices(
+            rollout_config(**gateway), OmegaConf.create({"path": "tiny"}), [self.server],
+            tokenizer=tokenizer, processor=processor,
+        )
         self.url = self.run(self.actor.start())
 
     def run(self, coro: Any, timeout: float = 30) -> Any:
@@ -93,14 +109,18 @@ class LiveGateway:
         self.thread.join(5)
 
 
-def full_render_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def full_render_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
     """Ids of the whole conversation rendered at once (what the trajectory must equal)."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def client_for(handle: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=handle.base_url, api_key=handle.api_key, max_retries=0, timeout=30)
+    return openai.OpenAI(
+        base_url=handle.base_url, api_key=handle.api_key, max_retries=0, timeout=30
+    )
 
 
 def run_calculator_agent(client: openai.OpenAI, question: str, stream: bool = False) -> list[dict]:
@@ -110,14 +130,18 @@ def run_calculator_agent(client: openai.OpenAI, question: str, stream: bool = Fa
     for _ in range(4):
         if stream:
             content, calls, finish = "", {}, None
-            for chunk in client.chat.completions.create(model="m", messages=messages, tools=[CALC_TOOL], stream=True):
+            for chunk in client.chat.completions.create(
+                model="m", messages=messages, tools=[CALC_TOOL], stream=True
+            ):
                 if not chunk.choices:
                     continue
                 delta = chunk.choices[0].delta
                 content += delta.content or ""
                 for tc in delta.tool_calls or []:
-                    calls[tc.index] = {"id": tc.id, "type": "function",
-                                       "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                    calls[tc.index] = {
+                        "id": tc.id, "type": "function",
+                        "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                    }
                 finish = chunk.choices[0].finish_reason or finish
             msg = {"role": "assistant", "content": content or None}
             if calls:
@@ -131,5 +155,7 @@ def run_calculator_agent(client: openai.OpenAI, question: str, stream: bool = Fa
             return messages
         for call in msg["tool_calls"]:
             expr = json.loads(call["function"]["arguments"])["expression"]
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": str(eval(expr, {}))})  # noqa: S307
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": str(eval(expr, {}))}
+            )  # noqa: S307
     return messages

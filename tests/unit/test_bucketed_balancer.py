@@ -1,4 +1,5 @@
-"""BucketedLeastInFlight (make_balancer's choice from 32 servers on) routes exactly as the scanning LeastInFlight."""
+"""BucketedLeastInFlight (make_balancer's choice from 32 servers on) routes exactly as the
+scanning LeastInFlight."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def _pair(servers: int, tie_break: str) -> tuple[Balancer, Balancer]:
 
 @pytest.mark.parametrize("tie_break", ["random", "rotate"])
 @pytest.mark.parametrize("servers", [1, 3, 64, 256])
-def test_same_choices_through_acquires_releases_owners_and_faults(servers: int, tie_break: str) -> None:
+def test_same_choices_through_acquires_releases_owners_and_faults(
+    servers: int, tie_break: str
+) -> None:
     scan, bucketed = _pair(servers, tie_break)
     rng = random.Random(servers)
     held: list[tuple[int, str]] = []

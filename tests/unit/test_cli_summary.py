@@ -1,4 +1,5 @@
-"""What `agentloop rollout` prints at the end: the summary table and trajectories rendered for a human."""
+"""What `agentloop rollout` prints at the end: the summary table and trajectories rendered for a
+human."""
 
 from __future__ import annotations
 
@@ -23,18 +24,26 @@ def rollout(tok):
     ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     call, tool, answer = ids("<tool_call>calc</tool_call>"), ids(" 816 "), ids("The answer is 816.")
     rows = [
-        AgentLoopOutput(prompt_ids=ids("<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n"),
-                        response_ids=call + tool + answer,
-                        response_mask=[1] * len(call) + [0] * len(tool) + [1] * len(answer),
-                        reward_score=1.0, num_turns=4, extra_fields={"num_tool_calls": 1}),
-        AgentLoopOutput(prompt_ids=ids("<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n"),
-                        response_ids=ids("The answer is 3."), response_mask=[1] * len(ids("The answer is 3.")),
-                        reward_score=0.0, num_turns=2, extra_fields={"num_tool_calls": 0}),
-        AgentLoopOutput(prompt_ids=ids("x"), response_ids=[], response_mask=[], num_turns=0,
-                        status=RolloutStatus.ERROR, error="boom", extra_fields={"num_tool_calls": 0}),
+        AgentLoopOutput(
+            prompt_ids=ids("<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n"),
+            response_ids=call + tool + answer,
+            response_mask=[1] * len(call) + [0] * len(tool) + [1] * len(answer), reward_score=1.0,
+            num_turns=4, extra_fields={"num_tool_calls": 1},
+        ),
+        AgentLoopOutput(
+            prompt_ids=ids("<|im_start|>user\nHow many?<|im_end|>\n<|im_start|>assistant\n"),
+            response_ids=ids("The answer is 3."), response_mask=[1] * len(ids("The answer is 3.")),
+            reward_score=0.0, num_turns=2, extra_fields={"num_tool_calls": 0},
+        ),
+        AgentLoopOutput(
+            prompt_ids=ids("x"), response_ids=[], response_mask=[], num_turns=0,
+            status=RolloutStatus.ERROR, error="boom", extra_fields={"num_tool_calls": 0},
+        ),
     ]
-    return postprocess(rows, prompt_length=32, response_length=48, pad_token_id=0,
-                       sample_fields={"uid": np.array(["a", "b", "c"], dtype=object)}, rewards_configured=True)
+    return postprocess(
+        rows, prompt_length=32, response_length=48, pad_token_id=0,
+        sample_fields={"uid": np.array(["a", "b", "c"], dtype=object)}, rewards_configured=True,
+    )
 
 
 def test_the_table_has_the_numbers_a_user_looks_for(tok):

@@ -1,4 +1,5 @@
-"""``agentloop port``: only verl module names in imports change; unknown modules are reported, exit 1."""
+"""``agentloop port``: only verl module names in imports change; unknown modules are reported,
+exit 1."""
 
 from __future__ import annotations
 
@@ -35,13 +36,23 @@ def _port(src: str, check_names: bool = False):
         ("import verl.protocol as vp\n", "import agentloop.protocol as vp\n"),
         ("import verl.utils.profiler\n", "import agentloop.compat.profiler\n"),
         ("import os, verl.protocol as p, json\n", "import os, agentloop.protocol as p, json\n"),
-        ("from verl.experimental.agent_loop import AgentLoopBase, register\n",
-         "from agentloop.compat.agent_loop import AgentLoopBase, register\n"),
-        ("from verl.experimental.agent_loop.tool_agent_loop import AgentData, ToolAgentLoop as T\n",
-         "from agentloop.loops.tool_agent import AgentData, ToolAgentLoop as T\n"),
-        ("from verl.workers.rollout.replica import TokenOutput\n", "from agentloop.types import TokenOutput\n"),
-        ("from verl.utils.rollout_trace import rollout_trace_op  # verl.protocol\n",
-         "from agentloop.compat.rollout_trace import rollout_trace_op  # verl.protocol\n"),
+        (
+            "from verl.experimental.agent_loop import AgentLoopBase, register\n",
+            "from agentloop.compat.agent_loop import AgentLoopBase, register\n",
+        ),
+        (
+            "from verl.experimental.agent_loop.tool_agent_loop import AgentData, "
+            "ToolAgentLoop as T\n",
+            "from agentloop.loops.tool_agent import AgentData, ToolAgentLoop as T\n",
+        ),
+        (
+            "from verl.workers.rollout.replica import TokenOutput\n",
+            "from agentloop.types import TokenOutput\n",
+        ),
+        (
+            "from verl.utils.rollout_trace import rollout_trace_op  # verl.protocol\n",
+            "from agentloop.compat.rollout_trace import rollout_trace_op  # verl.protocol\n",
+        ),
     ],
 )
 def test_rewrites_one_import(before, after):
@@ -75,7 +86,9 @@ def test_strings_comments_and_relative_imports_untouched():
             import verl.tools.schemas as sc  # a nested import is an import too
         '''
     result = _port(src)
-    expected = textwrap.dedent(src).replace("import verl.tools.schemas as sc", "import agentloop.tools.schemas as sc")
+    expected = textwrap.dedent(src).replace(
+        "import verl.tools.schemas as sc", "import agentloop.tools.schemas as sc"
+    )
     assert result.text == expected and result.issues == []
 
 
@@ -117,11 +130,14 @@ def test_unknown_module_is_left_and_reported():
         from verl.protocol import DataProto
         """)
     assert result.text.splitlines()[:2] == [
-        "from verl.single_controller.ray import RayWorkerGroup", "from verl.some.future.module import Thing"
+        "from verl.single_controller.ray import RayWorkerGroup",
+        "from verl.some.future.module import Thing",
     ]
     assert result.text.splitlines()[2] == "from agentloop.protocol import DataProto"
     (a, b) = result.issues
-    assert a.line == 1 and "verl.single_controller.ray" in a.message and "#not-provided" in a.message
+    assert (
+        a.line == 1 and "verl.single_controller.ray" in a.message and "#not-provided" in a.message
+    )
     assert "worker_group" in a.message
     assert b.line == 2 and "verl.some.future.module" in b.message and "#import-map" in b.message
 
@@ -132,12 +148,17 @@ def test_submodule_from_import_gives_replacement():
     assert "import agentloop.loops.tool_agent as tool_agent_loop" in result.issues[0].message
     # a submodule that keeps its place relative to its package needs nothing
     assert _port("from verl import protocol\n").text == "from agentloop import protocol\n"
-    # a package verl has no mirror of, whose imported modules all moved under one agentloop package (verl's
+    # a package verl has no mirror of, whose imported modules all moved under one agentloop package
+    # (verl's
     # own DataProto tests import tensordict_utils this way)
     ported = _port("from verl.utils import tensordict_utils as tu\n")
-    assert ported.text == "from agentloop.utils import tensordict_utils as tu\n" and not ported.issues
+    assert (
+        ported.text == "from agentloop.utils import tensordict_utils as tu\n" and not ported.issues
+    )
     mixed = _port("from verl.utils import tensordict_utils, no_such_module\n")
-    assert mixed.text == "from verl.utils import tensordict_utils, no_such_module\n" and mixed.issues
+    assert (
+        mixed.text == "from verl.utils import tensordict_utils, no_such_module\n" and mixed.issues
+    )
 
 
 def test_idempotent():
@@ -158,13 +179,17 @@ def test_name_check_reports_names_agentloop_lacks():
         from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopWorkerBase
         from verl import DataProto
         """, check_names=True)
-    assert result.text.startswith("from agentloop.compat.agent_loop import AgentLoopBase, AgentLoopWorkerBase")
+    assert result.text.startswith(
+        "from agentloop.compat.agent_loop import AgentLoopBase, AgentLoopWorkerBase"
+    )
     (issue,) = result.issues
     assert "AgentLoopWorkerBase" in issue.message and "#not-provided" in issue.message
 
 
 def test_mirror_module_raises_import_error_naming_verl_name():
-    with pytest.raises(MissingVerlNameError, match=r"AgentLoopWorkerBase.*porting-from-verl.md#not-provided"):
+    with pytest.raises(
+        MissingVerlNameError, match=r"AgentLoopWorkerBase.*porting-from-verl.md#not-provided"
+    ):
         from agentloop.compat.agent_loop import AgentLoopWorkerBase  # noqa: F401
     mirror = importlib.import_module("agentloop.compat.agent_loop")
     assert not hasattr(mirror, "__wrapped__")  # dunders stay AttributeError (inspect, pickle)
@@ -187,7 +212,10 @@ def test_cli_prints_diff_and_exit_status(tmp_path, capsys):
         cli_main(["port", str(good), "--no-check"])
     out = capsys.readouterr()
     assert exit_.value.code == 0 and out.err == ""
-    assert "-from verl.protocol import DataProto" in out.out and "+from agentloop.protocol import DataProto" in out.out
+    assert (
+        "-from verl.protocol import DataProto" in out.out
+        and "+from agentloop.protocol import DataProto" in out.out
+    )
     assert good.read_text() == "from verl.protocol import DataProto\n"  # no --write: untouched
 
     bad = tmp_path / "bad.py"
@@ -213,18 +241,30 @@ def test_map_is_most_specific_first_and_targets_are_agentloop():
     keys = list(VERL_IMPORT_MAP)
     for i, key in enumerate(keys):
         assert all(not key.startswith(earlier + ".") for earlier in keys[:i]), key
-    assert all(target == "agentloop" or target.startswith("agentloop.") for target in VERL_IMPORT_MAP.values())
+    assert all(
+        target == "agentloop" or target.startswith("agentloop.")
+        for target in VERL_IMPORT_MAP.values()
+    )
     assert not set(VERL_IMPORT_MAP) & set(VERL_NOT_PROVIDED)
-    assert map_reference("verl.utils.profiler.simple_timer") == ("verl.utils.profiler", "agentloop.compat.profiler")
-    assert map_reference("verl.utils.fs.copy_to_local") is None  # `verl` alone only covers verl's top-level names
+    assert map_reference("verl.utils.profiler.simple_timer") == (
+        "verl.utils.profiler",
+        "agentloop.compat.profiler",
+    )
+    # `verl` alone only covers verl's top-level names
+    assert map_reference("verl.utils.fs.copy_to_local") is None
 
 
 def test_docs_tables_match_the_map():
     text = DOCS.read_text()
-    for tag, table in (("import-map", import_map_markdown()), ("not-provided", not_provided_markdown())):
+    for tag, table in (
+        ("import-map", import_map_markdown()),
+        ("not-provided", not_provided_markdown()),
+    ):
         found = re.search(rf"<!-- {tag}:begin -->\n(.*?)\n<!-- {tag}:end -->", text, re.S)
         assert found, f"docs/porting-from-verl.md lost its {tag} markers"
-        assert found.group(1) == table, f"regenerate with: python -m agentloop.compat.import_map ({tag})"
+        assert found.group(1) == table, (
+            f"regenerate with: python -m agentloop.compat.import_map ({tag})"
+        )
 
 
 @pytest.mark.parametrize("target", sorted(set(VERL_IMPORT_MAP.values())))

@@ -20,9 +20,15 @@ def test_trainer_shaped_and_rollout_only_configs_give_same_slices(model_dir):
                                                       "rollout": {"temperature": 0.5}},
                                 "data": {"max_prompt_length": 100, "max_response_length": 20}})
     a = resolve_config(trainer)
-    assert a.rollout.temperature == 0.5 and a.rollout.prompt_length == 100 and a.rollout.response_length == 20
+    assert (
+        a.rollout.temperature == 0.5
+        and a.rollout.prompt_length == 100
+        and a.rollout.response_length == 20
+    )
     assert a.rollout.agent.default_agent_loop == "single_turn_agent"
-    b = resolve_config({"temperature": 0.5, "prompt_length": 100, "response_length": 20}, model_path=str(model_dir))
+    b = resolve_config(
+        {"temperature": 0.5, "prompt_length": 100, "response_length": 20}, model_path=str(model_dir)
+    )
     assert OmegaConf.to_container(a.rollout) == OmegaConf.to_container(b.rollout)
     assert b.model_path == str(model_dir)
 
@@ -37,24 +43,42 @@ def test_missing_model_path_fails_fast_with_hint(tmp_path):
 
 def test_cli_reports_bad_model_path_before_starting_anything(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["rollout", f"actor_rollout_ref.model.path={tmp_path}/missing", "data.train_files=x.jsonl"])
+        main(
+            [
+                "rollout", f"actor_rollout_ref.model.path={tmp_path}/missing",
+                "data.train_files=x.jsonl",
+            ]
+        )
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("agentloop: error: actor_rollout_ref.model.path") and "is not a directory" in line
+    assert (
+        line.startswith("agentloop: error: actor_rollout_ref.model.path")
+        and "is not a directory" in line
+    )
 
 
 def test_bad_values_are_named(model_dir):
     base = {"actor_rollout_ref": {"model": {"path": str(model_dir)}}}
     with pytest.raises(ConfigError, match="prompt_truncation"):
-        resolve_config(OmegaConf.merge(base, {"actor_rollout_ref": {"rollout": {"agent": {"prompt_truncation": "x"}}}}))
+        resolve_config(
+            OmegaConf.merge(
+                base, {"actor_rollout_ref": {"rollout": {"agent": {"prompt_truncation": "x"}}}}
+            )
+        )
     with pytest.raises(ConfigError, match="num_workers"):
-        resolve_config(OmegaConf.merge(base, {"actor_rollout_ref": {"rollout": {"agent": {"num_workers": 0}}}}))
+        resolve_config(
+            OmegaConf.merge(base, {"actor_rollout_ref": {"rollout": {"agent": {"num_workers": 0}}}})
+        )
 
 
 def test_sampling_params_follow_verl_keys(model_dir):
-    cfg = resolve_config({"temperature": 0.7, "top_p": 0.9, "calculate_log_probs": True}, model_path=str(model_dir))
+    cfg = resolve_config(
+        {"temperature": 0.7, "top_p": 0.9, "calculate_log_probs": True}, model_path=str(model_dir)
+    )
     p = sampling_params_from_config(cfg.rollout)
-    assert p == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    assert p == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True,
+    }
     assert sampling_params_from_config(cfg.rollout, validate=True)["temperature"] == 0.0
 
 
@@ -101,36 +125,62 @@ def test_missing_prompt_column_is_named():
 GOOD = {"role": "user", "content": "hi"}
 
 
-@pytest.mark.parametrize("prompt,expected", [
-    ("What is 2+2?", 'prompt must be a list of {role, content} messages, got str "What is 2+2?"'),
-    ({"role": "user", "content": "hi"}, "prompt must be a list of {role, content} messages, got dict"),
-    ([], "prompt is an empty list"),
-    ([GOOD, "hello"], 'prompt message 1 is not a {role, content} dict, got str "hello"'),
-    ([{"content": "hi"}], "prompt message 0 has no string 'role' (got NoneType None)"),
-    ([{"role": "user", "content": 5}], "prompt message 0 (user) content must be a string or a list of content "
-                                       "parts, got int 5"),
-    ([{"role": "user", "content": None}], "prompt message 0 (user) has no content"),
-    ([{"role": "assistant", "content": None}], "prompt message 0 (assistant) has no content"),
-    ([{"role": "user", "content": ["hi"]}], "prompt message 0 (user) content part 0 must be a dict with a string "
-                                            "'type'"),
-])
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        (
+            "What is 2+2?",
+            'prompt must be a list of {role, content} messages, got str "What is 2+2?"',
+        ),
+        (
+            {"role": "user", "content": "hi"},
+            "prompt must be a list of {role, content} messages, got dict",
+        ),
+        ([], "prompt is an empty list"),
+        ([GOOD, "hello"], 'prompt message 1 is not a {role, content} dict, got str "hello"'),
+        ([{"content": "hi"}], "prompt message 0 has no string 'role' (got NoneType None)"),
+        (
+            [{"role": "user", "content": 5}],
+            "prompt message 0 (user) content must be a string or "
+            "a list of content "
+            "parts, got int 5",
+        ),
+        ([{"role": "user", "content": None}], "prompt message 0 (user) has no content"),
+        ([{"role": "assistant", "content": None}], "prompt message 0 (assistant) has no content"),
+        (
+            [{"role": "user", "content": ["hi"]}],
+            "prompt message 0 (user) content part 0 must be a dict with a string 'type'",
+        ),
+    ],
+)
 def test_malformed_prompts_are_named_by_file_row_and_what_was_found(tmp_path, prompt, expected):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, [{"prompt": [GOOD]}, {"prompt": [GOOD]}, {"prompt": prompt}])
     with pytest.raises(DatasetError) as e:
         load_dataset(path)
     assert str(e.value).startswith(f"{path} row 2 (line 3): {expected}")
-    with pytest.raises(DatasetError, match="^dataset row 0: "):  # rows built in Python are checked the same way
+    # rows built in Python are checked the same way
+    with pytest.raises(DatasetError, match="^dataset row 0: "):
         rows_to_batch([{"prompt": prompt}])
 
 
 def test_well_formed_prompt_shapes_are_accepted(tmp_path):
     prompts = [
         [{"role": "system", "content": "be brief"}, GOOD],
-        [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image"}]}],
-        [GOOD, {"role": "assistant", "content": None,
-                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-         {"role": "tool", "content": "42"}],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "what is this"}, {"type": "image"}],
+            }
+        ],
+        [
+            GOOD,
+            {
+                "role": "assistant", "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "42"},
+        ],
     ]
     batch = rows_to_batch([{"prompt": p} for p in prompts])
     assert list(batch.non_tensor_batch["raw_prompt"]) == prompts
@@ -140,7 +190,9 @@ def test_parquet_rows_are_checked_by_row_number(tmp_path):
     pd = pytest.importorskip("pandas")
     rows = [{"prompt": [GOOD]}] * 7 + [{"prompt": [{"role": "user", "content": None}]}]
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
-    with pytest.raises(DatasetError, match=r"train.parquet row 7: prompt message 0 \(user\) has no content"):
+    with pytest.raises(
+        DatasetError, match=r"train.parquet row 7: prompt message 0 \(user\) " r"has no content"
+    ):
         load_dataset(tmp_path / "train.parquet")
 
 
@@ -173,8 +225,12 @@ def test_unreadable_empty_and_missing_datasets_say_what_to_fix(tmp_path):
     with pytest.raises(DatasetError, match="is not a file"):
         load_dataset(tmp_path / "dir.jsonl")
     write_jsonl(tmp_path / "q.jsonl", [{"question": "hi"}])
-    with pytest.raises(DatasetError, match=r"q.jsonl row 0 \(line 1\) has no 'prompt' column; columns present: "
-                                           r"\['question'\]. Set data.prompt_key"):
+    with pytest.raises(
+        DatasetError,
+        match=r"q.jsonl row 0 \(line 1\) has no 'prompt' "
+        r"column; columns present: "
+        r"\['question'\]. Set data.prompt_key",
+    ):
         load_dataset(tmp_path / "q.jsonl")
 
 
@@ -211,8 +267,8 @@ def test_repeat_for_rollout_keeps_existing_uids_and_checks_n():
 
 
 def test_server_priority_is_reset_from_rays_nice_15_in_all_threads():
-    """Ray starts actors at nice 15; a server resets its threads to 0 before spawning the engine (or,
-    without the privilege, says so and how to fix it)."""
+    """Ray starts actors at nice 15; a server resets its threads to 0 before spawning the engine
+    (or, without the privilege, says so and how to fix it)."""
     import subprocess
     import sys
     import textwrap

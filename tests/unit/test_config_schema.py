@@ -1,6 +1,6 @@
-"""The typed config sections (agentloop.config.schema): built once from the YAML-shaped config, defaults only in
-``agentloop/configs/rollout.yaml``, the start-up check's one-line errors, one router factory for workers and
-gateways."""
+"""The typed config sections (agentloop.config.schema): built once from the YAML-shaped config,
+defaults only in ``agentloop/configs/rollout.yaml``, the start-up check's one-line errors, one
+router factory for workers and gateways."""
 
 from __future__ import annotations
 
@@ -54,12 +54,15 @@ def _at(tree: Any, key: str) -> Any:
 
 
 def _keys_of(name: str, section: Any) -> dict[str, str]:
-    return {**section_keys(type(section)), **(SamplingConfig.VAL_KEYS if name == "val_sampling" else {})}
+    return {
+        **section_keys(type(section)),
+        **(SamplingConfig.VAL_KEYS if name == "val_sampling" else {}),
+    }
 
 
 def _resolved_default(name: str, field: str, value: Any) -> Any:
-    """The documented meaning of a null the YAML ships: weight_update null -> abort (partial_rollout null);
-    the router's partial_rollout null -> false."""
+    """The documented meaning of a null the YAML ships: weight_update null -> abort (partial_rollout
+    null); the router's partial_rollout null -> false."""
     if value is None and (name, field) == ("server", "weight_update"):
         return "abort"
     if value is None and (name, field) == ("router", "partial_rollout"):
@@ -93,7 +96,9 @@ def test_no_section_field_has_a_default_of_its_own():
         if isinstance(section, RewardConfig):
             continue  # constructible by hand; its defaults read the YAML (next test)
         for f in dataclasses.fields(section):
-            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f"{name}.{f.name}"
+            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
+                f"{name}.{f.name}"
+            )
 
 
 def test_reward_config_by_hand_takes_the_yaml_defaults():
@@ -102,15 +107,27 @@ def test_reward_config_by_hand_takes_the_yaml_defaults():
 
 def test_a_key_the_config_lacks_takes_the_yaml_value():
     server = ServerConfig.from_rollout({"server": {"max_cache_size": 7}})
-    assert server.max_cache_size == 7 and server.restart_dead is _at(_yaml(), "actor_rollout_ref.rollout.server."
-                                                                             "restart_dead")
+    assert server.max_cache_size == 7 and server.restart_dead is _at(
+        _yaml(), "actor_rollout_ref.rollout.server.restart_dead"
+    )
 
 
 def test_values_are_cast_once():
-    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"server": {"stall_timeout": 5, "num_cpus_per_server": 2},
-                                                              "cudagraph_capture_sizes": [1, 2]}}})
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "server": {"stall_timeout": 5, "num_cpus_per_server": 2},
+                    "cudagraph_capture_sizes": [1, 2],
+                }
+            }
+        }
+    )
     sections = build_sections(cfg)
-    assert isinstance(sections["server"].stall_timeout, float) and sections["server"].num_cpus_per_server == 2.0
+    assert (
+        isinstance(sections["server"].stall_timeout, float)
+        and sections["server"].num_cpus_per_server == 2.0
+    )
     assert sections["engine"].cudagraph_capture_sizes == (1, 2)
 
 
@@ -130,7 +147,9 @@ BAD = [
 
 
 @pytest.mark.parametrize(("key", "value", "cls", "field"), BAD)
-def test_a_mistyped_or_unknown_value_gives_the_start_up_checks_one_line_error(model_dir, key, value, cls, field):
+def test_a_mistyped_or_unknown_value_gives_the_start_up_checks_one_line_error(
+    model_dir, key, value, cls, field
+):
     with pytest.raises(ConfigError) as today:
         check_types(_trainer(model_dir, key, value))  # the start-up check as it was
     with pytest.raises(ConfigError) as resolved:
@@ -139,7 +158,11 @@ def test_a_mistyped_or_unknown_value_gives_the_start_up_checks_one_line_error(mo
     assert str(resolved.value) == message and "\n" not in message
     assert message.startswith(f"invalid config values: {key}=")
     sections = build_sections(default_config())
-    owner = next(s for s in sections.values() if type(s) is (cls or type(s)) and field in section_keys(type(s)))
+    owner = next(
+        s
+        for s in sections.values()
+        if type(s) is (cls or type(s)) and field in section_keys(type(s))
+    )
     with pytest.raises(ConfigError) as direct:
         dataclasses.replace(owner, **{field: value})  # a section rejects it when constructed, too
     assert str(direct.value) == message
@@ -159,7 +182,9 @@ def test_a_value_only_a_section_checks_is_refused_in_the_same_form(model_dir):
 def test_a_section_keeps_its_components_own_message():
     with pytest.raises(ConfigError, match=r"rollout.name must be 'vllm' or 'sglang', got 'tgi'"):
         dataclasses.replace(build_sections(default_config())["engine"], name="tgi")
-    with pytest.raises(ConfigError, match=r"gateway.reward_to must be null \(follow multi_turn.reward_to\)"):
+    with pytest.raises(
+        ConfigError, match=r"gateway.reward_to must be null \(follow " r"multi_turn.reward_to\)"
+    ):
         dataclasses.replace(build_sections(default_config())["gateway"], reward_to="first")
 
 
@@ -179,16 +204,23 @@ ROUTING = [
 
 
 @pytest.mark.parametrize(("rollout", "async_training"), ROUTING)
-def test_gateway_and_worker_routers_get_the_same_settings_from_one_config(model_dir, tokenizer, rollout,
-                                                                          async_training):
-    cfg = resolve_config({"actor_rollout_ref": {"rollout": rollout, "model": {"path": str(model_dir)}},
-                          "async_training": async_training})
+def test_gateway_and_worker_routers_get_the_same_settings_from_one_config(
+    model_dir, tokenizer, rollout, async_training
+):
+    cfg = resolve_config(
+        {
+            "actor_rollout_ref": {"rollout": rollout, "model": {"path": str(model_dir)}},
+            "async_training": async_training,
+        }
+    )
     server = ScriptedServer(eos_token_id=tokenizer.eos_token_id)
 
     async def build() -> tuple[Any, Any]:
         gateway = GatewayActor(GatewaySections.of(cfg), [server], tokenizer=tokenizer)
-        worker = AgentLoopWorker(WorkerSections.of(cfg), cfg.root, [server], registry=resolve_registry(),
-                                 tokenizer=tokenizer)
+        worker = AgentLoopWorker(
+            WorkerSections.of(cfg), cfg.root, [server], registry=resolve_registry(),
+            tokenizer=tokenizer,
+        )
         return gateway.service.router, worker.server_manager
 
     gateway_router, worker_router = asyncio.run(build())
@@ -196,19 +228,28 @@ def test_gateway_and_worker_routers_get_the_same_settings_from_one_config(model_
         assert getattr(gateway_router, attr) == getattr(worker_router, attr), attr
     assert type(gateway_router.priority) is type(worker_router.priority)
     assert gateway_router.partial_rollout is bool(async_training.get("partial_rollout"))
-    assert isinstance(worker_router.priority, ContextPriority) is (rollout["server"]["priority"] == "context")
+    assert isinstance(worker_router.priority, ContextPriority) is (
+        rollout["server"]["priority"] == "context"
+    )
     assert worker_router.max_failovers == rollout["server"]["max_failovers"]
-    assert worker_router.restart_preempted is (cfg.router.restart_preempted and not cfg.router.partial_rollout)
+    assert worker_router.restart_preempted is (
+        cfg.router.restart_preempted and not cfg.router.partial_rollout
+    )
 
 
 def test_router_config_reads_partial_rollout_from_async_training():
     assert RouterConfig.from_root({}).partial_rollout is False
-    assert RouterConfig.from_root({"async_training": {"partial_rollout": True}}).partial_rollout is True
+    assert (
+        RouterConfig.from_root({"async_training": {"partial_rollout": True}}).partial_rollout
+        is True
+    )
 
 
 # Reads of rollout config keys the sections hold, outside agentloop/config* and the compat seam.
-_GENERIC = {"path", "name", "format", "timeout", "n", "seed", "dtype", "host", "backend", "device", "enable", "type",
-            "data", "mode", "custom", "trace", "priority", "vllm", "sglang"}
+_GENERIC = {
+    "path", "name", "format", "timeout", "n", "seed", "dtype", "host", "backend", "device",
+    "enable", "type", "data", "mode", "custom", "trace", "priority", "vllm", "sglang",
+}
 
 
 def _rollout_leaf_keys() -> set[str]:
@@ -226,7 +267,9 @@ def _rollout_leaf_keys() -> set[str]:
 
 def test_components_read_no_rollout_config_keys_of_their_own():
     package = Path(agentloop.__file__).parent
-    pattern = re.compile(r'OmegaConf\.select\(|\.get\(\s*"(' + "|".join(sorted(_rollout_leaf_keys())) + r')"')
+    pattern = re.compile(
+        r'OmegaConf\.select\(|\.get\(\s*"(' + "|".join(sorted(_rollout_leaf_keys())) + r')"'
+    )
     found: dict[str, list[str]] = {}
     for path in package.rglob("*.py"):
         rel = path.relative_to(package.parent).as_posix()

@@ -1,5 +1,6 @@
-"""The dispatcher with Ray faked out: generate_sequences' path (Dispatcher.run) and the Rollouter share one
-dead-worker path (same error-row text, same retry count), and groups come back once each."""
+"""The dispatcher with Ray faked out: generate_sequences' path (Dispatcher.run) and the Rollouter
+share one dead-worker path (same error-row text, same retry count), and groups come back once each.
+"""
 
 from __future__ import annotations
 
@@ -30,15 +31,24 @@ class Value:
 
 
 class Stream:
-    """A Ray streaming generator stand-in over what a worker yields: ``(group, rows, stats)`` per group, in order;
-    a dying worker's stream raises an actor error instead."""
+    """A Ray streaming generator stand-in over what a worker yields: ``(group, rows, stats)`` per
+    group, in order; a dying worker's stream raises an actor error instead."""
 
     def __init__(self, batch: DataProto, starts: list[int], dies: bool) -> None:
         bounds = [*starts, len(batch)]
-        self.items = [Value(error=ray.exceptions.RayActorError())] if dies else [
-            Value((g, rolled_out(batch.slice(bounds[g], bounds[g + 1])), WorkerStats(0, [{}] * (bounds[g + 1] -
-                                                                                            bounds[g]))))
-            for g in range(len(starts))]
+        self.items = (
+            [Value(error=ray.exceptions.RayActorError())]
+            if dies
+            else [
+                Value(
+                    (
+                        g, rolled_out(batch.slice(bounds[g], bounds[g + 1])),
+                        WorkerStats(0, [{}] * (bounds[g + 1] - bounds[g])),
+                    )
+                )
+                for g in range(len(starts))
+            ]
+        )
 
     def __next__(self) -> Value:
         if not self.items:
@@ -47,7 +57,8 @@ class Stream:
 
 
 class FakeWorker:
-    """An AgentLoopWorker actor handle; ``dies``: its streams end with an actor error (the actor is dead)."""
+    """An AgentLoopWorker actor handle; ``dies``: its streams end with an actor error (the actor
+    is dead)."""
 
     def __init__(self, dies: bool) -> None:
         self.dies = dies
@@ -77,9 +88,15 @@ def rolled_out(prompts: DataProto) -> DataProto:
 
 
 def error_rows(chunk: DataProto, status: RolloutStatus, message: str) -> DataProto:
-    return DataProto(None, {"index": chunk.non_tensor_batch["index"],
-                            "status": np.array([status.value] * len(chunk), dtype=object),
-                            "error": np.array([message] * len(chunk), dtype=object)}, {"metrics": [{}] * len(chunk)})
+    return DataProto(
+        None,
+        {
+            "index": chunk.non_tensor_batch["index"],
+            "status": np.array([status.value] * len(chunk), dtype=object),
+            "error": np.array([message] * len(chunk), dtype=object),
+        },
+        {"metrics": [{}] * len(chunk)},
+    )
 
 
 @pytest.fixture
@@ -88,8 +105,14 @@ def fake_ray(monkeypatch):
         return [r.get() for r in refs] if isinstance(refs, list) else refs.get()
 
     monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs)[:num_returns],
-                                                                               list(refs)[num_returns:]))
+    monkeypatch.setattr(
+        ray,
+        "wait",
+        lambda refs, num_returns=1, timeout=None: (
+            list(refs)[:num_returns],
+            list(refs)[num_returns:],
+        ),
+    )
     monkeypatch.setattr(ray, "kill", lambda *a, **k: None)
     monkeypatch.setattr(ray, "cancel", lambda *a, **k: None)
 
@@ -102,21 +125,33 @@ def make_dispatcher(retries: int, all_die: bool = False) -> tuple[Dispatcher, li
         spawned.append(FakeWorker(dies=all_die or not spawned))
         return spawned[-1]
 
-    dispatcher = Dispatcher(spawn=spawn, num_workers=2, error_rows=error_rows, max_sample_retries=retries)
+    dispatcher = Dispatcher(
+        spawn=spawn, num_workers=2, error_rows=error_rows, max_sample_retries=retries
+    )
     dispatcher.start()
     return dispatcher, spawned
 
 
 def prompts(n: int) -> DataProto:
-    return DataProto(None, {"index": np.arange(n), "uid": np.array([f"u{i // 2}" for i in range(n)], dtype=object)},
-                     {"global_steps": 0})
+    return DataProto(
+        None,
+        {"index": np.arange(n), "uid": np.array([f"u{i // 2}" for i in range(n)], dtype=object)},
+        {"global_steps": 0},
+    )
 
 
 def roll_out_with_the_rollouter(dispatcher: Dispatcher, batch: DataProto) -> DataProto:
-    manager = type("Manager", (), {
-        "workers": dispatcher, "weight_version": 0, "server_handles": [], "prepare": staticmethod(lambda b: b),
-        "grow_sticky_cache": staticmethod(lambda n: None), "engine_busy_seconds": staticmethod(lambda: [])})()
-    # uid groups of 2, two groups a dispatch: rows 0-3 on the first worker, 4-7 on the second (as Dispatcher.run)
+    manager = type(
+        "Manager",
+        (),
+        {
+            "workers": dispatcher, "weight_version": 0, "server_handles": [],
+            "prepare": staticmethod(lambda b: b), "grow_sticky_cache": staticmethod(lambda n: None),
+            "engine_busy_seconds": staticmethod(lambda: []),
+        },
+    )()
+    # uid groups of 2, two groups a dispatch: rows 0-3 on the first worker, 4-7 on the second (as
+    # Dispatcher.run)
     rollouter = Rollouter(manager, [batch], max_inflight=len(batch), groups_per_dispatch=2)
     parts = list(iter(lambda: rollouter.get(num_groups=len(batch), timeout=30), None))
     rollouter.stop()
@@ -131,18 +166,27 @@ def test_generate_sequences_and_the_rollouter_handle_a_dead_worker_the_same_way(
         dispatcher, spawned = make_dispatcher(retries)
         batch = prompts(8)
         if path == "generate_sequences":
-            out = DataProto.concat([DataProto(None, p.rows.non_tensor_batch, {}) for p in dispatcher.run(batch)])
+            out = DataProto.concat(
+                [DataProto(None, p.rows.non_tensor_batch, {}) for p in dispatcher.run(batch)]
+            )
         else:
             out = roll_out_with_the_rollouter(dispatcher, batch)
         runs[path] = (out, dict(dispatcher.fault_counts), spawned)
     (sync, sync_counts, sync_workers), (rollouter, async_counts, async_workers) = runs.values()
-    assert sync.non_tensor_batch["index"].tolist() == rollouter.non_tensor_batch["index"].tolist() == list(range(8))
+    assert (
+        sync.non_tensor_batch["index"].tolist()
+        == rollouter.non_tensor_batch["index"].tolist()
+        == list(range(8))
+    )
     assert sync.non_tensor_batch["status"].tolist() == rollouter.non_tensor_batch["status"].tolist()
     assert sync.non_tensor_batch["error"].tolist() == rollouter.non_tensor_batch["error"].tolist()
     failed = [e for e in sync.non_tensor_batch["error"].tolist() if e]
     if retries == 0:
-        assert failed and all(e.startswith("the agent-loop worker running this sample died (") and
-                              e.endswith("and agent.max_sample_retries=0 retries were used") for e in failed)
+        assert failed and all(
+            e.startswith("the agent-loop worker running this sample died (")
+            and e.endswith("and agent.max_sample_retries=0 retries were used")
+            for e in failed
+        )
         assert sync_counts["sample_retries"] == async_counts["sample_retries"] == 0
     else:
         assert not failed  # rolled out again on the other worker
@@ -157,5 +201,9 @@ def test_a_group_survives_only_max_sample_retries_deaths(fake_ray):
     done = list(dispatcher.stream(groups))
     assert sorted(f.group.key for f in done) == [0, 1]  # each group exactly once
     assert all(f.fault and "max_sample_retries=1 retries were used" in f.fault for f in done)
-    assert dispatcher.fault_counts["samples_failed_by_faults"] == 4 and dispatcher.fault_counts["sample_retries"] == 4
-    assert dispatcher.fault_counts["worker_restarts"] == len(spawned) - 2 >= 2  # each dead worker replaced once
+    assert (
+        dispatcher.fault_counts["samples_failed_by_faults"] == 4
+        and dispatcher.fault_counts["sample_retries"] == 4
+    )
+    # each dead worker replaced once
+    assert dispatcher.fault_counts["worker_restarts"] == len(spawned) - 2 >= 2

@@ -1,5 +1,5 @@
-"""The servers' busy clock: seconds with at least one request in the engine (the engine-busy fraction of
-the Rollouter's metrics and scripts/bench_async.py)."""
+"""The servers' busy clock: seconds with at least one request in the engine (the engine-busy
+fraction of the Rollouter's metrics and scripts/bench_async.py)."""
 
 from __future__ import annotations
 

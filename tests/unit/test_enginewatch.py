@@ -1,9 +1,11 @@
-"""EngineWatch: a request waiting on an engine that died is failed within the watch interval, never left
-waiting; a caller's own cancellation stays a cancellation; requests on a live engine are untouched.
+"""EngineWatch: a request waiting on an engine that died is failed within the watch interval, never
+left waiting; a caller's own cancellation stays a cancellation; requests on a live engine are
+untouched.
 
-No test depends on how fast this box runs: the fake engine makes progress at each look of the watch (not on a
-timer), a test waits for the watch to have looked after a given time instead of sleeping, and a request that
-must be cut gets a generous deadline (it is cut within one interval when the watch works)."""
+No test depends on how fast this box runs: the fake engine makes progress at each look of the watch
+(not on a timer), a test waits for the watch to have looked after a given time instead of sleeping,
+and a request that must be cut gets a generous deadline (it is cut within one interval when the
+watch works)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from agentloop.cluster.enginewatch import EngineWatch
 from agentloop.servers.base import ServerDeadError
 
 CUT_WITHIN = 30.0
-"""Seconds a request that must be cut may take (it takes one watch interval; the bound only stops a hang)."""
+"""Seconds a request that must be cut may take (it takes one watch interval; the bound only stops
+a hang)."""
 
 
 class ForgetfulServer:
@@ -34,8 +37,8 @@ class ForgetfulServer:
         return self.dead
 
     async def watched_for(self, seconds: float) -> None:
-        """Wait until the watch has looked at the engine at least ``seconds`` from now, however slow the box (or
-        has taken it for hung: then it no longer asks whether the engine is dead)."""
+        """Wait until the watch has looked at the engine at least ``seconds`` from now, however slow
+        the box (or has taken it for hung: then it no longer asks whether the engine is dead)."""
         end = time.monotonic() + seconds
         while self.last_look < end and self.watch.stalled is None:
             await asyncio.sleep(0.005)
@@ -86,12 +89,13 @@ def test_a_callers_own_cancellation_is_not_turned_into_a_server_error(caplog):
 
 
 def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
-    """generate_batch runs each request in its own task and waits for all: a cut request must come back as
-    an error (not vanish as a cancelled task), or the batch waits forever."""
+    """generate_batch runs each request in its own task and waits for all: a cut request must come
+    back as an error (not vanish as a cancelled task), or the batch waits forever."""
     from agentloop.servers.base import GenerateBatcher
 
     class Batched(ForgetfulServer):
-        async def generate_batch(self, requests):  # what agentloop's servers do: a GenerateBatcher part
+        # what agentloop's servers do: a GenerateBatcher part
+        async def generate_batch(self, requests):
             async for group in GenerateBatcher(self.generate).run(requests):
                 yield group
 
@@ -104,7 +108,11 @@ def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
             server.dead = True
 
         async def collect() -> list:
-            return [item async for group in server.generate_batch([{"seconds": 0.0}, {}, {}]) for item in group]
+            return [
+                item
+                async for group in server.generate_batch([{"seconds": 0.0}, {}, {}])
+                for item in group
+            ]
 
         killer = asyncio.ensure_future(kill_soon())
         got = await asyncio.wait_for(collect(), CUT_WITHIN)
@@ -120,7 +128,8 @@ def test_a_request_in_a_batch_task_gets_the_error_so_the_batch_completes():
 class HangingServer(ForgetfulServer):
     """An engine that is alive but may stop making progress (a hung collective, a stopped process).
 
-    While ``progressing``, it has sampled a token between any two looks of the watch, however far apart."""
+    While ``progressing``, it has sampled a token between any two looks of the watch, however far
+    apart."""
 
     def __init__(self, stall_timeout: float | None = 0.1) -> None:
         super().__init__()
@@ -128,8 +137,10 @@ class HangingServer(ForgetfulServer):
         self.progressing = False
         self.held = False
         self.stopped: list[str] = []
-        self.watch = EngineWatch(self.is_dead, interval=0.01, progress=self.progress, stall_timeout=stall_timeout,
-                                 holding=lambda: self.held, on_stall=self.stopped.append)
+        self.watch = EngineWatch(
+            self.is_dead, interval=0.01, progress=self.progress, stall_timeout=stall_timeout,
+            holding=lambda: self.held, on_stall=self.stopped.append,
+        )
 
     def progress(self) -> int:
         if self.progressing:
@@ -192,7 +203,9 @@ def test_engine_progress_reads_vllm_request_states():
     def state(n: int) -> SimpleNamespace:
         return SimpleNamespace(detokenizer=SimpleNamespace(num_output_tokens=lambda: n))
 
-    engine = SimpleNamespace(output_processor=SimpleNamespace(request_states={"a": state(3), "b": state(5)}))
+    engine = SimpleNamespace(
+        output_processor=SimpleNamespace(request_states={"a": state(3), "b": state(5)})
+    )
     assert engine_progress(engine) == (2, 8)
     assert engine_progress(SimpleNamespace()) is None  # a vLLM without it: no stall detection
     assert engine_progress(None) is None

@@ -1,4 +1,5 @@
-"""Tool-turn encoding is cheap and still exact: the Rust backend gives HF's ids, the separator is remembered."""
+"""Tool-turn encoding is cheap and still exact: the Rust backend gives HF's ids, the separator is
+remembered."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from agentloop.testing.templates import FAMILIES, STOP_TOKENS, make_template_tok
 from agentloop.tokenization import turn_separator
 from agentloop.tokenization.fast import encode_text, fast_backend
 
-PIECES = ["<tool_response>", "</tool_response>", "\n", "  ", "12 + 30", "é", "🙂", "{\"a\": [1, 2]}", "Tab\there",
-          "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|return|>", "<|call|>", "not<|special", "ÿ"]
+PIECES = [
+    "<tool_response>", "</tool_response>", "\n", "  ", "12 + 30", "é", "🙂", '{"a": [1, 2]}',
+    "Tab\there", "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|return|>", "<|call|>",
+    "not<|special", "ÿ",
+]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -42,16 +46,21 @@ def test_truncation_left_on_the_backend_does_not_leak_into_a_delta():
 def test_the_separator_is_found_once_per_tokenizer_template_and_stop_token(monkeypatch):
     found: list[str] = []
     real = inc._find_separator
-    monkeypatch.setattr(inc, "_find_separator", lambda tokenizer, eos: found.append(eos) or real(tokenizer, eos))
-    tok = copy.deepcopy(make_template_tokenizer("harmony"))  # a copy: the shared one may be cached by other tests
+    monkeypatch.setattr(
+        inc, "_find_separator", lambda tokenizer, eos: found.append(eos) or real(tokenizer, eos)
+    )
+    # a copy: the shared one may be cached by other tests
+    tok = copy.deepcopy(make_template_tokenizer("harmony"))
     for _ in range(5):
         for stop in STOP_TOKENS["harmony"]:
             assert turn_separator(tok, stop) == ""
     assert found == list(STOP_TOKENS["harmony"])
 
-    chatml = copy.deepcopy(make_template_tokenizer("chatml_hermes"))  # another tokenizer (a copy: shared ones stay)
+    # another tokenizer (a copy: shared ones stay)
+    chatml = copy.deepcopy(make_template_tokenizer("chatml_hermes"))
     assert turn_separator(chatml) == "\n" and len(found) == 3
-    chatml.chat_template = make_template_tokenizer("qwen3").chat_template  # the template changed: looked up again
+    # the template changed: looked up again
+    chatml.chat_template = make_template_tokenizer("qwen3").chat_template
     assert turn_separator(chatml) == "\n" and len(found) == 4
     chatml.chat_template = make_template_tokenizer("llama3_json").chat_template
     assert turn_separator(chatml, "<|eot_id|>") == "" and len(found) == 5

@@ -55,8 +55,7 @@ CALC = {
     "function": {
         "name": "calculator",
         "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
+            "type": "object", "properties": {"expression": {"type": "string"}},
             "required": ["expression"],
         },
     },
@@ -66,17 +65,13 @@ WEATHER = {
     "function": {
         "name": "weather",
         "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
         },
     },
 }
 TOOLS = [CALC, WEATHER]
 SCHEMA = {
-    "type": "object",
-    "properties": {"answer": {"enum": ["yes", "no"]}},
-    "required": ["answer"],
+    "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
     "additionalProperties": False,
 }
 
@@ -116,17 +111,12 @@ def accepts(entry: dict[str, Any], text: str) -> bool:
 
 
 def request(
-    tool_choice: Any = "auto",
-    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = "auto", tools: list[dict[str, Any]] | None = None,
     response_format: dict[str, Any] | None = None,
 ) -> TurnRequest:
     return TurnRequest(
-        model="m",
-        messages=[{"role": "user", "content": "hi"}],
-        tools=tools,
-        sampling={},
-        tool_choice=tool_choice,
-        response_format=response_format,
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, sampling={},
+        tool_choice=tool_choice, response_format=response_format,
     )
 
 
@@ -230,27 +220,18 @@ def test_required_ignores_the_answers_response_format():
         ("required", None, HermesToolParser(None), "tools", "needs tools"),
         ("required", [], HermesToolParser(None), "tools", "needs tools"),
         (
-            {"type": "function", "name": "nope"},
-            TOOLS,
-            HermesToolParser(None),
-            "tool_choice",
+            {"type": "function", "name": "nope"}, TOOLS, HermesToolParser(None), "tool_choice",
             "'nope'",
         ),
         ("required", TOOLS, None, "tool_choice", "multi_turn.format is not set"),
         ("required", TOOLS, KimiToolParser(None), "tool_choice", "KimiToolParser"),
         (
-            {"type": "function", "name": "weather"},
-            TOOLS,
-            GptOssToolParser(None),
-            "tool_choice",
+            {"type": "function", "name": "weather"}, TOOLS, GptOssToolParser(None), "tool_choice",
             "GptOssToolParser",
         ),
         ("any", TOOLS, HermesToolParser(None), "tool_choice", "not supported"),
         (
-            {"type": "tool", "name": "weather"},
-            TOOLS,
-            HermesToolParser(None),
-            "tool_choice",
+            {"type": "tool", "name": "weather"}, TOOLS, HermesToolParser(None), "tool_choice",
             "not supported",
         ),
     ],
@@ -442,8 +423,7 @@ def test_every_dialect_reaches_the_same_entry(gateway):
     assert sent == [
         engine_entry("required", [CALC_TOOL], None, hermes),
         engine_entry(named, [CALC_TOOL], None, hermes),
-        engine_entry("required", [CALC_TOOL], None, hermes),
-        engine_entry("auto", None, fmt, None),
+        engine_entry("required", [CALC_TOOL], None, hermes), engine_entry("auto", None, fmt, None),
     ]
 
 

@@ -1,6 +1,7 @@
-"""The gateway's dialect core (docs/gateway.md#dialects): one route per dialect, x-api-key auth, errors in the
-shape of the dialect whose route was hit, per-session dialect state, count_tokens, stop sequences and several
-dialects in one session (fake engine, real tokenizer, real HTTP on loopback)."""
+"""The gateway's dialect core (docs/gateway.md#dialects): one route per dialect, x-api-key auth,
+errors in the shape of the dialect whose route was hit, per-session dialect state, count_tokens,
+stop sequences and several dialects in one session (fake engine, real tokenizer, real HTTP on
+loopback)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import anthropic
 import httpx
 import numpy as np
 import pytest
-from gateway_helpers import CALC_TOOL, FakePolicy, LiveGateway, client_for, full_render_ids, run_calculator_agent
+from gateway_helpers import (
+    CALC_TOOL,
+    FakePolicy,
+    LiveGateway,
+    client_for,
+    full_render_ids,
+    run_calculator_agent,
+)
 from omegaconf import OmegaConf
 
 from agentloop.batch.protocol import DataProto
@@ -57,7 +65,9 @@ def _root(gw: LiveGateway, handle: Any) -> str:
 
 
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "Say a word."}]}
-MESSAGES_BODY = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Say a word."}]}
+MESSAGES_BODY = {
+    "model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Say a word."}],
+}
 
 
 def test_dialect_for_path_names_the_route_it_serves() -> None:
@@ -90,7 +100,9 @@ def test_x_api_key_authenticates_every_session_route(gateway: Any) -> None:
     assert httpx.get(root + "/v1/models", headers=key, timeout=30).status_code == 200
     wrong = _post(root + "/v1/messages", MESSAGES_BODY, **{"x-api-key": "sk-wrong"})
     assert wrong.status_code == 401
-    assert wrong.json()["type"] == "error" and wrong.json()["error"]["type"] == "authentication_error"
+    assert (
+        wrong.json()["type"] == "error" and wrong.json()["error"]["type"] == "authentication_error"
+    )
     assert _post(root + "/complete", {}, **key).status_code == 200
 
 
@@ -105,7 +117,9 @@ def test_errors_take_the_shape_of_the_dialect_whose_route_was_hit(gateway: Any) 
     method = httpx.get(root + "/v1/messages", headers=key, timeout=30)
     assert method.status_code == 405 and method.json()["type"] == "error"
     chat = _post(root + "/v1/chat/completions", {"model": "m", "messages": "nope"}, **key)
-    assert chat.status_code == 400 and set(chat.json()["error"]) >= {"message", "type", "param", "code"}
+    assert chat.status_code == 400 and set(chat.json()["error"]) >= {
+        "message", "type", "param", "code",
+    }
     elsewhere = httpx.get(root + "/v1/nothing", headers=key, timeout=30)
     assert elsewhere.status_code == 404 and "param" in elsewhere.json()["error"]
     assert gateway.finalize(handle.session_id)["trajectories"] == []
@@ -122,7 +136,9 @@ def test_a_gateway_bug_on_a_dialect_route_is_a_500_in_that_dialect_shape(tokeniz
     gw.actor.service.parser = BrokenParser()  # type: ignore[assignment]
     try:
         handle = gw.session()
-        reply = _post(_root(gw, handle) + "/v1/messages", MESSAGES_BODY, **{"x-api-key": handle.api_key})
+        reply = _post(
+            _root(gw, handle) + "/v1/messages", MESSAGES_BODY, **{"x-api-key": handle.api_key}
+        )
         assert reply.status_code == 500 and "deadbeef" not in reply.text
         assert reply.json()["type"] == "error" and reply.json()["error"]["type"] == "api_error"
         assert reply.headers["x-request-id"] in reply.json()["error"]["message"]
@@ -145,20 +161,28 @@ def test_dialect_state_is_per_session_and_per_dialect(gateway: Any) -> None:
 def test_count_tokens_equals_the_served_prompt_and_records_nothing(gateway: Any) -> None:
     service: GatewayService = gateway.actor.service
     handle = gateway.session()
-    messages = [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": "What is 2+3?"}]
+    messages = [
+        {"role": "system", "content": "You are a calculator."},
+        {"role": "user", "content": "What is 2+3?"},
+    ]
     request = TurnRequest(model="m", messages=messages, tools=[CALC_TOOL], sampling={})
     before = gateway.run(gateway.actor.get_state(handle.session_id))["stats"]
     counted = service.count_tokens(handle.session_id, request)
     assert gateway.run(gateway.actor.get_state(handle.session_id))["stats"] == before
     result = gateway.run(service.serve(handle.session_id, request))
     assert isinstance(result, TurnResult) and result.prompt_tokens == counted
-    follow = [*messages, result.message, {"role": "tool", "tool_call_id": result.message["tool_calls"][0]["id"],
-                                          "content": "5"}]
+    follow = [
+        *messages, result.message,
+        {"role": "tool", "tool_call_id": result.message["tool_calls"][0]["id"], "content": "5"},
+    ]
     request = TurnRequest(model="m", messages=follow, tools=[CALC_TOOL], sampling={})
-    counted = service.count_tokens(handle.session_id, request)  # the continuation: only its suffix encoded
+    # the continuation: only its suffix encoded
+    counted = service.count_tokens(handle.session_id, request)
     assert gateway.run(service.serve(handle.session_id, request)).prompt_tokens == counted
     with pytest.raises(GatewayHTTPError) as e:
-        service.count_tokens(handle.session_id, TurnRequest(model="m", messages=[], tools=None, sampling={}))
+        service.count_tokens(
+            handle.session_id, TurnRequest(model="m", messages=[], tools=None, sampling={})
+        )
     assert e.value.status == 400
 
 
@@ -174,13 +198,16 @@ def test_messages_count_tokens_route(gateway: Any) -> None:
 
 
 class _StopRouter:
-    """Ends every generation on the stop string ``" END"`` (as vLLM reports it), streaming token by token."""
+    """Ends every generation on the stop string ``" END"`` (as vLLM reports it), streaming token
+    by token."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.ids = list(tokenizer.encode("Hello there", add_special_tokens=False))
 
     async def generate(self, request_id: str, **kwargs: Any) -> TokenOutput:
-        return TokenOutput(token_ids=self.ids, log_probs=[-0.5] * len(self.ids), stop_sequence=" END")
+        return TokenOutput(
+            token_ids=self.ids, log_probs=[-0.5] * len(self.ids), stop_sequence=" END"
+        )
 
     async def generate_stream(self, request_id: str, **kwargs: Any) -> AsyncIterator[TokenDelta]:
         for token in self.ids:
@@ -198,8 +225,12 @@ def test_serve_reports_the_stop_sequence_and_streams_the_same_turn(tokenizer: An
     messages = [{"role": "user", "content": "Greet."}]
 
     async def run() -> tuple[TurnResult, list[Any]]:
-        plain = await service.serve(handle.session_id, TurnRequest("m", messages, None, {"stop": [" END"]}))
-        stream = await service.serve(handle.session_id, TurnRequest("m", messages, None, {}, stream=True))
+        plain = await service.serve(
+            handle.session_id, TurnRequest("m", messages, None, {"stop": [" END"]})
+        )
+        stream = await service.serve(
+            handle.session_id, TurnRequest("m", messages, None, {}, stream=True)
+        )
         assert not isinstance(stream, TurnResult)
         return plain, [event async for event in stream]
 
@@ -225,12 +256,16 @@ def _echo_dialect() -> Dialect:
     def render(result: TurnResult, request: TurnRequest, state: dict[str, Any]) -> dict[str, Any]:
         return {"said": result.message["content"]}
 
-    async def render_stream(events: Any, request: TurnRequest, state: dict[str, Any]) -> AsyncIterator[str]:
+    async def render_stream(
+        events: Any, request: TurnRequest, state: dict[str, Any]
+    ) -> AsyncIterator[str]:
         async for _ in events:
             yield ""
 
-    return Dialect(name="echo", path="/echo", parse=parse, render=render, render_stream=render_stream,
-                   error_body=lambda e: {"oops": e.message})
+    return Dialect(
+        name="echo", path="/echo", parse=parse, render=render, render_stream=render_stream,
+        error_body=lambda e: {"oops": e.message},
+    )
 
 
 def test_handle_passes_the_dialect_its_session_state(gateway: Any) -> None:
@@ -243,21 +278,33 @@ def test_handle_passes_the_dialect_its_session_state(gateway: Any) -> None:
         gateway.run(service.handle(handle.session_id, dialect, {"say": 3}))
 
 
-def test_three_dialects_in_one_session_give_separate_exact_trajectories(gateway: Any, tokenizer: Any) -> None:
-    """A chat sub-agent beside a Messages main agent and a Responses call: each conversation is its own exact
-    trajectory."""
+def test_three_dialects_in_one_session_give_separate_exact_trajectories(
+    gateway: Any, tokenizer: Any
+) -> None:
+    """A chat sub-agent beside a Messages main agent and a Responses call: each conversation is its
+    own exact trajectory."""
     handle = gateway.session()
     chat_messages = run_calculator_agent(client_for(handle), "What is 6*7?")
     root, key = _root(gateway, handle), {"x-api-key": handle.api_key}
     conversation: list[dict[str, Any]] = [{"role": "user", "content": "Say a word."}]
     reply = _post(root + "/v1/messages", {**MESSAGES_BODY, "messages": conversation}, **key).json()
     text = "".join(block["text"] for block in reply["content"] if block["type"] == "text")
-    conversation += [{"role": "assistant", "content": text}, {"role": "user", "content": "Another word."}]
+    conversation += [
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "Another word."},
+    ]
     second = _post(root + "/v1/messages", {**MESSAGES_BODY, "messages": conversation}, **key).json()
     text2 = "".join(block["text"] for block in second["content"] if block["type"] == "text")
     auth = {"authorization": f"Bearer {handle.api_key}"}
-    responses = _post(root + "/v1/responses", {"model": "m", "input": "One more word."}, **auth).json()
-    said = [part["text"] for item in responses["output"] if item["type"] == "message" for part in item["content"]]
+    responses = _post(
+        root + "/v1/responses", {"model": "m", "input": "One more word."}, **auth
+    ).json()
+    said = [
+        part["text"]
+        for item in responses["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    ]
     trajectories = gateway.finalize(handle.session_id)["trajectories"]
     assert len(trajectories) == 3
     by_turns = {len(t.messages): t for t in trajectories}
@@ -269,9 +316,14 @@ def test_three_dialects_in_one_session_give_separate_exact_trajectories(gateway:
     msg_traj = by_turns[len(anthropic_conv)]
     assert list(msg_traj.prompt_ids) + list(msg_traj.response_ids) + sep == full_render_ids(
         tokenizer, anthropic_conv, None)
-    sampled = [t for t, m in zip(msg_traj.response_ids, msg_traj.response_mask, strict=True) if m == 1]
+    sampled = [
+        t for t, m in zip(msg_traj.response_ids, msg_traj.response_mask, strict=True) if m == 1
+    ]
     assert tokenizer.decode(sampled, skip_special_tokens=True) == text + text2  # both sampled turns
-    resp_conv = [{"role": "user", "content": "One more word."}, {"role": "assistant", "content": "".join(said)}]
+    resp_conv = [
+        {"role": "user", "content": "One more word."},
+        {"role": "assistant", "content": "".join(said)},
+    ]
     resp_traj = by_turns[len(resp_conv)]
     assert list(resp_traj.prompt_ids) + list(resp_traj.response_ids) + sep == full_render_ids(
         tokenizer, resp_conv, None)
@@ -284,10 +336,14 @@ def test_a_closed_dialect_stream_aborts_the_engine(gateway: Any) -> None:
     handle = gateway.session()
 
     async def run() -> None:
-        lines = await service.handle(handle.session_id, DIALECTS["chat"], {**CHAT_BODY, "stream": True})
+        lines = await service.handle(
+            handle.session_id, DIALECTS["chat"], {**CHAT_BODY, "stream": True}
+        )
         assert not isinstance(lines, dict)
         first = await lines.__anext__()
-        assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+        assert (
+            json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+        )
         await lines.__anext__()  # the engine call has started
         await lines.aclose()  # type: ignore[attr-defined]
         await asyncio.sleep(0.05)
@@ -303,7 +359,9 @@ def test_accepts_keyword_reads_the_runner_signature() -> None:
     async def open_ended(*, base_url: str, **fields: Any) -> None: ...
     async def closed(*, base_url: str, api_key: str) -> None: ...
 
-    assert accepts_keyword(named, "anthropic_base_url") and accepts_keyword(open_ended, "anthropic_base_url")
+    assert accepts_keyword(named, "anthropic_base_url") and accepts_keyword(
+        open_ended, "anthropic_base_url"
+    )
     assert not accepts_keyword(closed, "anthropic_base_url")
 
 
@@ -315,9 +373,14 @@ def _run_agent(tokenizer: Any, entry: dict[str, Any], question: str) -> DataProt
     r = cfg.actor_rollout_ref.rollout
     r.multi_turn.format = "hermes"
     registry = resolve_registry()
-    registry["anthropic_agent"] = ResolvedAgentLoop("anthropic_agent", registry["openai_agent"].cls, entry)
-    nt = {"raw_prompt": np.empty(1, dtype=object), "agent_name": np.array(["anthropic_agent"], dtype=object),
-          "uid": np.array(["u0"], dtype=object), "index": np.arange(1)}
+    registry["anthropic_agent"] = ResolvedAgentLoop(
+        "anthropic_agent", registry["openai_agent"].cls, entry
+    )
+    nt = {
+        "raw_prompt": np.empty(1, dtype=object),
+        "agent_name": np.array(["anthropic_agent"], dtype=object),
+        "uid": np.array(["u0"], dtype=object), "index": np.arange(1),
+    }
     nt["raw_prompt"][0] = [{"role": "user", "content": question}]
     model = OmegaConf.create({"path": "tiny"})
 
@@ -326,21 +389,27 @@ def _run_agent(tokenizer: Any, entry: dict[str, Any], question: str) -> DataProt
         gw = GatewayActor.from_slices(r, model, [server], tokenizer=tokenizer)
         await gw.start()
         try:
-            worker = AgentLoopWorker.from_slices(r, model, [server], registry=registry, tokenizer=tokenizer,
-                                                 gateways=[gw])
-            return await worker.generate_sequences(DataProto(batch=None, non_tensor_batch=nt, meta_info={}))
+            worker = AgentLoopWorker.from_slices(
+                r, model, [server], registry=registry, tokenizer=tokenizer, gateways=[gw]
+            )
+            return await worker.generate_sequences(
+                DataProto(batch=None, non_tensor_batch=nt, meta_info={})
+            )
         finally:
             await gw.shutdown()
 
     return asyncio.run(go())
 
 
-def test_a_command_agent_finds_its_session_through_the_anthropic_variables(tokenizer: Any, tmp_path: Any) -> None:
+def test_a_command_agent_finds_its_session_through_the_anthropic_variables(
+    tokenizer: Any, tmp_path: Any
+) -> None:
     script = tmp_path / "agent.py"
     script.write_text(
         "import json, os\nimport anthropic\n"
         "msgs = json.loads(os.environ['AGENTLOOP_RAW_PROMPT'])\n"
-        "reply = anthropic.Anthropic(max_retries=0).messages.create(model='m', max_tokens=32, messages=msgs)\n"
+        "reply = anthropic.Anthropic(max_retries=0).messages.create(model='m', "
+        "max_tokens=32, messages=msgs)\n"
         "assert reply.content[0].text == 'Luminous.', reply\n"
     )
     out = _run_agent(tokenizer, {"command": [sys.executable, str(script)]}, "say a word")
@@ -354,7 +423,9 @@ def test_an_in_process_runner_that_asks_for_it_gets_anthropic_base_url(tokenizer
     async def runner(*, base_url: str, api_key: str, raw_prompt: list, anthropic_base_url: str,
                      **fields: Any) -> None:
         seen.append(anthropic_base_url)
-        client = anthropic.AsyncAnthropic(base_url=anthropic_base_url, api_key=api_key, max_retries=0)
+        client = anthropic.AsyncAnthropic(
+            base_url=anthropic_base_url, api_key=api_key, max_retries=0
+        )
         await client.messages.create(model="m", max_tokens=32, messages=raw_prompt)
 
     out = _run_agent(tokenizer, {"runner": runner}, "say a word")

@@ -1,4 +1,5 @@
-"""The ``openai_agent`` loop: OpenAI-SDK agents mixed with tool_agent samples in one batch (fake engine)."""
+"""The ``openai_agent`` loop: OpenAI-SDK agents mixed with tool_agent samples in one batch (fake
+engine)."""
 
 from __future__ import annotations
 
@@ -29,16 +30,22 @@ async def sdk_calc(*, base_url: str, api_key: str, raw_prompt: list, **fields: A
     return {"score": float(messages[-1]["content"] == f"The answer is {truth}.")}
 
 
-async def sdk_two_branches(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> float:
+async def sdk_two_branches(
+    *, base_url: str, api_key: str, raw_prompt: list, **fields: Any
+) -> float:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     msgs = [{"role": "user", "content": "pick a word"}]
-    await asyncio.gather(*(client.chat.completions.create(model="m", messages=msgs) for _ in range(2)))
+    await asyncio.gather(
+        *(client.chat.completions.create(model="m", messages=msgs) for _ in range(2))
+    )
     return 0.5
 
 
 async def sdk_broken(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a word"}])
+    await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "a word"}]
+    )
     raise RuntimeError("agent crashed after one call")
 
 
@@ -48,8 +55,9 @@ async def sdk_slow(*, base_url: str, api_key: str, raw_prompt: list, **fields: A
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered_runners():
-    """Register the runners above only while this module's tests run: they live in a test module that Ray
-    workers cannot import, so they must not be in the global registry when other tests start workers."""
+    """Register the runners above only while this module's tests run: they live in a test module
+    that Ray workers cannot import, so they must not be in the global registry when other tests
+    start workers."""
     from agentloop.loops.base import _agent_loop_registry
 
     runners = {"sdk_calc": sdk_calc, "sdk_two_branches": sdk_two_branches, "sdk_broken": sdk_broken,
@@ -80,8 +88,11 @@ def batch(rows: list[tuple[str, str, int]]) -> DataProto:
     prompts[:] = [[{"role": "user", "content": q}] for _, q, _ in rows]
     extra = np.empty(n, dtype=object)
     extra[:] = [{"answer": a} for *_, a in rows]
-    nt = {"raw_prompt": prompts, "agent_name": np.array([r[0] for r in rows], dtype=object),
-          "uid": np.array([f"u{i}" for i in range(n)], dtype=object), "index": np.arange(n), "extra_info": extra}
+    nt = {
+        "raw_prompt": prompts, "agent_name": np.array([r[0] for r in rows], dtype=object),
+        "uid": np.array([f"u{i}" for i in range(n)], dtype=object), "index": np.arange(n),
+        "extra_info": extra,
+    }
     return DataProto(batch=None, non_tensor_batch=nt, meta_info={})
 
 
@@ -89,23 +100,36 @@ async def run_batch(tokenizer: Any, data: DataProto, registry: dict[str, Any] | 
                     **gateway: Any) -> DataProto:
     r = rollout(**gateway)
     server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+    gw = GatewayActor.from_slices(
+        r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer
+    )
     await gw.start()
     try:
-        worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
-                                             registry=registry if registry is not None else resolve_registry(),
-                                             tokenizer=tokenizer, gateways=[gw])
+        worker = AgentLoopWorker.from_slices(
+            r, OmegaConf.create({"path": "tiny"}), [server],
+            registry=registry if registry is not None else resolve_registry(), tokenizer=tokenizer,
+            gateways=[gw],
+        )
         return await worker.generate_sequences(data)
     finally:
         await gw.shutdown()
 
 
 def test_sdk_agents_and_failures_are_isolated_in_one_batch(tokenizer):
-    data = batch([("sdk_calc", "What is 2+3?", 5), ("sdk_two_branches", "x", 0), ("sdk_broken", "x", 0),
-                  ("sdk_calc", "What is 4*4?", 16)])
+    data = batch(
+        [
+            ("sdk_calc", "What is 2+3?", 5), ("sdk_two_branches", "x", 0), ("sdk_broken", "x", 0),
+            ("sdk_calc", "What is 4*4?", 16),
+        ]
+    )
     out = asyncio.run(run_batch(tokenizer, data))
     uids = out.non_tensor_batch["uid"].tolist()
-    assert uids.count("u0") == 1 and uids.count("u1") == 2 and uids.count("u2") == 1 and uids.count("u3") == 1
+    assert (
+        uids.count("u0") == 1
+        and uids.count("u1") == 2
+        and uids.count("u2") == 1
+        and uids.count("u3") == 1
+    )
     status = dict(zip(uids, out.non_tensor_batch["status"].tolist(), strict=False))
     assert status["u0"] == "stop" and status["u3"] == "stop"
     assert status["u2"] == "error"
@@ -113,7 +137,8 @@ def test_sdk_agents_and_failures_are_isolated_in_one_batch(tokenizer):
     assert "agent crashed" in errors["u2"]
     scores = out.batch["rm_scores"].sum(-1).tolist()
     assert scores[uids.index("u0")] == 1.0 and scores[uids.index("u3")] == 1.0
-    assert [s for u, s in zip(uids, scores, strict=True) if u == "u1"] == [0.5, 0.5]  # reward_to=all
+    # reward_to=all
+    assert [s for u, s in zip(uids, scores, strict=True) if u == "u1"] == [0.5, 0.5]
     assert scores[uids.index("u2")] == 0.0  # the crashed agent earns nothing
     # the calculator trajectory: two sampled assistant turns, tool turn masked out
     row = uids.index("u0")
@@ -130,14 +155,20 @@ def test_session_timeout_ends_an_agent_that_overruns_it(tokenizer):
 
 
 def test_session_timeout_marks_only_that_sample(tokenizer):
-    """The slow agent's own session_timeout (its registry entry overrides rollout.gateway's) ends it; the other
-    sample has no deadline, so how fast this box runs it cannot turn it into a timeout."""
+    """The slow agent's own session_timeout (its registry entry overrides rollout.gateway's) ends
+    it; the other sample has no deadline, so how fast this box runs it cannot turn it into a
+    timeout."""
     registry = resolve_registry()
     registry["sdk_slow"] = ResolvedAgentLoop("sdk_slow", registry["openai_agent"].cls,
                                              {"runner": sdk_slow, "session_timeout": 0.5})
     data = batch([("sdk_slow", "x", 0), ("sdk_calc", "What is 1+2?", 3)])
     out = asyncio.run(run_batch(tokenizer, data, registry))
-    status = dict(zip(out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["status"].tolist(), strict=False))
+    status = dict(
+        zip(
+            out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["status"].tolist(),
+            strict=False,
+        )
+    )
     assert status == {"u0": "timeout", "u1": "stop"}
 
 
@@ -157,11 +188,15 @@ def test_subprocess_runner_gets_the_session_in_its_environment(tokenizer, tmp_pa
     async def go() -> DataProto:
         r = rollout()
         server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(
+            r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer
+        )
         await gw.start()
         try:
-            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
-                                                 tokenizer=tokenizer, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(
+                r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
+                tokenizer=tokenizer, gateways=[gw],
+            )
             return await worker.generate_sequences(batch([("cli_agent", "say a word", 0)]))
         finally:
             await gw.shutdown()
@@ -177,13 +212,18 @@ def test_worker_sample_timeout_closes_the_session(tokenizer):
         r = rollout()
         r.agent.sample_timeout = 0.5
         server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(
+            r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer
+        )
         await gw.start()
         try:
-            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
-                                                 registry=resolve_registry(), tokenizer=tokenizer, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(
+                r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
+                tokenizer=tokenizer, gateways=[gw],
+            )
             out = await worker.generate_sequences(batch([("sdk_slow", "x", 0)]))
-            deadline = asyncio.get_running_loop().time() + 30  # closed at once; the bound only stops a hang
+            # closed at once; the bound only stops a hang
+            deadline = asyncio.get_running_loop().time() + 30
             while gw.service.sessions and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
             return out, len(gw.service.sessions)

@@ -1,5 +1,6 @@
-"""Gateway hardening: client errors are 4xx with OpenAI bodies, our faults are 5xx with a request id, the
-response budget is enforced per branch (never cut silently), and agent processes spawn off the event loop."""
+"""Gateway hardening: client errors are 4xx with OpenAI bodies, our faults are 5xx with a request
+id, the response budget is enforced per branch (never cut silently), and agent processes spawn off
+the event loop."""
 
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ INTERNALS = ("pid=", "10.1.2.3", "actor_id", "Traceback", "ray::")
 
 def post(handle: Any, body: Any = None, *, raw: bytes | None = None) -> httpx.Response:
     content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(f"{handle.base_url}/chat/completions", content=content, timeout=30,
-                      headers={"Authorization": f"Bearer {handle.api_key}", "Content-Type": "application/json"})
+    return httpx.post(
+        f"{handle.base_url}/chat/completions", content=content, timeout=30,
+        headers={"Authorization": f"Bearer {handle.api_key}", "Content-Type": "application/json"},
+    )
 
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -66,25 +69,17 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
     return err
 
 
-# ---- 1. client errors: 400 naming the parameter, before any engine call ----------------------------------------
+# ---- 1. client errors: 400 naming the parameter, before any engine call
+# ----------------------------------------
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"top_k": -5}, "top_k"),
-    ({"seed": 2**70}, "seed"),
-    ({"seed": -(2**63) - 1}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"stop": ""}, "stop"),
-    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
-    ({"stop": ["x" * 1001]}, "stop"),
-    ({"stop": [1]}, "stop"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_completion_tokens": -3}, "max_completion_tokens"),
-    ({"n": 0}, "n"),
-    ({"top_logprobs": 21}, "top_logprobs"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"top_k": -5}, "top_k"), ({"seed": 2**70}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"stop": ""}, "stop"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop"), ({"stop": ["x" * 1001]}, "stop"),
+    ({"stop": [1]}, "stop"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"), ({"n": 0}, "n"),
+    ({"top_logprobs": 21}, "top_logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
 ])
 def test_out_of_range_sampling_values_are_400_naming_the_parameter(gateway, extra, param):
@@ -95,8 +90,10 @@ def test_out_of_range_sampling_values_are_400_naming_the_parameter(gateway, extr
 
 def test_accepted_edge_values_reach_the_engine(gateway):
     handle = gateway.session()
-    body = {**HELLO, "top_k": -1, "seed": 2**63 - 1, "stop": ["END"], "top_p": 1.0, "temperature": 0.0,
-            "top_logprobs": 0, "presence_penalty": 2.0}
+    body = {
+        **HELLO, "top_k": -1, "seed": 2**63 - 1, "stop": ["END"], "top_p": 1.0, "temperature": 0.0,
+        "top_logprobs": 0, "presence_penalty": 2.0,
+    }
     r = post(handle, body)
     assert r.status_code == 200, r.text
     sent = gateway.server.calls[-1]["sampling_params"]
@@ -105,9 +102,11 @@ def test_accepted_edge_values_reach_the_engine(gateway):
 
 @pytest.mark.parametrize("raw", [
     b"[" * 4096,                                     # RecursionError inside the JSON decoder
-    json.dumps({**HELLO, "metadata": json.loads("[" * 70 + "]" * 70)}).encode(),  # parses, but too deep
+    # parses, but too deep
+    json.dumps({**HELLO, "metadata": json.loads("[" * 70 + "]" * 70)}).encode(),
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-    b'{"model": "m", "messages": [], "seed": ' + b"9" * 5000 + b"}",   # over Python's int-digits limit
+    # over Python's int-digits limit
+    b'{"model": "m", "messages": [], "seed": ' + b"9" * 5000 + b"}",
     b'\xff\xfe{"a": 1}',
 ])
 def test_hostile_json_bodies_are_400_not_500(gateway, raw):
@@ -123,28 +122,34 @@ def test_moderate_nesting_is_accepted(gateway):
 def test_every_response_has_a_request_id(gateway):
     handle = gateway.session()
     ok = post(handle, HELLO)
-    unknown = httpx.post(handle.base_url.replace(handle.session_id, "nope") + "/chat/completions", json=HELLO)
+    unknown = httpx.post(
+        handle.base_url.replace(handle.session_id, "nope") + "/chat/completions", json=HELLO
+    )
     ids = {ok.headers["x-request-id"], unknown.headers["x-request-id"]}
     assert len(ids) == 2 and all(i.startswith("req_") for i in ids)
     assert unknown.json()["error"]["request_id"] == unknown.headers["x-request-id"]
 
 
-# ---- 2. our faults: 5xx with a request id that is in the log, details only in the log ---------------------------
+# ---- 2. our faults: 5xx with a request id that is in the log, details only in the log
+# ---------------------------
 
 def ray_task_error() -> Exception:
     cause = ValueError("top_k must be 0 (disable), or at least 1, got -5.")
-    err = RayTaskError("generate", "Traceback (most recent call last):\n  File engine.py\nValueError: top_k",
-                       cause, proctitle="ray::VLLMServer.generate()", pid=4242, ip="10.1.2.3",
-                       actor_repr="VLLMServer(actor_id=abcdef0123)")
+    err = RayTaskError(
+        "generate", "Traceback (most recent call last):\n  File engine.py\nValueError: top_k",
+        cause, proctitle="ray::VLLMServer.generate()", pid=4242, ip="10.1.2.3",
+        actor_repr="VLLMServer(actor_id=abcdef0123)",
+    )
     return err.as_instanceof_cause()
 
 
 @pytest.mark.parametrize(("error", "status"), [
-    (ray_task_error(), 502),
-    (ActorDiedError(), 503),
+    (ray_task_error(), 502), (ActorDiedError(), 503),
     (ServerDeadError("engine process 4242 died"), 503),
 ])
-def test_engine_failures_are_generic_5xx_with_the_request_id_in_the_log(tokenizer, caplog, error, status):
+def test_engine_failures_are_generic_5xx_with_the_request_id_in_the_log(
+    tokenizer, caplog, error, status
+):
     gw = LiveGateway(tokenizer, ScriptedServer([error], eos_token_id=tokenizer.eos_token_id))
     try:
         handle = gw.session()
@@ -161,11 +166,15 @@ def test_engine_failures_are_generic_5xx_with_the_request_id_in_the_log(tokenize
 
 
 def test_streamed_engine_failure_ends_the_stream_with_an_error_event(tokenizer):
-    gw = LiveGateway(tokenizer, ScriptedServer([ray_task_error()], eos_token_id=tokenizer.eos_token_id))
+    gw = LiveGateway(
+        tokenizer, ScriptedServer([ray_task_error()], eos_token_id=tokenizer.eos_token_id)
+    )
     try:
         handle = gw.session()
-        with httpx.stream("POST", f"{handle.base_url}/chat/completions", json={**HELLO, "stream": True},
-                          headers={"Authorization": f"Bearer {handle.api_key}"}, timeout=30) as r:
+        with httpx.stream(
+            "POST", f"{handle.base_url}/chat/completions", json={**HELLO, "stream": True},
+            headers={"Authorization": f"Bearer {handle.api_key}"}, timeout=30,
+        ) as r:
             rid = r.headers["x-request-id"]
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert events[-1]["error"]["request_id"] == rid
@@ -188,12 +197,15 @@ def test_a_gateway_bug_is_a_500_with_the_request_id_and_no_traceback(tokenizer, 
             r = post(gw.session(), HELLO)
         err = assert_openai_error(r, 500)
         assert "deadbeef" not in r.text and r.headers["x-request-id"] in err["message"]
-        assert any(r.headers["x-request-id"] in rec.getMessage() and rec.exc_info for rec in caplog.records)
+        assert any(
+            r.headers["x-request-id"] in rec.getMessage() and rec.exc_info for rec in caplog.records
+        )
     finally:
         gw.close()
 
 
-# ---- 3. the response budget, per branch ------------------------------------------------------------------------
+# ---- 3. the response budget, per branch
+# ------------------------------------------------------------------------
 
 def long_policy(tokenizer: Any, n: int = 150):
     a = tokenizer.encode("a", add_special_tokens=False)[0]
@@ -232,16 +244,24 @@ def test_context_that_does_not_fit_is_dropped_and_the_branch_ends_length(tokeniz
     try:
         handle = gw.session()
         client = client_for(handle)
-        first = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        first = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        )
         assert first.choices[0].finish_reason == "stop"
-        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "tool", "content": "x " * 200, "tool_call_id": "c1"}]
+        msgs = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "tool", "content": "x " * 200, "tool_call_id": "c1"},
+        ]
         second = client.chat.completions.create(model="m", messages=msgs)
-        assert second.choices[0].finish_reason == "length" and second.choices[0].message.content == ""
+        assert (
+            second.choices[0].finish_reason == "length" and second.choices[0].message.content == ""
+        )
         assert len(gw.server.calls) == 1
         [traj] = gw.finalize(handle.session_id)["trajectories"]
         assert traj.finish_reason == "length"  # was "stop": the cut is recorded, not silent
-        assert sum(traj.response_mask) == len(traj.response_ids) == 151  # the tool turn is not in the row
+        # the tool turn is not in the row
+        assert sum(traj.response_mask) == len(traj.response_ids) == 151
     finally:
         gw.close()
 
@@ -249,7 +269,9 @@ def test_context_that_does_not_fit_is_dropped_and_the_branch_ends_length(tokeniz
 def test_a_prompt_over_prompt_length_is_answered_length_without_the_engine(gateway, tokenizer):
     handle = gateway.session()
     text = "word " * 600  # ~600 tokens: under prompt+response (768) but over prompt_length (512)
-    resp = client_for(handle).chat.completions.create(model="m", messages=[{"role": "user", "content": text}])
+    resp = client_for(handle).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": text}]
+    )
     assert resp.choices[0].finish_reason == "length"
     assert gateway.server.calls == []
     stats = gateway.finalize(handle.session_id)["stats"]
@@ -275,21 +297,31 @@ def one_sample_batch(*agents: str) -> DataProto:
     prompts[:] = [[{"role": "user", "content": "hi"}] for _ in range(n)]
     extra = np.empty(n, dtype=object)
     extra[:] = [{} for _ in range(n)]
-    nt = {"raw_prompt": prompts, "agent_name": np.array(list(agents), dtype=object),
-          "uid": np.array([f"u{i}" for i in range(n)], dtype=object), "index": np.arange(n), "extra_info": extra}
+    nt = {
+        "raw_prompt": prompts, "agent_name": np.array(list(agents), dtype=object),
+        "uid": np.array([f"u{i}" for i in range(n)], dtype=object), "index": np.arange(n),
+        "extra_info": extra,
+    }
     return DataProto(batch=None, non_tensor_batch=nt, meta_info={})
 
 
-async def run_worker(tokenizer: Any, entries: dict[str, dict[str, Any]], data: DataProto, policy: Any,
-                     **gateway: Any) -> DataProto:
+async def run_worker(
+    tokenizer: Any, entries: dict[str, dict[str, Any]], data: DataProto, policy: Any, **gateway: Any
+) -> DataProto:
     r = worker_rollout(**gateway)
     server = ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id)
-    gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+    gw = GatewayActor.from_slices(
+        r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer
+    )
     await gw.start()
-    registry = {name: ResolvedAgentLoop(name, OpenAIAgentLoop, kwargs) for name, kwargs in entries.items()}
+    registry = {
+        name: ResolvedAgentLoop(name, OpenAIAgentLoop, kwargs) for name, kwargs in entries.items()
+    }
     try:
-        worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
-                                             tokenizer=tokenizer, gateways=[gw])
+        worker = AgentLoopWorker.from_slices(
+            r, OmegaConf.create({"path": "tiny"}), [server], registry=registry, tokenizer=tokenizer,
+            gateways=[gw],
+        )
         return await worker.generate_sequences(data)
     finally:
         await gw.shutdown()
@@ -308,9 +340,15 @@ async def greedy_agent(*, base_url: str, api_key: str, raw_prompt: list, **field
     return 1.0
 
 
-def test_row_of_an_over_budget_session_is_length_with_the_reward_on_the_last_sampled_token(tokenizer):
-    out = asyncio.run(run_worker(tokenizer, {"greedy": {"runner": greedy_agent}}, one_sample_batch("greedy"),
-                                 long_policy(tokenizer, 120)))  # response_length 200
+def test_row_of_an_over_budget_session_is_length_with_the_reward_on_the_last_sampled_token(
+    tokenizer,
+):
+    out = asyncio.run(
+        run_worker(
+            tokenizer, {"greedy": {"runner": greedy_agent}}, one_sample_batch("greedy"),
+            long_policy(tokenizer, 120),
+        )
+    )  # response_length 200
     assert out.non_tensor_batch["status"].tolist() == ["length"]
     mask = out.batch["response_mask"][0]
     scores = out.batch["rm_scores"][0]
@@ -319,22 +357,30 @@ def test_row_of_an_over_budget_session_is_length_with_the_reward_on_the_last_sam
     width = out.batch["prompts"].shape[1]
     valid = out.batch["attention_mask"][0][width:]
     last_valid = int(valid.nonzero()[-1][0])
-    assert where == last_valid == int(mask.nonzero()[-1][0])  # the row ends with its last sampled token
+    # the row ends with its last sampled token
+    assert where == last_valid == int(mask.nonzero()[-1][0])
     assert last_valid < 200 or int(mask[-1]) == 1
 
 
 def test_session_whose_prompt_is_too_long_gives_a_length_row_saying_why(tokenizer):
     async def long_prompt(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> None:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 500}])
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "word " * 500}]
+        )
 
-    out = asyncio.run(run_worker(tokenizer, {"long": {"runner": long_prompt}}, one_sample_batch("long"),
-                                 long_policy(tokenizer)))
+    out = asyncio.run(
+        run_worker(
+            tokenizer, {"long": {"runner": long_prompt}}, one_sample_batch("long"),
+            long_policy(tokenizer),
+        )
+    )
     assert out.non_tensor_batch["status"].tolist() == ["length"]
     assert "prompt_length" in out.non_tensor_batch["error"][0]
 
 
-# ---- 4. agent processes: spawned off the event loop, timeouts fire even when a spawn hangs ----------------------
+# ---- 4. agent processes: spawned off the event loop, timeouts fire even when a spawn hangs
+# ----------------------
 
 class HangingSpawn:
     """Replaces process.spawn_process: blocks until released, then really starts the process."""
@@ -349,20 +395,28 @@ class HangingSpawn:
         self.threads.append(threading.current_thread().name)
         self.release.wait(30)
         # the runner's stderr file is closed by now (the sample gave up): start without it
-        proc = self.real([sys.executable, "-c", "import time; time.sleep(60)"], env, subprocess.DEVNULL)
+        proc = self.real(
+            [sys.executable, "-c", "import time; time.sleep(60)"], env, subprocess.DEVNULL
+        )
         self.started.append(proc)
         return proc
 
 
-def test_session_timeout_fires_while_a_spawn_hangs_and_the_late_process_is_killed(tokenizer, monkeypatch):
+def test_session_timeout_fires_while_a_spawn_hangs_and_the_late_process_is_killed(
+    tokenizer, monkeypatch
+):
     spawn = HangingSpawn()
     monkeypatch.setattr(process, "spawn_process", spawn)
     entries = {"cli": {"command": ["python", "agent.py"]}, "sdk": {"runner": greedy_agent}}
     both = one_sample_batch("cli", "sdk")
-    out = asyncio.run(run_worker(tokenizer, entries, both, long_policy(tokenizer, 5), session_timeout=1.0))
+    out = asyncio.run(
+        run_worker(tokenizer, entries, both, long_policy(tokenizer, 5), session_timeout=1.0)
+    )
     status = out.non_tensor_batch["status"].tolist()
-    assert status[0] == "timeout" and status[1] in ("stop", "length")  # the other sample was not blocked
-    assert spawn.threads and spawn.threads[0].startswith("agentloop-spawn")  # not the event loop's thread
+    # the other sample was not blocked
+    assert status[0] == "timeout" and status[1] in ("stop", "length")
+    # not the event loop's thread
+    assert spawn.threads and spawn.threads[0].startswith("agentloop-spawn")
     spawn.release.set()
     deadline = time.monotonic() + 10
     while not spawn.started and time.monotonic() < deadline:
@@ -370,7 +424,9 @@ def test_session_timeout_fires_while_a_spawn_hangs_and_the_late_process_is_kille
     assert spawn.started and spawn.started[0].wait(timeout=10) != 0  # killed, not left running
 
 
-def test_sample_timeout_cancels_a_waiting_agent_process_and_kills_it(tokenizer, monkeypatch, tmp_path):
+def test_sample_timeout_cancels_a_waiting_agent_process_and_kills_it(
+    tokenizer, monkeypatch, tmp_path
+):
     pidfile = tmp_path / "pid"
     script = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
 
@@ -378,12 +434,18 @@ def test_sample_timeout_cancels_a_waiting_agent_process_and_kills_it(tokenizer, 
         r = worker_rollout()
         r.agent.sample_timeout = 1.0
         server = ScriptedServer(long_policy(tokenizer, 5), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(
+            r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer
+        )
         await gw.start()
-        registry = {"cli": ResolvedAgentLoop("cli", OpenAIAgentLoop, {"command": ["python", "-c", script]})}
+        registry = {
+            "cli": ResolvedAgentLoop("cli", OpenAIAgentLoop, {"command": ["python", "-c", script]})
+        }
         try:
-            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
-                                                 tokenizer=tokenizer, gateways=[gw])
+            worker = AgentLoopWorker.from_slices(
+                r, OmegaConf.create({"path": "tiny"}), [server], registry=registry,
+                tokenizer=tokenizer, gateways=[gw],
+            )
             return await worker.generate_sequences(one_sample_batch("cli"))
         finally:
             await gw.shutdown()

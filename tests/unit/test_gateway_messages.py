@@ -22,8 +22,7 @@ from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.turn import TurnResult
 
 CALC = {
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression.",
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}},
 }
 
@@ -38,9 +37,7 @@ def call(call_id: str, expression: str) -> dict[str, Any]:
     """A canonical tool call as the decoder returns it (arguments: the JSON the model wrote)."""
     args = json.dumps({"expression": expression})
     return {
-        "id": call_id,
-        "type": "function",
-        "function": {"name": "calculator", "arguments": args},
+        "id": call_id, "type": "function", "function": {"name": "calculator", "arguments": args},
     }
 
 
@@ -50,11 +47,8 @@ def result(content: str | None = "", finish: str = "stop", **kw: Any) -> TurnRes
         if key in kw:
             message[key] = kw.pop(key)
     return TurnResult(
-        message=message,
-        finish_reason=finish,
-        prompt_tokens=kw.pop("prompt", 21),
-        completion_tokens=kw.pop("completion", 7),
-        **kw,
+        message=message, finish_reason=finish, prompt_tokens=kw.pop("prompt", 21),
+        completion_tokens=kw.pop("completion", 7), **kw,
     )
 
 
@@ -63,12 +57,8 @@ def test_text_system_and_sampling_map_to_the_canonical_request():
     req = parse(
         body(
             system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
-            temperature=0.5,
-            top_p=0.9,
-            top_k=20,
-            stop_sequences=["END"],
-            metadata={"user_id": "u1"},
-            service_tier="auto",
+            temperature=0.5, top_p=0.9, top_k=20, stop_sequences=["END"],
+            metadata={"user_id": "u1"}, service_tier="auto",
             thinking={"type": "enabled", "budget_tokens": 1024},
         ),
         {},
@@ -79,11 +69,7 @@ def test_text_system_and_sampling_map_to_the_canonical_request():
         {"role": "user", "content": "What is 2+3?"},
     ]
     assert req.sampling == {
-        "max_tokens": 64,
-        "temperature": 0.5,
-        "top_p": 0.9,
-        "top_k": 20,
-        "stop": ["END"],
+        "max_tokens": 64, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop": ["END"],
     }
     assert req.tools is None and req.response_format is None
 
@@ -112,8 +98,7 @@ def test_images_become_image_url_parts_with_data_urls_next_to_the_text():
     png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
     inline = {"type": "url", "url": "data:image/jpeg;base64,/9j/4AAQ"}
     content = [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image", "source": png},
+        {"type": "text", "text": "What is this?"}, {"type": "image", "source": png},
         {"type": "image", "source": inline},
     ]
     req = parse(body({"role": "user", "content": content}), {})
@@ -165,13 +150,11 @@ def test_tool_use_and_tool_result_map_to_tool_calls_and_tool_messages_in_order()
         "reasoning_content": "Two calls.",
         "tool_calls": [
             {
-                "id": "t1",
-                "type": "function",
+                "id": "t1", "type": "function",
                 "function": {"name": "calculator", "arguments": {"expression": "2+3"}},
             },
             {
-                "id": "t2",
-                "type": "function",
+                "id": "t2", "type": "function",
                 "function": {"name": "calculator", "arguments": {"expression": "4*5"}},
             },
         ],
@@ -179,9 +162,7 @@ def test_tool_use_and_tool_result_map_to_tool_calls_and_tool_messages_in_order()
     assert req.messages[2:] == [
         {"role": "tool", "tool_call_id": "t1", "content": "5"},
         {
-            "role": "tool",
-            "tool_call_id": "t2",
-            "content": "error: overflow",
+            "role": "tool", "tool_call_id": "t2", "content": "error: overflow",
         },  # is_error: kept as sent
         {"role": "user", "content": "Now add them."},
     ]
@@ -189,8 +170,7 @@ def test_tool_use_and_tool_result_map_to_tool_calls_and_tool_messages_in_order()
         {
             "type": "function",
             "function": {
-                "name": "calculator",
-                "description": CALC["description"],
+                "name": "calculator", "description": CALC["description"],
                 "parameters": CALC["input_schema"],
             },
         }
@@ -405,25 +385,15 @@ def test_errors_name_the_offending_key():
 @pytest.mark.parametrize(
     ("status", "kind"),
     [
-        (400, "invalid_request_error"),
-        (401, "authentication_error"),
-        (403, "permission_error"),
-        (404, "not_found_error"),
-        (409, "invalid_request_error"),
-        (413, "invalid_request_error"),
-        (429, "rate_limit_error"),
-        (500, "api_error"),
-        (502, "api_error"),
-        (503, "overloaded_error"),
-        (504, "timeout_error"),
-        (529, "overloaded_error"),
+        (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+        (404, "not_found_error"), (409, "invalid_request_error"), (413, "invalid_request_error"),
+        (429, "rate_limit_error"), (500, "api_error"), (502, "api_error"),
+        (503, "overloaded_error"), (504, "timeout_error"), (529, "overloaded_error"),
     ],
 )
 def test_error_types_follow_the_status(status, kind):
     shaped = error_body(GatewayHTTPError(status, "nope", request_id="req_1"))
     assert shaped == {
-        "type": "error",
-        "error": {"type": kind, "message": "nope"},
-        "request_id": "req_1",
+        "type": "error", "error": {"type": kind, "message": "nope"}, "request_id": "req_1",
     }
     ErrorResponse.model_validate(shaped)

@@ -90,10 +90,8 @@ class FakeGateway:
 def client(handler: Callable[[httpx.Request], httpx.Response]) -> anthropic.Anthropic:
     transport = httpx.MockTransport(handler)
     return anthropic.Anthropic(
-        api_key="sk-session",
-        base_url="http://gateway/sessions/s1",
-        http_client=httpx.Client(transport=transport),
-        max_retries=0,
+        api_key="sk-session", base_url="http://gateway/sessions/s1",
+        http_client=httpx.Client(transport=transport), max_retries=0,
     )
 
 
@@ -132,12 +130,8 @@ def test_streamed_equals_non_streamed_through_the_sdk(name):
 def test_the_rendered_message():
     req = parse(body(), {})
     res = result(
-        "Let me check.",
-        "tool_calls",
-        tool_calls=[call("call_a", "2+3")],
-        reasoning_content="Use the tool.",
-        prompt=30,
-        completion=12,
+        "Let me check.", "tool_calls", tool_calls=[call("call_a", "2+3")],
+        reasoning_content="Use the tool.", prompt=30, completion=12,
     )
     out = DIALECT.render(res, req, {})
     assert out["id"].startswith("msg_")
@@ -147,24 +141,19 @@ def test_the_rendered_message():
         "model": "policy",
         "content": [
             {
-                "type": "thinking",
-                "thinking": "Use the tool.",
+                "type": "thinking", "thinking": "Use the tool.",
                 "signature": thinking_signature("Use the tool."),
             },
             {"type": "text", "text": "Let me check."},
             {
-                "type": "tool_use",
-                "id": "call_a",
-                "name": "calculator",
+                "type": "tool_use", "id": "call_a", "name": "calculator",
                 "input": {"expression": "2+3"},
             },
         ],
         "stop_reason": "tool_use",
         "stop_sequence": None,
         "usage": {
-            "input_tokens": 30,
-            "output_tokens": 12,
-            "cache_creation_input_tokens": 0,
+            "input_tokens": 30, "output_tokens": 12, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0,
         },
     }
@@ -174,8 +163,7 @@ def test_the_rendered_message():
 @pytest.mark.parametrize(
     ("res", "reason", "sequence"),
     [
-        (result("a"), "end_turn", None),
-        (result("a", stop_sequence="END"), "stop_sequence", "END"),
+        (result("a"), "end_turn", None), (result("a", stop_sequence="END"), "stop_sequence", "END"),
         (result("a", "length"), "max_tokens", None),
         (result(None, "tool_calls", tool_calls=[call("c", "1")]), "tool_use", None),
     ],
@@ -187,9 +175,7 @@ def test_stop_reason_is_exactly_one_of_anthropics(res, reason, sequence):
 
 def test_every_streamed_event_is_an_sdk_event_and_the_stream_is_well_formed():
     res = result(
-        "Checking.",
-        "tool_calls",
-        tool_calls=[call("call_a", "2+3")],
+        "Checking.", "tool_calls", tool_calls=[call("call_a", "2+3")],
         reasoning_content="Use the tool.",
     )
     text = _sse(res, parse(body(stream=True), {}))
@@ -215,9 +201,7 @@ def test_every_streamed_event_is_an_sdk_event_and_the_stream_is_well_formed():
 
 def test_an_error_mid_stream_is_an_error_event_the_sdk_raises():
     fail = GatewayHTTPError(
-        502,
-        "the inference engine failed (nothing was recorded)",
-        type_="server_error",
+        502, "the inference engine failed (nothing was recorded)", type_="server_error",
         request_id="req_9",
     )
     text = _sse(result("Five."), parse(body(stream=True), {}), fail=fail)
@@ -225,8 +209,7 @@ def test_an_error_mid_stream_is_an_error_event_the_sdk_raises():
     assert last.startswith("event: error\n")
     data = json.loads(last.split("\n")[1][6:])
     assert data == {
-        "type": "error",
-        "error": {"type": "api_error", "message": fail.message},
+        "type": "error", "error": {"type": "api_error", "message": fail.message},
         "request_id": "req_9",
     }
 
@@ -254,10 +237,8 @@ def test_a_stream_without_a_result_ends_with_an_error_event():
 @pytest.mark.parametrize(
     ("status", "exc"),
     [
-        (400, anthropic.BadRequestError),
-        (401, anthropic.AuthenticationError),
-        (404, anthropic.NotFoundError),
-        (409, anthropic.ConflictError),
+        (400, anthropic.BadRequestError), (401, anthropic.AuthenticationError),
+        (404, anthropic.NotFoundError), (409, anthropic.ConflictError),
         (503, anthropic.InternalServerError),
     ],
 )
@@ -274,9 +255,7 @@ def test_a_refused_request_reaches_the_sdk_as_bad_request():
     gw = FakeGateway()
     with pytest.raises(anthropic.BadRequestError, match="only custom tools"):
         client(gw).messages.create(
-            model="p",
-            max_tokens=8,
-            messages=[_Q],
+            model="p", max_tokens=8, messages=[_Q],
             tools=[{"type": "web_search_20250305", "name": "web_search"}],
         )
     assert gw.requests == []

@@ -27,8 +27,7 @@ from tests.unit.gateway_helpers import LiveGateway, client_for
 CALC = {
     "type": "function",
     "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
     },
 }
@@ -47,21 +46,13 @@ def ids_of(tok: Any, text: str, end: bool = True) -> list[int]:
 
 
 def decode(
-    tok: Any,
-    text: str,
-    parser: str = REASONING_PARSER,
-    tools: bool = True,
+    tok: Any, text: str, parser: str = REASONING_PARSER, tools: bool = True,
     stop: StopReason = StopReason.STOP,
 ) -> Any:
     hermes = get_tool_parser("hermes", tok)
     return asyncio.run(
         decode_turn(
-            hermes,
-            tok,
-            ids_of(tok, text),
-            stop,
-            [CALC] if tools else None,
-            tools,
+            hermes, tok, ids_of(tok, text), stop, [CALC] if tools else None, tools,
             reasoning=get_reasoning_parser(parser, tok),
         )
     )
@@ -104,9 +95,7 @@ def test_decode_splits_reasoning_from_answer_and_tool_calls(tok: Any) -> None:
     }
     out = decode(tok, "Easy.\n</think>\n\nThe answer is 42.")
     assert out.message == {
-        "role": "assistant",
-        "content": "The answer is 42.",
-        "reasoning_content": "Easy.",
+        "role": "assistant", "content": "The answer is 42.", "reasoning_content": "Easy.",
     }
     assert out.finish_reason == "stop"
 
@@ -120,9 +109,7 @@ def test_a_tool_call_inside_the_reasoning_is_not_a_call(tok: Any) -> None:
 def test_decode_without_the_end_marker(tok: Any) -> None:
     out = decode(tok, "thinking and thinking", stop=StopReason.LENGTH)
     assert out.message == {
-        "role": "assistant",
-        "content": "",
-        "reasoning_content": "thinking and thinking",
+        "role": "assistant", "content": "", "reasoning_content": "thinking and thinking",
     }
     assert out.finish_reason == "length"
     plain = decode(tok, "The answer is 42.", parser="qwen3")  # the model did not open <think>
@@ -148,12 +135,9 @@ def test_decode_without_a_reasoning_parser_is_unchanged(tok: Any) -> None:
 
 # ---- streaming -----------------------------------------------------------------------------------
 STREAMED = [
-    "I will use the tool.\n</think>\n\n" + CALL,
-    "Easy.  \n\n</think>\n\n  The answer is 42.  ",
-    "thinking, still thinking </thi",
-    "\n</think>\n\nHi.",
-    "maybe " + CALL + " no.\n</think>\n\nSo: 42. " + CALL,
-    "<think>\nwhy\n</think>\n\nHi.",
+    "I will use the tool.\n</think>\n\n" + CALL, "Easy.  \n\n</think>\n\n  The answer is 42.  ",
+    "thinking, still thinking </thi", "\n</think>\n\nHi.",
+    "maybe " + CALL + " no.\n</think>\n\nSo: 42. " + CALL, "<think>\nwhy\n</think>\n\nHi.",
 ]
 
 
@@ -210,25 +194,20 @@ CALLED = {
     "reasoning_content": "I will use the tool.",
     "tool_calls": [
         {
-            "id": "call_1",
-            "type": "function",
+            "id": "call_1", "type": "function",
             "function": {"name": "calculator", "arguments": '{"expression": "6 * 7"}'},
         }
     ],
 }
 RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
 ANSWER = {
-    "role": "assistant",
-    "content": "The answer is 42.",
-    "reasoning_content": "It returned 42.",
+    "role": "assistant", "content": "The answer is 42.", "reasoning_content": "It returned 42.",
 }
 AGAIN = {"role": "user", "content": "And 7 * 8?"}
 
 
 def sample(
-    store: SessionStore,
-    messages: list[dict[str, Any]],
-    reply: dict[str, Any],
+    store: SessionStore, messages: list[dict[str, Any]], reply: dict[str, Any],
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Reserve, "sample" the template's text for ``reply`` and the end-of-turn token, commit it."""
@@ -242,9 +221,7 @@ def sample(
 
 
 def render_ids(
-    tok: Any,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None = None,
+    tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
     prompt: bool = False,
 ) -> list[int]:
     text = tok.apply_chat_template(
@@ -356,15 +333,12 @@ def ask(
             reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             for tc in choice.delta.tool_calls or []:
                 calls[tc.index] = {
-                    "id": tc.id,
-                    "type": "function",
+                    "id": tc.id, "type": "function",
                     "function": {"name": tc.function.name, "arguments": tc.function.arguments},
                 }
             finish = choice.finish_reason or finish
     msg: dict[str, Any] = {
-        "role": "assistant",
-        "content": content or None,
-        "reasoning_content": reasoning,
+        "role": "assistant", "content": content or None, "reasoning_content": reasoning,
     }
     if calls:
         msg["tool_calls"] = [calls[i] for i in sorted(calls)]

@@ -176,8 +176,7 @@ def test_sampling_keys_and_accepted_options():
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "n": 2}, "n"),
+    ({"input": "x", "background": True}, "background"), ({"input": "x", "n": 2}, "n"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),

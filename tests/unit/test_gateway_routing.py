@@ -1,4 +1,5 @@
-"""Gateway placement and routing: least-active gateways, sticky routing per conversation root, session limits."""
+"""Gateway placement and routing: least-active gateways, sticky routing per conversation root,
+session limits."""
 
 from __future__ import annotations
 
@@ -26,15 +27,20 @@ def tokenizer():
 
 
 class SlowGateway:
-    """Stands in for a GatewayActor: opening a session takes a moment, so concurrent opens overlap."""
+    """Stands in for a GatewayActor: opening a session takes a moment, so concurrent opens
+    overlap."""
 
     def __init__(self, name: str) -> None:
         self.name, self.opened = name, 0
 
-    async def create_session(self, session_id: Any, metadata: Any, sampling_params: Any) -> SessionHandle:
+    async def create_session(
+        self, session_id: Any, metadata: Any, sampling_params: Any
+    ) -> SessionHandle:
         await asyncio.sleep(0.01)
         self.opened += 1
-        return SessionHandle(session_id=f"{self.name}-{self.opened}", base_url="http://x", api_key="k")
+        return SessionHandle(
+            session_id=f"{self.name}-{self.opened}", base_url="http://x", api_key="k"
+        )
 
     async def finalize(self, session_id: str, longest_only: bool = False) -> dict:
         return {"session_id": session_id, "trajectories": []}
@@ -89,9 +95,13 @@ def test_a_dead_gateway_gets_no_more_sessions_and_all_dead_says_what_happens():
 
 def test_continuations_stick_to_the_server_of_their_conversation(tokenizer):
     policy = FakePolicy(tokenizer)
-    servers = [ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id, name=f"s{i}") for i in range(2)]
+    servers = [
+        ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id, name=f"s{i}") for i in range(2)
+    ]
     router = AsyncLLMServerManager(servers, make_balancer(2, tie_break="rotate"))
-    service = GatewayService(tokenizer, router, get_tool_parser("hermes", tokenizer), max_length=1024)
+    service = GatewayService(
+        tokenizer, router, get_tool_parser("hermes", tokenizer), max_length=1024
+    )
 
     async def conversation(sid: str, opening: str) -> None:
         msgs = [{"role": "user", "content": opening}]
@@ -113,7 +123,8 @@ def test_continuations_stick_to_the_server_of_their_conversation(tokenizer):
             opening = tokenizer.decode(call["prompt_ids"]).split("a word please (")[1][0]
             by_root.setdefault(opening, set()).add(server.name)
     assert len(by_root) == 6
-    assert all(len(names) == 1 for names in by_root.values())  # every turn of a conversation on one server
+    # every turn of a conversation on one server
+    assert all(len(names) == 1 for names in by_root.values())
     assert all(server.calls for server in servers)  # while different conversations do spread
     assert sum(len(s.calls) for s in servers) == 30
 
@@ -150,8 +161,12 @@ def test_max_concurrent_sessions_caps_open_sessions_per_worker(tokenizer):
         OpenAIAgentLoop._slots = None
         OpenAIAgentLoop.init_class(config, tokenizer, gateway_manager=CountingManager())
         loops = [OpenAIAgentLoop(config, None, tokenizer, runner=runner) for _ in range(6)]
-        return await asyncio.gather(*(loop.run({}, raw_prompt=[{"role": "user", "content": "x"}], index=i)
-                                      for i, loop in enumerate(loops)))
+        return await asyncio.gather(
+            *(
+                loop.run({}, raw_prompt=[{"role": "user", "content": "x"}], index=i)
+                for i, loop in enumerate(loops)
+            )
+        )
 
     try:
         outs = asyncio.run(go())
@@ -159,4 +174,7 @@ def test_max_concurrent_sessions_caps_open_sessions_per_worker(tokenizer):
         OpenAIAgentLoop._slots = None
         OpenAIAgentLoop.gateway_manager = None
     assert peak == 2
-    assert all(o.trajectories[0].status == "error" and "no chat request" in o.trajectories[0].error for o in outs)
+    assert all(
+        o.trajectories[0].status == "error" and "no chat request" in o.trajectories[0].error
+        for o in outs
+    )

@@ -2,8 +2,8 @@
 
 Every session is open at the same time and sends its turns concurrently with all the others; each
 session's trajectory must be exactly its own conversation (token-exact against a full chat-template
-render, and only its own tag in the sampled text): nothing lost, nothing merged.  Memory held per idle
-session (one finished turn, waiting for the next) is measured and printed.
+render, and only its own tag in the sampled text): nothing lost, nothing merged.  Memory held per
+idle session (one finished turn, waiting for the next) is measured and printed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def tokenizer():
 
 
 class EchoTag:
-    """Replies ``Echo <n>.`` where ``<n>`` is the tag of the last user turn; counts peak concurrency."""
+    """Replies ``Echo <n>.`` where ``<n>`` is the tag of the last user turn; counts peak
+    concurrency."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -54,46 +55,66 @@ def rss_bytes() -> int:
 
 
 async def turn(client: aiohttp.ClientSession, handle: Any, messages: list[dict[str, Any]]) -> None:
-    async with client.post(f"{handle.base_url}/chat/completions", json={"model": "m", "messages": messages},
-                           headers={"Authorization": f"Bearer {handle.api_key}"}) as r:
+    async with client.post(
+        f"{handle.base_url}/chat/completions", json={"model": "m", "messages": messages},
+        headers={"Authorization": f"Bearer {handle.api_key}"},
+    ) as r:
         assert r.status == 200, await r.text()
         messages.append((await r.json())["choices"][0]["message"])
 
 
 def test_a_thousand_concurrent_sessions_keep_their_own_trajectories(tokenizer):
     policy = EchoTag(tokenizer)
-    gw = LiveGateway(tokenizer, ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id, delay=0.05),
-                     policy=policy)
+    gw = LiveGateway(
+        tokenizer, ScriptedServer(policy, eos_token_id=tokenizer.eos_token_id, delay=0.05),
+        policy=policy,
+    )
     try:
         handles = [gw.session() for _ in range(NUM_SESSIONS)]
         convs: list[list[dict[str, Any]]] = [[{"role": "user", "content": f"Hello, tag {i}"}]
                                              for i in range(NUM_SESSIONS)]
 
-        # The clients share the gateway's event loop (one thread: no GIL hand-offs between two busy loops);
-        # aiohttp because httpx's connection pool slows down quadratically with 1,000 concurrent requests.
+        # The clients share the gateway's event loop (one thread: no GIL hand-offs between two busy
+        # loops);
+        # aiohttp because httpx's connection pool slows down quadratically with 1,000 concurrent
+        # requests.
         async def drive() -> int:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=120)) as client:
-                await asyncio.gather(*(turn(client, h, c) for h, c in zip(handles, convs, strict=True)))
+                await asyncio.gather(
+                    *(turn(client, h, c) for h, c in zip(handles, convs, strict=True))
+                )
                 gc.collect()
                 idle_rss = rss_bytes()  # every session open, one turn done, waiting
                 for i, conv in enumerate(convs):
                     conv.append({"role": "user", "content": f"Again, tag {i}"})
-                await asyncio.gather(*(turn(client, h, c) for h, c in zip(handles, convs, strict=True)))
+                await asyncio.gather(
+                    *(turn(client, h, c) for h, c in zip(handles, convs, strict=True))
+                )
                 return idle_rss
 
         rss_before = rss_bytes()
         idle_rss = gw.run(drive(), timeout=300)
         assert len(gw.actor.service.sessions) == NUM_SESSIONS
-        print(f"\nRSS growth with {NUM_SESSIONS} sessions open after one turn: "
-              f"{(idle_rss - rss_before) / NUM_SESSIONS / 1024:.1f} KiB/session (HTTP clients included)")
+        print(
+            f"\nRSS growth with {NUM_SESSIONS} sessions open after one turn: "
+            f"{(idle_rss - rss_before) / NUM_SESSIONS / 1024:.1f} KiB/session (HTTP "
+            f"clients included)"
+        )
         for i, (handle, conv) in enumerate(zip(handles, convs, strict=True)):
-            assert [m["content"] for m in conv if m["role"] == "assistant"] == [f"Echo {i}.", f"Echo {i}."]
+            assert [m["content"] for m in conv if m["role"] == "assistant"] == [
+                f"Echo {i}.",
+                f"Echo {i}.",
+            ]
             [traj] = gw.finalize(handle.session_id)["trajectories"]
             ids = list(traj.prompt_ids) + list(traj.response_ids)
             sep = tokenizer.encode("\n", add_special_tokens=False)
-            assert ids + sep == full_render_ids(tokenizer, conv, None), f"session {i} is not its own conversation"
-            sampled = tokenizer.decode([t for t, m in zip(traj.response_ids, traj.response_mask, strict=True) if m])
+            assert ids + sep == full_render_ids(tokenizer, conv, None), (
+                f"session {i} is not its own conversation"
+            )
+            sampled = tokenizer.decode(
+                [t for t, m in zip(traj.response_ids, traj.response_mask, strict=True) if m]
+            )
             assert set(re.findall(r"Echo (\d+)", sampled)) == {str(i)}
         assert not gw.actor.service.sessions
         assert len(gw.server.calls) == 2 * NUM_SESSIONS
@@ -110,10 +131,19 @@ def test_memory_per_idle_session_is_small(tokenizer):
 
         async def open_and_talk(k: int) -> None:
             handle = service.create_session()
-            await service.chat(handle.session_id, {"model": "m", "messages": [
-                {"role": "system", "content": "You are helpful."}, {"role": "user", "content": f"Hi, tag {k}"}]})
+            await service.chat(
+                handle.session_id,
+                {
+                    "model": "m",
+                    "messages": [
+                        {"role": "system", "content": "You are helpful."},
+                        {"role": "user", "content": f"Hi, tag {k}"},
+                    ],
+                },
+            )
 
-        gw.run(open_and_talk(10**6))  # warm caches (template compilation, tokenizer) outside the measurement
+        # warm caches (template compilation, tokenizer) outside the measurement
+        gw.run(open_and_talk(10**6))
         gc.collect()
         tracemalloc.start()
         try:
@@ -127,6 +157,7 @@ def test_memory_per_idle_session_is_small(tokenizer):
         finally:
             tracemalloc.stop()
         print(f"\nmemory per idle session (one turn recorded): {per_session / 1024:.1f} KiB")
-        assert per_session < 256 * 1024  # generous: a leak (e.g. keeping every request body) would blow it
+        # generous: a leak (e.g. keeping every request body) would blow it
+        assert per_session < 256 * 1024
     finally:
         gw.close()

@@ -50,15 +50,13 @@ def request(dialect: str, handle: Any, messages: list[dict[str, str]]) -> tuple[
     """URL, headers and body of one turn of ``messages`` (plain text turns) in ``dialect``."""
     if dialect == "chat":
         return (
-            f"{handle.base_url}/chat/completions",
-            {"Authorization": f"Bearer {handle.api_key}"},
+            f"{handle.base_url}/chat/completions", {"Authorization": f"Bearer {handle.api_key}"},
             {"model": "m", "messages": messages},
         )
     if dialect == "responses":
         items = [{"role": m["role"], "content": m["content"]} for m in messages]
         return (
-            f"{handle.base_url}/responses",
-            {"Authorization": f"Bearer {handle.api_key}"},
+            f"{handle.base_url}/responses", {"Authorization": f"Bearer {handle.api_key}"},
             {"model": "m", "input": items, "store": False},
         )
     return (

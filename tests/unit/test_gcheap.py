@@ -1,4 +1,5 @@
-"""Actors freeze their start-up heap (no full-GC pauses mid-rollout); drivers and test processes never do."""
+"""Actors freeze their start-up heap (no full-GC pauses mid-rollout); drivers and test processes
+never do."""
 
 from __future__ import annotations
 
@@ -23,4 +24,5 @@ def test_in_an_actor_the_heap_is_frozen_unless_the_config_says_no(monkeypatch):
     monkeypatch.setattr(gc, "freeze", lambda: froze.append(True))
     monkeypatch.setattr(gc, "get_freeze_count", lambda: 123)
     assert gcheap.freeze_startup_heap(OmegaConf.create({"gc_freeze": False})) == 0 and froze == []
-    assert gcheap.freeze_startup_heap(OmegaConf.create({})) == 123 and froze == [True]  # on by default
+    # on by default
+    assert gcheap.freeze_startup_heap(OmegaConf.create({})) == 123 and froze == [True]

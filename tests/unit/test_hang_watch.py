@@ -1,4 +1,5 @@
-"""Mid-batch looks for hung actors: ServerSupervisor.watch and WorkerPool.watch_workers (Ray faked out)."""
+"""Mid-batch looks for hung actors: ServerSupervisor.watch and WorkerPool.watch_workers (Ray
+faked out)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from agentloop.servers.base import ServerDeadError
 
 @dataclass(eq=False)
 class Ref:
-    """A pending call: ``answer`` is None while it runs, else the value (or exception) it ends with."""
+    """A pending call: ``answer`` is None while it runs, else the value (or exception) it ends
+    with."""
 
     method: str
     answer: Any = None
@@ -94,10 +96,15 @@ def test_a_server_that_answers_its_probes_is_left_alone_however_long_the_batch(c
         assert sup.watch(hang_s=5) == []
         now[0] += 3
     assert not killed and not sup.down and not group.relaunched
-    assert all(len(s.sent) == 10 and {r.method for r in s.sent} == {"check_health"} for s in servers)  # one per look
+    # one per look
+    assert all(
+        len(s.sent) == 10 and {r.method for r in s.sent} == {"check_health"} for s in servers
+    )
 
 
-def test_a_probe_unanswered_for_the_hang_time_kills_and_restarts_the_server_without_asking_it(clock):
+def test_a_probe_unanswered_for_the_hang_time_kills_and_restarts_the_server_without_asking_it(
+    clock,
+):
     now, killed = clock
     servers = [FakeServer("a"), FakeServer("b", hung=True)]
     sup, group = make(servers)
@@ -109,7 +116,8 @@ def test_a_probe_unanswered_for_the_hang_time_kills_and_restarts_the_server_with
     assert sup.watch(hang_s=5) == [1]
     assert sup.down == {1} and sup.counts["servers_hung"] == 1
     assert killed == [servers[1]] and group.relaunched == [1] and 1 in sup.restarting
-    assert [r.method for r in servers[1].sent] == ["check_health"]  # no shutdown sent to a hung actor
+    # no shutdown sent to a hung actor
+    assert [r.method for r in servers[1].sent] == ["check_health"]
     now[0] += 60
     assert sup.watch(hang_s=5) == []  # restarting: not probed
 
@@ -130,7 +138,8 @@ def test_a_probe_that_says_the_engine_died_takes_the_server_out_at_once(clock):
     sup, group = make(servers)
     assert sup.watch(hang_s=300) == [0]
     assert sup.counts["servers_hung"] == 0 and group.relaunched == [0]
-    assert [r.method for r in servers[0].sent] == ["check_health", "shutdown"]  # a live actor is asked first
+    # a live actor is asked first
+    assert [r.method for r in servers[0].sent] == ["check_health", "shutdown"]
 
 
 def test_another_error_is_left_to_the_check_after_the_batch(clock):
@@ -150,8 +159,8 @@ def test_a_probe_left_in_flight_between_batches_is_judged_by_its_answer_not_the_
 
 
 def test_a_failure_of_an_actor_already_replaced_does_not_restart_its_replacement(clock):
-    """The Rollouter's thread took a hung server out; the trainer's pause() then sees its call to the old actor
-    fail.  The replacement, still starting, must not be killed and started again."""
+    """The Rollouter's thread took a hung server out; the trainer's pause() then sees its call to
+    the old actor fail.  The replacement, still starting, must not be killed and started again."""
     now, killed = clock
     servers = [FakeServer("a", hung=True), FakeServer("b")]
     sup, group = make(servers)
@@ -160,8 +169,13 @@ def test_a_failure_of_an_actor_already_replaced_does_not_restart_its_replacement
     assert sup.watch(hang_s=1) == [0]
     replacement = sup.restarting[0].handle
     sup.lose(0, "died during pause: actor died", handle=servers[0])
-    assert sup.restarting[0].handle is replacement and group.relaunched == [0] and killed == [servers[0]]
-    sup.lose(0, "died during begin_weight_update", handle=replacement)  # the replacement itself failing counts
+    assert (
+        sup.restarting[0].handle is replacement
+        and group.relaunched == [0]
+        and killed == [servers[0]]
+    )
+    # the replacement itself failing counts
+    sup.lose(0, "died during begin_weight_update", handle=replacement)
     assert group.relaunched == [0, 0] and replacement in killed
 
 
@@ -180,8 +194,13 @@ def test_a_worker_that_leaves_a_ping_unanswered_is_killed_and_says_why(clock):
 
     now, killed = clock
     pool = Dispatcher(spawn=lambda i, w: None, num_workers=3, error_rows=lambda *a: None, hang_s=3)
-    fine, blocked, starting = FakeServer("w0"), FakeServer("w1", hung=True), FakeServer("w2", hung=True)
-    slots = [WorkerSlot(0, fine, "a"), WorkerSlot(1, blocked, "b"), WorkerSlot(2, starting, "c", ready=Ref("ready"))]
+    fine, blocked, starting = (
+        FakeServer("w0"), FakeServer("w1", hung=True), FakeServer("w2", hung=True),
+    )
+    slots = [
+        WorkerSlot(0, fine, "a"), WorkerSlot(1, blocked, "b"),
+        WorkerSlot(2, starting, "c", ready=Ref("ready")),
+    ]
     assert pool.watch_workers(slots) == []
     now[0] += 2.9
     assert pool.watch_workers(slots) == []
@@ -189,7 +208,8 @@ def test_a_worker_that_leaves_a_ping_unanswered_is_killed_and_says_why(clock):
     assert pool.watch_workers(slots) == [slots[1]]
     assert killed == [blocked] and pool.fault_counts["workers_hung"] == 1
     assert "unanswered for 3 s (agent.stall_timeout)" in slots[1].hung
-    assert [r.method for r in blocked.sent] == ["ping"] and starting.sent == []  # one ping; a starting one: none
+    # one ping; a starting one: none
+    assert [r.method for r in blocked.sent] == ["ping"] and starting.sent == []
     assert len(fine.sent) == 3
     now[0] += 60
     assert pool.watch_workers(slots) == []  # already killed: not killed again before it is replaced
@@ -210,14 +230,21 @@ def test_a_gateway_that_stops_answering_is_killed_so_its_sessions_end(clock):
     assert kill_hung_gateways(gateways, watch, 5, tell=tell) == [] and told == []
     now[0] += 5
     assert kill_hung_gateways(gateways, watch, 5, tell=tell) == [1]
-    assert killed == [gateways[1]] and {r.method for g in gateways for r in g.sent} == {"num_sessions"}
+    assert killed == [gateways[1]] and {r.method for g in gateways for r in g.sent} == {
+        "num_sessions"
+    }
     # the workers hear why before the kill, so the rows of the sessions on it can say so
-    assert [(i, n) for i, _, n in told] == [(1, 0)] and "hung" in told[0][1] and "stall_timeout" in told[0][1]
+    assert (
+        [(i, n) for i, _, n in told] == [(1, 0)]
+        and "hung" in told[0][1]
+        and "stall_timeout" in told[0][1]
+    )
 
 
 def test_sessions_on_a_gateway_killed_as_hung_fail_with_the_reason():
-    """GatewayManager: calls for sessions on a gateway the manager killed say why, not only that the actor
-    died; a gateway that merely died still raises Ray's error, and no new session is opened on either."""
+    """GatewayManager: calls for sessions on a gateway the manager killed say why, not only that the
+    actor died; a gateway that merely died still raises Ray's error, and no new session is opened on
+    either."""
     from ray.exceptions import RayActorError
 
     from agentloop.errors import ServerError
@@ -240,7 +267,11 @@ def test_sessions_on_a_gateway_killed_as_hung_fail_with_the_reason():
     async def scenario() -> None:
         gm = GatewayManager([Gone("a"), Gone("b")])
         first, second = await gm.create_session(), await gm.create_session()
-        gm.lost(0, "hung: it left a probe unanswered for 5 s (rollout.server.stall_timeout) and was killed")
+        gm.lost(
+            0,
+            "hung: it left a probe unanswered for 5 s (rollout.server.stall_timeout) "
+            "and was killed",
+        )
         with pytest.raises(ServerError, match="gateway 0 hung: .*stall_timeout"):
             await gm.abort(first.session_id)
         with pytest.raises(RayActorError):

@@ -1,5 +1,6 @@
-"""Samples with several trajectories (episodes): every row gets trajectory_index / num_trajectories / session_id
-beside its sample's uid, on every path (worker, error rows, failed loops, several worker chunks)."""
+"""Samples with several trajectories (episodes): every row gets trajectory_index / num_trajectories
+/ session_id beside its sample's uid, on every path (worker, error rows, failed loops, several
+worker chunks)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from agentloop.types import AgentLoopOutput, RolloutStatus
 
 
 class EpisodeLoop(AgentLoopBase):
-    """k = extra_info["k"] trajectories, one engine call each; ``form`` picks how they are returned."""
+    """k = extra_info["k"] trajectories, one engine call each; ``form`` picks how they are
+    returned."""
 
     async def run(self, sampling_params, **kwargs):
         info = kwargs["extra_info"]
@@ -32,9 +34,12 @@ class EpisodeLoop(AgentLoopBase):
             raise RuntimeError("loop exploded")
         outputs = []
         for j in range(info["k"]):
-            ids = self.tokenizer.apply_chat_template(kwargs["raw_prompt"], add_generation_prompt=True) + [90 + j]
-            o = await self.server_manager.generate(request_id=f"{kwargs['uid']}-{j}", prompt_ids=ids,
-                                                   sampling_params=sampling_params)
+            ids = self.tokenizer.apply_chat_template(
+                kwargs["raw_prompt"], add_generation_prompt=True
+            ) + [90 + j]
+            o = await self.server_manager.generate(
+                request_id=f"{kwargs['uid']}-{j}", prompt_ids=ids, sampling_params=sampling_params
+            )
             outputs.append(AgentLoopOutput(prompt_ids=ids, response_ids=o.token_ids,
                                            response_mask=[1] * len(o.token_ids), num_turns=2,
                                            extra_fields={"snapshot": j < info["k"] - 1}))
@@ -42,7 +47,9 @@ class EpisodeLoop(AgentLoopBase):
         if form == "single":
             return outputs[0]
         if form == "episode":
-            return MultiTrajectoryAgentLoopOutput(trajectories=outputs, session_id=info.get("session_id"))
+            return MultiTrajectoryAgentLoopOutput(
+                trajectories=outputs, session_id=info.get("session_id")
+            )
         if form == "empty":
             return []
         return outputs
@@ -60,8 +67,10 @@ def make_worker() -> AgentLoopWorker:
     cfg.data.max_response_length = 16
     OmegaConf.resolve(cfg)
     server = ScriptedServer(lambda ids, params, rid: [70, 71, IM_END], eos_token_id=IM_END)
-    return AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-                                       registry=registry(), tokenizer=FakeTokenizer(), trainer_config=cfg)
+    return AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+        registry=registry(), tokenizer=FakeTokenizer(), trainer_config=cfg,
+    )
 
 
 def make_batch(infos: list[dict[str, Any]], uids: list[str] | None = None) -> DataProto:
@@ -69,23 +78,36 @@ def make_batch(infos: list[dict[str, Any]], uids: list[str] | None = None) -> Da
     prompts, extra = np.empty(n, dtype=object), np.empty(n, dtype=object)
     prompts[:] = [[{"role": "user", "content": f"question {i}"}] for i in range(n)]
     extra[:] = infos
-    nt = {"raw_prompt": prompts, "uid": np.array(uids or [f"u{i}" for i in range(n)], dtype=object),
-          "index": np.arange(n), "agent_name": np.array(["episode"] * n, dtype=object), "extra_info": extra}
+    nt = {
+        "raw_prompt": prompts, "uid": np.array(uids or [f"u{i}" for i in range(n)], dtype=object),
+        "index": np.arange(n), "agent_name": np.array(["episode"] * n, dtype=object),
+        "extra_info": extra,
+    }
     return DataProto(batch=None, non_tensor_batch=nt, meta_info={})
 
 
 def rows(out: DataProto) -> list[tuple[Any, ...]]:
     nt = out.non_tensor_batch
-    return list(zip(nt["uid"].tolist(), nt["trajectory_index"].tolist(), nt["num_trajectories"].tolist(),
-                    strict=True))
+    return list(
+        zip(
+            nt["uid"].tolist(), nt["trajectory_index"].tolist(), nt["num_trajectories"].tolist(),
+            strict=True,
+        )
+    )
 
 
 def test_list_episode_and_single_outputs_get_episode_columns():
-    batch = make_batch([{"k": 3}, {"k": 1, "form": "single"}, {"k": 2, "form": "episode", "session_id": "gw-7"},
-                        {"k": 2}])
+    batch = make_batch(
+        [
+            {"k": 3}, {"k": 1, "form": "single"}, {"k": 2, "form": "episode", "session_id": "gw-7"},
+            {"k": 2},
+        ]
+    )
     out = asyncio.run(make_worker().generate_sequences(batch))
-    assert rows(out) == [("u0", 0, 3), ("u0", 1, 3), ("u0", 2, 3), ("u1", 0, 1), ("u2", 0, 2), ("u2", 1, 2),
-                         ("u3", 0, 2), ("u3", 1, 2)]
+    assert rows(out) == [
+        ("u0", 0, 3), ("u0", 1, 3), ("u0", 2, 3), ("u1", 0, 1), ("u2", 0, 2), ("u2", 1, 2),
+        ("u3", 0, 2), ("u3", 1, 2),
+    ]
     nt = out.non_tensor_batch
     sessions = nt["session_id"].tolist()
     assert sessions[0] == sessions[1] == sessions[2] and sessions[6] == sessions[7]
@@ -102,7 +124,8 @@ def test_list_episode_and_single_outputs_get_episode_columns():
 
 
 def test_repeated_uid_samples_are_separate_episodes():
-    """rollout.n repeats a prompt under one uid: each repeat is its own episode (session_id), same group."""
+    """rollout.n repeats a prompt under one uid: each repeat is its own episode (session_id),
+    same group."""
     out = asyncio.run(make_worker().generate_sequences(make_batch([{"k": 2}] * 3, uids=["g"] * 3)))
     nt = out.non_tensor_batch
     assert nt["uid"].tolist() == ["g"] * 6
@@ -124,9 +147,11 @@ def test_error_batch_and_chunk_concat_keep_the_columns():
     batch = make_batch([{"k": 2}, {"k": 1}])
     worker = make_worker()
     ok = asyncio.run(worker.generate_sequences(batch))
-    dead = error_batch(batch, RolloutStatus.TIMEOUT, "worker gone", engine=worker.engine,
-                       calculate_log_probs=worker.sampling[False].calculate_log_probs, pad_token_id=0,
-                       default_agent="episode")
+    dead = error_batch(
+        batch, RolloutStatus.TIMEOUT, "worker gone", engine=worker.engine,
+        calculate_log_probs=worker.sampling[False].calculate_log_probs, pad_token_id=0,
+        default_agent="episode",
+    )
     assert dead.non_tensor_batch["trajectory_index"].tolist() == [0, 0]
     assert dead.non_tensor_batch["num_trajectories"].tolist() == [1, 1]
     merged = DataProto.concat(align_keys([ok, dead]))
@@ -140,7 +165,9 @@ def test_postprocess_direct_call_and_counts_are_checked():
     assert out.non_tensor_batch["trajectory_index"].tolist() == [0, 0, 0]
     assert out.non_tensor_batch["num_trajectories"].tolist() == [1, 1, 1]
     cols = episode_columns(outs, [2, 1])
-    assert cols["trajectory_index"].tolist() == [0, 1, 0] and cols["num_trajectories"].tolist() == [2, 2, 1]
+    assert cols["trajectory_index"].tolist() == [0, 1, 0] and cols["num_trajectories"].tolist() == [
+        2, 2, 1,
+    ]
     assert cols["session_id"][0] == cols["session_id"][1] != cols["session_id"][2]
     with pytest.raises(DatasetError, match="add up"):
         episode_columns(outs, [2, 2])

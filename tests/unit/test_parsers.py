@@ -20,7 +20,8 @@ def parse(text: str, tools=TOOLS):
 
 def test_single_call_and_content():
     content, calls = parse(
-        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+        '"2 + 3"}}\n</tool_call>'
     )
     assert content == "Let me compute."
     got = [(c.name, json.loads(c.arguments), c.error) for c in calls]
@@ -29,8 +30,11 @@ def test_single_call_and_content():
 
 
 def test_parallel_calls_and_string_arguments():
-    text = ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>'
-            '<tool_call>{"name": "calculator", "arguments": {"expression": "2"}}</tool_call>')
+    text = (
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": '
+        '\\"1\\"}"}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "2"}}</tool_call>'
+    )
     _, calls = parse(text)
     assert [json.loads(c.arguments)["expression"] for c in calls] == ["1", "2"]
     assert calls[0].id != calls[1].id
@@ -46,7 +50,10 @@ def test_no_call_is_plain_content():
         ("<tool_call>{not json}</tool_call>", "not valid JSON"),
         ('<tool_call>{"arguments": {}}</tool_call>', "'name'"),
         ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "must be an object"),
-        ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "available tools: ['calculator']"),
+        (
+            '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+            "available tools: ['calculator']",
+        ),
         ('thinking <tool_call>{"name": "calculator"', "not closed"),
     ],
 )

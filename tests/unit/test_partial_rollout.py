@@ -1,8 +1,8 @@
 """Server pause / resume and the router's partial rollouts, on ScriptedServer (no Ray, no engine).
 
 The fake model "counts": the next token is the previous one + 1, so a generation resumed from
-prompt + tokens-so-far continues exactly where it was cut, as a greedy engine does.  ScriptedServer's
-``token_delay`` hands tokens out one at a time, so a pause cuts a call part-way.
+prompt + tokens-so-far continues exactly where it was cut, as a greedy engine does.
+ScriptedServer's ``token_delay`` hands tokens out one at a time, so a pause cuts a call part-way.
 """
 
 from __future__ import annotations
@@ -33,21 +33,27 @@ CONTEXT = 64
 
 
 def counting_server(name: str) -> ScriptedServer:
-    """A greedy "counting" model: next token = previous + 1, log-prob a function of the token alone, replies
-    stamped with the server's weight version."""
+    """A greedy "counting" model: next token = previous + 1, log-prob a function of the token alone,
+    replies stamped with the server's weight version."""
     def reply(prompt_ids: list[int], params: dict[str, Any], request_id: str) -> TokenOutput:
         budget = CONTEXT - len(prompt_ids)
-        limit = budget if params.get("max_tokens") is None else min(int(params["max_tokens"]), budget)
+        limit = (
+            budget if params.get("max_tokens") is None else min(int(params["max_tokens"]), budget)
+        )
         ids = [prompt_ids[-1] + 1 + i for i in range(max(0, limit))]
         log_probs = [-0.01 * (t % 50) for t in ids] if params.get("logprobs") else None
-        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=StopReason.LENGTH, num_preempted=0,
-                           extra_fields={"global_steps": server.global_steps})
+        return TokenOutput(
+            token_ids=ids, log_probs=log_probs, stop_reason=StopReason.LENGTH, num_preempted=0,
+            extra_fields={"global_steps": server.global_steps},
+        )
 
     server = ScriptedServer(reply, token_delay=0.02, name=name)
     return server
 
 
-def make(partial_rollout: bool = True, servers: int = 1) -> tuple[list[ScriptedServer], AsyncLLMServerManager]:
+def make(
+    partial_rollout: bool = True, servers: int = 1
+) -> tuple[list[ScriptedServer], AsyncLLMServerManager]:
     fakes = [counting_server(f"fake{i}") for i in range(servers)]
     return fakes, AsyncLLMServerManager(fakes, partial_rollout=partial_rollout)
 
@@ -83,7 +89,8 @@ async def test_paused_twice_and_resumed_equals_the_uninterrupted_generation() ->
     assert out.stop_reason == StopReason.LENGTH and len(out.token_ids) == 30
     assert out.num_preempted == 2 and manager.num_resumes == 2
     assert not out.preempted_by_pause
-    # each piece went to the same server with the prompt grown by the tokens so far and the rest of max_tokens
+    # each piece went to the same server with the prompt grown by the tokens so far and the rest of
+    # max_tokens
     assert [c["request_id"] for c in server.calls] == ["r", "r", "r"]
     done = [len(call["prompt_ids"]) - len(PROMPT) for call in server.calls]
     assert 0 == done[0] < done[1] < done[2] < 30
@@ -106,14 +113,18 @@ async def test_weight_versions_are_kept_per_token_across_an_update() -> None:
     assert 0 < cut < 30
     fields = out.extra_fields
     assert fields["weight_versions"] == [0] * cut + [7] * (30 - cut)
-    assert (fields["global_steps"], fields["min_global_steps"], fields["max_global_steps"]) == (7, 0, 7)
+    assert (fields["global_steps"], fields["min_global_steps"], fields["max_global_steps"]) == (
+        7, 0, 7,
+    )
 
 
 @run
 async def test_a_call_made_while_paused_waits_for_resume() -> None:
     (server,), manager = make()
     await server.pause()
-    task = asyncio.ensure_future(manager.generate("r", prompt_ids=PROMPT, sampling_params={"max_tokens": 3}))
+    task = asyncio.ensure_future(
+        manager.generate("r", prompt_ids=PROMPT, sampling_params={"max_tokens": 3})
+    )
     await asyncio.sleep(0.05)
     assert not task.done()
     await server.resume()
@@ -166,7 +177,9 @@ async def test_a_caller_abort_of_a_held_resume_ends_it_with_the_tokens_so_far() 
 
 @pytest.mark.parametrize("max_tokens", [None, 12])
 @run
-async def test_the_joined_output_never_exceeds_what_one_call_was_allowed(max_tokens: int | None) -> None:
+async def test_the_joined_output_never_exceeds_what_one_call_was_allowed(
+    max_tokens: int | None,
+) -> None:
     params = {"logprobs": True, "max_tokens": max_tokens}
     want = await uninterrupted(params)
     (server,), manager = make()
@@ -181,22 +194,39 @@ async def test_the_joined_output_never_exceeds_what_one_call_was_allowed(max_tok
 
 @run
 async def test_a_cut_after_the_last_allowed_token_is_not_resumed() -> None:
-    server = ScriptedServer([TokenOutput(token_ids=[7, 8], log_probs=None, stop_reason=StopReason.ABORTED,
-                                         extra_fields={"global_steps": 0, "preempted_by_pause": True,
-                                                       "max_tokens": 2})])
+    server = ScriptedServer(
+        [
+            TokenOutput(
+                token_ids=[7, 8], log_probs=None, stop_reason=StopReason.ABORTED,
+                extra_fields={"global_steps": 0, "preempted_by_pause": True, "max_tokens": 2},
+            )
+        ]
+    )
     manager = AsyncLLMServerManager([server], partial_rollout=True)
     out = await manager.generate("r", prompt_ids=PROMPT, sampling_params={})
-    assert out.token_ids == [7, 8] and out.stop_reason == StopReason.LENGTH and len(server.calls) == 1
+    assert (
+        out.token_ids == [7, 8] and out.stop_reason == StopReason.LENGTH and len(server.calls) == 1
+    )
     assert not out.preempted_by_pause
 
 
 @run
-async def test_an_update_cut_after_the_last_allowed_token_ends_length_without_partial_rollout() -> None:
-    server = ScriptedServer([TokenOutput(token_ids=[7, 8], stop_reason=StopReason.ABORTED, preempted_by_pause=True,
-                                         cut_by_update=True, max_tokens=2, extra_fields={"global_steps": 0})])
+async def test_an_update_cut_after_the_last_allowed_token_ends_length_without_partial_rollout() -> (
+    None
+):
+    server = ScriptedServer(
+        [
+            TokenOutput(
+                token_ids=[7, 8], stop_reason=StopReason.ABORTED, preempted_by_pause=True,
+                cut_by_update=True, max_tokens=2, extra_fields={"global_steps": 0},
+            )
+        ]
+    )
     manager = AsyncLLMServerManager([server], partial_rollout=False)
     out = await manager.generate("r", prompt_ids=PROMPT, sampling_params={})
-    assert out.token_ids == [7, 8] and out.stop_reason == StopReason.LENGTH and len(server.calls) == 1
+    assert (
+        out.token_ids == [7, 8] and out.stop_reason == StopReason.LENGTH and len(server.calls) == 1
+    )
     assert not (out.preempted_by_pause or out.cut_by_update) and out.max_tokens is None
 
 
@@ -212,17 +242,24 @@ async def test_a_resume_whose_server_died_fails_over() -> None:
     while len(first.calls) < 2:  # the resume is held by the paused server
         await asyncio.sleep(0.005)
     first.kill_engine()  # ... whose engine dies before it resumes
-    with pytest.raises(ServerDeadError):  # resume says so (the manager then restarts it) and lets the held go
+    # resume says so (the manager then restarts it) and lets the held go
+    with pytest.raises(ServerDeadError):
         await first.resume()
     out = await task
     assert out.token_ids == list(range(103, 133)) and out.num_preempted == 1
     cut = len(first.calls[1]["prompt_ids"]) - len(PROMPT)
-    assert cut > 0 and second.calls[0]["prompt_ids"] == first.calls[1]["prompt_ids"] and len(second.calls) == 1
+    assert (
+        cut > 0
+        and second.calls[0]["prompt_ids"] == first.calls[1]["prompt_ids"]
+        and len(second.calls) == 1
+    )
     assert manager.num_failovers == 1 and out.extra_fields["server_index"] == servers.index(second)
 
 
 @run
-async def test_without_partial_rollout_restart_preempted_runs_the_cut_generation_again_from_its_start() -> None:
+async def test_without_partial_rollout_restart_preempted_runs_the_cut_generation_again_from_its_start() -> (  # noqa: E501
+    None
+):
     want = await uninterrupted(PARAMS)
     server = counting_server("fake")
     manager = AsyncLLMServerManager([server], partial_rollout=False, restart_preempted=True)
@@ -233,7 +270,8 @@ async def test_without_partial_rollout_restart_preempted_runs_the_cut_generation
     await server.resume()
     out = await task
 
-    # the whole generation is the restarted one: same prompt, full max_tokens, only the new weight version
+    # the whole generation is the restarted one: same prompt, full max_tokens, only the new weight
+    # version
     assert out.token_ids == want.token_ids and out.stop_reason == StopReason.LENGTH
     assert [c["prompt_ids"] for c in server.calls] == [PROMPT, PROMPT]
     assert [c["sampling_params"]["max_tokens"] for c in server.calls] == [30, 30]
@@ -253,19 +291,24 @@ async def test_without_either_option_a_cut_generation_ends_aborted_with_its_toke
     await server.resume()
     assert out.stop_reason == StopReason.ABORTED and 0 < len(out.token_ids) < 30
     assert len(server.calls) == 1 and manager.num_restarts == 0
-    assert out.preempted_by_pause and not out.cut_by_update  # the caller's own pause: not resumed as an update's cut is
+    # the caller's own pause: not resumed as an update's cut is
+    assert out.preempted_by_pause and not out.cut_by_update
 
 
 @run
 async def test_a_generation_a_weight_update_cut_is_resumed_even_without_partial_rollout() -> None:
-    """``server.weight_update: abort`` (the default): the manager's pause for an update tags what it cuts, and the
-    router resumes those pieces whatever ``partial_rollout`` and ``restart_preempted`` say (verl's fully-async
-    parameter sync); a pause of the caller's own still ends the generation aborted (the test above)."""
+    """``server.weight_update: abort`` (the default): the manager's pause for an update tags what it
+    cuts, and the router resumes those pieces whatever ``partial_rollout`` and ``restart_preempted``
+    say (verl's fully-async parameter sync); a pause of the caller's own still ends the generation
+    aborted (the test above).
+    """
     want = await uninterrupted(PARAMS)
     for restart in (False, True):
         server = counting_server("fake")
         manager = AsyncLLMServerManager([server], partial_rollout=False, restart_preempted=restart)
-        task = asyncio.ensure_future(manager.generate("r", prompt_ids=PROMPT, sampling_params=PARAMS))
+        task = asyncio.ensure_future(
+            manager.generate("r", prompt_ids=PROMPT, sampling_params=PARAMS)
+        )
         await started(server, 1)
         assert await server.pause(for_update=True) == 1
         await server.update_weights({}, global_steps=2)
@@ -339,14 +382,19 @@ async def test_a_stream_cut_by_pauses_goes_on_after_the_resume_as_one_stream() -
 
 @run
 async def test_a_piece_that_spans_a_keep_mode_update_keeps_its_own_token_versions() -> None:
-    spanned = TokenOutput(token_ids=[1, 2, 3], log_probs=[-0.1] * 3, stop_reason=StopReason.ABORTED,
-                          extra_fields={"global_steps": 1, "weight_versions": [0, 0, 1], "preempted_by_pause": True})
+    spanned = TokenOutput(
+        token_ids=[1, 2, 3], log_probs=[-0.1] * 3, stop_reason=StopReason.ABORTED,
+        extra_fields={"global_steps": 1, "weight_versions": [0, 0, 1], "preempted_by_pause": True},
+    )
     rest = TokenOutput(token_ids=[4, 5], log_probs=[-0.2] * 2, stop_reason=StopReason.LENGTH,
                        extra_fields={"global_steps": 2})
     server = ScriptedServer([spanned, rest])
     manager = AsyncLLMServerManager([server], partial_rollout=True)
     out = await manager.generate("r", prompt_ids=PROMPT, sampling_params={"max_tokens": 5})
-    assert server.calls[1]["prompt_ids"] == PROMPT + [1, 2, 3] and server.calls[1]["sampling_params"]["max_tokens"] == 2
+    assert (
+        server.calls[1]["prompt_ids"] == PROMPT + [1, 2, 3]
+        and server.calls[1]["sampling_params"]["max_tokens"] == 2
+    )
     assert out.token_ids == [1, 2, 3, 4, 5] and out.num_preempted == 1
     fields = out.extra_fields
     assert fields["weight_versions"] == [0, 0, 1, 2, 2]

@@ -1,4 +1,5 @@
-"""DataProto behaviour a verl user relies on: indexing, key ops, chunk/concat, repeat, padding, persistence."""
+"""DataProto behaviour a verl user relies on: indexing, key ops, chunk/concat, repeat, padding,
+persistence."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from agentloop.batch.protocol import DataProto, DataProtoItem, pad_dataproto_to_divisor, split_rows, unpad_dataproto
+from agentloop.batch.protocol import (
+    DataProto,
+    DataProtoItem,
+    pad_dataproto_to_divisor,
+    split_rows,
+    unpad_dataproto,
+)
 from agentloop.errors import DatasetError
 
 
@@ -52,7 +59,9 @@ def test_construction_checks_row_counts_and_names_the_key() -> None:
 
 
 def test_from_single_dict_splits_tensors_and_arrays() -> None:
-    d = DataProto.from_single_dict({"ids": torch.ones(3, 2), "uid": obj(["a", "b", "c"])}, meta_info={"x": 1})
+    d = DataProto.from_single_dict(
+        {"ids": torch.ones(3, 2), "uid": obj(["a", "b", "c"])}, meta_info={"x": 1}
+    )
     assert list(d.batch.keys()) == ["ids"]
     assert list(d.non_tensor_batch) == ["uid"]
     assert d.meta_info == {"x": 1}
@@ -87,22 +96,33 @@ def test_batch_none_is_supported() -> None:
 def test_select_and_pop() -> None:
     d = make()
     s = d.select(batch_keys=["ids"], non_tensor_batch_keys=["uid"], meta_info_keys=[])
-    assert list(s.batch.keys()) == ["ids"] and list(s.non_tensor_batch) == ["uid"] and s.meta_info == {}
+    assert (
+        list(s.batch.keys()) == ["ids"]
+        and list(s.non_tensor_batch) == ["uid"]
+        and s.meta_info == {}
+    )
     assert set(d.batch.keys()) == {"ids", "score"}  # select leaves the source alone
     deep = d.select(deepcopy=True)
     deep.batch["ids"][0, 0] = 99
     assert d.batch["ids"][0, 0] == 0
-    popped = d.pop(batch_keys=["score"], non_tensor_batch_keys=["info"], meta_info_keys=["temperature"])
+    popped = d.pop(
+        batch_keys=["score"], non_tensor_batch_keys=["info"], meta_info_keys=["temperature"]
+    )
     assert list(popped.batch.keys()) == ["score"] and list(popped.non_tensor_batch) == ["info"]
     assert popped.meta_info == {"temperature": 1.0}
-    assert list(d.batch.keys()) == ["ids"] and "info" not in d.non_tensor_batch and d.meta_info == {}
+    assert (
+        list(d.batch.keys()) == ["ids"] and "info" not in d.non_tensor_batch and d.meta_info == {}
+    )
 
 
 def test_union_merges_and_rejects_conflicts_by_key() -> None:
     left = make().select(batch_keys=["ids"], non_tensor_batch_keys=["uid"])
     right = make().select(batch_keys=["ids", "score"], non_tensor_batch_keys=["uid", "tools"])
     merged = left.union(right)
-    assert set(merged.batch.keys()) == {"ids", "score"} and set(merged.non_tensor_batch) == {"uid", "tools"}
+    assert set(merged.batch.keys()) == {"ids", "score"} and set(merged.non_tensor_batch) == {
+        "uid",
+        "tools",
+    }
 
     other = make()
     other.batch["score"] = other.batch["score"] + 1
@@ -114,9 +134,12 @@ def test_union_merges_and_rejects_conflicts_by_key() -> None:
         make().union(other)
 
 
-@pytest.mark.parametrize(("n", "chunks", "sizes"), [(6, 3, [2, 2, 2]), (7, 3, [3, 2, 2]), (2, 3, [1, 1, 0])])
+@pytest.mark.parametrize(
+    ("n", "chunks", "sizes"), [(6, 3, [2, 2, 2]), (7, 3, [3, 2, 2]), (2, 3, [1, 1, 0])]
+)
 def test_chunk_concat_round_trip(n: int, chunks: int, sizes: list[int]) -> None:
-    """Even sizes go through ``chunk``; uneven ones need ``split_rows`` (``chunk`` refuses them, as in verl)."""
+    """Even sizes go through ``chunk``; uneven ones need ``split_rows`` (``chunk`` refuses them,
+    as in verl)."""
     d = make(n)
     if n % chunks:
         with pytest.raises(DatasetError, match="split_rows"):
@@ -137,8 +160,12 @@ def test_split_and_concat_errors() -> None:
 
 
 def test_concat_merges_metrics_into_a_dict_of_lists_and_rejects_conflicts() -> None:
-    """verl's rule: per-row metrics dicts from every part become one dict of lists; other keys must agree."""
-    a, b = make(2, {"metrics": [{"t": 1}, {"t": 2}], "step": 3}), make(1, {"metrics": [{"t": 3}], "step": 3})
+    """verl's rule: per-row metrics dicts from every part become one dict of lists; other keys
+    must agree."""
+    a, b = (
+        make(2, {"metrics": [{"t": 1}, {"t": 2}], "step": 3}),
+        make(1, {"metrics": [{"t": 3}], "step": 3}),
+    )
     assert DataProto.concat([a, b]).meta_info == {"metrics": {"t": [1, 2, 3]}, "step": 3}
     with pytest.raises(DatasetError, match="'step'.*part 0 has 3, part 1 has 9"):
         DataProto.concat([a, make(1, {"step": 9})])
@@ -162,7 +189,9 @@ def test_pad_to_divisor_and_unpad_round_trip() -> None:
     same, zero = pad_dataproto_to_divisor(d, 5)
     assert zero == 0 and len(same) == 5
     # Padding longer than the data cycles through it again.
-    assert uids(pad_dataproto_to_divisor(make(2), 7)[0]) == ["u0", "u1", "u0", "u1", "u0", "u1", "u0"]
+    assert uids(pad_dataproto_to_divisor(make(2), 7)[0]) == [
+        "u0", "u1", "u0", "u1", "u0", "u1", "u0",
+    ]
 
 
 def test_save_load_round_trip_with_object_arrays(tmp_path) -> None:
@@ -172,7 +201,9 @@ def test_save_load_round_trip_with_object_arrays(tmp_path) -> None:
     d.save_to_disk(str(path))
     back = DataProto.load_from_disk(str(path))
     assert_same(back, d)
-    assert back.non_tensor_batch["tools"][3] == [0, 1, 2] and back.non_tensor_batch["info"][2] == {"k": 2}
+    assert back.non_tensor_batch["tools"][3] == [0, 1, 2] and back.non_tensor_batch["info"][2] == {
+        "k": 2
+    }
     assert back.non_tensor_batch["index"].dtype == np.arange(4).dtype
     assert back.meta_info == d.meta_info
 
@@ -189,8 +220,9 @@ def test_rename_to_and_repr() -> None:
 
 
 def test_pickle_is_exact_and_compact_for_rollout_tensors() -> None:
-    """What Ray moves between workers and the driver: every value and dtype back bit-identical; integer
-    tensors whose values fit travel narrowed (a rollout batch is mostly masks and small ids)."""
+    """What Ray moves between workers and the driver: every value and dtype back bit-identical;
+    integer tensors whose values fit travel narrowed (a rollout batch is mostly masks and small
+    ids)."""
     import pickle
 
     n, width = 64, 320
@@ -205,7 +237,9 @@ def test_pickle_is_exact_and_compact_for_rollout_tensors() -> None:
         "empty": torch.zeros((n, 0), dtype=torch.int64),
         "int32_col": torch.full((n,), -5, dtype=torch.int32),
     }
-    data = DataProto.from_dict(tensors, {"uid": obj([f"u{i}" for i in range(n)])}, {"metrics": [{"a": 1}]})
+    data = DataProto.from_dict(
+        tensors, {"uid": obj([f"u{i}" for i in range(n)])}, {"metrics": [{"a": 1}]}
+    )
     blob = pickle.dumps(data, protocol=5)
     back = pickle.loads(blob)
     assert_same(data, back)
@@ -227,6 +261,10 @@ def test_pickle_keeps_tensors_it_cannot_pack() -> None:
     data = DataProto.from_dict({"x": torch.randn(n, 3).bfloat16(), "ids": torch.arange(n)})
     back = pickle.loads(pickle.dumps(data))
     assert back.batch["x"].dtype == torch.bfloat16 and torch.equal(back.batch["x"], data.batch["x"])
-    nested = DataProto(batch=TensorDict({"a": torch.arange(n), "sub": TensorDict({"b": torch.ones(n)}, [n])}, [n]))
+    nested = DataProto(
+        batch=TensorDict({"a": torch.arange(n), "sub": TensorDict({"b": torch.ones(n)}, [n])}, [n])
+    )
     back = pickle.loads(pickle.dumps(nested))
-    assert torch.equal(back.batch["sub", "b"], torch.ones(n)) and torch.equal(back.batch["a"], torch.arange(n))
+    assert torch.equal(back.batch["sub", "b"], torch.ones(n)) and torch.equal(
+        back.batch["a"], torch.arange(n)
+    )

@@ -1,6 +1,7 @@
-"""DataProto behaviour that verl 0.9.1 users rely on beyond the basics: verl's chunk / concat / padding
-rules, its module functions (unions, fold/unfold, collate_fn, DataProtoFuture, serialization) and the
-TensorDict conversions — each checked the way a trainer or rollout would use it."""
+"""DataProto behaviour that verl 0.9.1 users rely on beyond the basics: verl's chunk / concat /
+padding rules, its module functions (unions, fold/unfold, collate_fn, DataProtoFuture,
+serialization) and the TensorDict conversions — each checked the way a trainer or rollout would use
+it."""
 
 from __future__ import annotations
 
@@ -33,11 +34,17 @@ from agentloop.utils import tensordict_utils
 
 
 def rollout(n: int = 4, meta: dict | None = None) -> DataProto:
-    """A small rollout-shaped batch: row i has ids [i, 10+i], uid "q{i}" and a ragged list of i tool rewards."""
+    """A small rollout-shaped batch: row i has ids [i, 10+i], uid "q{i}" and a ragged list of i
+    tool rewards."""
     return DataProto.from_dict(
-        {"ids": torch.stack([torch.arange(n), torch.arange(n) + 10], dim=1),
-         "mask": torch.ones(n, 2, dtype=torch.int8)},
-        {"uid": object_array([f"q{i}" for i in range(n)]), "tool_rewards": object_array([[0.5] * i for i in range(n)])},
+        {
+            "ids": torch.stack([torch.arange(n), torch.arange(n) + 10], dim=1),
+            "mask": torch.ones(n, 2, dtype=torch.int8),
+        },
+        {
+            "uid": object_array([f"q{i}" for i in range(n)]),
+            "tool_rewards": object_array([[0.5] * i for i in range(n)]),
+        },
         meta if meta is not None else {"step": 7},
     )
 
@@ -55,7 +62,8 @@ def no_auto_padding(monkeypatch):
     DataProtoConfig.auto_padding = before
 
 
-# ---- errors ---------------------------------------------------------------------------------------
+# ---- errors
+# ---------------------------------------------------------------------------------------
 def test_errors_are_both_dataset_errors_and_assertion_errors() -> None:
     """Code written against verl catches AssertionError; agentloop code catches DatasetError."""
     with pytest.raises(AssertionError, match="only support equal chunk"):
@@ -75,7 +83,9 @@ def test_only_one_batch_dim_and_none_columns_are_accepted() -> None:
 
 
 def test_from_dict_turns_lists_into_object_arrays_like_verl() -> None:
-    d = DataProto.from_dict(non_tensors={"pairs": [["a", "b"], ["c", "d"]], "ragged": [[1], [2, 3]]})
+    d = DataProto.from_dict(
+        non_tensors={"pairs": [["a", "b"], ["c", "d"]], "ragged": [[1], [2, 3]]}
+    )
     assert d.non_tensor_batch["pairs"].shape == (2, 2)  # equal-length lists -> 2-D, as in verl
     assert d.non_tensor_batch["ragged"].tolist() == [[1], [2, 3]]
     kept = DataProto.from_dict(non_tensors={"pairs": object_array([["a", "b"], ["c", "d"]])})
@@ -83,7 +93,9 @@ def test_from_dict_turns_lists_into_object_arrays_like_verl() -> None:
 
 
 # ---- chunk / split_rows / padding ---------------------------------------------------------------
-def test_chunk_needs_divisible_sizes_unless_padding_is_enabled(no_auto_padding, monkeypatch) -> None:
+def test_chunk_needs_divisible_sizes_unless_padding_is_enabled(
+    no_auto_padding, monkeypatch
+) -> None:
     assert [uids(p) for p in rollout(4).chunk(2)] == [["q0", "q1"], ["q2", "q3"]]
     with pytest.raises(DataProtoError, match="size of DataProto 5 and chunk 2.*split_rows"):
         rollout(5).chunk(2)
@@ -113,7 +125,9 @@ def test_split_rows_spreads_prompts_over_workers() -> None:
 def test_padding_repeats_the_last_or_first_row_in_place() -> None:
     d = rollout(3)
     assert d.padding(2) is d
-    assert uids(d) == ["q0", "q1", "q2", "q2", "q2"] and d.batch["ids"][:, 0].tolist() == [0, 1, 2, 2, 2]
+    assert uids(d) == ["q0", "q1", "q2", "q2", "q2"] and d.batch["ids"][:, 0].tolist() == [
+        0, 1, 2, 2, 2,
+    ]
     first = rollout(2)
     first.padding(1, padding_candidate="first")
     assert uids(first) == ["q0", "q1", "q0"]
@@ -128,19 +142,25 @@ def test_pad_to_divisor_keeps_meta_info_as_is() -> None:
     assert padded.meta_info == {"metrics": [{"t": 1.0}]}
 
 
-# ---- concat's meta_info rules ---------------------------------------------------------------------
+# ---- concat's meta_info rules
+# ---------------------------------------------------------------------
 def test_concat_keeps_every_parts_meta_keys_and_metrics() -> None:
-    parts = [rollout(1, {"global_steps": 3}), rollout(1, {"global_steps": 3, "metrics": [{"gen": 0.2}]}),
-             rollout(1, {"validate": True, "metrics": {"gen": 0.4}}), rollout(1, {"metrics": None})]
+    parts = [
+        rollout(1, {"global_steps": 3}), rollout(1, {"global_steps": 3, "metrics": [{"gen": 0.2}]}),
+        rollout(1, {"validate": True, "metrics": {"gen": 0.4}}), rollout(1, {"metrics": None}),
+    ]
     meta = DataProto.concat(parts).meta_info
     assert meta == {"global_steps": 3, "validate": True, "metrics": {"gen": [0.2, 0.4]}}
 
 
 def test_concat_rejects_disagreeing_meta_and_names_the_key() -> None:
-    with pytest.raises(AssertionError, match="Conflicting values for meta_info key 'temperature'.*part 1"):
+    with pytest.raises(
+        AssertionError, match="Conflicting values for meta_info key 'temperature'.*part 1"
+    ):
         DataProto.concat([rollout(1, {"temperature": 1.0}), rollout(1, {"temperature": 0.7})])
     arrays = [rollout(1, {"w": np.array([1, 2])}), rollout(1, {"w": np.array([1, 2])})]
-    assert DataProto.concat(arrays).meta_info["w"].tolist() == [1, 2]  # array values compare element-wise
+    # array values compare element-wise
+    assert DataProto.concat(arrays).meta_info["w"].tolist() == [1, 2]
     with pytest.raises(DataProtoError, match="first dictionary"):
         DataProto.concat([rollout(1, {"metrics": [{"a": 1}]}), rollout(1, {"metrics": [{"b": 2}]})])
 
@@ -149,7 +169,9 @@ def test_concat_rejects_disagreeing_meta_and_names_the_key() -> None:
 def test_union_numpy_dict_compares_nan_objects_and_cycles() -> None:
     scores = np.array([0.5, np.nan])
     assert union_numpy_dict({"s": scores}, {"s": scores.copy()})["s"] is not None
-    with pytest.raises(AssertionError, match="`s` in tensor_dict1 and tensor_dict2 are not the same object"):
+    with pytest.raises(
+        AssertionError, match="`s` in tensor_dict1 and tensor_dict2 are not the same object"
+    ):
         union_numpy_dict({"s": scores}, {"s": np.array([np.nan, 0.5])})
     nested = object_array([np.array([1, 2]), {"k": [1]}, "x"])
     union_numpy_dict({"n": nested}, {"n": object_array([np.array([1, 2]), {"k": [1]}, "x"])})
@@ -162,7 +184,9 @@ def test_union_numpy_dict_compares_nan_objects_and_cycles() -> None:
 
 def test_union_tensor_dict_adds_keys_and_checks_shared_ones() -> None:
     left = TensorDict({"a": torch.ones(2)}, batch_size=[2])
-    merged = union_tensor_dict(left, TensorDict({"a": torch.ones(2), "b": torch.zeros(2)}, batch_size=[2]))
+    merged = union_tensor_dict(
+        left, TensorDict({"a": torch.ones(2), "b": torch.zeros(2)}, batch_size=[2])
+    )
     assert merged is left and set(left.keys()) == {"a", "b"}
     with pytest.raises(AssertionError, match="'a'"):
         union_tensor_dict(left, TensorDict({"a": torch.zeros(2)}, batch_size=[2]))
@@ -206,8 +230,10 @@ def test_sample_level_repeat_gives_each_prompt_its_own_count() -> None:
 
 
 def test_unfold_column_chunks_splits_grouped_columns_into_rows() -> None:
-    d = DataProto.from_dict({"pair": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), "prompt": torch.tensor([[9], [8]])},
-                            {"names": np.array([["a", "b"], ["c", "d"]], dtype=object)}, {"k": 1})
+    d = DataProto.from_dict(
+        {"pair": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), "prompt": torch.tensor([[9], [8]])},
+        {"names": np.array([["a", "b"], ["c", "d"]], dtype=object)}, {"k": 1},
+    )
     out = d.unfold_column_chunks(2, split_keys=["pair", "names"])
     assert out.batch["pair"].tolist() == [[1, 2], [3, 4], [5, 6], [7, 8]]
     assert out.batch["prompt"].tolist() == [[9], [9], [8], [8]]
@@ -236,13 +262,20 @@ def test_fold_and_unfold_batch_dim_round_trip_through_a_group_shuffle() -> None:
 def test_make_iterator_yields_mini_batches_with_meta_info() -> None:
     d = rollout(6)
     minis = list(d.make_iterator(mini_batch_size=2, epochs=2))
-    assert len(minis) == 6 and all(isinstance(m, DataProto) and m.meta_info == {"step": 7} for m in minis)
+    assert len(minis) == 6 and all(
+        isinstance(m, DataProto) and m.meta_info == {"step": 7} for m in minis
+    )
     assert [uids(m) for m in minis[:3]] == [["q0", "q1"], ["q2", "q3"], ["q4", "q5"]]
-    assert minis[2].non_tensor_batch["tool_rewards"].tolist() == [[0.5] * 4, [0.5] * 5]  # lists stay per row
+    # lists stay per row
+    assert minis[2].non_tensor_batch["tool_rewards"].tolist() == [[0.5] * 4, [0.5] * 5]
     assert minis[0].batch["mask"].dtype == torch.int8
 
     def order(seed: int) -> list[str]:
-        return [u for m in d.make_iterator(2, 1, seed=seed, dataloader_kwargs={"shuffle": True}) for u in uids(m)]
+        return [
+            u
+            for m in d.make_iterator(2, 1, seed=seed, dataloader_kwargs={"shuffle": True})
+            for u in uids(m)
+        ]
 
     assert order(3) == order(3) and sorted(order(3)) == uids(d)
     with pytest.raises(AssertionError, match="6 % 4 != 0"):
@@ -261,7 +294,9 @@ def test_collate_fn_rebuilds_rows_in_their_original_layout() -> None:
 # ---- TensorDict conversion ----------------------------------------------------------------------
 def test_to_and_from_tensordict_round_trip_nested_rows() -> None:
     d = rollout(3, {"global_steps": 5})
-    d.non_tensor_batch["raw_prompt"] = object_array([[{"role": "user", "content": f"hi {i}"}] for i in range(3)])
+    d.non_tensor_batch["raw_prompt"] = object_array(
+        [[{"role": "user", "content": f"hi {i}"}] for i in range(3)]
+    )
     td = d.to_tensordict()
     assert td["uid"] == ["q0", "q1", "q2"] and td["global_steps"] == 5
     back = DataProto.from_tensordict(td)
@@ -272,7 +307,9 @@ def test_to_and_from_tensordict_round_trip_nested_rows() -> None:
     assert back.non_tensor_batch["raw_prompt"][1] == [{"role": "user", "content": "hi 1"}]
     assert back.non_tensor_batch["tool_rewards"].tolist() == [[], [0.5], [0.5, 0.5]]
     with pytest.raises(AssertionError, match="both batch and non_tensor_batch"):
-        clash = DataProto(batch=TensorDict({"uid": torch.zeros(3)}, [3]), non_tensor_batch={"uid": np.arange(3)})
+        clash = DataProto(
+            batch=TensorDict({"uid": torch.zeros(3)}, [3]), non_tensor_batch={"uid": np.arange(3)}
+        )
         clash.to_tensordict()
 
 
@@ -310,7 +347,10 @@ def test_get_data_info_describes_every_part() -> None:
 
 # ---- serialization and futures -----------------------------------------------------------------
 def test_serialized_tensors_come_back_exact_for_every_dtype() -> None:
-    for t in (torch.randn(2, 3).bfloat16(), torch.tensor([[True, False]]), torch.zeros(0, 4), torch.tensor(3)):
+    for t in (
+        torch.randn(2, 3).bfloat16(), torch.tensor([[True, False]]), torch.zeros(0, 4),
+        torch.tensor(3),
+    ):
         back = deserialize_single_tensor(serialize_single_tensor(t))
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
     ragged = torch.nested.as_nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
@@ -328,14 +368,18 @@ def test_data_proto_future_merges_and_dispatches_without_a_cluster(monkeypatch) 
     assert len(future.get()) == 4
     second = future.chunk(2)[1].get()
     assert second.batch["ids"][:, 0].tolist() == [0, 1] and second.meta_info == {"step": 1}
-    tds = DataProtoFuture.concat([TensorDict({"a": torch.ones(1)}, [1]), TensorDict({"a": torch.zeros(1)}, [1])])
+    tds = DataProtoFuture.concat(
+        [TensorDict({"a": torch.ones(1)}, [1]), TensorDict({"a": torch.zeros(1)}, [1])]
+    )
     assert tds.get()["a"].tolist() == [1.0, 0.0]
 
 
 def test_all_gather_on_a_single_rank_group_keeps_the_rows(tmp_path) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         d = rollout(3)
         all_gather_data_proto(d)

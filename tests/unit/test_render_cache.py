@@ -1,4 +1,5 @@
-"""Prompt renders are remembered per tokenizer: a GRPO batch renders each distinct prompt once, exactly."""
+"""Prompt renders are remembered per tokenizer: a GRPO batch renders each distinct prompt once,
+exactly."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def test_each_distinct_prompt_is_rendered_once_and_the_ids_are_the_renders():
     prompts = [chat(f"question {i // 8}") for i in range(64)]  # 8 prompts x rollout.n = 8
     got = [apply_chat_template(tok, m, add_generation_prompt=True) for m in prompts]
     assert tok.renders == 8
-    assert got == [FakeTokenizer().apply_chat_template(m, add_generation_prompt=True) for m in prompts]
+    assert got == [
+        FakeTokenizer().apply_chat_template(m, add_generation_prompt=True) for m in prompts
+    ]
 
 
 def test_a_returned_list_is_the_callers_own():
@@ -75,7 +78,9 @@ def test_templates_that_read_the_clock_and_non_json_content_are_rendered_every_t
 def hf_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(agentloop.__file__), "assets", "tiny-qwen2"))
+    return AutoTokenizer.from_pretrained(
+        os.path.join(os.path.dirname(agentloop.__file__), "assets", "tiny-qwen2")
+    )
 
 
 def test_a_token_added_to_the_vocabulary_is_used_by_later_renders(hf_tokenizer):
@@ -85,11 +90,14 @@ def test_a_token_added_to_the_vocabulary_is_used_by_later_renders(hf_tokenizer):
     after = apply_chat_template(hf_tokenizer, messages, add_generation_prompt=True)
     new_id = hf_tokenizer.convert_tokens_to_ids("<|newtok|>")
     assert new_id not in before and after.count(new_id) == 2
-    assert after == hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+    assert after == hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
-def test_the_least_recently_used_render_is_forgotten_first_and_size_zero_turns_the_cache_off(monkeypatch):
+def test_the_least_recently_used_render_is_forgotten_first_and_size_zero_turns_the_cache_off(
+    monkeypatch,
+):
     from agentloop.loops import prompt
 
     monkeypatch.setattr(prompt, "RENDER_CACHE_SIZE", 2)
@@ -122,7 +130,9 @@ def test_values_python_finds_equal_but_jinja_renders_apart_are_different_keys():
 def test_long_and_structured_messages_are_remembered_too():
     tok = CountingTokenizer()
     long = chat("x" * 50_000)
-    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}
+    ]
     for _ in range(3):
         assert apply_chat_template(tok, long) == FakeTokenizer().apply_chat_template(long)
         apply_chat_template(tok, parts, tools=[{"type": "function", "function": {"name": "calc"}}])
@@ -134,7 +144,8 @@ def test_renders_from_many_threads_at_once_stay_exact(monkeypatch):
 
     from agentloop.loops import prompt
 
-    monkeypatch.setattr(prompt, "RENDER_CACHE_SIZE", 4)  # constant eviction while threads read and write
+    # constant eviction while threads read and write
+    monkeypatch.setattr(prompt, "RENDER_CACHE_SIZE", 4)
     tok = CountingTokenizer()
     texts = [f"q{i % 12}" for i in range(2000)]
     with ThreadPoolExecutor(8) as pool:

@@ -1,8 +1,9 @@
-"""``agentloop report`` and ``agentloop verify`` on output directories built here (no engine, no Ray).
+"""``agentloop report`` and ``agentloop verify`` on output directories built here (no engine, no
+Ray).
 
-The report runs on a synthetic rollout padded by the real ``postprocess`` and saved as the CLI saves it; verify
-runs the tiny HF model on trajectories whose log-probs are computed here independently (one unbatched forward
-per row), and the template check on a conversation tokenized here by hand.
+The report runs on a synthetic rollout padded by the real ``postprocess`` and saved as the CLI saves
+it; verify runs the tiny HF model on trajectories whose log-probs are computed here independently
+(one unbatched forward per row), and the template check on a conversation tokenized here by hand.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return int(exit_info.value.code or 0), out, err
 
 
-def synthetic_outputs(*, tools: bool = True, rewards: bool = True, calls: bool = True) -> list[AgentLoopOutput]:
-    """12 trajectories: 0-2 tool calls, turns 2 + 2 * calls, reward 1.0 on even rows, two servers, one straggler."""
+def synthetic_outputs(
+    *, tools: bool = True, rewards: bool = True, calls: bool = True
+) -> list[AgentLoopOutput]:
+    """12 trajectories: 0-2 tool calls, turns 2 + 2 * calls, reward 1.0 on even rows, two
+    servers, one straggler."""
     outputs = []
     for i in range(12):
         n_tools = i % 3
@@ -47,26 +51,40 @@ def synthetic_outputs(*, tools: bool = True, rewards: bool = True, calls: bool =
             extra["num_tool_calls"] = n_tools
         if calls:
             end = 11.0 if i == 5 else 1.0 + 0.2 * i  # row 5 is the long tail
-            extra[GENERATE_CALLS] = [{"server": i % 2, "start": 0.1 * i, "end": end, "prompt_tokens": 3,
-                                      "response_tokens": len(response), "stop_reason": "stop"}]
-        outputs.append(AgentLoopOutput(
-            prompt_ids=[1, 2, 3], response_ids=response, response_mask=mask, response_logprobs=[-0.5] * len(response),
-            num_turns=2 + 2 * n_tools, reward_score=float(i % 2 == 0) if rewards else None,
-            status=RolloutStatus.LENGTH if i == 11 else RolloutStatus.STOP, extra_fields=extra))
+            extra[GENERATE_CALLS] = [
+                {
+                    "server": i % 2, "start": 0.1 * i, "end": end, "prompt_tokens": 3,
+                    "response_tokens": len(response), "stop_reason": "stop",
+                }
+            ]
+        outputs.append(
+            AgentLoopOutput(
+                prompt_ids=[1, 2, 3], response_ids=response, response_mask=mask,
+                response_logprobs=[-0.5] * len(response), num_turns=2 + 2 * n_tools,
+                reward_score=float(i % 2 == 0) if rewards else None,
+                status=RolloutStatus.LENGTH if i == 11 else RolloutStatus.STOP, extra_fields=extra,
+            )
+        )
     return outputs
 
 
 def save_rollout(directory: Path, outputs: list[AgentLoopOutput], log_probs: bool = True) -> Path:
-    """Pad ``outputs`` and save them the way ``agentloop rollout`` does (rollout.dataproto + summary.json)."""
-    data = postprocess(outputs, prompt_length=8, response_length=64, pad_token_id=0, calculate_log_probs=log_probs)
+    """Pad ``outputs`` and save them the way ``agentloop rollout`` does (rollout.dataproto +
+    summary.json)."""
+    data = postprocess(
+        outputs, prompt_length=8, response_length=64, pad_token_id=0, calculate_log_probs=log_probs
+    )
     directory.mkdir(parents=True, exist_ok=True)
     data.save_to_disk(str(directory / "rollout.dataproto"))
-    (directory / "summary.json").write_text(json.dumps({"num_samples": len(outputs), "wall_time_s": 2.5}))
+    (directory / "summary.json").write_text(
+        json.dumps({"num_samples": len(outputs), "wall_time_s": 2.5})
+    )
     return directory
 
 
-def test_report_writes_every_plot_and_a_page_that_shows_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                                             ) -> None:
+def test_report_writes_every_plot_and_a_page_that_shows_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = save_rollout(tmp_path / "run", synthetic_outputs())
     code, stdout, _ = run_cli(["report", str(out)], capsys)
     assert code == 0 and "report.html" in stdout
@@ -78,22 +96,35 @@ def test_report_writes_every_plot_and_a_page_that_shows_them(tmp_path: Path, cap
     assert "mean reward</th><td>0.5</td>" in page  # rewards 1.0 on the 6 even rows of 12
     assert "tool-call rate (trajectories with a tool call)</th><td>0.667</td>" in page
     assert "length: 1" in page and "stop: 11" in page
-    # the straggler ends at 11.0 s, the others by 3.2 s (90th percentile of the 12 end times: 3.18 s)
-    assert "tail_s</th><td>7.82</td>" in page and "calls_per_server</th><td>server 0: 6, server 1: 6" in page
+    # the straggler ends at 11.0 s, the others by 3.2 s (90th percentile of the 12 end times: 3.18
+    # s)
+    assert (
+        "tail_s</th><td>7.82</td>" in page
+        and "calls_per_server</th><td>server 0: 6, server 1: 6" in page
+    )
 
 
-def test_report_says_what_is_missing_and_can_embed_the_images(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    out = save_rollout(tmp_path / "bare", synthetic_outputs(tools=False, rewards=False, calls=False))
+def test_report_says_what_is_missing_and_can_embed_the_images(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = save_rollout(
+        tmp_path / "bare", synthetic_outputs(tools=False, rewards=False, calls=False)
+    )
     code, _, _ = run_cli(["report", str(out), "--embed"], capsys)
     page = (out / "report.html").read_text()
     assert code == 0
-    assert "custom_reward_function.path" in page and "num_tool_calls" in page and "generate_calls" in page
+    assert (
+        "custom_reward_function.path" in page
+        and "num_tool_calls" in page
+        and "generate_calls" in page
+    )
     assert page.count("data:image/png;base64,") == len(PLOTS) and 'src="report/' not in page
 
 
 @pytest.mark.parametrize("layout", ["no_dir", "empty_dir", "not_a_dataproto", "not_a_rollout"])
-def test_report_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str) -> None:
+def test_report_bad_input_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
     target = tmp_path / "out"
     if layout != "no_dir":
         target.mkdir()
@@ -102,7 +133,9 @@ def test_report_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.Capt
     if layout == "not_a_rollout":
         from agentloop.batch.protocol import DataProto
 
-        DataProto.from_dict({"x": torch.zeros(2, 3)}).save_to_disk(str(target / "rollout.dataproto"))
+        DataProto.from_dict({"x": torch.zeros(2, 3)}).save_to_disk(
+            str(target / "rollout.dataproto")
+        )
     code, _, err = run_cli(["report", str(target)], capsys)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("agentloop: error: ")
@@ -137,8 +170,14 @@ def test_router_records_each_generate_call_only_inside_a_collection() -> None:
     async def sample(name: str) -> list[dict[str, Any]]:
         with collect_generate_calls() as calls:
             await router.generate(name, prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 2})
-            await asyncio.gather(*(router.generate(f"{name}-{k}", prompt_ids=[1, 2, 3, 4, 5],
-                                                   sampling_params={"max_tokens": 2}) for k in range(2)))
+            await asyncio.gather(
+                *(
+                    router.generate(
+                        f"{name}-{k}", prompt_ids=[1, 2, 3, 4, 5], sampling_params={"max_tokens": 2}
+                    )
+                    for k in range(2)
+                )
+            )
         return calls
 
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -147,19 +186,34 @@ def test_router_records_each_generate_call_only_inside_a_collection() -> None:
         return a, b
 
     a, b = asyncio.run(run())
-    assert len(a) == len(b) == 3  # each sample sees its own calls, spawned tasks included, none from outside
+    # each sample sees its own calls, spawned tasks included, none from outside
+    assert len(a) == len(b) == 3
     assert sorted(c["prompt_tokens"] for c in a) == [3, 5, 5]
-    assert all(c["response_tokens"] == 2 and c["end"] >= c["start"] + 0.005 and c["server"] in (0, 1) for c in a)
-    outputs = [AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1]) for _ in range(2)]
+    assert all(
+        c["response_tokens"] == 2 and c["end"] >= c["start"] + 0.005 and c["server"] in (0, 1)
+        for c in a
+    )
+    outputs = [
+        AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1]) for _ in range(2)
+    ]
     attach_generate_calls(outputs, a)
-    assert outputs[0].extra_fields[GENERATE_CALLS] == a and outputs[1].extra_fields[GENERATE_CALLS] == []
-    episode = SimpleNamespace(trajectories=[AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1])
-                                            for _ in range(2)])  # a MultiTrajectoryAgentLoopOutput's shape
+    assert (
+        outputs[0].extra_fields[GENERATE_CALLS] == a
+        and outputs[1].extra_fields[GENERATE_CALLS] == []
+    )
+    episode = SimpleNamespace(
+        trajectories=[
+            AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1])
+            # a MultiTrajectoryAgentLoopOutput's shape
+            for _ in range(2)
+        ]
+    )
     attach_generate_calls(episode, b)
     assert [t.extra_fields[GENERATE_CALLS] for t in episode.trajectories] == [b, []]
 
 
-# ---- verify ------------------------------------------------------------------------------------------------
+# ---- verify
+# ------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -176,49 +230,81 @@ def tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def hf_log_probs(model_path: str, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+def hf_log_probs(
+    model_path: str, prompt: list[int], response: list[int], temperature: float
+) -> list[float]:
     """log_softmax(logits / T) of each response token, from one unbatched forward pass."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
+    return (
+        torch.log_softmax(logits / temperature, -1)
+        .gather(-1, torch.tensor(response)[:, None])[:, 0]
+        .tolist()
+    )
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def calculator_trajectory(tokenizer: Any, model_path: str, tool_result: str = "5") -> AgentLoopOutput:
-    """A two-turn calculator conversation tokenized by hand: sampled turns mask 1, the tool turn mask 0."""
+def calculator_trajectory(
+    tokenizer: Any, model_path: str, tool_result: str = "5"
+) -> AgentLoopOutput:
+    """A two-turn calculator conversation tokenized by hand: sampled turns mask 1, the tool turn
+    mask 0."""
     prompt_messages = [{"role": "user", "content": "Calculate 2 + 3."}]
     prompt = encode(tokenizer, tokenizer.apply_chat_template(prompt_messages, tokenize=False,
                                                              add_generation_prompt=True))
-    call = encode(tokenizer, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n'
-                             "</tool_call><|im_end|>")
-    tool = encode(tokenizer, f"\n<|im_start|>user\n<tool_response>\n{tool_result}\n</tool_response><|im_end|>\n"
-                             "<|im_start|>assistant\n")
+    call = encode(
+        tokenizer,
+        '<tool_call>\n{"name": "calculator", "arguments": '
+        '{"expression": "2 + 3"}}\n'
+        "</tool_call><|im_end|>",
+    )
+    tool = encode(
+        tokenizer,
+        f"\n<|im_start|>user\n<tool_response>\n{tool_result}\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+    )
     answer = encode(tokenizer, "The answer is 5.<|im_end|>")
     response = call + tool + answer
     log_probs = hf_log_probs(model_path, prompt, response, temperature=0.7)
     mask = [1] * len(call) + [0] * len(tool) + [1] * len(answer)
-    messages = [*prompt_messages,
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}]},
-                {"role": "tool", "content": "5", "name": "calculator"},
-                {"role": "assistant", "content": "The answer is 5."}]
-    return AgentLoopOutput(prompt_ids=prompt, response_ids=response, response_mask=mask,
-                           response_logprobs=[lp if m else 0.0 for lp, m in zip(log_probs, mask, strict=True)],
-                           num_turns=4, extra_fields={"messages": messages})
+    messages = [
+        *prompt_messages,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "5", "name": "calculator"},
+        {"role": "assistant", "content": "The answer is 5."},
+    ]
+    return AgentLoopOutput(
+        prompt_ids=prompt, response_ids=response, response_mask=mask,
+        response_logprobs=[lp if m else 0.0 for lp, m in zip(log_probs, mask, strict=True)],
+        num_turns=4, extra_fields={"messages": messages},
+    )
 
 
-def save_verifiable(directory: Path, outputs: list[AgentLoopOutput], prompts: list[list[dict[str, Any]]]) -> Path:
+def save_verifiable(
+    directory: Path, outputs: list[AgentLoopOutput], prompts: list[list[dict[str, Any]]]
+) -> Path:
     raw_prompt = np.empty(len(prompts), dtype=object)
     for i, messages in enumerate(prompts):
         raw_prompt[i] = messages
-    data = postprocess(outputs, prompt_length=64, response_length=96, pad_token_id=0, calculate_log_probs=True,
-                       sample_fields={"raw_prompt": raw_prompt})
+    data = postprocess(
+        outputs, prompt_length=64, response_length=96, pad_token_id=0, calculate_log_probs=True,
+        sample_fields={"raw_prompt": raw_prompt},
+    )
     directory.mkdir(parents=True, exist_ok=True)
     data.save_to_disk(str(directory / "rollout.dataproto"))
     return directory
@@ -226,35 +312,50 @@ def save_verifiable(directory: Path, outputs: list[AgentLoopOutput], prompts: li
 
 @pytest.fixture(scope="module")
 def verifiable(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any, model_path: str) -> Path:
-    """Two rows of different lengths (so padding and batching are exercised) with exact log-probs at T=0.7."""
+    """Two rows of different lengths (so padding and batching are exercised) with exact log-probs
+    at T=0.7."""
     prompt = [{"role": "user", "content": "Calculate 2 + 3."}]
     short = calculator_trajectory(tokenizer, model_path)
     long_prompt = encode(tokenizer, tokenizer.apply_chat_template(
         [{"role": "user", "content": "Tell me about the sea and the sky, please."}], tokenize=False,
         add_generation_prompt=True))
     words = encode(tokenizer, "The sea is blue and the sky is wide.<|im_end|>")
-    long = AgentLoopOutput(prompt_ids=long_prompt, response_ids=words, response_mask=[1] * len(words),
-                           response_logprobs=hf_log_probs(model_path, long_prompt, words, 0.7), num_turns=2)
-    long_prompt_messages = [{"role": "user", "content": "Tell me about the sea and the sky, please."}]
-    return save_verifiable(tmp_path_factory.mktemp("verify") / "ok", [short, long], [prompt, long_prompt_messages])
+    long = AgentLoopOutput(
+        prompt_ids=long_prompt, response_ids=words, response_mask=[1] * len(words),
+        response_logprobs=hf_log_probs(model_path, long_prompt, words, 0.7), num_turns=2,
+    )
+    long_prompt_messages = [
+        {"role": "user", "content": "Tell me about the sea and the sky, please."}
+    ]
+    return save_verifiable(
+        tmp_path_factory.mktemp("verify") / "ok", [short, long], [prompt, long_prompt_messages]
+    )
 
 
 def test_verify_passes_on_exact_log_probs_and_template(verifiable: Path, model_path: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(["verify", str(verifiable), "--model", model_path, "--temperature", "0.7"], capsys)
+    code, out, _ = run_cli(
+        ["verify", str(verifiable), "--model", model_path, "--temperature", "0.7"], capsys
+    )
     assert code == 0, out
     assert "2 trajectories" in out and "0 tokens over --atol" in out
-    assert "1 conversations, 1 tool/user turns (mask 0) checked; 0 mismatches" in out and "PASSED" in out
+    assert (
+        "1 conversations, 1 tool/user turns (mask 0) checked; 0 mismatches" in out
+        and "PASSED" in out
+    )
 
 
 def test_verify_fails_at_the_wrong_temperature(verifiable: Path, model_path: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(["verify", str(verifiable), "--model", model_path, "--temperature", "1.0"], capsys)
+    code, out, _ = run_cli(
+        ["verify", str(verifiable), "--model", model_path, "--temperature", "1.0"], capsys
+    )
     assert code == 3 and "FAILED" in out
 
 
-def test_verify_fails_on_a_corrupted_log_prob_and_names_it(verifiable: Path, tmp_path: Path, model_path: str,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_fails_on_a_corrupted_log_prob_and_names_it(
+    verifiable: Path, tmp_path: Path, model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from agentloop.batch.protocol import DataProto
 
     data = DataProto.load_from_disk(str(verifiable / "rollout.dataproto"))
@@ -262,15 +363,22 @@ def test_verify_fails_on_a_corrupted_log_prob_and_names_it(verifiable: Path, tmp
     data.batch["rollout_log_probs"][1, 3] += 0.01
     (tmp_path / "bad").mkdir()
     data.save_to_disk(str(tmp_path / "bad" / "rollout.dataproto"))
-    code, out, _ = run_cli(["verify", str(tmp_path / "bad"), "--model", model_path, "--temperature", "0.7"], capsys)
+    code, out, _ = run_cli(
+        ["verify", str(tmp_path / "bad"), "--model", model_path, "--temperature", "0.7"], capsys
+    )
     assert code == 3 and "1 tokens over --atol" in out and "row 1 response position 3" in out
 
 
-def test_verify_fails_when_a_tool_turn_is_not_the_templates(tmp_path: Path, tokenizer: Any, model_path: str,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_fails_when_a_tool_turn_is_not_the_templates(
+    tmp_path: Path, tokenizer: Any, model_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     wrong = calculator_trajectory(tokenizer, model_path, tool_result="6")  # the conversation says 5
-    out_dir = save_verifiable(tmp_path / "tpl", [wrong], [[{"role": "user", "content": "Calculate 2 + 3."}]])
-    code, out, _ = run_cli(["verify", str(out_dir), "--model", model_path, "--temperature", "0.7"], capsys)
+    out_dir = save_verifiable(
+        tmp_path / "tpl", [wrong], [[{"role": "user", "content": "Calculate 2 + 3."}]]
+    )
+    code, out, _ = run_cli(
+        ["verify", str(out_dir), "--model", model_path, "--temperature", "0.7"], capsys
+    )
     assert code == 3 and "1 mismatches" in out and "6" in out.split("row 0:")[1]
 
 
@@ -285,7 +393,9 @@ def test_verify_bad_input_is_one_line_exit_2(tmp_path: Path, verifiable: Path, m
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 40}))
     code, _, err = run_cli(["verify", str(verifiable), "--model", str(small)], capsys)
     assert code == 2 and "vocabulary of 40 ids" in err and err.count("\n") == 1
-    code, _, err = run_cli(["verify", str(verifiable), "--model", str(tmp_path / "nowhere")], capsys)
+    code, _, err = run_cli(
+        ["verify", str(verifiable), "--model", str(tmp_path / "nowhere")], capsys
+    )
     assert code == 2 and "not a local HF model directory" in err
     code, _, err = run_cli(["verify", str(tmp_path / "nowhere"), "--model", model_path], capsys)
     assert code == 2 and "agentloop rollout" in err

@@ -1,4 +1,5 @@
-"""multi_turn.reward_to: which trajectories of an episode get its (final trajectory's) reward in rm_scores."""
+"""multi_turn.reward_to: which trajectories of an episode get its (final trajectory's) reward in
+rm_scores."""
 
 from __future__ import annotations
 
@@ -40,10 +41,14 @@ def _clear_calls():
     CALLS.clear()
 
 
-def traj(score: float | None = None, tools: tuple[float, ...] = (), status=RolloutStatus.STOP, **extra):
+def traj(
+    score: float | None = None, tools: tuple[float, ...] = (), status=RolloutStatus.STOP, **extra
+):
     ids = TOK.encode("The answer is 4.")
-    return AgentLoopOutput(prompt_ids=[5], response_ids=ids, response_mask=[1] * len(ids), reward_score=score,
-                           status=status, extra_fields={"tool_rewards": list(tools), **extra})
+    return AgentLoopOutput(
+        prompt_ids=[5], response_ids=ids, response_mask=[1] * len(ids), reward_score=score,
+        status=status, extra_fields={"tool_rewards": list(tools), **extra},
+    )
 
 
 def score(outputs, fn: str | None = None, add_tools: bool = False, reward_to: str = "all",
@@ -68,11 +73,14 @@ def test_loop_reward_on_the_final_trajectory_is_spread_by_mode():
     assert score([traj(), traj(), traj(2.0)], reward_to="last") == [0.0, 0.0, 2.0]
     assert score([traj(), traj(), traj(2.0)], reward_to="discounted", gamma=0.5) == [0.5, 1.0, 2.0]
     # a single trajectory is unchanged whatever the mode
-    assert score([traj(2.0)], reward_to="last") == [2.0] and score([traj(2.0)], reward_to="discounted") == [2.0]
+    assert score([traj(2.0)], reward_to="last") == [2.0] and score(
+        [traj(2.0)], reward_to="discounted"
+    ) == [2.0]
 
 
 def test_own_scores_and_tool_rewards_stay_on_their_trajectory():
-    # snapshot 0 earned a turn score of 0.25 and a tool reward of 0.5; the final earned a tool reward of 0.1
+    # snapshot 0 earned a turn score of 0.25 and a tool reward of 0.5; the final earned a tool
+    # reward of 0.1
     outputs = [traj(0.25, tools=(0.5,)), traj(), traj(2.0, tools=(0.1,))]
     assert score(outputs, add_tools=True, reward_to="last") == [0.75, 0.0, pytest.approx(2.1)]
     outputs = [traj(0.25, tools=(0.5,)), traj(), traj(2.0, tools=(0.1,))]
@@ -94,7 +102,8 @@ def test_a_failed_episode_reward_leaves_every_trajectory_without_reward():
     assert score(outputs, fn="failing_score") == [None, None]
     assert "judge unavailable" in outputs[0].extra_fields["reward_error"]
     assert "final trajectory has none" in outputs[0].extra_fields["reward_error"]
-    outputs = [traj(), traj(status=RolloutStatus.TIMEOUT)]  # the final did not finish: no call, no reward
+    # the final did not finish: no call, no reward
+    outputs = [traj(), traj(status=RolloutStatus.TIMEOUT)]
     assert score(outputs, fn="episode_score") == [None, None] and CALLS == []
     assert "'timeout'" in outputs[0].extra_fields["reward_error"]
 
@@ -102,8 +111,9 @@ def test_a_failed_episode_reward_leaves_every_trajectory_without_reward():
 def test_episode_override_wins_over_the_config():
     episode = MultiTrajectoryAgentLoopOutput(trajectories=[traj(), traj(3.0)], reward_to="last")
     assert score(episode, reward_to="all") == [0.0, 3.0]
-    episode = MultiTrajectoryAgentLoopOutput(trajectories=[traj(), traj(3.0)], reward_to="discounted",
-                                             reward_gamma=1.0 / 3)
+    episode = MultiTrajectoryAgentLoopOutput(
+        trajectories=[traj(), traj(3.0)], reward_to="discounted", reward_gamma=1.0 / 3
+    )
     assert score(episode, reward_to="all", gamma=0.9) == [pytest.approx(1.0), 3.0]
 
 
@@ -119,12 +129,12 @@ def test_bad_config_values_fail_with_the_key():
     assert EpisodeRewardConfig.from_config(default_config()) == EpisodeRewardConfig("all", 0.9)
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # through the worker: rm_scores / reward_valid rows
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 class ThreeSnapshots(AgentLoopBase):
-    """Three trajectories; the loop scores the final one 1.0 (e.g. an interaction's calculate_score), or leaves
-    the scoring to the reward function (``final_score`` None)."""
+    """Three trajectories; the loop scores the final one 1.0 (e.g. an interaction's
+    calculate_score), or leaves the scoring to the reward function (``final_score`` None)."""
 
     final_score: float | None = 1.0
 
@@ -132,8 +142,9 @@ class ThreeSnapshots(AgentLoopBase):
         ids = self.tokenizer.apply_chat_template(kwargs["raw_prompt"], add_generation_prompt=True)
         outs = []
         for j in range(3):
-            o = await self.server_manager.generate(request_id=f"{kwargs['uid']}-{j}", prompt_ids=ids,
-                                                   sampling_params=sampling_params)
+            o = await self.server_manager.generate(
+                request_id=f"{kwargs['uid']}-{j}", prompt_ids=ids, sampling_params=sampling_params
+            )
             outs.append(AgentLoopOutput(prompt_ids=ids, response_ids=o.token_ids,
                                         response_mask=[1] * len(o.token_ids),
                                         reward_score=self.final_score if j == 2 else None))
@@ -144,7 +155,9 @@ class ThreeUnscored(ThreeSnapshots):
     final_score = None
 
 
-def run_worker(reward_to: str, reward: dict[str, Any] | None = None, loop: type = ThreeSnapshots) -> DataProto:
+def run_worker(
+    reward_to: str, reward: dict[str, Any] | None = None, loop: type = ThreeSnapshots
+) -> DataProto:
     cfg = default_config()
     cfg.data.max_prompt_length = 64
     cfg.data.max_response_length = 16
@@ -155,15 +168,21 @@ def run_worker(reward_to: str, reward: dict[str, Any] | None = None, loop: type 
     OmegaConf.resolve(cfg)
     registry = resolve_registry()
     registry["three"] = ResolvedAgentLoop(name="three", cls=loop)
-    server = ScriptedServer(lambda ids, params, rid: [*TOK.encode("The answer is 4."), IM_END], eos_token_id=IM_END)
-    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-                                         registry=registry, tokenizer=TOK, trainer_config=cfg)
+    server = ScriptedServer(
+        lambda ids, params, rid: [*TOK.encode("The answer is 4."), IM_END], eos_token_id=IM_END
+    )
+    worker = AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+        registry=registry, tokenizer=TOK, trainer_config=cfg,
+    )
     prompts = np.empty(2, dtype=object)
     prompts[:] = [[{"role": "user", "content": f"q{i}"}] for i in range(2)]
     nt = {"raw_prompt": prompts, "uid": np.array(["a", "b"], dtype=object), "index": np.arange(2),
           "agent_name": np.array(["three"] * 2, dtype=object),
           "reward_model": np.array([{"ground_truth": "4"}] * 2, dtype=object)}
-    return asyncio.run(worker.generate_sequences(DataProto(batch=None, non_tensor_batch=nt, meta_info={})))
+    return asyncio.run(
+        worker.generate_sequences(DataProto(batch=None, non_tensor_batch=nt, meta_info={}))
+    )
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("all", [1.0, 1.0, 1.0]), ("last", [0.0, 0.0, 1.0]),
@@ -176,14 +195,17 @@ def test_worker_rows_follow_multi_turn_reward_to(mode, expected):
 
 
 def test_worker_with_a_custom_function_calls_it_once_per_episode():
-    out = run_worker("last", {"path": "test_reward_to", "name": "episode_score"}, loop=ThreeUnscored)
+    out = run_worker(
+        "last", {"path": "test_reward_to", "name": "episode_score"}, loop=ThreeUnscored
+    )
     assert out.batch["rm_scores"].sum(-1).tolist() == [0.0, 0.0, 4.0] * 2
     assert len(CALLS) == 2  # one per sample, not one per trajectory
     assert out.non_tensor_batch["acc"].tolist() == [1.0] * 6
 
 
 def test_an_episode_the_loop_scored_keeps_its_score_over_the_function():
-    """verl's rule: the worker calls the reward function only for a trajectory without a score of its own."""
+    """verl's rule: the worker calls the reward function only for a trajectory without a score of
+    its own."""
     out = run_worker("last", {"path": "test_reward_to", "name": "episode_score"})
     assert out.batch["rm_scores"].sum(-1).tolist() == [0.0, 0.0, 1.0] * 2 and CALLS == []
 
@@ -193,16 +215,26 @@ def test_worker_start_rejects_a_bad_reward_to():
         run_worker("sometimes")
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # gateway sessions: compaction branches are one episode, by the same rule
-# ----------------------------------------------------------------------------------------------------------
-async def compacting_agent(*, base_url: str, api_key: str, raw_prompt: list, **fields: Any) -> float:
-    """Two branches in order: a first conversation, then a compacted one that starts from a summary."""
+# --------------------------------------------------------------------------------------------------
+async def compacting_agent(
+    *, base_url: str, api_key: str, raw_prompt: list, **fields: Any
+) -> float:
+    """Two branches in order: a first conversation, then a compacted one that starts from a
+    summary."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "pick a word"}])
-    summary = [{"role": "user", "content": "Summary: you picked a word. Pick one more word, a longer word."}]
+    await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "pick a word"}]
+    )
+    summary = [
+        {
+            "role": "user",
+            "content": "Summary: you picked a word. Pick one more word, a longer word.",
+        }
+    ]
     await client.chat.completions.create(model="m", messages=summary)
     return 0.5
 
@@ -240,13 +272,18 @@ def run_gateway(multi_turn_reward_to: str, **gateway: Any) -> DataProto:
 
     async def go() -> DataProto:
         server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id)
-        gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer)
+        gw = GatewayActor.from_slices(
+            r, OmegaConf.create({"path": "tiny"}), [server], tokenizer=tokenizer
+        )
         await gw.start()
         try:
-            worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
-                                                 registry=resolve_registry(), tokenizer=tokenizer, gateways=[gw],
-                                                 trainer_config=cfg)
-            return await worker.generate_sequences(DataProto(batch=None, non_tensor_batch=nt, meta_info={}))
+            worker = AgentLoopWorker.from_slices(
+                r, OmegaConf.create({"path": "tiny"}), [server], registry=resolve_registry(),
+                tokenizer=tokenizer, gateways=[gw], trainer_config=cfg,
+            )
+            return await worker.generate_sequences(
+                DataProto(batch=None, non_tensor_batch=nt, meta_info={})
+            )
         finally:
             await gw.shutdown()
 
@@ -258,10 +295,12 @@ def test_gateway_branches_are_one_episode_with_the_same_rule():
     out = run_gateway("last", reward_to=None)  # gateway.reward_to null: follow multi_turn.reward_to
     nt = out.non_tensor_batch
     assert nt["trajectory_index"].tolist() == [0, 1] and nt["num_trajectories"].tolist() == [2, 2]
-    assert nt["session_id"].tolist() == nt["gateway_session_id"].tolist()  # the gateway session is the episode
+    # the gateway session is the episode
+    assert nt["session_id"].tolist() == nt["gateway_session_id"].tolist()
     assert nt["session_id"][0] == nt["session_id"][1]
     assert out.batch["rm_scores"].sum(-1).tolist() == [0.0, 0.5]
-    out = run_gateway("all", reward_to="discounted")  # the gateway's own key wins, gamma from multi_turn
+    # the gateway's own key wins, gamma from multi_turn
+    out = run_gateway("all", reward_to="discounted")
     assert out.batch["rm_scores"].sum(-1).tolist() == [0.25, 0.5]
     out = run_gateway("all", reward_to="longest")
     scores = out.batch["rm_scores"].sum(-1).tolist()

@@ -1,5 +1,5 @@
-"""The one grouping helper (generate_sequences_stream and the Rollouter): prompts of different batches (different
-weight versions) can be dispatched together."""
+"""The one grouping helper (generate_sequences_stream and the Rollouter): prompts of different
+batches (different weight versions) can be dispatched together."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from agentloop.rollout.dispatcher import split_groups
 
 
 def test_groups_keep_rows_of_a_uid_together_and_drop_the_batch_version():
-    batch = repeat_for_rollout(rows_to_batch([{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]),
-                               2)
+    batch = repeat_for_rollout(
+        rows_to_batch([{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]), 2
+    )
     batch.meta_info["global_steps"] = 4
     groups = split_groups(batch, "uid")
     assert [len(g) for g in groups] == [2, 2, 2]
     assert all(len(set(g.non_tensor_batch["uid"].tolist())) == 1 for g in groups)
     later = rows_to_batch([{"prompt": [{"role": "user", "content": "q9"}]}])
     later.meta_info["global_steps"] = 5
-    mixed = DataProto.concat([groups[0], *split_groups(later, "uid")])  # would conflict on global_steps otherwise
+    # would conflict on global_steps otherwise
+    mixed = DataProto.concat([groups[0], *split_groups(later, "uid")])
     assert len(mixed) == 3 and "global_steps" not in mixed.meta_info
     assert batch.meta_info["global_steps"] == 4  # the caller's batch is left as it is
     assert [len(g) for g in split_groups(batch, None)] == [1] * 6

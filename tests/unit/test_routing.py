@@ -1,4 +1,5 @@
-"""Router behaviour: sticky sessions, least in-flight spreading, release on every exit, no tie pinning."""
+"""Router behaviour: sticky sessions, least in-flight spreading, release on every exit, no tie
+pinning."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 from ray.exceptions import RayActorError
 
 from agentloop.errors import RoutingError, ServerError
-from agentloop.routing import AsyncLLMServerManager, LeastInFlight, RouteContext, StickySession, make_balancer
+from agentloop.routing import (
+    AsyncLLMServerManager,
+    LeastInFlight,
+    RouteContext,
+    StickySession,
+    make_balancer,
+)
 from agentloop.testing import ScriptedServer
 from agentloop.types import TokenOutput
 
@@ -36,7 +43,9 @@ def test_sticky_turns_of_interleaved_requests_hit_one_server():
     results = asyncio.run(main())
     assert all(len(u) == 1 for u in results)
     for i, s in enumerate(srv):  # the server index recorded is the one that served the calls
-        assert all(c["request_id"] in {f"r{j}" for j, u in enumerate(results) if u == {i}} for c in s.calls)
+        assert all(
+            c["request_id"] in {f"r{j}" for j, u in enumerate(results) if u == {i}} for c in s.calls
+        )
 
 
 def test_least_in_flight_spreads_concurrent_requests_evenly():
@@ -80,7 +89,9 @@ def test_ties_do_not_pin_to_first_server():
 
     async def main():
         return [
-            (await mgr.generate(f"seq{i}", prompt_ids=[1], sampling_params={})).extra_fields["server_index"]
+            (await mgr.generate(f"seq{i}", prompt_ids=[1], sampling_params={})).extra_fields[
+                "server_index"
+            ]
             for i in range(40)
         ]
 
@@ -99,7 +110,11 @@ def test_lru_evicts_oldest_request_id():
     sticky = StickySession(LeastInFlight(seed=0), max_cache_size=2)
     for rid in ("a", "b", "c"):
         sticky.choose(RouteContext(rid), [0, 0])
-    assert sticky.lookup("a") is None and sticky.lookup("b") is not None and sticky.lookup("c") is not None
+    assert (
+        sticky.lookup("a") is None
+        and sticky.lookup("b") is not None
+        and sticky.lookup("c") is not None
+    )
 
 
 def test_lru_hit_refreshes_order_and_forget_unbinds():
@@ -211,7 +226,9 @@ def test_remote_balancer_batches_round_trips_and_releases():
 
     servers = asyncio.run(main())
     assert Counter(servers) == {0: 25, 1: 25}
-    assert len(handle.calls) <= 3, "50 acquires and 50 releases should take a few round trips, not 100"
+    assert len(handle.calls) <= 3, (
+        "50 acquires and 50 releases should take a few round trips, not 100"
+    )
     assert handle.actor.balancer.in_flight == [0, 0]
 
 
@@ -255,27 +272,33 @@ class _FakeServerHandle:
             self.owner.calls.append([str(r["request_id"]) for r in requests])  # type: ignore[index]
 
             async def stream():  # one streamed group with every result
-                group = [(i, TokenOutput(token_ids=[i], stop_reason="stop")) for i in range(len(requests))]  # type: ignore[arg-type]
+                group = [
+                    (i, TokenOutput(token_ids=[i], stop_reason="stop"))
+                    for i in range(len(requests))
+                ]  # type: ignore[arg-type]
                 yield asyncio.sleep(0, result=group)
 
             return stream()
 
 
 def test_batcher_sends_a_full_batch_at_once_and_the_rest_at_the_end_of_the_iteration():
-    """Requests leave in calls of at most max_batch, the full ones before the caller yields to the loop
-    (so the engine starts on them while the caller prepares the rest); each caller gets its own result."""
+    """Requests leave in calls of at most max_batch, the full ones before the caller yields to the
+    loop (so the engine starts on them while the caller prepares the rest); each caller gets its own
+    result."""
     from agentloop.routing.batcher import ServerCallBatcher
 
     async def go() -> None:
         handle = _FakeServerHandle()
         batcher = ServerCallBatcher(handle, 0, max_batch=4)
         futures = [batcher.submit({"request_id": f"r{i}", "prompt_ids": [1]}) for i in range(10)]
-        assert handle.calls == [["r0", "r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]  # not yet yielded
+        # not yet yielded
+        assert handle.calls == [["r0", "r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]
         results = await asyncio.gather(*futures)
         assert handle.calls[2:] == [["r8", "r9"]]
         assert [r.token_ids for r in results] == [[0], [1], [2], [3]] * 2 + [[0], [1]]
         assert (batcher.num_calls, batcher.num_requests) == (3, 10)
-        lone = await batcher.submit({"request_id": "solo", "prompt_ids": [1]})  # a lone request: plain generate
+        # a lone request: plain generate
+        lone = await batcher.submit({"request_id": "solo", "prompt_ids": [1]})
         assert handle.calls[-1] == ["solo"] and lone.token_ids == [4]
 
     asyncio.run(go())

@@ -1,5 +1,7 @@
-"""Router and balancer under server faults: dead servers leave routing, requests fail over with their tokens,
-a dead owner's slots are released, a restarted server comes back (no Ray: in-process fake servers)."""
+"""Router and balancer under server faults: dead servers leave routing, requests fail over with
+their tokens, a dead owner's slots are released, a restarted server comes back (no Ray: in-process
+fake servers).
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def test_balancer_never_routes_to_a_down_server_and_rebinds_its_sticky_sessions(
     bal.mark_down(first)
     chosen = {bal.acquire(f"r{i}") for i in range(30)}
     assert first not in chosen and chosen == set(range(3)) - {first}
-    again = bal.acquire("conv")  # the session was bound to the dead server: bound anew to a live one
+    # the session was bound to the dead server: bound anew to a live one
+    again = bal.acquire("conv")
     assert again != first and bal.lookup("conv") == again
     bal.mark_up(first)
     assert bal.stats()["healthy"] == [1, 1, 1] and bal.in_flight[first] == 0
@@ -57,9 +60,12 @@ def test_a_request_fails_over_to_a_live_server_with_the_same_prompt_ids():
     balancer = make_balancer(2, seed=0)
     balancer.in_flight[1] = 1  # least-in-flight picks the dead server first
     mgr = AsyncLLMServerManager([dead, live], balancer)
-    out = asyncio.run(mgr.generate("turn-3", prompt_ids=[1, 2, 3, 4, 5], sampling_params={"max_tokens": 4}))
+    out = asyncio.run(
+        mgr.generate("turn-3", prompt_ids=[1, 2, 3, 4, 5], sampling_params={"max_tokens": 4})
+    )
     assert out.token_ids == [7, 8] and out.extra_fields["server_index"] == 1
-    assert live.calls[0]["prompt_ids"] == [1, 2, 3, 4, 5]  # the accumulated tokens travel with the retry
+    # the accumulated tokens travel with the retry
+    assert live.calls[0]["prompt_ids"] == [1, 2, 3, 4, 5]
     assert mgr.num_failovers == 1 and mgr.down == {0} and balancer.healthy == [False, True]
     assert balancer.in_flight == [0, 1]  # both slots released (1 is the one set above)
     out = asyncio.run(mgr.generate("next", prompt_ids=[1], sampling_params={}))
@@ -107,15 +113,24 @@ def test_server_dead_error_keeps_its_server_index_through_pickling():
 
 
 def ray_wrapped(cause: Exception) -> Exception:
-    """``cause`` as a server actor's caller receives it: Ray's task error, an instance of the cause's class whose
-    text is the remote traceback under a coloured ``ray::VLLMServer.generate() (pid=…, ip=…, actor_id=…)`` line."""
-    trace = f"Traceback (most recent call last):\n  File \"vllm.py\", line 1\n{type(cause).__name__}: {cause}"
-    return RayTaskError("generate", trace, cause, proctitle="ray::VLLMServer.generate()", pid=4242, ip="10.1.2.3",
-                        actor_repr="VLLMServer(actor_id=abc123)", actor_id="abc123").as_instanceof_cause()
+    """``cause`` as a server actor's caller receives it: Ray's task error, an instance of the
+    cause's class whose text is the remote traceback under a coloured
+    ``ray::VLLMServer.generate() (pid=…, ip=…, actor_id=…)`` line."""
+    trace = (
+        f'Traceback (most recent call last):\n  File "vllm.py", line '
+        f"1\n{type(cause).__name__}: {cause}"
+    )
+    return RayTaskError(
+        "generate", trace, cause, proctitle="ray::VLLMServer.generate()", pid=4242, ip="10.1.2.3",
+        actor_repr="VLLMServer(actor_id=abc123)", actor_id="abc123",
+    ).as_instanceof_cause()
 
 
 def test_a_dead_engines_error_says_what_the_server_said_not_rays_wrapper():
-    said = "vLLM server 0: the engine process died; the request is retried on another server and this one restarted"
+    said = (
+        "vLLM server 0: the engine process died; the request is retried on another "
+        "server and this one restarted"
+    )
     dead = ScriptedServer([ray_wrapped(ServerDeadError(said, 0))], name="dead")
     mgr = AsyncLLMServerManager([dead], max_failovers=0)
     with pytest.raises(ServerDeadError) as caught:
@@ -125,25 +140,36 @@ def test_a_dead_engines_error_says_what_the_server_said_not_rays_wrapper():
 
 
 def test_another_server_error_reaches_the_caller_as_the_server_raised_it():
-    failing = ScriptedServer([ray_wrapped(ValueError("top_k must be at least 1, got -5"))], name="failing")
+    failing = ScriptedServer(
+        [ray_wrapped(ValueError("top_k must be at least 1, got -5"))], name="failing"
+    )
     mgr = AsyncLLMServerManager([failing])
     with pytest.raises(ValueError) as caught:
         asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
-    assert str(caught.value) == "top_k must be at least 1, got -5" and not isinstance(caught.value, RayTaskError)
+    assert str(caught.value) == "top_k must be at least 1, got -5" and not isinstance(
+        caught.value, RayTaskError
+    )
     assert mgr.down == set()
 
 
 def test_a_dead_engines_rows_carry_the_servers_message():
-    said = "vLLM server 0: the engine process died (EngineDeadError: boom); the request is retried on another server"
+    said = (
+        "vLLM server 0: the engine process died (EngineDeadError: boom); the request is "
+        "retried on another server"
+    )
     server = ScriptedServer([ray_wrapped(ServerDeadError(said, 0))])
     cfg = default_config()
     OmegaConf.resolve(cfg)
-    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-                                         tokenizer=FakeTokenizer())
+    worker = AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+        tokenizer=FakeTokenizer(),
+    )
     prompts = np.empty(1, dtype=object)
     prompts[:] = [[{"role": "user", "content": "hi"}]]
-    batch = DataProto(batch=None, non_tensor_batch={"raw_prompt": prompts, "uid": np.array(["u"], dtype=object)},
-                      meta_info={})
+    batch = DataProto(
+        batch=None, non_tensor_batch={"raw_prompt": prompts, "uid": np.array(["u"], dtype=object)},
+        meta_info={},
+    )
     out = asyncio.run(worker.generate_sequences(batch))
     assert list(out.non_tensor_batch["status"]) == ["error"]
     assert out.non_tensor_batch["error"][0] == f"ServerDeadError: {said}"

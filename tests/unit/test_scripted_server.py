@@ -1,4 +1,5 @@
-"""ScriptedServer, the public fake engine: scripts, max_tokens/EOS stop reasons, logprobs, abort, exhaustion."""
+"""ScriptedServer, the public fake engine: scripts, max_tokens/EOS stop reasons, logprobs, abort,
+exhaustion."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from agentloop.types import StopReason, TokenOutput
 EOS = 2
 
 
-def gen(server: ScriptedServer, prompt: list[int] | None = None, rid: str = "r", **params) -> TokenOutput:
+def gen(
+    server: ScriptedServer, prompt: list[int] | None = None, rid: str = "r", **params
+) -> TokenOutput:
     return asyncio.run(server.generate(prompt or [5, 6, 7], params, rid))
 
 
@@ -93,12 +96,16 @@ def test_records_calls():
     server = ScriptedServer()
     asyncio.run(server.generate([1, 2], {"max_tokens": 3}, "id1", image_data=["img"]))
     assert server.calls == [
-        {"request_id": "id1", "prompt_ids": [1, 2], "sampling_params": {"max_tokens": 3}, "image_data": ["img"]}
+        {
+            "request_id": "id1", "prompt_ids": [1, 2], "sampling_params": {"max_tokens": 3},
+            "image_data": ["img"],
+        }
     ]
 
 
 def test_abort_ends_a_pending_request_at_once():
-    server = ScriptedServer(lambda ids, p, rid: [1, 2, 3], delay=3600.0)  # only the abort can end it
+    # only the abort can end it
+    server = ScriptedServer(lambda ids, p, rid: [1, 2, 3], delay=3600.0)
 
     async def main():
         task = asyncio.create_task(server.generate([1], {"logprobs": True}, "slow"))
@@ -127,8 +134,8 @@ def test_abort_of_a_finished_request_does_not_poison_the_next_turn():
 
 
 def test_delay_lets_requests_overlap():
-    """The delay is a wait, not a block: every request has started before the first one replies (however slow
-    the box; a blocking delay would reply to each before the next one started)."""
+    """The delay is a wait, not a block: every request has started before the first one replies
+    (however slow the box; a blocking delay would reply to each before the next one started)."""
     started_when_replying: list[int] = []
 
     def reply(ids, params, rid):
@@ -154,6 +161,8 @@ def test_lifecycle_calls_are_counted_and_weights_kept():
         await server.update_weights({"w": [1.0]})
 
     asyncio.run(main())
-    assert server.counts == {"wake_up": 2, "sleep": 1, "update_weights": 1, "abort": 0, "clear_kv_cache": 0,
-                             "start_profile": 0, "stop_profile": 0}
+    assert server.counts == {
+        "wake_up": 2, "sleep": 1, "update_weights": 1, "abort": 0, "clear_kv_cache": 0,
+        "start_profile": 0, "stop_profile": 0,
+    }
     assert server.weights == {"w": [1.0]}

@@ -1,8 +1,9 @@
 """The SGLang server actor against a contract fake of SGLang's Engine (SGLang itself needs a GPU).
 
-The fake keeps to the parts of SGLang's API the server uses (``async_generate`` with ``input_ids`` / ``rid`` /
-``return_logprob`` / ``stream`` / ``priority``, its output dicts, the tokenizer manager's abort, memory, weight and
-cache calls) and refuses sampling keys SGLang does not know, so a wrong mapping fails here.
+The fake keeps to the parts of SGLang's API the server uses (``async_generate`` with ``input_ids`` /
+``rid`` / ``return_logprob`` / ``stream`` / ``priority``, its output dicts, the tokenizer manager's
+abort, memory, weight and cache calls) and refuses sampling keys SGLang does not know, so a wrong
+mapping fails here.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from agentloop.servers.sglang import SGLangEngineAPI, SGLangServer, engine_kwarg
 from agentloop.servers.weight_sync import iter_buckets
 from agentloop.types import StopReason
 
-SGLANG_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                        "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos",
-                        "sampling_seed", "n"}
+SGLANG_SAMPLING_KEYS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos",
+    "sampling_seed", "n",
+}
 EOS = 2
 
 
@@ -57,9 +60,9 @@ class FakeTokenizerManager:
 
 
 class FakeEngine:
-    """Replies ``reply_len`` tokens (last prompt id + 1, + 2, ...), one per ``token_delay`` seconds; a reply
-    reaching ``EOS`` ends ``stop``; ``max_new_tokens`` ends it ``length``; an abort ends it ``abort`` with the
-    tokens so far.  Streams cumulative chunks unless ``incremental``."""
+    """Replies ``reply_len`` tokens (last prompt id + 1, + 2, ...), one per ``token_delay`` seconds;
+    a reply reaching ``EOS`` ends ``stop``; ``max_new_tokens`` ends it ``length``; an abort ends it
+    ``abort`` with the tokens so far.  Streams cumulative chunks unless ``incremental``."""
 
     def __init__(self, reply_len: int = 5, token_delay: float = 0.0, incremental: bool = False,
                  memory_saver: bool = True) -> None:
@@ -78,21 +81,30 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.requests.append({"shutdown": True})
 
-    async def async_generate(self, *, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                             return_logprob: bool = False, stream: bool = False, priority: int | None = None,
-                             image_data: Any = None) -> Any:
+    async def async_generate(
+        self, *, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+        return_logprob: bool = False, stream: bool = False, priority: int | None = None,
+        image_data: Any = None,
+    ) -> Any:
         unknown = set(sampling_params) - SGLANG_SAMPLING_KEYS
         if unknown:
             raise TypeError(f"SamplingParams got unexpected keys {unknown}")
-        self.requests.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
-                              "return_logprob": return_logprob, "stream": stream, "priority": priority})
-        incremental = stream and self.server_args.incremental_streaming_output  # a whole reply is always whole
+        self.requests.append(
+            {
+                "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+                "return_logprob": return_logprob, "stream": stream, "priority": priority,
+            }
+        )
+        # a whole reply is always whole
+        incremental = stream and self.server_args.incremental_streaming_output
         chunks = self._run(input_ids, sampling_params, rid, return_logprob, incremental)
         if stream:
             return chunks
         return [chunk async for chunk in chunks][-1]
 
-    async def _run(self, input_ids: list[int], sp: dict[str, Any], rid: str, logprob: bool, incremental: bool) -> Any:
+    async def _run(
+        self, input_ids: list[int], sp: dict[str, Any], rid: str, logprob: bool, incremental: bool
+    ) -> Any:
         ids: list[int] = []
         finish = None
         while finish is None:
@@ -122,7 +134,9 @@ class FakeEngine:
     def _chunk(ids: list[int], finish: str | None, logprob: bool, offset: int) -> dict[str, Any]:
         meta: dict[str, Any] = {"finish_reason": {"type": finish} if finish else None}
         if logprob:
-            meta["output_token_logprobs"] = [(-0.1 * (offset + i + 1), t, None) for i, t in enumerate(ids)]
+            meta["output_token_logprobs"] = [
+                (-0.1 * (offset + i + 1), t, None) for i, t in enumerate(ids)
+            ]
         return {"output_ids": list(ids), "meta_info": meta}
 
 
@@ -142,10 +156,13 @@ class PassThrough:
 
 
 def rollout(**over: Any) -> Any:
-    base = {"prompt_length": 64, "response_length": 16, "dtype": "bfloat16", "tensor_model_parallel_size": 1,
-            "gpu_memory_utilization": 0.5, "max_num_seqs": 32, "max_num_batched_tokens": 4096,
-            "enable_prefix_caching": True, "free_cache_engine": True, "seed": 0, "load_format": "auto",
-            "server": {"priority": None}, "engine_kwargs": {"sglang": {}}}
+    base = {
+        "prompt_length": 64, "response_length": 16, "dtype": "bfloat16",
+        "tensor_model_parallel_size": 1, "gpu_memory_utilization": 0.5, "max_num_seqs": 32,
+        "max_num_batched_tokens": 4096, "enable_prefix_caching": True, "free_cache_engine": True,
+        "seed": 0, "load_format": "auto", "server": {"priority": None},
+        "engine_kwargs": {"sglang": {}},
+    }
     return OmegaConf.create({**base, **over})
 
 
@@ -163,19 +180,28 @@ def test_generate_maps_verl_keys_and_keeps_stop_and_length_apart() -> None:
     async def go() -> None:
         engine = FakeEngine(reply_len=5)
         server = await started(engine)
-        out = await server.generate([7, 8], {"max_tokens": 3, "temperature": 0.5, "seed": 9, "logprobs": True,
-                                              "top_k": 0}, "r1")
+        out = await server.generate(
+            [7, 8], {"max_tokens": 3, "temperature": 0.5, "seed": 9, "logprobs": True, "top_k": 0},
+            "r1",
+        )
         assert out.token_ids == [9, 10, 11] and out.stop_reason == StopReason.LENGTH
         assert out.log_probs == pytest.approx([-0.1, -0.2, -0.3])
         assert out.extra_fields == {"server_index": 3, "global_steps": 0}
         sent = engine.requests[-1]
         assert sent["rid"] == "r1" and sent["return_logprob"] and sent["input_ids"] == [7, 8]
-        assert sent["sampling_params"] == {"max_new_tokens": 3, "temperature": 0.5, "sampling_seed": 9, "top_k": -1}
+        assert sent["sampling_params"] == {
+            "max_new_tokens": 3, "temperature": 0.5, "sampling_seed": 9, "top_k": -1,
+        }
         stop = await server.generate([20], {"max_tokens": 10}, "r2")
         assert stop.token_ids == [21, 22, 23, 24, 25] and stop.stop_reason == StopReason.STOP
         assert stop.log_probs is None
-        full = await server.generate(list(range(80)), {"max_tokens": 5}, "r3")  # past prompt + response length
-        assert full.token_ids == [] and full.stop_reason == StopReason.LENGTH and len(engine.requests) == 2
+        # past prompt + response length
+        full = await server.generate(list(range(80)), {"max_tokens": 5}, "r3")
+        assert (
+            full.token_ids == []
+            and full.stop_reason == StopReason.LENGTH
+            and len(engine.requests) == 2
+        )
 
     run(go())
 
@@ -185,10 +211,14 @@ def test_the_stream_joins_to_the_generate_output(incremental: bool) -> None:
     async def go() -> None:
         server = await started(FakeEngine(reply_len=4, incremental=incremental))
         whole = await server.generate([3], {"max_tokens": 8, "logprobs": True}, "a")
-        chunks = [d async for d in server.generate_stream([3], {"max_tokens": 8, "logprobs": True}, "b")]
+        chunks = [
+            d async for d in server.generate_stream([3], {"max_tokens": 8, "logprobs": True}, "b")
+        ]
         assert [t for c in chunks for t in c.token_ids] == whole.token_ids
         assert [x for c in chunks for x in c.log_probs or []] == pytest.approx(whole.log_probs)
-        assert chunks[-1].finished and chunks[-1].stop_reason == whole.stop_reason == StopReason.STOP
+        assert (
+            chunks[-1].finished and chunks[-1].stop_reason == whole.stop_reason == StopReason.STOP
+        )
         assert not any(c.finished for c in chunks[:-1])
 
     run(go())
@@ -224,13 +254,20 @@ def test_partial_rollout_through_the_router_joins_the_pieces() -> None:
     async def go() -> None:
         server = await started(FakeEngine(reply_len=100, token_delay=0.005))
         router = AsyncLLMServerManager([server], partial_rollout=True)
-        task = asyncio.ensure_future(router.generate("p", prompt_ids=[10], sampling_params={"max_tokens": 12,
-                                                                                            "ignore_eos": True}))
+        task = asyncio.ensure_future(
+            router.generate(
+                "p", prompt_ids=[10], sampling_params={"max_tokens": 12, "ignore_eos": True}
+            )
+        )
         await asyncio.sleep(0.03)
         await server.pause()
         await server.resume()
         out = await task
-        assert len(out.token_ids) == 12 and out.stop_reason == StopReason.LENGTH and out.num_preempted == 1
+        assert (
+            len(out.token_ids) == 12
+            and out.stop_reason == StopReason.LENGTH
+            and out.num_preempted == 1
+        )
 
     run(go())
 
@@ -287,7 +324,9 @@ def test_a_dead_engine_process_is_a_server_dead_error() -> None:
     run(go())
 
 
-def test_a_weight_update_on_a_dead_engine_is_a_server_dead_error_the_manager_routes_around() -> None:
+def test_a_weight_update_on_a_dead_engine_is_a_server_dead_error_the_manager_routes_around() -> (
+    None
+):
     async def go() -> None:
         engine = FakeEngine()
         server = await started(engine)
@@ -299,7 +338,9 @@ def test_a_weight_update_on_a_dead_engine_is_a_server_dead_error_the_manager_rou
 
         server.api.load_tensors = died
         with pytest.raises(ServerDeadError, match="update goes on without this server"):
-            await server.load_weight_bucket(next(iter_buckets({"w": torch.ones(2)}, bucket_bytes=1 << 20)))
+            await server.load_weight_bucket(
+                next(iter_buckets({"w": torch.ones(2)}, bucket_bytes=1 << 20))
+            )
         with pytest.raises(ServerDeadError):  # and the next update does not even open
             await server.begin_weight_update(2)
         assert server.global_steps == 0
@@ -308,8 +349,9 @@ def test_a_weight_update_on_a_dead_engine_is_a_server_dead_error_the_manager_rou
 
 
 def test_server_wide_calls_on_a_dead_engine_are_server_dead_errors_not_hangs() -> None:
-    """pause / sleep / wake_up / clear_kv_cache on an engine whose processes died raise ServerDeadError at once
-    (the manager then goes on without the server and restarts it) instead of waiting on a dead scheduler."""
+    """pause / sleep / wake_up / clear_kv_cache on an engine whose processes died raise
+    ServerDeadError at once (the manager then goes on without the server and restarts it) instead of
+    waiting on a dead scheduler."""
     async def go() -> None:
         async def never() -> None:  # a call to a dead scheduler is never answered
             await asyncio.sleep(3600)
@@ -330,24 +372,47 @@ def test_server_wide_calls_on_a_dead_engine_are_server_dead_errors_not_hangs() -
 
 
 def test_engine_kwargs_follow_verl_keys_and_engine_kwargs_sglang_wins() -> None:
-    kw = engine_kwargs(rollout(server={"priority": "context"}, engine_kwargs={"sglang": {"attention_backend": "fa3",
-                                                                                         "mem_fraction_static": 0.3}}),
-                       OmegaConf.create({"path": "~/m", "tokenizer_path": None}), server_index=2)
+    kw = engine_kwargs(
+        rollout(
+            server={"priority": "context"},
+            engine_kwargs={"sglang": {"attention_backend": "fa3", "mem_fraction_static": 0.3}},
+        ),
+        OmegaConf.create({"path": "~/m", "tokenizer_path": None}),
+        server_index=2,
+    )
     assert kw["model_path"].endswith("/m") and "~" not in kw["model_path"]
-    assert kw["skip_tokenizer_init"] and kw["context_length"] == 80 and kw["max_running_requests"] == 32
+    assert (
+        kw["skip_tokenizer_init"]
+        and kw["context_length"] == 80
+        and kw["max_running_requests"] == 32
+    )
     assert kw["random_seed"] == 2 and kw["enable_memory_saver"] and not kw["disable_radix_cache"]
-    assert kw["enable_priority_scheduling"] and kw["attention_backend"] == "fa3" and kw["mem_fraction_static"] == 0.3
+    assert (
+        kw["enable_priority_scheduling"]
+        and kw["attention_backend"] == "fa3"
+        and kw["mem_fraction_static"] == 0.3
+    )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here"
+)
 def test_rollout_name_sglang_without_sglang_says_how_to_install_it(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    cfg = resolve_config({"actor_rollout_ref": {"model": {"path": str(tmp_path)}, "rollout": {"name": "sglang"}},
-                          "data": {}})
+    cfg = resolve_config(
+        {
+            "actor_rollout_ref": {"model": {"path": str(tmp_path)}, "rollout": {"name": "sglang"}},
+            "data": {},
+        }
+    )
     slot = ServerSlot(scheduling_strategy=None)
     # the server class is chosen before any actor is created: no Ray needed to see the errors
-    with pytest.raises(ConfigError, match=r"name=sglang but SGLang is not installed.*pip install -e '.\[sglang\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"name=sglang but SGLang is not installed.*pip " r"install -e '.\[sglang\]'",
+    ):
         create_server_actor(cfg, slot, 0)
-    unchecked = SimpleNamespace(engine=SimpleNamespace(name="trtllm"))  # a config the config check would refuse
+    # a config the config check would refuse
+    unchecked = SimpleNamespace(engine=SimpleNamespace(name="trtllm"))
     with pytest.raises(ConfigError, match="use 'vllm' or 'sglang'"):
         create_server_actor(unchecked, slot, 0)

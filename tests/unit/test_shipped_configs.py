@@ -1,5 +1,6 @@
-"""Every config file we ship loads under the start-up config check as ``agentloop rollout --config FILE`` loads
-it: no error and not one warning from any agentloop logger (the model path is the tiny model's)."""
+"""Every config file we ship loads under the start-up config check as
+``agentloop rollout --config FILE`` loads it: no error and not one warning from any agentloop logger
+(the model path is the tiny model's)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from agentloop.configcheck import reset_warnings
 from agentloop.testing.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = sorted({p.resolve() for pattern in ("examples/*/config*.yaml", "agentloop/configs/*.yaml", "configs/*.yaml")
-                  for p in REPO.glob(pattern)})
+SHIPPED = sorted(
+    {
+        p.resolve()
+        for pattern in ("examples/*/config*.yaml", "agentloop/configs/*.yaml", "configs/*.yaml")
+        for p in REPO.glob(pattern)
+    }
+)
 
 
 def test_the_shipped_configs_are_found():
@@ -28,7 +34,8 @@ def test_the_shipped_configs_are_found():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO)))
 def test_a_shipped_config_loads_without_errors_or_warnings(path, caplog, monkeypatch):
     monkeypatch.chdir(REPO)  # the examples name their tool / agent files relative to the repository
-    reset_warnings()  # warnings are logged once per process: a test before this one must not hide one
+    # warnings are logged once per process: a test before this one must not hide one
+    reset_warnings()
     cfg = build_config(str(path), [f"actor_rollout_ref.model.path={ensure_tiny_model()}"])
     with caplog.at_level(logging.WARNING):
         resolved = resolve_config(cfg)

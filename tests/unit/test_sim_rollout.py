@@ -23,15 +23,17 @@ def test_the_makespan_is_never_below_its_lower_bound_and_runs_are_reproducible()
 
 
 def test_the_bound_counts_the_prefill_every_schedule_pays_and_the_updates_pause():
-    """Prompts and tool results are work too: the bound is every token at full batch plus every prompt and tool
-    result prefilled once, over the servers; the decode-only bound leaves the prefill out."""
+    """Prompts and tool results are work too: the bound is every token at full batch plus every
+    prompt and tool result prefilled once, over the servers; the decode-only bound leaves the
+    prefill out."""
     many = Workload(trajectories=2048, seed=3)
     m = ServerModel()
     trajs = make_trajectories(many)
     tokens = sum(sum(t.turns) for t in trajs)
     prefill = sum(many.prompt_tokens + many.tool_tokens * (len(t.turns) - 1) for t in trajs)
     want = tokens * (m.step_b + m.step_a / m.max_batch) + prefill * m.prefill_per_token
-    assert abs(lower_bound(trajs, many, m, servers=1) - want) < 1e-6  # one server: the work dominates
+    # one server: the work dominates
+    assert abs(lower_bound(trajs, many, m, servers=1) - want) < 1e-6
     dear = ServerModel(prefill_per_token=0.002)
     a = simulate(lambda n: make_balancer(n, seed=1), SMALL, m, servers=4)
     b = simulate(lambda n: make_balancer(n, seed=1), SMALL, dear, servers=4)
@@ -39,7 +41,8 @@ def test_the_bound_counts_the_prefill_every_schedule_pays_and_the_updates_pause(
     assert b["makespan_s"] >= b["lower_bound_s"] and a["makespan_s"] >= a["lower_bound_s"]
     stream = {s: simulate_stream(lambda n: make_balancer(n, seed=0), SMALL, m, servers=2, batches=3,
                                  max_staleness=None, sync_s=s) for s in (0.0, 5.0)}
-    assert stream[5.0]["work_bound_s"] > stream[5.0]["decode_bound_s"] + 5.0  # the pause, once per hand-out
+    # the pause, once per hand-out
+    assert stream[5.0]["work_bound_s"] > stream[5.0]["decode_bound_s"] + 5.0
     assert stream[0.0]["ratio"] < stream[0.0]["decode_ratio"]
 
 

@@ -1,4 +1,5 @@
-"""The sticky request-id -> server cache at batch scale: bindings of samples still running are not evicted."""
+"""The sticky request-id -> server cache at batch scale: bindings of samples still running are
+not evicted."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def test_a_batch_larger_than_max_cache_size_keeps_every_binding_once_the_cache_i
     ids = [f"sample-{i}" for i in range(100_000)]
     small = make_balancer(8, max_cache_size=10_000, seed=0)
     route_all(small, ids)
-    assert small.lookup(ids[0]) is None  # verl's fixed LRU: the first 90% of a 100k batch lost their server
+    # verl's fixed LRU: the first 90% of a 100k batch lost their server
+    assert small.lookup(ids[0]) is None
 
     grown = make_balancer(8, max_cache_size=10_000, seed=0)
     assert grown.ensure_cache_capacity(2 * len(ids)) == 200_000

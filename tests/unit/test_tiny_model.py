@@ -1,4 +1,5 @@
-"""tiny_model: deterministic build, tokenizer as AutoTokenizer loads it, chat template, model load, caching."""
+"""tiny_model: deterministic build, tokenizer as AutoTokenizer loads it, chat template, model
+load, caching."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from agentloop.testing import tiny_model, train_tiny
 from agentloop.testing.tiny_model import MARKER, ensure_tiny_model, tiny_model_path
 
 TOOL_CALL_TEXT = (
-    'Ann has 12 apples. <tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
+    'Ann has 12 apples. <tool_call>\n{"name": "calculator", "arguments": {"expression": "12 '
+    '* 7"}}\n</tool_call>'
 )
 
 
@@ -37,18 +39,25 @@ def file_hashes(path: Path) -> dict[str, str]:
 def test_build_is_deterministic(model_dir: Path, tmp_path: Path) -> None:
     again = ensure_tiny_model(tmp_path / "again", train_steps=0)
     first, second = file_hashes(model_dir), file_hashes(again)
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors", MARKER):
+    for name in (
+        "tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors", MARKER,
+    ):
         assert first[name] == second[name], name
     assert first == second
     assert sorted(first) == sorted(
-        [MARKER, "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-         "tokenizer.json", "tokenizer_config.json"]
+        [
+            MARKER, "chat_template.jinja", "config.json", "generation_config.json",
+            "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        ]
     )
 
 
 def test_ensure_is_idempotent_and_rebuilds_when_stale(tmp_path: Path) -> None:
     path = ensure_tiny_model(tmp_path / "m", train_steps=0)
-    stamps = {name: (path / name).stat().st_mtime_ns for name in (MARKER, "model.safetensors", "tokenizer.json")}
+    stamps = {
+        name: (path / name).stat().st_mtime_ns
+        for name in (MARKER, "model.safetensors", "tokenizer.json")
+    }
     inode = path.stat().st_ino
     assert ensure_tiny_model(path, train_steps=0) == path
     assert {name: (path / name).stat().st_mtime_ns for name in stamps} == stamps
@@ -59,7 +68,8 @@ def test_ensure_is_idempotent_and_rebuilds_when_stale(tmp_path: Path) -> None:
     ensure_tiny_model(path, train_steps=0)
     assert json.loads((path / MARKER).read_text()) == marker
     assert path.stat().st_ino != inode  # rebuilt and swapped in
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m-") and p.is_dir()]  # no leftovers
+    # no leftovers
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m-") and p.is_dir()]
 
 
 def test_refuses_to_replace_a_foreign_directory(tmp_path: Path) -> None:
@@ -80,7 +90,10 @@ def test_cache_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_auto_tokenizer_matches_saved_tokenizer(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    texts = [TOOL_CALL_TEXT, "The answer is 1234567890.", "<tool_response>\n-84\n</tool_response>", "It's 3.5 km!"]
+    texts = [
+        TOOL_CALL_TEXT, "The answer is 1234567890.", "<tool_response>\n-84\n</tool_response>",
+        "It's 3.5 km!",
+    ]
     texts += tiny_model.synthetic_corpus(n_conversations=20, n_sentences=20, seed=7)
     for text in texts:
         ids = tok.encode(text)
@@ -101,10 +114,13 @@ def test_digits_and_tool_tags(tok) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_chat_template_skips_messages_without_a_role_like_qwen25(tok) -> None:  # type: ignore[no-untyped-def]
-    """verl 0.6's tool_agent measures the template's preamble with ``apply_chat_template([{}])`` and cuts that many
-    tokens off every tool turn it renders; Qwen2.5 renders nothing for a role-less message, and so do we."""
+    """verl 0.6's tool_agent measures the template's preamble with ``apply_chat_template([{}])`` and
+    cuts that many tokens off every tool turn it renders; Qwen2.5 renders nothing for a role-less
+    message, and so do we."""
     assert tok.apply_chat_template([{}], tokenize=False) == ""
-    tool_turn = tok.apply_chat_template([{"role": "tool", "content": "5"}], tokenize=False, add_generation_prompt=True)
+    tool_turn = tok.apply_chat_template(
+        [{"role": "tool", "content": "5"}], tokenize=False, add_generation_prompt=True
+    )
     assert tool_turn.startswith("<|im_start|>user\n<tool_response>\n5")
 
 
@@ -112,15 +128,24 @@ def test_chat_template_conversation(tok) -> None:  # type: ignore[no-untyped-def
     messages = [
         {"role": "system", "content": "You are a careful math assistant."},
         {"role": "user", "content": "What is 12 * 7?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 7"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "12 * 7"}},
+                }
+            ],
+        },
         {"role": "tool", "content": "84"},
         {"role": "assistant", "content": "The answer is 84."},
     ]
     expected = (
         "<|im_start|>system\nYou are a careful math assistant.<|im_end|>\n"
         "<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n'
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": '
+        '{"expression": "12 * 7"}}\n'
         "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\nThe answer is 84.<|im_end|>\n"
@@ -152,11 +177,14 @@ def test_chat_template_tools_grouped_responses(tok) -> None:  # type: ignore[no-
         "<|im_start|>user\nAdd both.<|im_end|>\n"
         "<|im_start|>assistant\nTwo calls.\n"
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call><|im_end|>\n'
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + '
+        '4"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    rendered = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     assert rendered == expected
 
 
@@ -167,7 +195,11 @@ def test_model_loads_and_runs(model_dir: Path, tok) -> None:  # type: ignore[no-
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 2, 4)
     assert config.num_key_value_heads == 2 and config.tie_word_embeddings
     assert config.vocab_size >= len(tok) and config.vocab_size % 64 == 0
-    assert config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") == model.generation_config.eos_token_id
+    assert (
+        config.eos_token_id
+        == tok.convert_tokens_to_ids("<|im_end|>")
+        == model.generation_config.eos_token_id
+    )
     assert config.pad_token_id == tok.pad_token_id
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = torch.tensor([tok.encode(TOOL_CALL_TEXT)])
@@ -184,21 +216,29 @@ def test_fast_examples_match_make_example(tok, which: str) -> None:  # type: ign
     for system_prompt in tiny_model.SYSTEM_PROMPTS:
         fast_rng, ref_rng = random.Random(5), random.Random(5)
         fast = maker.examples(fast_rng, 40, system_prompt)
-        ref = [train_tiny.make_example(tokenizer, ref_rng, system_prompt=system_prompt) for _ in range(40)]
+        ref = [
+            train_tiny.make_example(tokenizer, ref_rng, system_prompt=system_prompt)
+            for _ in range(40)
+        ]
         assert fast == ref
-        assert fast_rng.random() == ref_rng.random()  # the same draws, so training data are unchanged
+        # the same draws, so training data are unchanged
+        assert fast_rng.random() == ref_rng.random()
 
 
 def test_prefix_cached_loss_matches_full_forward(model_dir: Path, tok) -> None:  # type: ignore[no-untyped-def]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prefix, suffix, mask = train_tiny.prefix_batch(train_tiny.ExampleMaker(tok), random.Random(3), 4)
+    prefix, suffix, mask = train_tiny.prefix_batch(
+        train_tiny.ExampleMaker(tok), random.Random(3), 4
+    )
     assert prefix.shape[0] > 150 and not mask[:, 0].any()
     loss = train_tiny.batch_loss(model, prefix, suffix, mask)
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     ids = torch.cat([prefix.expand(4, -1), suffix], dim=1)
-    labels = torch.cat([torch.full((4, prefix.shape[0]), -100), torch.where(mask, suffix, -100)], dim=1)
+    labels = torch.cat(
+        [torch.full((4, prefix.shape[0]), -100), torch.where(mask, suffix, -100)], dim=1
+    )
     reference = model(input_ids=ids, labels=labels).loss
     reference.backward()
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
@@ -211,7 +251,9 @@ def test_train_and_evaluate_run(model_dir: Path, tok) -> None:  # type: ignore[n
     info = train_tiny.train_tool_use(model, tok, steps=2, batch_size=4)
     assert info["steps"] == 2 and info["final_loss"] == info["final_loss"]  # not NaN
     rates = train_tiny.evaluate_tool_use(model, tok, n=1)
-    assert set(rates) == {"well_formed_call", "exact_expression", "right_answer_given_result", "end_to_end"}
+    assert set(rates) == {
+        "well_formed_call", "exact_expression", "right_answer_given_result", "end_to_end",
+    }
     assert all(0.0 <= v <= 1.0 for v in rates.values())
 
 
@@ -227,10 +269,14 @@ def test_the_shipped_trained_model_is_installed_without_training(tmp_path: Path)
 
     for snapshot in (None, SNAPSHOT_STEP):
         shipped = shipped_model(TRAIN_STEPS, snapshot)
-        assert shipped is not None, "agentloop/assets lacks an intact trained model (make_tiny_model.py --force)"
+        assert shipped is not None, (
+            "agentloop/assets lacks an intact trained model (make_tiny_model.py --force)"
+        )
         target = tmp_path / shipped.name
         path = ensure_tiny_model(target, train_steps=TRAIN_STEPS, snapshot_step=snapshot)
         assert path == target and content_hash(path) == content_hash(shipped)
         marker = json.loads((path / MARKER).read_text())
-        assert marker["train_steps"] == TRAIN_STEPS and marker["eval"]["end_to_end"] > 0.3  # trained, not random
-    assert shipped_model(TRAIN_STEPS + 1) is None  # other settings are built, not taken from the package
+        # trained, not random
+        assert marker["train_steps"] == TRAIN_STEPS and marker["eval"]["end_to_end"] > 0.3
+    # other settings are built, not taken from the package
+    assert shipped_model(TRAIN_STEPS + 1) is None

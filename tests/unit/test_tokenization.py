@@ -7,7 +7,12 @@ import random
 import pytest
 
 from agentloop.testing import FakeTokenizer
-from agentloop.tokenization import TemplateMismatchError, check_incremental, encode_new_turns, turn_separator
+from agentloop.tokenization import (
+    TemplateMismatchError,
+    check_incremental,
+    encode_new_turns,
+    turn_separator,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "calc",
                                            "parameters": {"type": "object", "properties": {}}}}]
@@ -25,13 +30,27 @@ def tiny_tokenizer():
 def random_conversation(rng: random.Random) -> list[dict]:
     msgs: list[dict] = []
     if rng.random() < 0.5:
-        msgs.append({"role": "system", "content": rng.choice(["Be brief.", "You are a calculator.\nUse tools."])})
-    msgs.append({"role": "user", "content": f"What is {rng.randint(0, 999)} + {rng.randint(0, 999)}?"})
+        msgs.append(
+            {
+                "role": "system",
+                "content": rng.choice(["Be brief.", "You are a calculator.\nUse tools."]),
+            }
+        )
+    msgs.append(
+        {"role": "user", "content": f"What is {rng.randint(0, 999)} + {rng.randint(0, 999)}?"}
+    )
     for _ in range(rng.randint(1, 3)):
         n_calls = rng.randint(0, 2)
-        calls = [{"type": "function", "function": {"name": "calculator",
-                                                   "arguments": {"expression": f"{rng.randint(0, 99)} * 3"}}}
-                 for _ in range(n_calls)]
+        calls = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "calculator",
+                    "arguments": {"expression": f"{rng.randint(0, 99)} * 3"},
+                },
+            }
+            for _ in range(n_calls)
+        ]
         msgs.append({"role": "assistant", "content": rng.choice(["", "Let me check.", "Sure\n\n"]),
                      **({"tool_calls": calls} if calls else {})})
         if calls:
@@ -46,8 +65,11 @@ def random_conversation(rng: random.Random) -> list[dict]:
 def test_chatml_separator_is_the_newline_after_im_end(tiny_tokenizer):
     assert turn_separator(tiny_tokenizer) == "\n"
     ids = encode_new_turns(tiny_tokenizer, [{"role": "tool", "content": "5"}])
-    assert tiny_tokenizer.decode(ids) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
-                                         "<|im_start|>assistant\n"
+    assert (
+        tiny_tokenizer.decode(ids)
+        == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_incremental_equals_full_render_on_random_conversations(tiny_tokenizer):
@@ -64,7 +86,8 @@ def test_checker_works_on_the_fake_tokenizer_and_catches_a_missing_separator():
     check_incremental(tok, msgs)
 
     class NoSeparator(FakeTokenizer):
-        """A buggy incremental encoder would drop the '\\n' after <|im_end|>; the checker must notice."""
+        """A buggy incremental encoder would drop the '\\n' after <|im_end|>; the checker must
+        notice."""
 
     import agentloop.tokenization.incremental as inc
 

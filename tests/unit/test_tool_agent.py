@@ -110,7 +110,10 @@ def test_call_then_answer_exact_tokens_and_mask(tool_yaml):
 def test_calls_beyond_the_parallel_limit_get_an_error_not_silence(tool_yaml):
     two = say(call("calculator", expression="1 + 1") + call("calculator", expression="2 + 2"))
     out, _ = run_loop(tool_yaml, [two, say("done")], max_parallel_calls=1)
-    assert "at most 1 tool call" in tool_text(out) and "2\n" not in tool_text(out).split("at most")[0][-3:]
+    assert (
+        "at most 1 tool call" in tool_text(out)
+        and "2\n" not in tool_text(out).split("at most")[0][-3:]
+    )
     assert out.extra_fields["num_dropped_calls"] == 1
 
 
@@ -148,19 +151,27 @@ def test_budget_exhausted_mid_tool_stops_with_length(tool_yaml):
 
 
 def test_assistant_turn_limit(tool_yaml):
-    out, server = run_loop(tool_yaml, [say(call("calculator", expression="1"))] * 3, max_assistant_turns=1)
+    out, server = run_loop(
+        tool_yaml, [say(call("calculator", expression="1"))] * 3, max_assistant_turns=1
+    )
     assert out.status == "max_turns" and len(server.calls) == 1
 
 
 def test_generation_asks_only_for_the_remaining_budget(tool_yaml):
-    out, server = run_loop(tool_yaml, [say(call("calculator", expression="1")), say("ok")], response_length=300)
+    out, server = run_loop(
+        tool_yaml, [say(call("calculator", expression="1")), say("ok")], response_length=300
+    )
     first_budget = server.calls[0]["sampling_params"]["max_tokens"]
     second_budget = server.calls[1]["sampling_params"]["max_tokens"]
-    assert first_budget == 300 and second_budget == 300 - (len(server.calls[1]["prompt_ids"]) - len(out.prompt_ids))
+    assert first_budget == 300 and second_budget == 300 - (
+        len(server.calls[1]["prompt_ids"]) - len(out.prompt_ids)
+    )
 
 
-def run_with_interaction(tmp_path, tool_yaml, script, truth="5", max_attempts=2, max_user_turns=None, name="grader",
-                         configured=True, reward_function=None):
+def run_with_interaction(
+    tmp_path, tool_yaml, script, truth="5", max_attempts=2, max_user_turns=None, name="grader",
+    configured=True, reward_function=None,
+):
     inter = tmp_path / "interactions.yaml"
     inter.write_text("interaction:\n  - name: grader\n"
                      "    class_name: agentloop.interactions.answer_check.AnswerCheckInteraction\n"
@@ -180,37 +191,52 @@ def run_with_interaction(tmp_path, tool_yaml, script, truth="5", max_attempts=2,
         ToolAgentLoop.init_class(cfg, TOK)
         loop = ToolAgentLoop(cfg, AsyncLLMServerManager([server]), TOK)
         extra = {"interaction_kwargs": {"name": name, "ground_truth": truth}}
-        return await loop.run({}, raw_prompt=[{"role": "user", "content": "2 + 3?"}], extra_info=extra)
+        return await loop.run(
+            {}, raw_prompt=[{"role": "user", "content": "2 + 3?"}], extra_info=extra
+        )
 
     return asyncio.run(go()), server
 
 
 def test_interaction_asks_again_then_scores(tmp_path, tool_yaml):
-    out, server = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 6."), say("The answer is 5.")])
+    out, server = run_with_interaction(
+        tmp_path, tool_yaml, [say("The answer is 6."), say("The answer is 5.")]
+    )
     assert out.status == "stop" and out.reward_score == 1.0
     assert out.extra_fields["turn_scores"] == [0.0, 1.0]
     assert "not right" in tool_text(out) and len(server.calls) == 2
     assert out.num_turns == 4  # prompt + 2 assistant + 1 user reply
 
 
-def test_interaction_score_leaves_the_reward_to_a_configured_function_as_in_verl(tmp_path, tool_yaml):
-    """verl's tool_agent never sets reward_score, so verl's worker scores it with custom_reward_function; with a
-    function configured ours does the same (the interaction's score is kept beside it), else it is the reward."""
-    out, _ = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 6."), say("The answer is 5.")],
-                                  reward_function="agentloop.rewards.calculator")
+def test_interaction_score_leaves_the_reward_to_a_configured_function_as_in_verl(
+    tmp_path, tool_yaml
+):
+    """verl's tool_agent never sets reward_score, so verl's worker scores it with
+    custom_reward_function; with a function configured ours does the same (the interaction's score
+    is kept beside it), else it is the reward."""
+    out, _ = run_with_interaction(
+        tmp_path, tool_yaml, [say("The answer is 6."), say("The answer is 5.")],
+        reward_function="agentloop.rewards.calculator",
+    )
     assert out.reward_score is None and out.extra_fields["interaction_score"] == 1.0
     assert out.extra_fields["turn_scores"] == [0.0, 1.0]
 
 
 def test_interaction_gives_up_after_max_attempts(tmp_path, tool_yaml):
-    out, _ = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 1.")] * 3, max_attempts=2)
+    out, _ = run_with_interaction(
+        tmp_path, tool_yaml, [say("The answer is 1.")] * 3, max_attempts=2
+    )
     assert out.reward_score == 0.0 and out.extra_fields["turn_scores"] == [0.0, 0.0]
 
 
 def test_interaction_with_tool_calls_and_user_turn_limit(tmp_path, tool_yaml):
-    script = [say(call("calculator", expression="2 + 3")), say("The answer is 4."), say("The answer is 5.")]
+    script = [
+        say(call("calculator", expression="2 + 3")), say("The answer is 4."),
+        say("The answer is 5."),
+    ]
     out, server = run_with_interaction(tmp_path, tool_yaml, script, max_user_turns=2)
-    assert out.status == "max_turns" and len(server.calls) == 2  # tool turn + grader reply = 2 user turns
+    # tool turn + grader reply = 2 user turns
+    assert out.status == "max_turns" and len(server.calls) == 2
 
 
 def test_unknown_interaction_name_is_an_error(tmp_path, tool_yaml):
@@ -222,7 +248,10 @@ def test_unknown_interaction_name_is_an_error(tmp_path, tool_yaml):
 
 def test_interaction_kwargs_without_interaction_config_are_ignored_as_in_verl(tmp_path, tool_yaml):
     """verl's GSM8K tool-agent data carries interaction_kwargs; verl starts an interaction only when
-    multi_turn.interaction_config_path is set, so such a sample runs as a plain tool-agent rollout."""
-    out, server = run_with_interaction(tmp_path, tool_yaml, [say("The answer is 5.")], configured=False)
+    multi_turn.interaction_config_path is set, so such a sample runs as a plain tool-agent rollout.
+    """
+    out, server = run_with_interaction(
+        tmp_path, tool_yaml, [say("The answer is 5.")], configured=False
+    )
     assert out.status == "stop" and out.reward_score is None and len(server.calls) == 1
     assert out.extra_fields["turn_scores"] == []

@@ -1,5 +1,6 @@
-"""Tool faults: hanging tools (async, sync, function tools) are bounded, sync tools never block the event loop,
-a tool's own timeout wins, the tool executor is configurable, and tool output never overruns the budget."""
+"""Tool faults: hanging tools (async, sync, function tools) are bounded, sync tools never block the
+event loop, a tool's own timeout wins, the tool executor is configurable, and tool output never
+overruns the budget."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ from agentloop.tools.executor import (
 )
 
 TOK = FakeTokenizer()
-GUARD = 20.0  # seconds: only so that a regression fails instead of hanging the suite; never asserted on
+# seconds: only so that a regression fails instead of hanging the suite; never asserted on
+GUARD = 20.0
 
-# ---------------------------------------------------------------- tools (module level: YAML loads them by path)
+# ---------------------------------------------------------------- tools (module level: YAML loads
+# them by path)
 
 UNBLOCK = threading.Event()  # set by the tests once they have seen what they wanted
 TOOL_STARTED = threading.Event()
@@ -183,15 +186,19 @@ def run_calls(tools: dict[str, BaseTool], *calls: FunctionCall, timeout: float |
 # ---------------------------------------------------------------- hanging tools
 
 def test_hanging_async_function_tool_is_bounded_by_tool_timeout(tmp_path):
-    out, server = run_loop(write_tools(tmp_path, fn_entry("hang_async")), [say(call("hang_async")), say("ok")],
-                           tool_timeout=0.2)
+    out, server = run_loop(
+        write_tools(tmp_path, fn_entry("hang_async")), [say(call("hang_async")), say("ok")],
+        tool_timeout=0.2,
+    )
     assert "tool 'hang_async' timed out after 0.2s" in tool_text(out)
     assert out.status == "stop" and len(server.calls) == 2, "the sample goes on after the timeout"
     assert out.extra_fields["num_tool_timeouts"] == 1 and out.extra_fields["num_tool_errors"] == 1
 
 
-@pytest.mark.parametrize("entry", [fn_entry("block_sync"), cls_entry("SyncBlockTool", "block_sync")],
-                         ids=["function_tool", "basetool_sync_execute"])
+@pytest.mark.parametrize(
+    "entry", [fn_entry("block_sync"), cls_entry("SyncBlockTool", "block_sync")],
+    ids=["function_tool", "basetool_sync_execute"],
+)
 def test_hanging_sync_tool_is_bounded_and_other_samples_progress_meanwhile(tmp_path, entry):
     rollout = rollout_config(write_tools(tmp_path, entry), tool_timeout=0.5)
     seen: dict[str, bool] = {}
@@ -215,12 +222,21 @@ def test_hanging_sync_tool_is_bounded_and_other_samples_progress_meanwhile(tmp_p
     assert "timed out after 0.5s" in tool_text(blocked_out) and blocked_out.status == "stop"
     assert blocked_out.extra_fields["num_tool_timeouts"] == 1
     UNBLOCK.set()
-    assert TOOL_DONE.wait(GUARD), "the abandoned call runs on in the background and finishes when it can"
+    assert TOOL_DONE.wait(GUARD), (
+        "the abandoned call runs on in the background and finishes when it can"
+    )
 
 
 def test_sync_basetool_execute_runs_in_a_worker_thread():
-    result = run_calls({"t": SyncThreadTool({}, {"type": "function", "function": {"name": "t", "description": "d"}})},
-                       FunctionCall(name="t", arguments="{}", id="c"), timeout=None)
+    result = run_calls(
+        {
+            "t": SyncThreadTool(
+                {}, {"type": "function", "function": {"name": "t", "description": "d"}}
+            )
+        },
+        FunctionCall(name="t", arguments="{}", id="c"),
+        timeout=None,
+    )
     assert result.num_errors == 0 and result.rewards == [1.0]
     assert int(result.texts[0]) != threading.get_ident()
 
@@ -230,13 +246,17 @@ def test_sync_basetool_execute_runs_in_a_worker_thread():
 def test_tool_timeout_applies_to_function_tools_without_their_own():
     (tool,) = [nap_free()]
     assert tool.config["timeout"] is None and effective_timeout(tool, 0.05) == 0.05
-    result = run_calls({"nap_free": tool}, FunctionCall(name="nap_free", arguments='{"delay": 5}', id="c"),
-                       timeout=0.05)
+    result = run_calls(
+        {"nap_free": tool}, FunctionCall(name="nap_free", arguments='{"delay": 5}', id="c"),
+        timeout=0.05,
+    )
     assert result.num_timeouts == 1 and "timed out after 0.05s" in result.texts[0]
 
 
 def test_own_shorter_timeout_wins_over_tool_timeout():
-    result = run_calls({"nap": nap()}, FunctionCall(name="nap", arguments='{"delay": 5}', id="c"), timeout=30)
+    result = run_calls(
+        {"nap": nap()}, FunctionCall(name="nap", arguments='{"delay": 5}', id="c"), timeout=30
+    )
     assert result.num_timeouts == 1 and "timed out after 0.05s" in result.texts[0]
 
 
@@ -249,9 +269,13 @@ def test_own_longer_or_no_limit_wins_over_a_short_tool_timeout(tmp_path, own):
 
 def test_basetool_yaml_timeout_wins_and_null_falls_back_to_tool_timeout(tmp_path):
     entries = cls_entry("SyncBlockTool", "block_sync", "{timeout: 0.1}")
-    out, _ = run_loop(write_tools(tmp_path, entries), [say(call("block_sync")), say("ok")], tool_timeout=30)
+    out, _ = run_loop(
+        write_tools(tmp_path, entries), [say(call("block_sync")), say("ok")], tool_timeout=30
+    )
     assert "timed out after 0.1s" in tool_text(out)
-    assert effective_timeout(nap({"timeout": None}), 7) == 7 and effective_timeout(nap(), None) == 0.05
+    assert (
+        effective_timeout(nap({"timeout": None}), 7) == 7 and effective_timeout(nap(), None) == 0.05
+    )
 
 
 @pytest.mark.parametrize("bad", ["ten", -1, True])
@@ -265,10 +289,17 @@ def test_bad_tool_timeout_is_refused_when_tools_load(tmp_path, bad):
 def test_executor_settings_come_from_the_config_and_bad_ones_fail_at_load(tmp_path):
     path = write_tools(tmp_path, fn_entry("echo_long"))
     out, _ = run_loop(path, [say(call("echo_long", n=3)), say("ok")], tool_max_workers=2)
-    assert "abc" in tool_text(out) and (tool_executor().kind, tool_executor().max_workers) == ("thread", 2)
-    with pytest.raises(ConfigError, match=r"multi_turn.tool_executor='fiber': expected one of thread, process"):
+    assert "abc" in tool_text(out) and (tool_executor().kind, tool_executor().max_workers) == (
+        "thread",
+        2,
+    )
+    with pytest.raises(
+        ConfigError, match=r"multi_turn.tool_executor='fiber': expected one " r"of thread, process"
+    ):
         run_loop(path, [], tool_executor="fiber")
-    with pytest.raises(ConfigError, match=r"multi_turn.tool_max_workers=0: expected a positive int"):
+    with pytest.raises(
+        ConfigError, match=r"multi_turn.tool_max_workers=0: expected a " r"positive int"
+    ):
         run_loop(path, [], tool_max_workers=0)
 
 
@@ -278,10 +309,17 @@ def test_process_executor_refuses_functions_a_new_process_cannot_find_at_load_ti
 
     configure_tool_executor("process", 1)
     try:
-        for tool in (function_tool(name="nested_fn")(nested)(), function_tool(name="lam")(lambda: "x")()):
-            with pytest.raises(ConfigError, match="is a lambda or is defined inside a function.*tool_executor=thread"):
+        for tool in (
+            function_tool(name="nested_fn")(nested)(),
+            function_tool(name="lam")(lambda: "x")(),
+        ):
+            with pytest.raises(
+                ConfigError,
+                match="is a lambda or is defined inside a function.*tool_executor=thread",
+            ):
                 ToolRunner({tool.name: tool})
-        ToolRunner({"echo_long": echo_long(), "hang_async": hang_async()})  # module level / async: fine
+        # module level / async: fine
+        ToolRunner({"echo_long": echo_long(), "hang_async": hang_async()})
     finally:
         FUNCTION_TOOLS.pop("nested_fn", None), FUNCTION_TOOLS.pop("lam", None)
         configure_tool_executor()
@@ -292,15 +330,20 @@ def test_process_executor_finds_decorated_and_function_tool_path_functions(tmp_p
     from agentloop.tools.function_tool import load_function_tools_from_path
 
     ref = function_reference(echo_long.fn, "echo_long")
-    assert not ref.direct and call_ref(ref, {"n": 2}) == "ab"  # via the tool class that replaced the function
+    # via the tool class that replaced the function
+    assert not ref.direct and call_ref(ref, {"n": 2}) == "ab"
     file = tmp_path / "my_tools.py"
-    file.write_text("from agentloop.tools import function_tool\n\n\n@function_tool\n"
-                    "def shout_in_file(text: str) -> str:\n    \"\"\"Shout.\"\"\"\n    return text.upper()\n")
+    file.write_text(
+        "from agentloop.tools import function_tool\n\n\n@function_tool\n"
+        'def shout_in_file(text: str) -> str:\n    """Shout."""\n    '
+        "return text.upper()\n"
+    )
     (tool,) = load_function_tools_from_path(file)
     try:
         ref = function_reference(tool.fn, "shout_in_file")
         assert ref.path == str(file.resolve())
-        module = sys.modules.pop(ref.module)  # as in a new process: the module is found again from its file
+        # as in a new process: the module is found again from its file
+        module = sys.modules.pop(ref.module)
         try:
             assert call_ref(ref, {"text": "hi"}) == "HI"
         finally:
@@ -319,7 +362,9 @@ def test_process_executor_runs_a_sync_function_in_another_process(tmp_path, monk
     tool = FunctionTool(fn=plain_tools_for_process.my_pid)
     configure_tool_executor("process", 1)
     try:
-        result = run_calls({"my_pid": tool}, FunctionCall(name="my_pid", arguments="{}", id="c"), timeout=None)
+        result = run_calls(
+            {"my_pid": tool}, FunctionCall(name="my_pid", arguments="{}", id="c"), timeout=None
+        )
     finally:
         configure_tool_executor()
         sys.modules.pop("plain_tools_for_process", None)
@@ -327,19 +372,25 @@ def test_process_executor_runs_a_sync_function_in_another_process(tmp_path, monk
     assert int(result.texts[0]) != os.getpid()
 
 
-# ---------------------------------------------------------------- tool output vs the remaining budget
+# ---------------------------------------------------------------- tool output vs the remaining
+# budget
 
 def tool_turn_len(text: str) -> int:
-    """Tokens of a tool turn carrying ``text`` (fake template: tool message + next assistant header)."""
-    return len(TOK.apply_chat_template([{"role": "tool", "content": text}], add_generation_prompt=True))
+    """Tokens of a tool turn carrying ``text`` (fake template: tool message + next assistant
+    header)."""
+    return len(
+        TOK.apply_chat_template([{"role": "tool", "content": text}], add_generation_prompt=True)
+    )
 
 
 def test_tool_text_is_cut_to_fit_the_remaining_budget(tmp_path):
     first = say(call("echo_long", n=200))
     full = tool_turn_len(echo_long.fn(200))
     length = len(first) + full - 40  # the whole tool turn does not fit; a shorter cut does
-    out, server = run_loop(write_tools(tmp_path, fn_entry("echo_long")), [first, say("fine, that will do")],
-                           response_length=length, max_tool_response_length=256)
+    out, server = run_loop(
+        write_tools(tmp_path, fn_entry("echo_long")), [first, say("fine, that will do")],
+        response_length=length, max_tool_response_length=256,
+    )
     text = tool_text(out)
     assert "...(truncated)..." in text and "tool\nabc" in text and echo_long.fn(200) not in text
     assert out.extra_fields["num_budget_truncations"] == 1
@@ -352,10 +403,14 @@ def test_tool_text_is_cut_to_fit_the_remaining_budget(tmp_path):
 def test_cut_respects_the_side_and_every_call_of_the_turn(tmp_path):
     first = say(call("echo_long", n=150) + call("echo_long", n=10))
     length = len(first) + tool_turn_len("x" * 160) - 30
-    out, server = run_loop(write_tools(tmp_path, fn_entry("echo_long")), [first, say("ok")], response_length=length,
-                           max_parallel_calls=2, tool_response_truncate_side="left")
+    out, server = run_loop(
+        write_tools(tmp_path, fn_entry("echo_long")), [first, say("ok")], response_length=length,
+        max_parallel_calls=2, tool_response_truncate_side="left",
+    )
     text = tool_text(out)
-    assert text.count("...(truncated)") == 1 and "abcdefghij<|im_end|>" in text, "the short text is left whole"
+    assert text.count("...(truncated)") == 1 and "abcdefghij<|im_end|>" in text, (
+        "the short text is left whole"
+    )
     assert "tool\nabcdefghijklmnopqrstuvwxyz" in text, "left: the start of the long text is kept"
     assert len(server.calls) == 2 and len(out.response_ids) == length
     assert out.extra_fields["num_budget_truncations"] == 1
@@ -363,13 +418,17 @@ def test_cut_respects_the_side_and_every_call_of_the_turn(tmp_path):
 
 def test_tool_turn_that_cannot_fit_at_all_ends_with_length_and_is_not_appended(tmp_path):
     first = say(call("echo_long", n=200))
-    out, server = run_loop(write_tools(tmp_path, fn_entry("echo_long")), [first], response_length=len(first) + 8)
+    out, server = run_loop(
+        write_tools(tmp_path, fn_entry("echo_long")), [first], response_length=len(first) + 8
+    )
     assert out.status == "length" and out.response_ids == first and len(server.calls) == 1
     assert out.extra_fields["num_budget_truncations"] == 0
 
 
 def test_tool_turn_that_fits_is_not_cut(tmp_path):
     first = say(call("echo_long", n=30))
-    out, _ = run_loop(write_tools(tmp_path, fn_entry("echo_long")), [first, say("ok")], response_length=400)
+    out, _ = run_loop(
+        write_tools(tmp_path, fn_entry("echo_long")), [first, say("ok")], response_length=400
+    )
     assert echo_long.fn(30) in tool_text(out) and "truncated" not in tool_text(out)
     assert out.extra_fields["num_budget_truncations"] == 0 and out.status == "stop"

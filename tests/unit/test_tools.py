@@ -12,18 +12,30 @@ from agentloop.tools.calculator import evaluate
 from agentloop.tools.registry import initialize_tools_from_config
 
 
-@pytest.mark.parametrize(("expr", "value"), [("2 + 3", 5), ("12 * (3 + 4)", 84), ("-7 // 2", -4), ("2 ** 10", 1024),
-                                             ("7 / 2", 3.5), ("10 % 4", 2)])
+@pytest.mark.parametrize(
+    ("expr", "value"),
+    [
+        ("2 + 3", 5), ("12 * (3 + 4)", 84), ("-7 // 2", -4), ("2 ** 10", 1024), ("7 / 2", 3.5),
+        ("10 % 4", 2),
+    ],
+)
 def test_calculator_arithmetic(expr, value):
     assert evaluate(expr) == value
 
 
-@pytest.mark.parametrize(("expr", "error"), [("1/0", "division by zero"), ("9 ** 99", "exponent"),
-                                             ("__import__('os').system('x')", "unsupported"),
-                                             ("3 -", "not an arithmetic"), ("'a' * 3", "unsupported")])
+@pytest.mark.parametrize(
+    ("expr", "error"),
+    [
+        ("1/0", "division by zero"), ("9 ** 99", "exponent"),
+        ("__import__('os').system('x')", "unsupported"), ("3 -", "not an arithmetic"),
+        ("'a' * 3", "unsupported"),
+    ],
+)
 def test_calculator_refuses_bad_input_as_text(expr, error):
     response, reward, metrics = asyncio.run(CalculatorTool().execute("i", {"expression": expr}))
-    assert response.text.startswith("Error:") and error in response.text and metrics == {"ok": False}
+    assert (
+        response.text.startswith("Error:") and error in response.text and metrics == {"ok": False}
+    )
 
 
 def test_calculator_formats_results():
@@ -33,7 +45,10 @@ def test_calculator_formats_results():
 
 def test_yaml_registry_loads_and_validates(tmp_path):
     good = tmp_path / "tools.yaml"
-    good.write_text("tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    config: {type: native}\n")
+    good.write_text(
+        "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    "
+        "config: {type: native}\n"
+    )
     (tool,) = initialize_tools_from_config(good)
     assert tool.name == "calculator"
 

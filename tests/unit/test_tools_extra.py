@@ -1,4 +1,5 @@
-"""@function_tool schemas and calls, Gsm8kTool rewards, YAML loading, and tool images in ToolAgentLoop."""
+"""@function_tool schemas and calls, Gsm8kTool rewards, YAML loading, and tool images in
+ToolAgentLoop."""
 
 from __future__ import annotations
 
@@ -28,16 +29,31 @@ from agentloop.tools.gsm8k import GSM8K_TOOL_DICT, extract_answer
 from agentloop.tools.registry import initialize_tools_from_config
 
 TOK = FakeTokenizer()
-EXAMPLE_YAML = Path(__file__).resolve().parents[2] / "examples" / "calculator_agent" / "gsm8k_tool.yaml"
+EXAMPLE_YAML = (
+    Path(__file__).resolve().parents[2] / "examples" / "calculator_agent" / "gsm8k_tool.yaml"
+)
 
 
-# ---------------------------------------------------------------- tools used below (and loaded from YAML)
+# ---------------------------------------------------------------- tools used below (and loaded from
+# YAML)
 
 @function_tool
 def everything(
-    text: str, count: int, ratio: float, flag: bool, names: list[str], grid: list[list[int]], raw: list,
-    meta: dict[str, Any], plain: dict, mode: Literal["fast", "slow"], level: Literal[1, 2, 3],
-    either: int | str, maybe: Optional[int], maybe_too: float | None, default: str = "x",  # noqa: UP045
+    text: str,
+    count: int,
+    ratio: float,
+    flag: bool,
+    names: list[str],
+    grid: list[list[int]],
+    raw: list,
+    meta: dict[str, Any],
+    plain: dict,
+    mode: Literal["fast", "slow"],
+    level: Literal[1, 2, 3],
+    either: int | str,
+    maybe: Optional[int],  # noqa: UP045
+    maybe_too: float | None,
+    default: str = "x",
 ) -> str:
     """Exercise every supported annotation.
 
@@ -94,22 +110,19 @@ def test_schema_covers_every_supported_annotation():
     assert props == {
         "text": {"type": "string", "description": "Some text."},
         "count": {"type": "integer", "description": "How many, on two lines."},
-        "ratio": {"type": "number"},
-        "flag": {"type": "boolean"},
+        "ratio": {"type": "number"}, "flag": {"type": "boolean"},
         "names": {"type": "array", "items": {"type": "string"}},
         "grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
-        "raw": {"type": "array"},
-        "meta": {"type": "object"},
-        "plain": {"type": "object"},
+        "raw": {"type": "array"}, "meta": {"type": "object"}, "plain": {"type": "object"},
         "mode": {"type": "string", "enum": ["fast", "slow"], "description": "The speed."},
-        "level": {"type": "integer", "enum": [1, 2, 3]},
-        "either": {"type": ["integer", "string"]},
-        "maybe": {"type": "integer"},
-        "maybe_too": {"type": "number"},
+        "level": {"type": "integer", "enum": [1, 2, 3]}, "either": {"type": ["integer", "string"]},
+        "maybe": {"type": "integer"}, "maybe_too": {"type": "number"},
         "default": {"type": "string"},
     }
-    assert fn.parameters.required == ["text", "count", "ratio", "flag", "names", "grid", "raw", "meta", "plain",
-                                      "mode", "level", "either"]
+    assert fn.parameters.required == [
+        "text", "count", "ratio", "flag", "names", "grid", "raw", "meta", "plain", "mode", "level",
+        "either",
+    ]
     assert fn.name == "everything" and fn.description == "Exercise every supported annotation."
 
 
@@ -118,19 +131,35 @@ def test_decorator_options_and_rendered_schema():
     assert isinstance(tool, FunctionTool) and issubclass(add, BaseTool) and add.__name__ == "add"
     assert tool.name == "add_numbers" and tool.config["timeout"] == 2.0
     rendered = tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
-    assert rendered == {"type": "function", "function": {
-        "name": "add_numbers", "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a"]}}}
+    assert rendered == {
+        "type": "function",
+        "function": {
+            "name": "add_numbers",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a"],
+            },
+        },
+    }
     assert add.fn(2, 3) == 5  # the plain function stays callable
 
 
 def test_docstring_parsing():
-    doc = ("Summary line one\nand two.\n\nDetails here.\n\nArgs:\n    a (int): First.\n    *rest: Ignored name.\n"
-           "    b: Second,\n        continued.\n\n    c: After a blank line.\nReturns:\n    d: not an argument\n")
-    assert parse_docstring(doc) == ("Summary line one and two.",
-                                    {"a": "First.", "rest": "Ignored name.", "b": "Second, continued.",
-                                     "c": "After a blank line."})
+    doc = (
+        "Summary line one\nand two.\n\nDetails here.\n\nArgs:\n    a (int): First.\n    "
+        "*rest: Ignored name.\n"
+        "    b: Second,\n        continued.\n\n    c: After a blank line.\nReturns:\n    "
+        "d: not an argument\n"
+    )
+    assert parse_docstring(doc) == (
+        "Summary line one and two.",
+        {
+            "a": "First.", "rest": "Ignored name.", "b": "Second, continued.",
+            "c": "After a blank line.",
+        },
+    )
     assert parse_docstring("Only a summary.\nArgs:\n  x: y") == ("Only a summary.", {"x": "y"})
     assert parse_docstring(None) == ("", {})
 
@@ -146,8 +175,13 @@ def _bad_literal(x: Literal[None]) -> None: ...
 def _bad_posonly(x: int, /) -> None: ...
 
 
-@pytest.mark.parametrize("fn", [_bad_any, _bad_set, _bad_missing, _bad_args, _bad_kwargs, _bad_class,
-                                _bad_nested_none, _bad_literal, _bad_posonly])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _bad_any, _bad_set, _bad_missing, _bad_args, _bad_kwargs, _bad_class, _bad_nested_none,
+        _bad_literal, _bad_posonly,
+    ],
+)
 def test_unsupported_annotation_names_function_and_parameter(fn):
     param = next(iter(inspect.signature(fn).parameters))
     with pytest.raises(ConfigError, match=rf"{fn.__name__}.*parameter '{param}'"):
@@ -183,10 +217,14 @@ def test_async_tool_and_optional_arguments():
     assert json.loads(response.text) == {"maybe": None, "maybe_too": None, "default": "x"}
 
 
-@pytest.mark.parametrize(("value", "text", "reward"), [
-    ("plain", "plain", 0.0), (ToolResponse(text="r"), "r", 0.0), (("t", 2), "t", 2.0),
-    ((ToolResponse(text="u"), -0.5), "u", -0.5), (7, "7", 0.0), ({"a": [1]}, '{"a": [1]}', 0.0), (None, "null", 0.0),
-])
+@pytest.mark.parametrize(
+    ("value", "text", "reward"),
+    [
+        ("plain", "plain", 0.0), (ToolResponse(text="r"), "r", 0.0), (("t", 2), "t", 2.0),
+        ((ToolResponse(text="u"), -0.5), "u", -0.5), (7, "7", 0.0), ({"a": [1]}, '{"a": [1]}', 0.0),
+        (None, "null", 0.0),
+    ],
+)
 def test_return_values(value, text, reward):
     tool = function_tool(name="ret")(lambda: value)()
     response, got, _ = run(tool.execute("i", {}))
@@ -230,18 +268,25 @@ def test_yaml_loads_function_tools_and_explains_plain_functions(tmp_path):
 
 def test_yaml_loads_gsm8k_tool_from_the_example():
     (tool,) = initialize_tools_from_config(EXAMPLE_YAML)
-    assert isinstance(tool, Gsm8kTool) and tool.name == "calc_gsm8k_reward" and tool.no_improvement_reward == -0.05
+    assert (
+        isinstance(tool, Gsm8kTool)
+        and tool.name == "calc_gsm8k_reward"
+        and tool.no_improvement_reward == -0.05
+    )
     assert tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) == GSM8K_TOOL_DICT
 
 
 # ---------------------------------------------------------------- gsm8k
 
-@pytest.mark.parametrize(("text", "value"), [
-    ("#### 72", "72"), ("72", "72"), ("$1,234.50", "1234.5"), ("The answer is 72.", "72"),
-    ("She sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "72"), ("#### -3", "-3"), ("-$5", "-5"),
-    ("10 - 3 = 7", "7"), ("5-3=2", "2"), ("72.0", "72"), ("#### 1,000 then 3", "1000"), ("it costs $ 12", "12"),
-    ("nothing here", None), ("", None),
-])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("#### 72", "72"), ("72", "72"), ("$1,234.50", "1234.5"), ("The answer is 72.", "72"),
+        ("She sold 48/2 = <<48/2=24>>24 clips.\n#### 72", "72"), ("#### -3", "-3"), ("-$5", "-5"),
+        ("10 - 3 = 7", "7"), ("5-3=2", "2"), ("72.0", "72"), ("#### 1,000 then 3", "1000"),
+        ("it costs $ 12", "12"), ("nothing here", None), ("", None),
+    ],
+)
 def test_gsm8k_extract_answer(text, value):
     got = extract_answer(text)
     assert (got is None and value is None) or got == Decimal(value)
@@ -252,7 +297,9 @@ def test_gsm8k_rewards_per_instance():
 
     async def go():
         iid, _ = await tool.create(ground_truth="Some working.\n#### 1,234")
-        steps = [await tool.execute(iid, {"answer": a}) for a in ("12", "no idea", "$1,234.00", "1234")]
+        steps = [
+            await tool.execute(iid, {"answer": a}) for a in ("12", "no idea", "$1,234.00", "1234")
+        ]
         best = await tool.calc_reward(iid)
         await tool.release(iid)
         return steps, best, await tool.calc_reward(iid)
@@ -260,7 +307,10 @@ def test_gsm8k_rewards_per_instance():
     steps, best, after_release = run(go())
     assert [s[1] for s in steps] == [0.0, -0.05, 1.0, -0.05]
     assert "incorrect" in steps[0][0].text and "No number" in steps[1][0].text
-    assert steps[2][0].text == "Parsed answer: 1234. The answer is correct." and steps[2][2]["score"] == 1.0
+    assert (
+        steps[2][0].text == "Parsed answer: 1234. The answer is correct."
+        and steps[2][2]["score"] == 1.0
+    )
     assert best == 1.0 and after_release == 0.0
 
 
@@ -303,7 +353,9 @@ def run_loop(tool_yaml: Path, script: list, response_length: int = 600, **sample
     async def go():
         ToolAgentLoop.init_class(rollout, TOK)
         loop = ToolAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
-        return await loop.run({}, raw_prompt=[{"role": "user", "content": "Natalia's clips?"}], **sample)
+        return await loop.run(
+            {}, raw_prompt=[{"role": "user", "content": "Natalia's clips?"}], **sample
+        )
 
     return run(go()), server
 
@@ -314,12 +366,16 @@ def tool_text(out) -> str:
 
 
 def test_tool_agent_loop_gsm8k_reward_lands_in_tool_rewards():
-    script = [say(call("calc_gsm8k_reward", answer="71")), say(call("calc_gsm8k_reward", answer="#### 72")),
-              say("The answer is 72.")]
+    script = [
+        say(call("calc_gsm8k_reward", answer="71")),
+        say(call("calc_gsm8k_reward", answer="#### 72")), say("The answer is 72."),
+    ]
     tools_kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "#### 72"}}}
     out, server = run_loop(EXAMPLE_YAML, script, tools_kwargs=tools_kwargs)
     assert out.status == "stop" and len(server.calls) == 3
-    assert out.extra_fields["tool_rewards"] == [0.0, 1.0] and out.extra_fields["num_tool_errors"] == 0
+    assert (
+        out.extra_fields["tool_rewards"] == [0.0, 1.0] and out.extra_fields["num_tool_errors"] == 0
+    )
     assert "is incorrect" in tool_text(out) and "is correct" in tool_text(out)
     assert out.multi_modal_data is None and server.calls[1]["image_data"] is None
 
@@ -328,7 +384,9 @@ def test_tool_agent_loop_runs_function_tools(tmp_path):
     tools = tmp_path / "tools.yaml"
     tools.write_text(f"tools:\n  - class_name: {__name__}.add\n"
                      f"  - class_name: {__name__}.slow_echo\n    config: {{timeout: 0.05}}\n")
-    script = [say(call("add_numbers", a=2, b=40)), say(call("slow_echo", text="a", delay=0.5)), say("42")]
+    script = [
+        say(call("add_numbers", a=2, b=40)), say(call("slow_echo", text="a", delay=0.5)), say("42"),
+    ]
     out, _ = run_loop(tools, script)
     assert "42" in tool_text(out) and out.extra_fields["num_tool_timeouts"] == 1
     assert out.extra_fields["tool_rewards"] == [0.0]
@@ -349,22 +407,37 @@ def image_yaml(tmp_path):
 
 def test_tool_runner_renders_images_as_image_parts(image_yaml):
     (tool,) = initialize_tools_from_config(image_yaml)
-    result = run(ToolRunner({"draw": tool}).run_turn([FunctionCall(name="draw", arguments="{}", id="c1")], None))
+    result = run(
+        ToolRunner({"draw": tool}).run_turn(
+            [FunctionCall(name="draw", arguments="{}", id="c1")], None
+        )
+    )
     assert result.images == [ImageTool.image]
-    assert result.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "here is the picture"}]
+    assert result.messages[0]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "here is the picture"},
+    ]
 
 
 def test_tool_images_reach_the_next_generation_and_the_output(image_yaml):
     prompt_image = object()
     script = [say(call("draw")), say(call("draw")), say("Red.")]
     out, server = run_loop(image_yaml, script, multi_modal_data={"image": [prompt_image]})
-    assert "{'type': 'image'}" in tool_text(out)  # the fake template renders the content parts verbatim
+    # the fake template renders the content parts verbatim
+    assert "{'type': 'image'}" in tool_text(out)
     sent = [c["image_data"] for c in server.calls]
-    assert sent == [[prompt_image], [prompt_image, ImageTool.image], [prompt_image, ImageTool.image, ImageTool.image]]
+    assert sent == [
+        [prompt_image], [prompt_image, ImageTool.image],
+        [prompt_image, ImageTool.image, ImageTool.image],
+    ]
     assert out.multi_modal_data == {"image": [prompt_image, ImageTool.image, ImageTool.image]}
 
 
 def test_tool_images_are_dropped_with_a_tool_turn_that_does_not_fit(image_yaml):
     first = say(call("draw"))
     out, server = run_loop(image_yaml, [first], response_length=len(first) + 10)
-    assert out.status == "length" and out.multi_modal_data is None and server.calls[0]["image_data"] is None
+    assert (
+        out.status == "length"
+        and out.multi_modal_data is None
+        and server.calls[0]["image_data"] is None
+    )

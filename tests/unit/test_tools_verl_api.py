@@ -1,4 +1,5 @@
-"""verl's tool, parser, schema, interaction and gpt-oss APIs as verl's agent loops use them, on agentloop."""
+"""verl's tool, parser, schema, interaction and gpt-oss APIs as verl's agent loops use them, on
+agentloop."""
 
 from __future__ import annotations
 
@@ -58,16 +59,22 @@ tools:
               description: "The model's answer to the GSM8K math problem, must be a digits"
           required: ["answer"]
 """
-# What verl's OpenAIFunctionToolSchema.model_dump(exclude_unset=True, exclude_none=True) gives for it.
+# What verl's OpenAIFunctionToolSchema.model_dump(exclude_unset=True, exclude_none=True) gives for
+# it.
 GSM8K_RENDERED = {
     "type": "function",
     "function": {
         "name": "calc_gsm8k_reward",
-        "description": "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 otherwise)",
+        "description": "A tool for calculating the reward of gsm8k. (1.0 if parsed answer "
+        "is correct, 0.0 otherwise)",
         "parameters": {
             "type": "object",
-            "properties": {"answer": {"type": "string",
-                                      "description": "The model's answer to the GSM8K math problem, must be a digits"}},
+            "properties": {
+                "answer": {
+                    "type": "string",
+                    "description": "The model's answer to the GSM8K math problem, must be a digits",
+                }
+            },
             "required": ["answer"],
         },
     },
@@ -75,9 +82,19 @@ GSM8K_RENDERED = {
 # One row's tools_kwargs as verl's examples/data_preprocess/gsm8k_tool_agent_loop.py writes it.
 GSM8K_TOOLS_KWARGS = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}
 
-TYPED = OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
-    "name": "typed", "description": "d",
-    "parameters": {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}}})
+TYPED = OpenAIFunctionToolSchema.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "typed",
+            "description": "d",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+            },
+        },
+    }
+)
 
 
 def run(coro: Any) -> Any:
@@ -85,7 +102,9 @@ def run(coro: Any) -> Any:
 
 
 def hermes_ids(*calls: tuple[str, dict[str, Any]], text: str = "") -> list[int]:
-    blocks = "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>' for n, a in calls)
+    blocks = "".join(
+        f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in calls
+    )
     return TOK.encode(text + blocks) + [TOK.eos_token_id]
 
 
@@ -97,16 +116,34 @@ def xml_ids(name: str, **params: str) -> list[int]:
 # ---------------------------------------------------------------- parsers
 
 
-@pytest.mark.parametrize("tools", [
-    [TYPED],                                                           # our schema objects (verl 0.9.1's loop)
-    [TYPED.model_dump(exclude_unset=True, exclude_none=True)],         # dicts (our loop)
-    [SimpleNamespace(type="function", function=SimpleNamespace(      # any object shaped like the schema
-        name="typed", parameters=SimpleNamespace(model_dump=lambda **_: TYPED.function.parameters.model_dump())))],
-])
+@pytest.mark.parametrize(
+    "tools",
+    [
+        # our schema objects (verl 0.9.1's loop)
+        [TYPED],
+        [TYPED.model_dump(exclude_unset=True, exclude_none=True)],  # dicts (our loop)
+        # any object shaped like the schema
+        [
+            SimpleNamespace(
+                type="function",
+                function=SimpleNamespace(
+                    name="typed",
+                    parameters=SimpleNamespace(
+                        model_dump=lambda **_: TYPED.function.parameters.model_dump()
+                    ),
+                ),
+            )
+        ],
+    ],
+)
 def test_qwen3_coder_reads_parameter_types_from_schema_objects_and_dicts(tools):
     parser = get_tool_parser("qwen3_coder", TOK)
     content, calls = run(parser.extract_tool_calls(xml_ids("typed", n="7", s="7"), tools))
-    assert content == "" and json.loads(calls[0].arguments) == {"n": 7, "s": "7"} and calls[0].error is None
+    assert (
+        content == ""
+        and json.loads(calls[0].arguments) == {"n": 7, "s": "7"}
+        and calls[0].error is None
+    )
 
 
 def test_hermes_with_schema_objects_flags_unknown_tools_and_accepts_the_one_argument_form():
@@ -135,7 +172,8 @@ def test_function_call_tool_call_id_is_the_same_value_as_id():
 
 
 class SpecialTokenizer(FakeTokenizer):
-    """FakeTokenizer plus a few stop tokens of other formats as single special tokens (ids 3000+)."""
+    """FakeTokenizer plus a few stop tokens of other formats as single special tokens (ids
+    3000+)."""
 
     EXTRA = {3000: "<|call|>", 3001: "<|observation|>", 3002: "<tool_call|>"}
 
@@ -148,13 +186,29 @@ class SpecialTokenizer(FakeTokenizer):
         if cut is None:
             return super().decode(ids, skip_special_tokens)
         marker = "" if skip_special_tokens else self.EXTRA[ids[cut]]
-        return self.decode(ids[:cut], skip_special_tokens) + marker + self.decode(ids[cut + 1:], skip_special_tokens)
+        return (
+            self.decode(ids[:cut], skip_special_tokens)
+            + marker
+            + self.decode(ids[cut + 1 :], skip_special_tokens)
+        )
 
 
-@pytest.mark.parametrize(("fmt", "stop"), [
-    ("hermes", []), ("qwen3_coder", []), ("llama3_json", []), ("seed", []), ("minimax", []), ("deepseek_v4", []),
-    ("gpt-oss", [3000]), ("glm", [3001]), ("gemma4", [3002]), ("kimi", [2]),  # kimi: <|im_end|>, the fake's EOS
-])
+@pytest.mark.parametrize(
+    ("fmt", "stop"),
+    [
+        ("hermes", []),
+        ("qwen3_coder", []),
+        ("llama3_json", []),
+        ("seed", []),
+        ("minimax", []),
+        ("deepseek_v4", []),
+        # kimi: <|im_end|>, the fake's EOS
+        ("gpt-oss", [3000]),
+        ("glm", [3001]),
+        ("gemma4", [3002]),
+        ("kimi", [2]),
+    ],
+)
 def test_stop_token_ids(fmt, stop):
     assert get_tool_parser(fmt, SpecialTokenizer()).stop_token_ids == stop
 
@@ -172,7 +226,9 @@ def test_stop_token_ids_with_a_real_tokenizer():
     assert tok.convert_ids_to_tokens(call_id) == "<|call|>"
 
 
-VERL_091_FORMATS = ["hermes", "gpt-oss", "qwen3_coder", "glm", "seed", "minimax", "kimi", "deepseek_v4", "gemma4"]
+VERL_091_FORMATS = [
+    "hermes", "gpt-oss", "qwen3_coder", "glm", "seed", "minimax", "kimi", "deepseek_v4", "gemma4",
+]
 
 
 @pytest.mark.parametrize("name", VERL_091_FORMATS)
@@ -189,7 +245,10 @@ def test_a_parser_written_against_verls_interface_works():
             return self.tokenizer.decode(responses_ids).upper(), []
 
     parser = get_tool_parser("test_verl_style", TOK)
-    assert run(parser.extract_tool_calls(TOK.encode("hi"))) == ("HI", []) and parser.stop_token_ids == []
+    assert (
+        run(parser.extract_tool_calls(TOK.encode("hi"))) == ("HI", [])
+        and parser.stop_token_ids == []
+    )
     with pytest.raises(NotImplementedError, match="implement one of them"):
         ToolParser(TOK).parse_text("x")
 
@@ -212,8 +271,9 @@ def test_assistant_tool_call_entry_as_verl_0_9_builds_it():
     function, has_error = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(
         OpenAIFunctionParsedSchema(name=parsed.name, arguments=parsed.arguments))
     entry = OpenAIFunctionToolCall(id=parsed.tool_call_id, function=function)
-    assert not has_error and entry.model_dump() == {"id": "call_1", "type": "function",
-                                                    "function": {"name": "f", "arguments": {"x": 2}}}
+    assert not has_error and entry.model_dump() == {
+        "id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 2}},
+    }
 
 
 def test_schema_renders_like_verls_for_verls_gsm8k_yaml(tmp_path):
@@ -225,7 +285,10 @@ def test_schema_renders_like_verls_for_verls_gsm8k_yaml(tmp_path):
 
 def test_tool_response_helpers_and_single_image_error():
     assert ToolResponse().is_empty() and not ToolResponse(text="a").is_empty()
-    assert ToolResponse(text="a").is_text_only() and not ToolResponse(text="a", image=["img"]).is_text_only()
+    assert (
+        ToolResponse(text="a").is_text_only()
+        and not ToolResponse(text="a", image=["img"]).is_text_only()
+    )
     with pytest.raises(ValueError, match=r"wrap a single image in a list"):
         ToolResponse(image="img")
 
@@ -240,7 +303,9 @@ class Recorder(BaseTool):
         super().__init__(config, tool_schema or {"type": "function", "function": {"name": "rec"}})
         self.seen: dict[str, Any] = {}
 
-    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse]:
+    async def create(
+        self, instance_id: str | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
         instance_id, response = await super().create(instance_id, **kwargs)
         self.seen[instance_id] = self.create_kwargs(kwargs)
         return instance_id, response
@@ -272,12 +337,16 @@ def test_base_tool_schema_from_an_override_or_a_clear_error():
 # ---------------------------------------------------------------- function tools (verl 0.9.1)
 
 
-@pytest.mark.parametrize(("ret", "text", "reward", "metrics"), [
-    ("plain", "plain", 0.0, {}), (ToolResponse(text="r"), "r", 0.0, {}), ({"a": [1]}, '{"a": [1]}', 0.0, {}),
-    (("t",), "t", 0.0, {}), (("t", 2), "t", 2.0, {}), (("t", None, None), "t", 0.0, {}),
-    (("t", 0.5, {"k": 1}), "t", 0.5, {"k": 1}), (({"a": 1}, 1), '{"a": 1}', 1.0, {}),
-    (7, "7", 0.0, {}), (None, "None", 0.0, {}), (["a"], "['a']", 0.0, {}), (("t", False), "t", 0.0, {}),
-])
+@pytest.mark.parametrize(
+    ("ret", "text", "reward", "metrics"),
+    [
+        ("plain", "plain", 0.0, {}), (ToolResponse(text="r"), "r", 0.0, {}),
+        ({"a": [1]}, '{"a": [1]}', 0.0, {}), (("t",), "t", 0.0, {}), (("t", 2), "t", 2.0, {}),
+        (("t", None, None), "t", 0.0, {}), (("t", 0.5, {"k": 1}), "t", 0.5, {"k": 1}),
+        (({"a": 1}, 1), '{"a": 1}', 1.0, {}), (7, "7", 0.0, {}), (None, "None", 0.0, {}),
+        (["a"], "['a']", 0.0, {}), (("t", False), "t", 0.0, {}),
+    ],
+)
 def test_normalize_function_tool_return_shapes(ret, text, reward, metrics):
     response, got_reward, got_metrics = normalize_function_tool_return(ret)
     assert (response.text, got_reward, got_metrics) == (text, reward, metrics)
@@ -309,7 +378,8 @@ def test_function_tool_call_returns_the_raw_value_as_verls_loop_expects():
     assert raw == ("k=0", 0.25, {"hits": 1})
     response, reward, metrics = normalize_function_tool_return(raw)
     assert (response.text, reward, metrics) == ("k=0", 0.25, {"hits": 1})
-    assert run(tool.execute("i", {"key": "k"}))[1:] == (0.25, {"hits": 1})  # our path gives the same triple
+    # our path gives the same triple
+    assert run(tool.execute("i", {"key": "k"}))[1:] == (0.25, {"hits": 1})
     with pytest.raises(ValueError, match=r"missing required \['key'\]"):
         run(tool.call({}))
     assert get_function_tool("verl_api_lookup").name == "verl_api_lookup"
@@ -322,9 +392,16 @@ def test_function_tool_built_directly_and_with_a_given_schema():
 
     direct = FunctionTool(name="double", fn=double, tool_schema=None)
     assert direct.name == "double" and not direct.is_async and run(direct.call({"x": 4})) == 8
-    schema = {"type": "function", "function": {"name": "twice", "description": "given",
-                                               "parameters": {"type": "object", "properties": {"x": {
-                                                   "type": "integer"}}, "required": ["x"]}}}
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "twice",
+            "description": "given",
+            "parameters": {
+                "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+            },
+        },
+    }
     given = function_tool(schema=schema)(double)()
     assert given.name == "twice" and given.tool_schema.function.description == "given"
     assert run(given.execute("i", {"x": 2}))[0].text == "4"
@@ -365,7 +442,10 @@ def test_load_all_tools_from_a_yaml_and_a_python_file(tmp_path):
     assert [t.name for t in tools] == ["calc_gsm8k_reward", "verl_api_echo", "verl_api_shout"]
     assert isinstance(tools[0], Gsm8kTool) and all(isinstance(t, FunctionTool) for t in tools[1:])
     assert run(tools[2].call({"text": "hi"})) == {"loud": "HI"}
-    assert [t.name for t in load_all_tools(function_tool_path=py_path)] == ["verl_api_echo", "verl_api_shout"]
+    assert [t.name for t in load_all_tools(function_tool_path=py_path)] == [
+        "verl_api_echo",
+        "verl_api_shout",
+    ]
     assert load_all_tools() == [] and load_all_tools(None, None) == []
     assert "verl_api_shout" in FUNCTION_TOOL_REGISTRY
 
@@ -373,8 +453,11 @@ def test_load_all_tools_from_a_yaml_and_a_python_file(tmp_path):
 def test_load_all_tools_errors(tmp_path):
     clash_yaml, clash_py = tmp_path / "clash.yaml", tmp_path / "clash.py"
     clash_yaml.write_text(GSM8K_YAML)
-    clash_py.write_text("from agentloop.tools import function_tool\n\n"
-                        "@function_tool\ndef calc_gsm8k_reward(answer: str) -> str:\n    return answer\n")
+    clash_py.write_text(
+        "from agentloop.tools import function_tool\n\n"
+        "@function_tool\ndef calc_gsm8k_reward(answer: str) -> str:\n    "
+        "return answer\n"
+    )
     with pytest.raises(ConfigError, match=r"\['calc_gsm8k_reward'\].*unique"):
         load_all_tools(clash_yaml, clash_py)
     dup = tmp_path / "dup.py"
@@ -390,16 +473,24 @@ def test_load_all_tools_errors(tmp_path):
     with pytest.raises(ConfigError, match="broken.py.*failed to run: ModuleNotFoundError"):
         load_function_tools_from_path(broken)
     mcp = tmp_path / "mcp.yaml"
-    mcp.write_text("tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    config: {type: mcp}\n")
-    with pytest.raises(ConfigError, match=r"mcp.yaml tools\[0\].*config.type 'mcp' is not supported"):
+    mcp.write_text(
+        "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    "
+        "config: {type: mcp}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"mcp.yaml tools\[0\].*config.type 'mcp' is not " r"supported"
+    ):
         load_all_tools(mcp)
 
 
-# ---------------------------------------------------------------- Gsm8kTool with verl's config and data
+# ---------------------------------------------------------------- Gsm8kTool with verl's config and
+# data
 
 
 @pytest.mark.parametrize("form", ["create_kwargs", "spread"])
-@pytest.mark.parametrize(("answer", "reward"), [("72", 1.0), ("#### 72", 1.0), ("71", 0.0), ("no idea", 0.0)])
+@pytest.mark.parametrize(
+    ("answer", "reward"), [("72", 1.0), ("#### 72", 1.0), ("71", 0.0), ("no idea", 0.0)]
+)
 def test_gsm8k_tool_with_verls_config_and_dataset_tools_kwargs(tmp_path, form, answer, reward):
     path = tmp_path / "gsm8k_tool_config.yaml"
     path.write_text(GSM8K_YAML)
@@ -429,15 +520,22 @@ class GradeInteraction(BaseInteraction):
 
 def test_interactions_are_named_as_verl_names_them(tmp_path):
     path = tmp_path / "interactions.yaml"
-    path.write_text(f"interaction:\n  - class_name: {__name__}.GradeInteraction\n    config: {{}}\n"
-                    f"  - name: second\n    class_name: {__name__}.GradeInteraction\n    config: {{k: 1}}\n")
+    path.write_text(
+        f"interaction:\n  - class_name: {__name__}.GradeInteraction\n    config: {{}}\n"
+        f"  - name: second\n    class_name: {__name__}.GradeInteraction\n    "
+        f"config: {{k: 1}}\n"
+    )
     interactions = initialize_interactions_from_config(path)
     assert list(interactions) == ["grade", "second"]
-    assert interactions["grade"].name == "grade" and interactions["second"].config == {"k": 1, "name": "second"}
+    assert interactions["grade"].name == "grade" and interactions["second"].config == {
+        "k": 1,
+        "name": "second",
+    }
     grade = interactions["grade"]
     instance_id = run(grade.start_interaction(None, ground_truth="1"))
     assert run(grade.generate_response(instance_id, [])) == (True, "ok", 1.0, {})
-    assert run(grade.calculate_score()) == 0.0 and run(grade.finalize_interaction()) is None  # verl's arities
+    # verl's arities
+    assert run(grade.calculate_score()) == 0.0 and run(grade.finalize_interaction()) is None
 
 
 # ---------------------------------------------------------------- gpt-oss helpers (verl 0.6.1)
@@ -445,26 +543,38 @@ def test_interactions_are_named_as_verl_names_them(tmp_path):
 
 def test_gpt_oss_tool_turn_text():
     one = format_gpt_oss_tool_response_manually("12 C", "get_weather")
-    assert one == "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>12 C<|end|>"
+    assert (
+        one == "<|start|>functions.get_weather "
+        "to=assistant<|channel|>commentary<|message|>12 C<|end|>"
+    )
     assert add_generation_prompt_for_gpt_oss(one) == one + "<|start|>assistant"
     messages = [{"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}]
     text = build_gpt_oss_tool_response_text(messages, ["f", "g"])
-    assert text == (format_gpt_oss_tool_response_manually("a", "f") + format_gpt_oss_tool_response_manually("b", "g")
-                    + "<|start|>assistant")
+    assert text == (
+        format_gpt_oss_tool_response_manually("a", "f")
+        + format_gpt_oss_tool_response_manually("b", "g")
+        + "<|start|>assistant"
+    )
     with pytest.raises(ConfigError, match="one name per message"):
         build_gpt_oss_tool_response_text(messages, ["f"])
 
 
-# ---------------------------------------------------------------- a verl-shaped tool turn on our tools
+# ---------------------------------------------------------------- a verl-shaped tool turn on our
+# tools
 
 
-async def verl_style_call(tool: Any, call: FunctionCall, tools_kwargs: dict[str, Any]) -> tuple[ToolResponse, float]:
-    """The contract verl 0.9.1's loop relies on: function tools are called, other tools go through their life cycle."""
+async def verl_style_call(
+    tool: Any, call: FunctionCall, tools_kwargs: dict[str, Any]
+) -> tuple[ToolResponse, float]:
+    """The contract verl 0.9.1's loop relies on: function tools are called, other tools go
+    through their life cycle."""
     args = json.loads(call.arguments)
     if isinstance(tool, FunctionTool):
         response, reward, _ = normalize_function_tool_return(await tool.call(args))
         return response, reward
-    instance_id, _ = await tool.create(create_kwargs=tools_kwargs.get(tool.name, {}).get("create_kwargs", {}))
+    instance_id, _ = await tool.create(
+        create_kwargs=tools_kwargs.get(tool.name, {}).get("create_kwargs", {})
+    )
     try:
         response, reward, _ = await tool.execute(instance_id, args, agent_data=SimpleNamespace())
     finally:

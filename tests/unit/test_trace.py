@@ -1,4 +1,5 @@
-"""Tracing: verl's rollout_trace_op / rollout_trace_attr on the jsonl recorder, and verl's simple_timer."""
+"""Tracing: verl's rollout_trace_op / rollout_trace_attr on the jsonl recorder, and verl's
+simple_timer."""
 
 from __future__ import annotations
 
@@ -66,12 +67,15 @@ def _jsonl(tmp_path, **kwargs):
 def test_trace_op_records_inputs_and_outputs(tmp_path):
     path = _jsonl(tmp_path)
     loop = _Loop()
-    out = asyncio.run(loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "hi"}]))
+    out = asyncio.run(
+        loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "hi"}])
+    )
     assert out.response_ids == [3] and trace.enabled()
     (span,) = _spans(path)
     assert span["name"] == "_Loop.run"
     assert span["inputs"] == {
-        "sampling_params": {"temperature": 1.0}, "raw_prompt": [{"role": "user", "content": "hi"}], "extra": None
+        "sampling_params": {"temperature": 1.0}, "raw_prompt": [{"role": "user", "content": "hi"}],
+        "extra": None,
     }
     assert span["outputs"]["prompt_ids"] == [1, 2] and span["outputs"]["status"] == "stop"
     assert span["end"] >= span["start"] and span["error"] is None and span["parent_id"] is None
@@ -94,7 +98,9 @@ def test_trace_attr_attaches_attributes_and_parent(tmp_path):
     loop = _Loop()
 
     async def one(i):
-        with rollout_trace_attr(step=3, sample_index=i, rollout_n=i % 2, validate=True, name="agent_loop"):
+        with rollout_trace_attr(
+            step=3, sample_index=i, rollout_n=i % 2, validate=True, name="agent_loop"
+        ):
             await asyncio.sleep(0)
             await loop.run({}, raw_prompt=[])
 
@@ -108,7 +114,9 @@ def test_trace_attr_attaches_attributes_and_parent(tmp_path):
     assert len(runs) == 3 and len(parents) == 3
     for span in runs:
         attrs = span["attrs"]
-        assert attrs["step"] == 3 and attrs["validate"] is True and attrs["experiment_name"] == "exp1"
+        assert (
+            attrs["step"] == 3 and attrs["validate"] is True and attrs["experiment_name"] == "exp1"
+        )
         assert attrs["rollout_n"] == attrs["sample_index"] % 2
         assert parents[span["parent_id"]]["attrs"]["sample_index"] == attrs["sample_index"]
 
@@ -128,7 +136,11 @@ def test_exception_is_recorded_and_reraised(tmp_path):
     with pytest.raises(ValueError, match="bad 7"):
         asyncio.run(_Loop().fail(7))
     (span,) = _spans(path)
-    assert span["inputs"] == {"x": 7} and span["error"] == "ValueError: bad 7" and span["outputs"] is None
+    assert (
+        span["inputs"] == {"x": 7}
+        and span["error"] == "ValueError: bad 7"
+        and span["outputs"] is None
+    )
 
 
 def test_sync_method_and_token2text(tmp_path):
@@ -144,15 +156,22 @@ def test_sync_method_and_token2text(tmp_path):
 def test_jsonl_values_are_json_safe_and_truncated(tmp_path):
     path = tmp_path / "t.jsonl"
     trace.configure("jsonl", path, max_list_items=4, max_str_chars=5)
-    inputs = {"ids": list(range(10)), "arr": np.arange(6), "obj": object(), 3: float("nan"), "s": "abcdefgh"}
-    trace.record_span("long_span_name", inputs=inputs, outputs=(1, 2), start=1.0, end=2.5, attrs={"k": {1, 2}})
+    inputs = {
+        "ids": list(range(10)), "arr": np.arange(6), "obj": object(), 3: float("nan"),
+        "s": "abcdefgh",
+    }
+    trace.record_span(
+        "long_span_name", inputs=inputs, outputs=(1, 2), start=1.0, end=2.5, attrs={"k": {1, 2}}
+    )
     (span,) = _spans(path)
     assert span["inputs"]["ids"] == [0, 1, 2, 3, "... (+6 more)"]
     assert span["inputs"]["arr"] == [0, 1, 2, 3, "... (+2 more)"]
     assert span["inputs"]["obj"].startswith("<obje... (+") and span["inputs"]["3"] == "nan"
     assert span["inputs"]["s"] == "abcde... (+3 more)"
     assert span["name"] == "long_span_name"  # limits apply to the payload only
-    assert span["outputs"] == [1, 2] and span["duration_s"] == 1.5 and span["attrs"] == {"k": [1, 2]}
+    assert (
+        span["outputs"] == [1, 2] and span["duration_s"] == 1.5 and span["attrs"] == {"k": [1, 2]}
+    )
 
 
 def test_trace_attributes_nest_and_reach_child_tasks(tmp_path):
@@ -186,7 +205,11 @@ def test_init_is_once_per_process_and_singleton(tmp_path):
     _jsonl(tmp_path, max_samples_per_step_per_worker=2)
     RolloutTraceConfig.init("other", "exp2", None)  # ignored, as in verl
     config = RolloutTraceConfig.get_instance()
-    assert config is RolloutTraceConfig() and config.backend == "jsonl" and config.experiment_name == "exp1"
+    assert (
+        config is RolloutTraceConfig()
+        and config.backend == "jsonl"
+        and config.experiment_name == "exp1"
+    )
     assert config.max_samples_per_step_per_worker == 2 and RolloutTraceConfig.get_client() is None
 
 

@@ -1,5 +1,6 @@
-"""Rollout traces of a tool_agent sample (fake engine, tiny tokenizer): one span per generate call, per tool
-call and per interaction turn, all carrying the sample's attributes; ``token2text`` adds the decoded text."""
+"""Rollout traces of a tool_agent sample (fake engine, tiny tokenizer): one span per generate call,
+per tool call and per interaction turn, all carrying the sample's attributes; ``token2text`` adds
+the decoded text."""
 
 from __future__ import annotations
 
@@ -50,9 +51,13 @@ def run_sample(tok, tmp_path, backend: str, target: str):
         async def go():
             ToolAgentLoop.init_class(rollout, tok)
             loop = ToolAgentLoop(rollout, AsyncLLMServerManager([server]), tok)
-            with rollout_trace_attr(step=3, sample_index=7, rollout_n=0, validate=False, name="agent_loop"):
-                return await loop.run({}, raw_prompt=[{"role": "user", "content": "What is 2 + 3?"}],
-                                      extra_info={"interaction_kwargs": {"name": "grader", "ground_truth": "5"}})
+            with rollout_trace_attr(
+                step=3, sample_index=7, rollout_n=0, validate=False, name="agent_loop"
+            ):
+                return await loop.run(
+                    {}, raw_prompt=[{"role": "user", "content": "What is 2 + 3?"}],
+                    extra_info={"interaction_kwargs": {"name": "grader", "ground_truth": "5"}},
+                )
 
         asyncio.run(go())
     finally:
@@ -69,14 +74,23 @@ def test_a_tool_agent_sample_gives_generate_tool_and_interaction_spans(tok, tmp_
     for s in spans:
         by_name.setdefault(s["name"], []).append(s)
     assert len(by_name["generate"]) == 3 == len(server.calls)  # one span per engine call
-    assert len(by_name["tool"]) == 2 and len(by_name["interaction"]) == 1 and len(by_name["agent_loop"]) == 1
+    assert (
+        len(by_name["tool"]) == 2
+        and len(by_name["interaction"]) == 1
+        and len(by_name["agent_loop"]) == 1
+    )
     first = by_name["generate"][0]
     assert first["inputs"]["prompt_tokens"] == len(server.calls[0]["prompt_ids"])
     assert first["outputs"]["response_tokens"] == len(script[0])
-    assert first["outputs"]["response_text"] == tok.decode(script[0], skip_special_tokens=False)  # token2text
+    # token2text
+    assert first["outputs"]["response_text"] == tok.decode(script[0], skip_special_tokens=False)
     ok, failed = by_name["tool"]
-    assert json.loads(ok["inputs"]["arguments"]) == {"expression": "2 + 3"} and ok["outputs"]["result"] == "5"
-    assert ok["error"] is None and "zero" in failed["outputs"]["result"].lower()  # the tool answered with an error
+    assert (
+        json.loads(ok["inputs"]["arguments"]) == {"expression": "2 + 3"}
+        and ok["outputs"]["result"] == "5"
+    )
+    # the tool answered with an error
+    assert ok["error"] is None and "zero" in failed["outputs"]["result"].lower()
     assert by_name["interaction"][0]["outputs"]["score"] == 1.0
     root = by_name["agent_loop"][0]["span_id"]
     for s in spans:  # every span belongs to the sample's trace
@@ -93,6 +107,8 @@ def test_the_mlflow_backend_writes_one_trace_per_sample_readable_by_search_trace
     traces = mlflow.search_traces(experiment_ids=[experiment.experiment_id], return_type="list")
     assert len(traces) == 1
     names = sorted(span.name for span in traces[0].data.spans)
-    assert names == ["agent_loop", "generate", "generate", "generate", "interaction", "tool", "tool"]
+    assert names == [
+        "agent_loop", "generate", "generate", "generate", "interaction", "tool", "tool",
+    ]
     generate = [span for span in traces[0].data.spans if span.name == "generate"]
     assert generate[0].outputs["response_text"] == tok.decode(script[0], skip_special_tokens=False)

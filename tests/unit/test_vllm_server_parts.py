@@ -1,6 +1,6 @@
-"""VLLMServer's parts (pause gate, batcher, keep-mode in-flight update, weight loading) against a contract fake of
-vLLM's ``AsyncLLM`` (no engine process, no model): the server-side protocol the router relies on.  The real engine
-runs in tests/integration/test_vllm_partial_rollout.py."""
+"""VLLMServer's parts (pause gate, batcher, keep-mode in-flight update, weight loading) against a
+contract fake of vLLM's ``AsyncLLM`` (no engine process, no model): the server-side protocol the
+router relies on. The real engine runs in tests/integration/test_vllm_partial_rollout.py."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ STEP = 0.01
 
 
 class FakeAsyncLLM:
-    """The ``AsyncLLM`` calls VLLMServer makes: generate (FINAL_ONLY or DELTA outputs), pause_generation
-    (abort / wait / keep), resume_generation, abort, reset_prefix_cache, collective_rpc and, with ``counts``, the
-    output processor's per-request token counts.  The next token is the previous one + 1."""
+    """The ``AsyncLLM`` calls VLLMServer makes: generate (FINAL_ONLY or DELTA outputs),
+    pause_generation (abort / wait / keep), resume_generation, abort, reset_prefix_cache,
+    collective_rpc and, with ``counts``, the output processor's per-request token counts.  The next
+    token is the previous one + 1."""
 
     def __init__(self, counts: bool = True) -> None:
         self.model_config = SimpleNamespace(hf_config=SimpleNamespace(), is_multimodal_model=False)
@@ -40,9 +41,13 @@ class FakeAsyncLLM:
     async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> Any:
         ids: list[int] = []
         self.running[request_id] = ids
-        states = getattr(self, "output_processor", SimpleNamespace(request_states={})).request_states
-        states[request_id] = SimpleNamespace(request_id=request_id, external_req_id=request_id,
-                                             detokenizer=SimpleNamespace(num_output_tokens=lambda: len(ids)))
+        states = getattr(
+            self, "output_processor", SimpleNamespace(request_states={})
+        ).request_states
+        states[request_id] = SimpleNamespace(
+            request_id=request_id, external_req_id=request_id,
+            detokenizer=SimpleNamespace(num_output_tokens=lambda: len(ids)),
+        )
         delta = params.output_kind.name == "DELTA"
         try:
             while len(ids) < params.max_tokens and request_id not in self.aborted:
@@ -90,13 +95,18 @@ class FakeAsyncLLM:
 
 def _out(ids: list[int], reason: str | None, finished: bool) -> Any:
     logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(ids), logprobs=logprobs, finish_reason=reason)],
-                           finished=finished, num_preemptions=0)
+    return SimpleNamespace(
+        outputs=[SimpleNamespace(token_ids=list(ids), logprobs=logprobs, finish_reason=reason)],
+        finished=finished, num_preemptions=0,
+    )
 
 
 def server(mode: str = "drain", counts: bool = True) -> tuple[VLLMServer, FakeAsyncLLM]:
-    """A VLLMServer on the fake engine, as start() leaves it with the weight-sync extension loaded."""
-    rollout = OmegaConf.create({"prompt_length": 16, "response_length": 40, "server": {"weight_update": mode}})
+    """A VLLMServer on the fake engine, as start() leaves it with the weight-sync extension
+    loaded."""
+    rollout = OmegaConf.create(
+        {"prompt_length": 16, "response_length": 40, "server": {"weight_update": mode}}
+    )
     s = VLLMServer.from_slices(rollout, OmegaConf.create({"path": "unused"}))
     s.engine = FakeAsyncLLM(counts)
     s.weights.transport = "direct"
@@ -117,7 +127,10 @@ def test_a_generation_carries_the_version_and_no_control_signals():
         assert isinstance(s.weights, WeightLoader)
         out = await s.generate([1, 2, 3], PARAMS, "r")
         assert out.token_ids == list(range(4, 24)) and out.stop_reason == StopReason.LENGTH
-        assert out.log_probs == [-0.5] * 20 and out.extra_fields == {"server_index": 0, "global_steps": 0}
+        assert out.log_probs == [-0.5] * 20 and out.extra_fields == {
+            "server_index": 0,
+            "global_steps": 0,
+        }
         assert not out.preempted_by_pause and not out.cut_by_update and out.max_tokens is None
 
     run(main())
@@ -152,7 +165,11 @@ def test_a_callers_own_abort_is_not_tagged():
         await asyncio.sleep(STEP * 5)
         await s.abort("mine")
         out = await task
-        assert out.stop_reason == StopReason.ABORTED and not out.preempted_by_pause and out.max_tokens is None
+        assert (
+            out.stop_reason == StopReason.ABORTED
+            and not out.preempted_by_pause
+            and out.max_tokens is None
+        )
 
     run(main())
 
@@ -181,7 +198,10 @@ def test_a_stream_cut_by_a_pause_ends_with_the_signals_on_its_last_chunk():
 def test_generate_batch_streams_every_result_back():
     async def main() -> list[Any]:
         s, _ = server()
-        requests = [{"prompt_ids": [i], "sampling_params": {"max_tokens": 2}, "request_id": f"b{i}"} for i in range(3)]
+        requests = [
+            {"prompt_ids": [i], "sampling_params": {"max_tokens": 2}, "request_id": f"b{i}"}
+            for i in range(3)
+        ]
         return [item async for group in s.generate_batch(requests) for item in group]
 
     got = sorted(run(main()), key=lambda x: x[0])
@@ -199,7 +219,10 @@ def test_a_drain_update_waits_for_the_running_request_and_publishes_the_version(
         result = await s.finish_weight_update()
         assert result["version"] == 1 and result["transport"] == "direct" and result["tensors"] == 1
         assert s.global_steps == 1 and s.weights.open is None
-        assert engine.rpcs[0] == "agentloop_begin_weight_update" and engine.rpcs[-1] == "agentloop_finish_weight_update"
+        assert (
+            engine.rpcs[0] == "agentloop_begin_weight_update"
+            and engine.rpcs[-1] == "agentloop_finish_weight_update"
+        )
         assert engine.calls == ["pause:wait", "reset_prefix_cache", "resume"]
         assert (await s.generate([1], {"max_tokens": 1}, "next")).extra_fields["global_steps"] == 1
 
@@ -216,9 +239,16 @@ def test_a_keep_update_lands_mid_generation_and_each_token_knows_its_version(cou
         await s.update_weights({"w": _tensor()}, global_steps=5)
         out = await task
         versions = out.extra_fields["weight_versions"]
-        assert out.token_ids == list(range(2, 22)) and len(versions) == 20 and versions == sorted(versions)
+        assert (
+            out.token_ids == list(range(2, 22))
+            and len(versions) == 20
+            and versions == sorted(versions)
+        )
         assert versions[0] == 0 and versions[-1] == 5
-        assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (0, 5)
+        assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (
+            0,
+            5,
+        )
         assert engine.calls == ["pause:keep", "resume"] and s.inflight.switches == {}
 
     run(main())
@@ -246,9 +276,16 @@ def test_weight_update_refusals_keep_their_messages():
                                      OmegaConf.create({"path": "x"}))
     with pytest.raises(ServerError, match="is not started"):
         run(stopped.begin_weight_update())
-    with pytest.raises(ConfigError, match=r"server.weight_update=\"x\" \(str\): expected null, abort, drain or keep"):
-        VLLMServer.from_slices(OmegaConf.create({"prompt_length": 4, "response_length": 4,
-                                                 "server": {"weight_update": "x"}}), OmegaConf.create({"path": "x"}))
+    with pytest.raises(
+        ConfigError,
+        match=r"server.weight_update=\"x\" \(str\): expected " r"null, abort, drain or keep",
+    ):
+        VLLMServer.from_slices(
+            OmegaConf.create(
+                {"prompt_length": 4, "response_length": 4, "server": {"weight_update": "x"}}
+            ),
+            OmegaConf.create({"path": "x"}),
+        )
 
 
 def _tensor() -> Any:

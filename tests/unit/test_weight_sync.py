@@ -1,5 +1,6 @@
-"""Weight sync without an engine: bucketing, the manager's streaming protocol against ScriptedServers, and
-weight versions on outputs and trajectories (no Ray: actor calls are run in-process)."""
+"""Weight sync without an engine: bucketing, the manager's streaming protocol against
+ScriptedServers, and weight versions on outputs and trajectories (no Ray: actor calls are run
+in-process)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ TOK = FakeTokenizer()
 
 
 def small_tensors(n: int, numel: int = 1000) -> dict[str, torch.Tensor]:
-    return {f"layer.{i}.weight": torch.full((numel,), float(i)) for i in range(n)}  # 4000 bytes each
+    # 4000 bytes each
+    return {f"layer.{i}.weight": torch.full((numel,), float(i)) for i in range(n)}
 
 
-# -- bucketing ------------------------------------------------------------------------------------------
+# -- bucketing
+# ------------------------------------------------------------------------------------------
 
 
 def test_many_small_tensors_fill_buckets_in_order():
@@ -56,7 +59,10 @@ def test_many_small_tensors_fill_buckets_in_order():
 
 
 def test_a_tensor_bigger_than_the_bucket_travels_alone():
-    weights = {"a": torch.zeros(10), "huge": torch.ones(10_000), "b": torch.zeros(10), "c": torch.zeros(10)}
+    weights = {
+        "a": torch.zeros(10), "huge": torch.ones(10_000), "b": torch.zeros(10),
+        "c": torch.zeros(10),
+    }
     buckets = list(iter_buckets(weights, bucket_bytes=1_000))
     assert [b.names for b in buckets] == [["a"], ["huge"], ["b", "c"]]
     assert buckets[1].nbytes == 40_000
@@ -72,15 +78,17 @@ def test_iterator_input_is_read_lazily():
 
     buckets = iter_buckets(stream(), bucket_bytes=8_000)
     first = next(buckets)
-    assert first.names == ["layer.0.weight", "layer.1.weight"] and len(seen) == 3  # one tensor read ahead
+    # one tensor read ahead
+    assert first.names == ["layer.0.weight", "layer.1.weight"] and len(seen) == 3
     assert [len(b) for b in buckets] == [2, 2]
 
 
 def test_bucket_keeps_every_dtype_and_shape_exactly_through_pickle_and_wire():
     weights = {
-        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f32": torch.randn(2, 3, 4), "i64": torch.arange(7),
-        "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
-        "strided": torch.randn(4, 6).t(), "grad": torch.randn(3, requires_grad=True),
+        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f32": torch.randn(2, 3, 4),
+        "i64": torch.arange(7), "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6).t(),
+        "grad": torch.randn(3, requires_grad=True),
     }
     (bucket,) = iter_buckets(weights, bucket_bytes=MIB)
     restored = pickle.loads(pickle.dumps(bucket))  # what the object store does
@@ -93,9 +101,12 @@ def test_bucket_keeps_every_dtype_and_shape_exactly_through_pickle_and_wire():
 
 
 def test_shared_bucket_round_trips_through_a_mapping_and_unlinks(monkeypatch, tmp_path):
-    weights = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.arange(5), "empty": torch.zeros(0)}
+    weights = {
+        "a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.arange(5), "empty": torch.zeros(0),
+    }
     (bucket,) = iter_buckets(weights, MIB)
-    monkeypatch.setattr(SharedBucket, "SHM_DIR", str(tmp_path))  # a plain directory maps the same way
+    # a plain directory maps the same way
+    monkeypatch.setattr(SharedBucket, "SHM_DIR", str(tmp_path))
     shared = SharedBucket.create(bucket)
     assert shared is not None and shared.size == bucket.nbytes
     restored = dict(shared_tensors(shared.path, shared.size, shared.layout))
@@ -124,7 +135,8 @@ def test_tied_lm_head_is_an_alias_of_the_embeddings_only_when_missing():
     assert tied_aliases(both, True) == {}
 
 
-# -- the manager's streaming protocol ----------------------------------------------------------------------
+# -- the manager's streaming protocol
+# ----------------------------------------------------------------------
 
 
 class _Result:
@@ -141,7 +153,8 @@ class _Result:
 
 
 class LocalHandle:
-    """Actor-handle shape over an in-process server: ``h.method.remote(...)`` runs the coroutine at once."""
+    """Actor-handle shape over an in-process server: ``h.method.remote(...)`` runs the coroutine
+    at once."""
 
     def __init__(self, server: ScriptedServer) -> None:
         self.server = server
@@ -164,7 +177,8 @@ def fake_ray(monkeypatch):
 
     monkeypatch.setattr(ray, "put", put)
     monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))  # all answered
+    # all answered
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))
     return puts
 
 
@@ -172,9 +186,12 @@ from agentloop.cluster.placement import ServerGroup  # noqa: E402
 from agentloop.cluster.supervisor import ServerSupervisor  # noqa: E402
 
 
-def make_manager(servers: list[ScriptedServer], sleeping: bool = False, mode: str = "drain") -> WeightSync:
-    """The manager's weight-sync component (what ``manager.update_weights`` / ``pause`` / ``resume`` /
-    ``set_weight_update`` delegate to), over in-process servers; ``sleeping``: its wake-up hook wakes them."""
+def make_manager(
+    servers: list[ScriptedServer], sleeping: bool = False, mode: str = "drain"
+) -> WeightSync:
+    """The manager's weight-sync component (what ``manager.update_weights`` / ``pause`` / ``resume``
+    / ``set_weight_update`` delegate to), over in-process servers; ``sleeping``: its wake-up hook
+    wakes them."""
     handles = [LocalHandle(s) for s in servers]
     supervisor = ServerSupervisor(ServerGroup(handles, None, "cpu", []), None, lambda i, h: None)
     asleep = [sleeping]
@@ -195,7 +212,9 @@ def test_buckets_are_put_once_and_shared_by_every_server(fake_ray):
     assert [b.names for b in fake_ray] == [list(weights)[i:i + 2] for i in range(0, 7, 2)]
     for s in servers:
         assert s.buckets == [b.names for b in fake_ray]
-        assert s.lifecycle == ["begin_weight_update", "finish_weight_update"] and s.global_steps == 1
+        assert (
+            s.lifecycle == ["begin_weight_update", "finish_weight_update"] and s.global_steps == 1
+        )
         assert all(torch.equal(s.weights[k], v) for k, v in weights.items())
 
 
@@ -242,7 +261,9 @@ def test_a_server_that_cannot_open_the_update_leaves_none_open(fake_ray):
     bad.begin_weight_update = refuse  # type: ignore[method-assign]
     with pytest.raises(ServerError, match="engine gone"):
         make_manager([good, bad]).update(small_tensors(1))
-    assert good.lifecycle == ["begin_weight_update", "abort_weight_update"] and good.global_steps == 0
+    assert (
+        good.lifecycle == ["begin_weight_update", "abort_weight_update"] and good.global_steps == 0
+    )
 
 
 def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fails(fake_ray):
@@ -250,7 +271,10 @@ def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fai
     manager = make_manager(servers, mode="abort")
     assert manager.update(small_tensors(2)) == 1
     for s in servers:
-        assert s.lifecycle == ["pause", "begin_weight_update", "finish_weight_update", "resume"] and not s.paused
+        assert (
+            s.lifecycle == ["pause", "begin_weight_update", "finish_weight_update", "resume"]
+            and not s.paused
+        )
 
     async def broken(bucket: WeightBucket) -> None:
         raise ServerError("no such parameter")
@@ -258,11 +282,16 @@ def test_an_abort_update_cuts_what_runs_first_and_resumes_after_also_when_it_fai
     servers[1].load_weight_bucket = broken  # type: ignore[method-assign]
     with pytest.raises(ServerError, match="no such parameter"):
         manager.update(small_tensors(1))
-    assert servers[0].lifecycle[-2:] == servers[1].lifecycle[-2:] == ["abort_weight_update", "resume"]
-    assert not any(s.paused for s in servers)  # a failed update never leaves the servers holding requests
+    assert (
+        servers[0].lifecycle[-2:] == servers[1].lifecycle[-2:] == ["abort_weight_update", "resume"]
+    )
+    # a failed update never leaves the servers holding requests
+    assert not any(s.paused for s in servers)
 
 
-def test_a_server_whose_pause_takes_no_for_update_gets_a_clear_error_and_none_stays_paused(fake_ray):
+def test_a_server_whose_pause_takes_no_for_update_gets_a_clear_error_and_none_stays_paused(
+    fake_ray,
+):
     class OldProtocol(ScriptedServer):
         async def pause(self) -> int:  # type: ignore[override]  # a server class written before for_update
             return await super().pause()
@@ -279,13 +308,17 @@ def test_an_update_inside_the_callers_own_pause_leaves_the_resume_to_the_caller(
     manager = make_manager([server], mode="abort")
     manager.pause()
     manager.update(small_tensors(1))
-    assert server.lifecycle == ["pause", "begin_weight_update", "finish_weight_update"] and server.paused
+    assert (
+        server.lifecycle == ["pause", "begin_weight_update", "finish_weight_update"]
+        and server.paused
+    )
     manager.resume()
     assert not server.paused
     manager.set_mode("drain")
     assert server.weight_update == "drain"
     manager.update(small_tensors(1))
-    assert server.lifecycle[-2:] == ["begin_weight_update", "finish_weight_update"]  # drain: no pause
+    # drain: no pause
+    assert server.lifecycle[-2:] == ["begin_weight_update", "finish_weight_update"]
     with pytest.raises(ValueError, match="abort, drain, keep"):
         manager.set_mode("wait")
 
@@ -297,7 +330,8 @@ def test_whole_dict_path_kept_for_comparison(fake_ray):
     assert len(fake_ray) == 1 and server.counts["update_weights"] == 1 and server.global_steps == 4
 
 
-# -- versions on outputs and trajectories ------------------------------------------------------------------
+# -- versions on outputs and trajectories
+# ------------------------------------------------------------------
 
 
 def test_scripted_server_versions_its_replies():
@@ -318,12 +352,19 @@ def test_scripted_server_versions_its_replies():
 def test_router_sets_min_and_max_only_when_the_server_reports_a_version():
     mgr = AsyncLLMServerManager([ScriptedServer()])
     out = asyncio.run(mgr.generate("r", prompt_ids=[1], sampling_params={}))
-    assert out.extra_fields == {"global_steps": 0, "server_index": 0, "min_global_steps": 0, "max_global_steps": 0}
+    assert out.extra_fields == {
+        "global_steps": 0, "server_index": 0, "min_global_steps": 0, "max_global_steps": 0,
+    }
     bare = AsyncLLMServerManager([ScriptedServer([TokenOutput(token_ids=[1])])])
-    assert "min_global_steps" not in asyncio.run(bare.generate("r", prompt_ids=[1], sampling_params={})).extra_fields
+    assert (
+        "min_global_steps"
+        not in asyncio.run(bare.generate("r", prompt_ids=[1], sampling_params={})).extra_fields
+    )
 
     async def stream() -> dict[str, Any]:
-        return [d async for d in mgr.generate_stream("s", prompt_ids=[1, 2], sampling_params={})][-1].extra_fields
+        return [d async for d in mgr.generate_stream("s", prompt_ids=[1, 2], sampling_params={})][
+            -1
+        ].extra_fields
 
     assert asyncio.run(stream())["max_global_steps"] == 0
 
@@ -358,7 +399,9 @@ def test_tool_agent_trajectory_spans_the_versions_of_its_turns(tmp_path):
     async def go() -> Any:
         ToolAgentLoop.init_class(rollout, TOK)
         loop = ToolAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
-        return await loop.run({"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "What is 2 + 3?"}])
+        return await loop.run(
+            {"temperature": 1.0}, raw_prompt=[{"role": "user", "content": "What is 2 + 3?"}]
+        )
 
     out = asyncio.run(go())
     assert out.status == "stop" and out.num_turns == 4
@@ -367,7 +410,9 @@ def test_tool_agent_trajectory_spans_the_versions_of_its_turns(tmp_path):
 
 def test_rows_carry_the_version_of_the_batch_they_were_generated_in():
     server = ScriptedServer(lambda ids, params, rid: [70, 71, IM_END], eos_token_id=IM_END)
-    worker = AgentLoopWorker.from_slices(rollout_cfg(), OmegaConf.create({"path": "unused"}), [server], tokenizer=TOK)
+    worker = AgentLoopWorker.from_slices(
+        rollout_cfg(), OmegaConf.create({"path": "unused"}), [server], tokenizer=TOK
+    )
     prompts = np.empty(2, dtype=object)
     prompts[:] = [[{"role": "user", "content": f"question {i}"}] for i in range(2)]
     batch = DataProto(batch=None, non_tensor_batch={"raw_prompt": prompts}, meta_info={})
@@ -381,11 +426,17 @@ def test_rows_carry_the_version_of_the_batch_they_were_generated_in():
     first, second = asyncio.run(two_batches())
     for out, version in ((first, 0), (second, 5)):
         nt = out.non_tensor_batch
-        assert nt["min_global_steps"].tolist() == [version] * 2 and nt["max_global_steps"].tolist() == [version] * 2
+        assert (
+            nt["min_global_steps"].tolist() == [version] * 2
+            and nt["max_global_steps"].tolist() == [version] * 2
+        )
 
 
 def test_single_turn_records_none_when_the_server_has_no_version():
     server = ScriptedServer([TokenOutput(token_ids=[1])])
     loop = SingleTurnAgentLoop(rollout_cfg(), AsyncLLMServerManager([server]), TOK)
     out = asyncio.run(loop.run({}, raw_prompt=[{"role": "user", "content": "hi"}]))
-    assert out.extra_fields["min_global_steps"] is None and out.extra_fields["max_global_steps"] is None
+    assert (
+        out.extra_fields["min_global_steps"] is None
+        and out.extra_fields["max_global_steps"] is None
+    )

@@ -42,8 +42,10 @@ def make_batch(n: int, agent_names: list[str] | None = None) -> DataProto:
 
 
 def make_worker(server: Any, registry=None, **over: Any) -> AgentLoopWorker:
-    return AgentLoopWorker.from_slices(rollout_cfg(**over), OmegaConf.create({"path": "unused"}), [server],
-                                       registry=registry, tokenizer=FakeTokenizer())
+    return AgentLoopWorker.from_slices(
+        rollout_cfg(**over), OmegaConf.create({"path": "unused"}), [server], registry=registry,
+        tokenizer=FakeTokenizer(),
+    )
 
 
 def run(coro):
@@ -102,7 +104,9 @@ def test_unknown_agent_name_lists_registered_names():
 
 def test_missing_raw_prompt_column_is_named():
     worker = make_worker(ScriptedServer(eos_token_id=IM_END))
-    batch = DataProto(batch=None, non_tensor_batch={"uid": np.array(["a"], dtype=object)}, meta_info={})
+    batch = DataProto(
+        batch=None, non_tensor_batch={"uid": np.array(["a"], dtype=object)}, meta_info={}
+    )
     with pytest.raises(DatasetError, match="raw_prompt"):
         run(worker.generate_sequences(batch))
 
@@ -112,7 +116,8 @@ class TwoTrajectoryLoop(AgentLoopBase):
         outs = []
         for k in range(2):
             o = await self.server_manager.generate(
-                request_id=f"{kwargs['uid']}-{k}", prompt_ids=[5, 6, 7], sampling_params=sampling_params
+                request_id=f"{kwargs['uid']}-{k}", prompt_ids=[5, 6, 7],
+                sampling_params=sampling_params,
             )
             outs.append(AgentLoopOutput(prompt_ids=[5, 6, 7], response_ids=o.token_ids,
                                         response_mask=[1] * len(o.token_ids), num_turns=2))
@@ -122,7 +127,9 @@ class TwoTrajectoryLoop(AgentLoopBase):
 def test_multi_trajectory_rows_keep_sample_fields():
     registry = resolve_registry()
     registry["two"] = ResolvedAgentLoop(name="two", cls=TwoTrajectoryLoop)
-    worker = make_worker(ScriptedServer(lambda ids, p, rid: [80, IM_END], eos_token_id=IM_END), registry=registry)
+    worker = make_worker(
+        ScriptedServer(lambda ids, p, rid: [80, IM_END], eos_token_id=IM_END), registry=registry
+    )
     out = run(worker.generate_sequences(make_batch(3, ["two", "single_turn_agent", "two"])))
     assert len(out) == 5
     assert list(out.non_tensor_batch["uid"]) == ["u0", "u0", "u1", "u2", "u2"]
@@ -143,7 +150,9 @@ def test_prompt_truncation_left_counted_or_error():
 
 def test_sample_timeout_becomes_status():
     server = ScriptedServer(lambda ids, p, rid: [70, IM_END], eos_token_id=IM_END, delay=0.5)
-    out = run(make_worker(server, **{"agent.sample_timeout": 0.05}).generate_sequences(make_batch(2)))
+    out = run(
+        make_worker(server, **{"agent.sample_timeout": 0.05}).generate_sequences(make_batch(2))
+    )
     assert list(out.non_tensor_batch["status"]) == ["timeout", "timeout"]
 
 
@@ -153,7 +162,10 @@ def test_register_decorator_and_yaml_registry(tmp_path):
         pass
 
     cfg_file = tmp_path / "agents.yaml"
-    cfg_file.write_text("- name: yaml_agent\n  _target_: agentloop.loops.single_turn.SingleTurnAgentLoop\n  foo: 1\n")
+    cfg_file.write_text(
+        "- name: yaml_agent\n  _target_: "
+        "agentloop.loops.single_turn.SingleTurnAgentLoop\n  foo: 1\n"
+    )
     reg = resolve_registry(str(cfg_file))
     assert reg["unit_custom_agent"].cls is Custom
     assert reg["yaml_agent"].kwargs == {"foo": 1}
@@ -204,29 +216,41 @@ class NapLoop(AgentLoopBase):
         await asyncio.sleep(float(kwargs["raw_prompt"][0]["content"].split()[-1]))
         o = await self.server_manager.generate(request_id=kwargs["uid"], prompt_ids=[5, 6, 7],
                                                sampling_params=sampling_params)
-        return AgentLoopOutput(prompt_ids=[5, 6, 7], response_ids=o.token_ids, response_mask=[1] * len(o.token_ids))
+        return AgentLoopOutput(
+            prompt_ids=[5, 6, 7], response_ids=o.token_ids, response_mask=[1] * len(o.token_ids)
+        )
 
 
 def nap_batch(seconds: list[float]) -> DataProto:
     batch = make_batch(len(seconds), ["nap"] * len(seconds))
-    batch.non_tensor_batch["raw_prompt"][:] = [[{"role": "user", "content": f"nap {s}"}] for s in seconds]
+    batch.non_tensor_batch["raw_prompt"][:] = [
+        [{"role": "user", "content": f"nap {s}"}] for s in seconds
+    ]
     return batch
 
 
 def nap_worker() -> AgentLoopWorker:
     registry = resolve_registry()
     registry["nap"] = ResolvedAgentLoop(name="nap", cls=NapLoop)
-    return make_worker(ScriptedServer(lambda ids, p, rid: [80, IM_END], eos_token_id=IM_END), registry=registry)
+    return make_worker(
+        ScriptedServer(lambda ids, p, rid: [80, IM_END], eos_token_id=IM_END), registry=registry
+    )
 
 
 def test_the_stream_yields_each_group_when_done_with_its_stats():
     worker = nap_worker()
 
     async def go() -> list[Any]:
-        return [x async for x in worker.generate_sequences_stream(nap_batch([0.3, 0.3, 0.0, 0.0, 0.1]), [0, 2, 4, 5])]
+        return [
+            x
+            async for x in worker.generate_sequences_stream(
+                nap_batch([0.3, 0.3, 0.0, 0.0, 0.1]), [0, 2, 4, 5]
+            )
+        ]
 
     got = run(go())
-    assert [g for g, _, _ in got] == [3, 1, 2, 0]  # the empty group at once, then in completion order
+    # the empty group at once, then in completion order
+    assert [g for g, _, _ in got] == [3, 1, 2, 0]
     sizes = {g: len(rows) for g, rows, _ in got}
     assert sizes == {0: 2, 1: 2, 2: 1, 3: 0}
     for _, rows, stats in got:
@@ -240,4 +264,5 @@ def test_a_batch_deadline_turns_the_samples_still_running_into_timeout_rows():
     out = run(worker.generate_sequences(nap_batch([0.0, 30.0, 0.0]), timeout=0.5))
     assert list(out.non_tensor_batch["status"]) == ["stop", "timeout", "stop"]
     assert "agent.batch_timeout" in out.non_tensor_batch["error"][1]
-    assert len(out.meta_info["metrics"]) == 3  # in-process, the rows carry their metrics as verl's layout does
+    # in-process, the rows carry their metrics as verl's layout does
+    assert len(out.meta_info["metrics"]) == 3

@@ -1,8 +1,9 @@
-"""The gateway's wire formats (dialects), by name; the app serves each on ``POST /sessions/{id}/v1{path}``.
+"""The gateway's wire formats (dialects), by name; the app serves each on
+``POST /sessions/{id}/v1{path}``.
 
-Adding a dialect is one import line and one entry in :data:`DIALECTS`.  A dialect module must not import
-:mod:`agentloop.gateway.service` or :mod:`agentloop.gateway.app` (they import this package).  Spec:
-docs/gateway.md#dialects.
+Adding a dialect is one import line and one entry in :data:`DIALECTS`.  A dialect module must not
+import :mod:`agentloop.gateway.service` or :mod:`agentloop.gateway.app` (they import this package).
+Spec: docs/gateway.md#dialects.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from agentloop.gateway.dialects.messages import DIALECT as MESSAGES
 from agentloop.gateway.dialects.responses import DIALECT as RESPONSES
 
 DIALECTS: dict[str, Dialect] = {
-    CHAT.name: CHAT,
-    RESPONSES.name: RESPONSES,
-    MESSAGES.name: MESSAGES,
+    CHAT.name: CHAT, RESPONSES.name: RESPONSES, MESSAGES.name: MESSAGES,
 }
 """Every served dialect, by name."""
 
@@ -25,8 +24,10 @@ _SESSION_ROUTE = re.compile(r"^/sessions/[^/]+/v1(?:/v1)?(?P<rest>/.*)$")
 
 
 def dialect_for_path(path: str) -> Dialect | None:
-    """The dialect whose session route ``path`` is (its ``count_tokens`` route and the ``/v1/v1`` alias
-    included), e.g. ``/sessions/s1/v1/messages`` -> the Messages dialect; None for any other path."""
+    """The dialect whose session route ``path`` is (its ``count_tokens`` route and the ``/v1/v1``
+    alias included), e.g. ``/sessions/s1/v1/messages`` -> the Messages dialect; None for any other
+    path.
+    """
     match = _SESSION_ROUTE.match(path)
     if match is None:
         return None

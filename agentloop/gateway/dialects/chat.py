@@ -1,9 +1,9 @@
 """The OpenAI chat-completions dialect (``POST /sessions/{id}/v1/chat/completions``).
 
-Parse is :func:`~agentloop.gateway.protocol.parse_chat_request` (chat messages are already the canonical
-form); the reply is a ``chat.completion`` object, or ``chat.completion.chunk`` server-sent events ending with
-``data: [DONE]``; errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``).  Spec:
-docs/gateway.md#dialects.
+Parse is :func:`~agentloop.gateway.protocol.parse_chat_request` (chat messages are already the
+canonical form); the reply is a ``chat.completion`` object, or ``chat.completion.chunk`` server-sent
+events ending with ``data: [DONE]``; errors are OpenAI-shaped
+(``{"error": {"message", "type", "param", "code"}}``). Spec: docs/gateway.md#dialects.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ _MESSAGE_SCHEMA = {
     "required": ["role"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {"type": "object"}}]},
+        "content": {
+            "anyOf": [
+                {"type": "string"}, {"type": "null"},
+                {"type": "array", "items": {"type": "object"}},
+            ]
+        },
         "name": {"type": "string"},
         "tool_call_id": {"type": "string"},
         "tool_calls": {"type": "array", "items": {"type": "object"}},
@@ -58,11 +63,12 @@ def render(result: TurnResult, request: TurnRequest, state: dict[str, Any]) -> d
     )
 
 
-async def render_stream(events: AsyncIterator[TurnEvent], request: TurnRequest, state: dict[str, Any]
-                        ) -> AsyncIterator[str]:
-    """``chat.completion.chunk`` events: the role chunk, content (and ``reasoning_content``) deltas, the tool
-    calls and finish reason, the usage chunk when ``stream_options.include_usage``, ``[DONE]``.  An error
-    from ``events`` is sent as one OpenAI error event (no ``[DONE]``)."""
+async def render_stream(
+    events: AsyncIterator[TurnEvent], request: TurnRequest, state: dict[str, Any]
+) -> AsyncIterator[str]:
+    """``chat.completion.chunk`` events: the role chunk, content (and ``reasoning_content``) deltas,
+    the tool calls and finish reason, the usage chunk when ``stream_options.include_usage``,
+    ``[DONE]``.  An error from ``events`` is sent as one OpenAI error event (no ``[DONE]``)."""
     model, cid, created = request.model, new_completion_id(), int(time.time())
     yield _sse(chunk_body(completion_id=cid, model=model, created=created,
                           delta={"role": "assistant", "content": ""}))
@@ -78,8 +84,12 @@ async def render_stream(events: AsyncIterator[TurnEvent], request: TurnRequest, 
                 for chunk in _final_chunks(event, cid, model, created):
                     yield _sse(chunk)
                 if request.include_usage:
-                    yield _sse(chunk_body(completion_id=cid, model=model, created=created, delta=None,
-                                          usage_=usage(event.prompt_tokens, event.completion_tokens)))
+                    yield _sse(
+                        chunk_body(
+                            completion_id=cid, model=model, created=created, delta=None,
+                            usage_=usage(event.prompt_tokens, event.completion_tokens),
+                        )
+                    )
     except GatewayHTTPError as e:
         yield _sse(error_body(e))
         return
@@ -91,7 +101,11 @@ def _final_chunks(result: TurnResult, cid: str, model: str, created: int) -> lis
     calls = result.message.get("tool_calls") or []
     if calls:
         deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-        chunks.append(chunk_body(completion_id=cid, model=model, created=created, delta={"tool_calls": deltas}))
+        chunks.append(
+            chunk_body(
+                completion_id=cid, model=model, created=created, delta={"tool_calls": deltas}
+            )
+        )
     chunks.append(chunk_body(completion_id=cid, model=model, created=created, delta={},
                              finish_reason=result.finish_reason))
     return chunks
@@ -106,6 +120,8 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-CHAT = Dialect(name="chat", path="/chat/completions", parse=parse, render=render, render_stream=render_stream,
-               error_body=error_body, openapi=_openapi())
+CHAT = Dialect(
+    name="chat", path="/chat/completions", parse=parse, render=render, render_stream=render_stream,
+    error_body=error_body, openapi=_openapi(),
+)
 """The chat-completions dialect."""

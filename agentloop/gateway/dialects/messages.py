@@ -81,13 +81,8 @@ def _parse(body: Any, *, count_only: bool) -> TurnRequest:
         raise bad("must be a boolean", "stream")
     messages = system_messages(body.get("system")) + chat_messages(body.get("messages"))
     return TurnRequest(
-        model=model,
-        messages=messages,
-        tools=tools,
-        sampling=sampling,
-        stream=stream,
-        tool_choice=tool_choice,
-        response_format=_output_format(body.get("output_config")),
+        model=model, messages=messages, tools=tools, sampling=sampling, stream=stream,
+        tool_choice=tool_choice, response_format=_output_format(body.get("output_config")),
     )
 
 
@@ -285,8 +280,7 @@ _BODY_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "required": ["name", "input_schema"],
                 "properties": {
-                    "name": {"type": "string"},
-                    "description": {"type": "string"},
+                    "name": {"type": "string"}, "description": {"type": "string"},
                     "input_schema": {"type": "object"},
                 },
             },
@@ -296,8 +290,7 @@ _BODY_SCHEMA: dict[str, Any] = {
             "required": ["type"],
             "properties": {
                 "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
-                "name": {"type": "string"},
-                "disable_parallel_tool_use": {"type": "boolean"},
+                "name": {"type": "string"}, "disable_parallel_tool_use": {"type": "boolean"},
             },
         },
         "stop_sequences": {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}},

@@ -97,8 +97,7 @@ def _turns(raw: Any) -> list[_Turn]:
         if role == "system":
             turns.append(
                 _Turn(
-                    "system",
-                    i,
+                    "system", i,
                     [(f"{where}.content", {"text": _text_of(content, f"{where}.content")})],
                 )
             )
@@ -257,8 +256,9 @@ def _tool_result(block: dict[str, Any], where: str, call_ids: set[str]) -> dict[
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
     """An image block as a chat ``image_url`` part with a base64 data URL (docs/gateway.md#images:
     the gateway never fetches a URL, so ``url`` sources other than data URLs are refused)."""
-    source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
+    found = block.get("source")
+    source: dict[str, Any] = found if isinstance(found, dict) else {}
+    kind = source.get("type")
     if kind == "base64":
         media, data = source.get("media_type"), source.get("data")
         if media not in _MEDIA_TYPES:
@@ -270,9 +270,10 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
             raise bad("must be a non-empty base64 string", f"{where}.source.data")
         url = data_url(media, data)
     elif kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str) or not url:
+        given = source.get("url")
+        if not isinstance(given, str) or not given:
             raise bad("must be a non-empty string", f"{where}.source.url")
+        url = given
     else:
         raise bad(
             f'an image source must be {{"type": "base64", ...}}, got {kind!r} (file sources need '

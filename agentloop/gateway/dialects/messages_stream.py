@@ -23,15 +23,9 @@ from agentloop.gateway.turn import ReasoningDelta, TextDelta, TurnEvent, TurnReq
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-    529: "overloaded_error",
+    400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+    403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error",
 }
 """HTTP status -> Anthropic error type (other 4xx: invalid_request_error; other 5xx: api_error)."""
 
@@ -76,10 +70,8 @@ def stop_reason(result: TurnResult) -> str:
 def usage(result: TurnResult) -> dict[str, int]:
     """The ``usage`` object (no prompt cache is reported)."""
     return {
-        "input_tokens": result.prompt_tokens,
-        "output_tokens": result.completion_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
+        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
     }
 
 
@@ -116,9 +108,7 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
         fn = call["function"]
         blocks.append(
             {
-                "type": "tool_use",
-                "id": call["id"],
-                "name": fn["name"],
+                "type": "tool_use", "id": call["id"], "name": fn["name"],
                 "input": tool_input(fn["arguments"]),
             }
         )
@@ -145,9 +135,7 @@ def _message(
         if result is not None and reason == "stop_sequence"
         else None,
         "usage": {
-            "input_tokens": 0,
-            "output_tokens": 0,
-            "cache_creation_input_tokens": 0,
+            "input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0,
         }
         if result is None
@@ -195,8 +183,7 @@ class _Blocks:
             signature = thinking_signature(self.sent[index])
             events.append(
                 {
-                    "type": "content_block_delta",
-                    "index": index,
+                    "type": "content_block_delta", "index": index,
                     "delta": {"type": "signature_delta", "signature": signature},
                 }
             )
@@ -209,9 +196,7 @@ class _Blocks:
             if i < len(self.kinds):
                 if self.kinds[i] != block["type"]:
                     logger.warning(
-                        "streamed block %d was %s, the final one is %s",
-                        i,
-                        self.kinds[i],
+                        "streamed block %d was %s, the final one is %s", i, self.kinds[i],
                         block["type"],
                     )
                 events += self._tail(i, block)
@@ -291,8 +276,7 @@ async def render_stream(
         yield sse(
             error_body(
                 GatewayHTTPError(
-                    500,
-                    "internal gateway error: the turn ended without a result",
+                    500, "internal gateway error: the turn ended without a result",
                     type_="server_error",
                 )
             )

@@ -420,12 +420,7 @@ def _openapi() -> dict[str, Any]:
 
 
 DIALECT = Dialect(
-    name="responses",
-    path="/responses",
-    parse=parse_responses_request,
-    render=render,
-    render_stream=render_stream,
-    error_body=error_body,
-    openapi=_openapi(),
+    name="responses", path="/responses", parse=parse_responses_request, render=render,
+    render_stream=render_stream, error_body=error_body, openapi=_openapi(),
 )
 """The OpenAI Responses API on ``POST /sessions/{id}/v1/responses``."""
