@@ -1,9 +1,9 @@
 """The environment protocol of the ``env_agent`` loop (docs/environments.md).
 
-An environment is anything with ``reset``, ``step`` and ``close`` of the shapes below, async or plain
-(a plain method runs in a thread pool, so a blocking environment never stalls the worker's event loop).
-Adapters wrap environment libraries (SkyRL-gym, TextArena, reasoning-gym, ...) into it; a user's own
-environment is a small class registered with :func:`register_env`.
+An environment is anything with ``reset``, ``step`` and ``close`` of the shapes below, async or
+plain (a plain method runs in a thread pool, so a blocking environment never stalls the worker's
+event loop). Adapters wrap environment libraries (SkyRL-gym, TextArena, reasoning-gym, ...) into it;
+a user's own environment is a small class registered with :func:`register_env`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 from agentloop.utils.registry import Registry
 
 Message = dict[str, Any]
-"""A chat message: ``{"role": "user" | "tool" | "system", "content": ..., "tool_call_id"?: ...}``."""
+"""A chat message:
+``{"role": "user" | "tool" | "system", "content": ..., "tool_call_id"?: ...}``."""
 
 
 @dataclass
@@ -34,7 +35,8 @@ class EnvStep:
     """The environment's answer to one assistant turn."""
 
     messages: list[Message]
-    """New messages appended after the assistant turn (observations: user or tool turns); may be []."""
+    """New messages appended after the assistant turn (observations: user or tool turns); may be
+    []."""
     reward: float = 0.0
     """This turn's reward (recorded in ``turn_scores``)."""
     done: bool = False
@@ -78,7 +80,8 @@ ENVS: Registry = Registry(
     how="register one with @register_env(name) or name its class with _target_ in the env config",
     where="extra_info.env",
 )
-"""Environment factories by name: ``factory(**env_config) -> Environment`` (a class is a factory)."""
+"""Environment factories by name: ``factory(**env_config) -> Environment`` (a class is a
+factory)."""
 
 
 def register_env(name: str) -> Any:
