@@ -99,6 +99,13 @@ class OpenAIAgentLoop(AgentLoopBase):
         self.reward_to: str | None = gateway.reward_to
 
     @classmethod
+    def reset_class(cls) -> None:
+        """Forget what :meth:`init_class` set up once per process (the session cap's semaphore and
+        the gateway manager), e.g. between two configs in one test process."""
+        OpenAIAgentLoop._slots = None
+        cls.gateway_manager = None
+
+    @classmethod
     def init_class(
         cls, config: DictConfig, tokenizer: Any, processor: Any | None = None, **kwargs: Any
     ) -> None:

@@ -127,17 +127,19 @@ def turn_separator(tokenizer: Any, eos_token: str | None = None) -> str:
     eos = eos_token or tokenizer.eos_token
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):  # no template of its own, or several by name: not remembered
-        return _find_separator(tokenizer, eos)
+        return find_separator(tokenizer, eos)
     try:
         known = _separators.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable
-        return _find_separator(tokenizer, eos)
+        return find_separator(tokenizer, eos)
     if (template, eos) not in known:
-        known[(template, eos)] = _find_separator(tokenizer, eos)
+        known[(template, eos)] = find_separator(tokenizer, eos)
     return known[(template, eos)]
 
 
-def _find_separator(tokenizer: Any, eos: str) -> str:
+def find_separator(tokenizer: Any, eos: str) -> str:
+    """The text a template puts between an assistant turn's end-of-turn token and the next turn,
+    found by rendering stub conversations (cached per template by the caller)."""
     for stub in (_STUB_REPLY, _STUB_CALL):
         try:
             body = _assistant_body(tokenizer, stub, None, {})

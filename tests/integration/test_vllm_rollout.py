@@ -167,7 +167,7 @@ def test_weight_update_changes_logprobs_as_predicted(manager, model_path):
     try:
         assert manager.update_weights(iter(new.items()), global_steps=41, bucket_mb=0.02) == 41
         streamed = manager.generate_sequences(batch)
-        assert manager._update_weights_whole(new, transport="file") == 42
+        assert manager.weights.update_whole(new, transport="file") == 42
         whole = manager.generate_sequences(batch)
         assert max_logprob_gap(hf, streamed) <= 1e-5 and max_logprob_gap(hf, whole) <= 1e-5
         assert torch.equal(streamed.batch["responses"], whole.batch["responses"])

@@ -45,9 +45,9 @@ def test_truncation_left_on_the_backend_does_not_leak_into_a_delta():
 
 def test_the_separator_is_found_once_per_tokenizer_template_and_stop_token(monkeypatch):
     found: list[str] = []
-    real = inc._find_separator
+    real = inc.find_separator
     monkeypatch.setattr(
-        inc, "_find_separator", lambda tokenizer, eos: found.append(eos) or real(tokenizer, eos)
+        inc, "find_separator", lambda tokenizer, eos: found.append(eos) or real(tokenizer, eos)
     )
     # a copy: the shared one may be cached by other tests
     tok = copy.deepcopy(make_template_tokenizer("harmony"))

@@ -158,7 +158,7 @@ def test_max_concurrent_sessions_caps_open_sessions_per_worker(tokenizer):
                                "gateway": {"max_concurrent_sessions": 2}})
 
     async def go() -> list:
-        OpenAIAgentLoop._slots = None
+        OpenAIAgentLoop.reset_class()
         OpenAIAgentLoop.init_class(config, tokenizer, gateway_manager=CountingManager())
         loops = [OpenAIAgentLoop(config, None, tokenizer, runner=runner) for _ in range(6)]
         return await asyncio.gather(
@@ -171,8 +171,7 @@ def test_max_concurrent_sessions_caps_open_sessions_per_worker(tokenizer):
     try:
         outs = asyncio.run(go())
     finally:
-        OpenAIAgentLoop._slots = None
-        OpenAIAgentLoop.gateway_manager = None
+        OpenAIAgentLoop.reset_class()
     assert peak == 2
     assert all(
         o.trajectories[0].status == "error" and "no chat request" in o.trajectories[0].error
