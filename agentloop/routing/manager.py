@@ -13,21 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError, RayTaskError
 
-from agentloop.errors import RoutingError, first_line
+from agentloop.errors import RoutingError
 from agentloop.report import timing
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
+from agentloop.routing.outputs import UNCUT, join_pieces, trace_generate, with_versions
+from agentloop.routing.server_errors import server_cause, server_errors  # noqa: F401 (re-export)
 from agentloop.routing.strategies import Balancer, make_balancer
 from agentloop.servers.base import ServerDeadError
-from agentloop.trace import decode_tokens, record_span
 from agentloop.trace import enabled as trace_enabled
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 
@@ -184,9 +183,9 @@ class AsyncLLMServerManager:
         pieces, server = await self._resume(
             request_id, key, prompt_ids, sampling_params, media, output, server
         )
-        output = _join(pieces) if self.partial_rollout or len(pieces) > 1 else pieces[0]
+        output = join_pieces(pieces) if self.partial_rollout or len(pieces) > 1 else pieces[0]
         return output.model_copy(
-            update={"extra_fields": _with_versions(output.extra_fields, server)}
+            update={"extra_fields": with_versions(output.extra_fields, server)}
         )
 
     async def _resume(
@@ -206,7 +205,7 @@ class AsyncLLMServerManager:
                 # cut after its last allowed token: nothing is left
                 if int(limit) - len(generated) <= 0:
                     pieces[-1] = output.model_copy(
-                        update={"stop_reason": StopReason.LENGTH, **_UNCUT}
+                        update={"stop_reason": StopReason.LENGTH, **UNCUT}
                     )
                     break
                 params["max_tokens"] = int(limit) - len(generated)
@@ -244,7 +243,7 @@ class AsyncLLMServerManager:
                 # for `agentloop report`
                 timing.record_generate(server, start, len(prompt_ids), output)
                 if trace_enabled():
-                    _trace_generate(request_id, server, start, prompt_ids, output)
+                    trace_generate(request_id, server, start, prompt_ids, output)
                 return output, server
             except ServerDeadError as e:
                 await self._mark_down(e)
@@ -332,7 +331,7 @@ class AsyncLLMServerManager:
                 yield (
                     final
                     if len(pieces) == 1
-                    else final.model_copy(update={"extra_fields": extra, **_UNCUT})
+                    else final.model_copy(update={"extra_fields": extra, **UNCUT})
                 )
                 return
             generated += final.token_ids
@@ -373,31 +372,16 @@ class AsyncLLMServerManager:
         """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
         cancellation alike.  A dead server actor becomes a ServerDeadError; an error raised inside
         the server propagates as the server raised it (out of Ray's task-error wrapper:
-        :func:`server_cause`).
+        :func:`~agentloop.routing.server_errors.server_errors`).
         """
         server = await self._acquire(key, prompt_len)
         cancelled = False
         try:
-            yield server
+            with server_errors(server, request_id):
+                yield server
         except (asyncio.CancelledError, GeneratorExit):
             cancelled = True
             raise
-        except RayActorError as e:
-            raise ServerDeadError(
-                f"server {server} died (its actor is gone) while serving "
-                f"request {request_id}: "
-                f"{_plain(first_line(e))}",
-                server,
-            ) from e
-        # raised by the server itself (its engine died): name it by our index
-        except ServerDeadError as e:
-            raise ServerDeadError(_plain(str(server_cause(e))), server) from e
-        # any other error the server raised: its own, not Ray's traceback text
-        except RayTaskError as e:
-            cause = server_cause(e)
-            if cause is e:
-                raise
-            raise cause from e
         finally:
             self._release_nowait(server, cancelled=cancelled)
 
@@ -405,7 +389,7 @@ class AsyncLLMServerManager:
     def _tag(delta: TokenDelta, server: int) -> TokenDelta:
         if not delta.finished:
             return delta
-        return delta.model_copy(update={"extra_fields": _with_versions(delta.extra_fields, server)})
+        return delta.model_copy(update={"extra_fields": with_versions(delta.extra_fields, server)})
 
     async def abort(self, request_id: str, sticky_key: str | None = None) -> None:
         """Abort ``request_id`` on the server it is bound to (no-op if unknown); pass the
@@ -436,101 +420,6 @@ class AsyncLLMServerManager:
             return await self.balancer.stats.remote()
         return self.balancer.stats()
 
-
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_RAY_FRAME = re.compile(r"^ray::\S+\(\).*$")
-
-
-def server_cause(error: BaseException) -> BaseException:
-    """The exception a server raised, out of Ray's wrapper (``RayTaskError.cause``, whose own text
-    is the remote traceback under a ``ray::Class.method() (pid=…, ip=…)`` line); ``error`` itself
-    when it is not wrapped."""
-    while (
-        isinstance(error, RayTaskError)
-        and isinstance(error.cause, BaseException)
-        and error.cause is not error
-    ):
-        error = error.cause
-    return error
-
-
-def _plain(message: str) -> str:
-    """``message`` without terminal colour codes and without Ray's
-    ``ray::Class.method() (pid=…)`` lines."""
-    lines = [
-        line for line in _ANSI.sub("", message).splitlines() if not _RAY_FRAME.match(line.strip())
-    ]
-    return "\n".join(lines).strip() or _ANSI.sub("", message).strip()
-
-
-def _with_versions(extra_fields: dict[str, Any], server: int) -> dict[str, Any]:
-    """A copy of a server's ``extra_fields`` with the routed ``server_index`` and, when the server
-    reports a weight version (``global_steps``), ``min_global_steps`` / ``max_global_steps``
-    defaulting to it, as verl's client sets them (a caller that merges several calls narrows them to
-    the range it saw)."""
-    fields = {**extra_fields, "server_index": server}
-    if "global_steps" in fields:
-        fields.setdefault("min_global_steps", fields["global_steps"])
-        fields.setdefault("max_global_steps", fields["global_steps"])
-    return fields
-
-
-def _trace_generate(
-    request_id: str, server: int, start: float, prompt_ids: list[int], output: TokenOutput
-) -> None:
-    """One ``generate`` span per engine call (``rollout.trace``); decoded text with
-    ``token2text``."""
-    outputs: dict[str, Any] = {
-        "response_tokens": len(output.token_ids),
-        "stop_reason": getattr(output.stop_reason, "value", output.stop_reason),
-        "global_steps": output.extra_fields.get("global_steps"),
-    }
-    text = decode_tokens(output.token_ids)
-    if text is not None:
-        outputs["response_text"] = text
-    record_span(
-        "generate",
-        inputs={"request_id": request_id, "server": server, "prompt_tokens": len(prompt_ids)},
-        outputs=outputs, start=start, end=timing.now(), attrs={"server": server},
-    )
-
-
-def _join(pieces: list[TokenOutput]) -> TokenOutput:
-    """One TokenOutput from the pieces of a resumed generation (see
-    AsyncLLMServerManager.generate)."""
-    last = pieces[-1]
-    fields = dict(last.extra_fields)
-    signals: dict[str, Any] = (
-        {} if last.preempted_by_pause else {"cut_by_update": False, "max_tokens": None}
-    )
-    if all(p.extra_fields.get("global_steps") is not None for p in pieces):
-        versions = [int(p.extra_fields["global_steps"]) for p in pieces]
-        # a piece cut before its first token sampled nothing with its weights: it does not widen the
-        # range
-        # a piece may span an update
-        per_token = [p.extra_fields.get("weight_versions") or [v] * len(p.token_ids)
-                     for p, v in zip(pieces, versions, strict=True)]  # (server.weight_update: keep)
-        sampled = [v for vs in per_token for v in vs] or versions
-        fields["min_global_steps"] = min(sampled)
-        fields["max_global_steps"] = max(sampled)
-        fields["weight_versions"] = [v for vs in per_token for v in vs]
-    if len(pieces) == 1:
-        return last.model_copy(update={"extra_fields": fields, **signals})
-    log_probs = (
-        None
-        if any(p.log_probs is None for p in pieces)
-        else [x for p in pieces for x in p.log_probs or []]
-    )
-    return last.model_copy(update={
-        "token_ids": [t for p in pieces for t in p.token_ids], "log_probs": log_probs,
-        "num_preempted": len(pieces) - 1, "extra_fields": fields, **signals})
-
-
-_UNCUT: dict[str, Any] = {"preempted_by_pause": False, "cut_by_update": False, "max_tokens": None}
-"""The control fields of a piece the router has handled: never passed on as a cut (TokenOutput's
-defaults)."""
 
 LLMServerClient = AsyncLLMServerManager
 """verl 0.9's name for the router client agent loops receive as ``server_manager``."""
