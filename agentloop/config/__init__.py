@@ -24,6 +24,7 @@ from agentloop.config.schema import (
     AsyncConfig,
     DataConfig,
     EngineConfig,
+    EnvConfig,
     GatewayConfig,
     ModelConfig,
     MultiTurnConfig,
@@ -39,7 +40,7 @@ from agentloop.config.sections import GatewaySections, SectionBundle, ServerSect
 
 __all__ = [
     "CONFIG_DIR", "AgentConfig", "AgentLoopConfig", "AsyncConfig", "DataConfig", "EngineConfig",
-    "GatewayConfig", "ModelConfig", "MultiTurnConfig", "RewardConfig", "RouterConfig",
+    "EnvConfig", "GatewayConfig", "ModelConfig", "MultiTurnConfig", "RewardConfig", "RouterConfig",
     "SamplingConfig", "Section", "ServerConfig", "TraceConfig", "build_sections", "default_config",
     "resolve_config", "sampling_params_from_config", "validate", "weight_update_mode",
     "SectionBundle", "ServerSections", "WorkerSections", "GatewaySections",

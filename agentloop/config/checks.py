@@ -86,6 +86,22 @@ def check_tool_max_workers(max_workers: Any) -> None:
         )
 
 
+def check_env_max_turns(value: Any) -> None:
+    """Raise the ConfigError for an ``env.max_turns`` that is neither null nor a positive int."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"actor_rollout_ref.rollout.env.max_turns={value!r}: expected null "
+                          "(until done or the response budget) or a positive int")
+
+
+def check_env_step_timeout(value: Any) -> None:
+    """Raise the ConfigError for an ``env.step_timeout`` that is neither null nor a positive
+    number."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is not None and (not number or value <= 0):
+        raise ConfigError(f"actor_rollout_ref.rollout.env.step_timeout={value!r}: expected null "
+                          "(no limit) or a positive number of seconds")
+
+
 def check_context_window(window: Any) -> None:
     """Raise the ConfigError for a ``context_window`` that is neither null nor an int >= 1."""
     if window is not None and (

@@ -29,6 +29,7 @@ from agentloop.config.schema import (
     AsyncConfig,
     DataConfig,
     EngineConfig,
+    EnvConfig,
     GatewayConfig,
     ModelConfig,
     MultiTurnConfig,
@@ -78,6 +79,7 @@ class AgentLoopConfig:
     agent: AgentConfig = _typed()
     multi_turn: MultiTurnConfig = _typed()
     gateway: GatewayConfig = _typed()
+    env: EnvConfig = _typed()
     trace: TraceConfig = _typed()
     reward: RewardConfig = _typed()
     async_training: AsyncConfig = _typed()

@@ -22,6 +22,8 @@ from agentloop.config.build import build_section, check_fields, read_value
 from agentloop.config.checks import (
     check_context_window,
     check_engine_name,
+    check_env_max_turns,
+    check_env_step_timeout,
     check_gateway_reward_to,
     check_max_context_edits,
     check_prompt_truncation,
@@ -296,6 +298,24 @@ class MultiTurnConfig(Section):
     """The components' own messages (tool executor, context window, episode reward) for direct
     builds; ``resolve_config``'s start-up check reports the same values first, in its one-line form.
     """
+
+
+@dataclass(frozen=True)
+class EnvConfig(Section):
+    """``actor_rollout_ref.rollout.env``: the ``env_agent`` loop's environments
+    (docs/environments.md)."""
+
+    SECTION: ClassVar[str] = f"{_R}.env"
+    default: str | None
+    """The environment of a sample that names none: a registered name or an import path."""
+    config_path: str | None
+    """A YAML list of ``{name, _target_, **config}`` entries: environments by name."""
+    max_turns: int | None
+    step_timeout: float | None
+
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {
+        "max_turns": check_env_max_turns, "step_timeout": check_env_step_timeout,
+    }
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from agentloop.config.schema import (
     AsyncConfig,
     DataConfig,
     EngineConfig,
+    EnvConfig,
     GatewayConfig,
     ModelConfig,
     MultiTurnConfig,
@@ -40,7 +41,7 @@ SECTION_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "router": RouterConfig.from_root, "multi_turn": MultiTurnConfig.from_root,
     "gateway": GatewayConfig.from_root, "trace": TraceConfig.from_root,
     "reward": RewardConfig.from_root, "async_training": AsyncConfig.from_root,
-    "data": DataConfig.from_root,
+    "data": DataConfig.from_root, "env": EnvConfig.from_root,
 }
 """Attribute name (as on ``AgentLoopConfig``) -> its builder from a trainer-shaped config."""
 

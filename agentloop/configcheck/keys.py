@@ -280,6 +280,7 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "gateway.max_image_bytes": 5242880, "gateway.reasoning_parser": None,
     "gateway.session_timeout": None, "gateway.max_concurrent_sessions": 0,
     "gateway.trajectories": "all", "gateway.reward_to": "all",
+    "env.default": None, "env.config_path": None, "env.max_turns": None, "env.step_timeout": 60,
 }, origin="agentloop")
 
 # --------------------------------------------------------------------------------------------------
