@@ -11,7 +11,6 @@ a ``DatasetError`` and an ``AssertionError``.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -20,6 +19,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
+from agentloop.batch.protocol_columns import DataProtoColumnsMixin
 from agentloop.batch.protocol_ops import (
     DataProtoFuture,
     all_gather_data_proto,
@@ -29,18 +29,19 @@ from agentloop.batch.protocol_ops import (
     unfold_batch_dim,
     unpad_dataproto,
 )
+from agentloop.batch.protocol_reshape import DataProtoReshapeMixin
 from agentloop.batch.protocol_utils import (
     DataProtoConfig,
     DataProtoError,
     DataProtoTypeError,
     as_index_array,
-    check_same_keys,
+    check_same_keys,  # noqa: F401 - re-exported (agentloop.protocol)
     data_info,
     deserialize_single_tensor,
     deserialize_tensordict,
     get_tensordict,
     list_of_dict_to_dict_of_list,
-    merge_meta_info,
+    merge_meta_info,  # noqa: F401 - re-exported (agentloop.protocol)
     object_array,
     pack_tensor,
     packable,
@@ -51,7 +52,7 @@ from agentloop.batch.protocol_utils import (
     tensordict_to_parts,
     union_numpy_dict,
     union_tensor_dict,
-    union_two_dict,
+    union_two_dict,  # noqa: F401 - re-exported (agentloop.protocol)
     unpack_tensor,
 )
 from agentloop.errors import DatasetError
@@ -75,7 +76,7 @@ class DataProtoItem:
 
 
 @dataclass
-class DataProto:
+class DataProto(DataProtoColumnsMixin, DataProtoReshapeMixin):
     """A batch: tensors (``batch``), per-row Python objects (``non_tensor_batch``) and
     ``meta_info``."""
 
@@ -292,219 +293,7 @@ class DataProto:
             self.batch = self.batch[torch.from_numpy(idx)]
         self.non_tensor_batch = {k: v[idx] for k, v in self.non_tensor_batch.items()}
 
-    # ---- key selection ------------------------------------------------------------------------
-    def select(
-        self, batch_keys: list[str] | None = None, non_tensor_batch_keys: list[str] | None = None,
-        meta_info_keys: list[str] | None = None, deepcopy: bool = False,
-    ) -> DataProto:
-        """A DataProto with only the named keys (None keeps all of that kind)."""
-        batch = self.batch
-        if batch is not None and batch_keys is not None:
-            batch = batch.select(*batch_keys)
-        non = self.non_tensor_batch
-        if non_tensor_batch_keys is not None:
-            non = {k: v for k, v in non.items() if k in non_tensor_batch_keys}
-        meta = self.meta_info
-        if meta_info_keys is not None:
-            meta = {k: v for k, v in meta.items() if k in meta_info_keys}
-        out = type(self)(batch=batch, non_tensor_batch=dict(non), meta_info=dict(meta))
-        return copy.deepcopy(out) if deepcopy else out
-
-    def pop(
-        self, batch_keys: list[str] | None = None, non_tensor_batch_keys: list[str] | None = None,
-        meta_info_keys: list[str] | None = None,
-    ) -> DataProto:
-        """Remove the named keys from self and return them as a new DataProto."""
-        present = set() if self.batch is None else set(self.batch.keys())
-        for kind, keys, have in (
-            ("batch_keys", batch_keys, present),
-            ("non_tensor_batch_keys", non_tensor_batch_keys, set(self.non_tensor_batch)),
-            ("meta_info_keys", meta_info_keys, set(self.meta_info)),
-        ):
-            missing = sorted(set(keys or []) - have)
-            if missing:
-                raise DataProtoError(
-                    f"pop: {kind} {missing} are not in this DataProto (it has {sorted(have)})"
-                )
-        tensors = {k: self.batch.pop(k) for k in batch_keys or []} if self.batch is not None else {}
-        non = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys or []}
-        meta = {k: self.meta_info.pop(k) for k in meta_info_keys or []}
-        batch = (
-            TensorDict(tensors, batch_size=self.batch.batch_size)
-            if tensors and self.batch is not None
-            else None
-        )
-        return type(self)(batch=batch, non_tensor_batch=non, meta_info=meta)
-
-    def rename(
-        self, old_keys: str | list[str] | None = None, new_keys: str | list[str] | None = None
-    ) -> DataProto:
-        """Rename tensor (``batch``) keys in place; returns self."""
-        names: list[list[str]] = []
-        for arg, keys in (("old_keys", old_keys), ("new_keys", new_keys)):
-            if not isinstance(keys, (str, list)):
-                raise DataProtoTypeError(
-                    f"rename: {arg} must be a list or a string, but got {type(keys).__name__}"
-                )
-            names.append([keys] if isinstance(keys, str) else list(keys))
-        old, new = names
-        if len(old) != len(new):
-            raise DatasetError(
-                f"rename: new_keys and old_keys must have the same length, "
-                f"but got {len(new)} and "
-                f"{len(old)}"
-            )
-        if old and self.batch is None:
-            raise DataProtoError(f"rename: this DataProto has no tensor batch to rename {old} in")
-        for o, n in zip(old, new, strict=True):
-            self.batch.rename_key_(o, n)  # type: ignore[union-attr]
-        return self
-
-    def union(self, other: DataProto) -> DataProto:
-        """Merge ``other``'s keys into self (in place); shared keys must hold equal values."""
-        if len(self) != len(other) and len(self) and len(other):
-            raise DataProtoError(f"union: batch sizes differ ({len(self)} vs {len(other)})")
-        if other.batch is not None:
-            self.batch = (
-                other.batch if self.batch is None else union_tensor_dict(self.batch, other.batch)
-            )
-        self.non_tensor_batch = union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
-        self.meta_info = union_two_dict(self.meta_info, other.meta_info)
-        return self
-
-    # ---- splitting and joining ----------------------------------------------------------------
-    def is_padding_enabled(self) -> bool:
-        """Whether :meth:`chunk` may split unevenly: ``from_dict(auto_padding=True)`` or
-        ``DataProtoConfig.auto_padding`` (or ``VERL_AUTO_PADDING=1``)."""
-        return bool(
-            self.meta_info.get(DataProtoConfig.auto_padding_key, False)
-            or DataProtoConfig.auto_padding
-        )
-
-    def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into ``chunks`` equal parts (each keeps meta_info); like verl, ``len(self)`` must
-        be divisible by ``chunks`` unless padding is enabled, in which case sizes differ by at most
-        one."""
-        if chunks < 1:
-            raise DataProtoError(f"chunk: chunks must be >= 1, got {chunks}")
-        if len(self) % chunks and not self.is_padding_enabled():
-            raise DataProtoError(
-                f"chunk: only support equal chunk. Got size of DataProto {len(self)} and "
-                f"chunk {chunks}. Use "
-                "agentloop.batch.protocol.split_rows(data, n) for uneven parts, or pad "
-                "first (pad_dataproto_to_divisor)"
-            )
-        return split_rows(self, chunks)
-
-    def split(self, split_size: int) -> list[DataProto]:
-        """Consecutive parts of ``split_size`` rows (the last may be shorter)."""
-        if split_size < 1:
-            raise DataProtoError(f"split: split_size must be >= 1, got {split_size}")
-        return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
-
-    @staticmethod
-    def concat(data: list[DataProto]) -> DataProto:
-        """Row-wise concatenation.  meta_info is merged as in verl: every part's keys are kept, a
-        key in several parts must hold equal values, and ``metrics`` from all parts become one dict
-        of lists."""
-        if not data:
-            raise DataProtoError("concat: got an empty list; pass at least one DataProto")
-        check_same_keys(data)
-        batch = None
-        if data[0].batch is not None:
-            batch = cast(TensorDict, torch.cat([d.batch for d in data], dim=0))  # type: ignore[misc]
-        non = {
-            k: np.concatenate([d.non_tensor_batch[k] for d in data], axis=0)
-            for k in data[0].non_tensor_batch
-        }
-        return type(data[0])(
-            batch=batch, non_tensor_batch=non,
-            meta_info=merge_meta_info([d.meta_info for d in data]),
-        )
-
-    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
-        """Each row ``repeat_times`` times: ``aabb`` with interleave, ``abab`` without."""
-        n = len(self)
-        idx = (
-            np.repeat(np.arange(n), repeat_times)
-            if interleave
-            else np.tile(np.arange(n), repeat_times)
-        )
-        return self.select_idxs(idx)
-
-    def sample_level_repeat(self, repeat_times: Any) -> DataProto:
-        """Row ``i`` repeated ``repeat_times[i]`` times, in order (a list, tuple, 1-D array or
-        1-D tensor)."""
-        if isinstance(repeat_times, (torch.Tensor, np.ndarray)):
-            if repeat_times.ndim != 1:
-                raise DataProtoError(f"sample_level_repeat: repeat_times must be 1-D, got shape "
-                                     f"{tuple(repeat_times.shape)}")
-            repeat_times = repeat_times.tolist()
-        if not isinstance(repeat_times, (list, tuple)):
-            raise DataProtoError(
-                f"sample_level_repeat: repeat_times type must be in [list, "
-                f"torch.Tensor, "
-                f"np.ndarray, tuple], got {type(repeat_times).__name__}"
-            )
-        if len(repeat_times) != len(self):
-            raise DataProtoError(
-                f"sample_level_repeat: {len(repeat_times)} repeat counts "
-                f"for {len(self)} rows; "
-                "give one count per row"
-            )
-        return self.select_idxs(
-            np.repeat(np.arange(len(self)), np.asarray(repeat_times, dtype=np.int64))
-        )
-
-    def unfold_column_chunks(self, n_split: int, split_keys: list[str] | None = None) -> DataProto:
-        """Cut each ``split_keys`` column along dim 1 into ``n_split`` pieces that become
-        consecutive rows (``[B, n*k, ...]`` -> ``[B*n, k, ...]``); every other column is repeated
-        ``n_split`` times per row."""
-        keys = set(split_keys or [])
-
-        def unfold(key: str, value: Any, repeat: Any) -> Any:
-            if key not in keys:
-                return repeat(value)
-            if value.ndim < 2 or value.shape[1] % n_split:
-                raise DataProtoError(
-                    f"unfold_column_chunks: {key!r} has shape "
-                    f"{tuple(value.shape)}; its dim 1 must "
-                    f"exist and be divisible by n_split={n_split}"
-                )
-            return value.reshape(
-                value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:]
-            )
-
-        batch = None
-        if self.batch is not None:
-            cols = {
-                k: unfold(k, v, lambda t: t.repeat_interleave(n_split, dim=0))
-                for k, v in self.batch.items()
-            }
-            batch = TensorDict(cols, batch_size=[len(self) * n_split], device=self.batch.device)
-        non = {
-            k: unfold(k, v, lambda a: np.repeat(a, n_split, axis=0))
-            for k, v in self.non_tensor_batch.items()
-        }
-        return type(self)(batch=batch, non_tensor_batch=non, meta_info=dict(self.meta_info))
-
-    def padding(self, padding_size: int, padding_candidate: str = "") -> DataProto:
-        """Append ``padding_size`` copies of the last row (the first with
-        ``padding_candidate="first"``) in place, as verl does; returns self.  For padding to a
-        multiple use :func:`pad_dataproto_to_divisor`."""
-        if padding_size < 0:
-            raise DataProtoError(f"padding: padding_size must be >= 0, got {padding_size}")
-        if padding_size == 0:
-            return self
-        if len(self) == 0:
-            raise DataProtoError(f"padding: cannot pad an empty DataProto with {padding_size} rows")
-        row = 0 if padding_candidate == "first" else len(self) - 1
-        padded = self.select_idxs(
-            np.concatenate([np.arange(len(self)), np.full(padding_size, row)])
-        )
-        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
-        return self
-
+    # ---- iteration ------------------------------------------------------------------------------
     def make_iterator(self, mini_batch_size: int, epochs: int, seed: int | None = None,
                       dataloader_kwargs: dict[str, Any] | None = None) -> Any:
         """Iterate over mini-batches (DataProtos carrying this meta_info) for ``epochs`` passes
