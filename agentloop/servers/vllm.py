@@ -3,7 +3,10 @@ in, token out.
 
 Sampling and engine keys, weight updates and pause: docs/concepts.md ("The vLLM server", "Weight
 sync", "Pause, resume and partial rollouts").  The server is built from parts (see
-:class:`VLLMServer`); its actor methods are the :class:`agentloop.servers.base.LLMServer` protocol.
+:class:`VLLMServer`); its actor methods are the :class:`agentloop.servers.base.LLMServer` protocol
+(the weight-update ones from :class:`~agentloop.servers.weight_methods.WeightUpdateMethods`).
+Translation to and from vLLM's types: :mod:`agentloop.servers.vllm_io` (:func:`engine_args` is
+re-exported here).
 """
 
 from __future__ import annotations
@@ -17,97 +20,29 @@ from typing import Any
 
 from agentloop.batch.multimodal import engine_prompt
 from agentloop.cluster.enginewatch import EngineWatch, engine_progress, kill_engine_processes
-from agentloop.config import EngineConfig, ModelConfig, ServerConfig, ServerSections
+from agentloop.config import ServerSections
 from agentloop.errors import ServerError
-from agentloop.servers.base import (
-    GOES_ON_WITHOUT,
-    GenerateBatcher,
-    PauseGate,
-    ServerDeadError,
-    load_whole,
-)
+from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.inflight_update import InFlightUpdate, collect_stream
-from agentloop.servers.vllm_plugin import engine_arg_defaults
+from agentloop.servers.vllm_io import (
+    FINISH_TO_STOP,
+    engine_args,
+    no_outputs,
+    sampled_logprobs,
+    sampling_params,
+    stop_sequence,
+    to_token_output,
+)
 from agentloop.servers.vllm_weights import VLLMWeights
-from agentloop.servers.weight_sync import WORKER_EXTENSION, WeightBucket, Weights
+from agentloop.servers.weight_methods import WeightUpdateMethods
+from agentloop.servers.weight_sync import WORKER_EXTENSION
 from agentloop.types import StopReason, TokenDelta, TokenOutput
 from agentloop.utils.gcheap import freeze_startup_heap
 from agentloop.utils.process import restore_normal_priority
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_KEYS = (
-    "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos",
-)
-_FINISH_TO_STOP = {
-    "stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED,
-}
-
-
-def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, on_cpu: bool,
-                server_index: int = 0) -> dict[str, Any]:
-    """vLLM ``AsyncEngineArgs`` from the typed config (verl's key names; ``engine_kwargs.vllm``
-    last, so it overrides anything).  Each server is seeded ``seed + server_index``, as verl seeds
-    its replicas, so servers given the same requests do not sample the same tokens."""
-    args: dict[str, Any] = {
-        "model": model.local_path,
-        "trust_remote_code": model.trust_remote_code,
-        "load_format": engine.load_format,
-        "logprobs_mode": engine.logprobs_mode,
-        "scheduling_policy": engine.scheduling_policy,
-        "dtype": engine.dtype,
-        "max_model_len": engine.context_length,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": max(engine.max_num_batched_tokens, engine.context_length),
-        "enable_prefix_caching": engine.enable_prefix_caching,
-        "enforce_eager": engine.enforce_eager,
-        "seed": engine.seed + int(server_index),
-        "disable_log_stats": engine.disable_log_stats,
-        "tensor_parallel_size": engine.tensor_model_parallel_size,
-        # On CPU this is the fraction of the NUMA node's memory that must be free at start-up
-        # (vLLM's
-        # default 0.92 fails as soon as the page cache holds a GiB); the KV cache itself is sized by
-        # VLLM_CPU_KVCACHE_SPACE.
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-    }
-    if model.local_tokenizer_path:
-        args["tokenizer"] = model.local_tokenizer_path
-    if on_cpu:
-        args["distributed_executor_backend"] = "uni" if args["tensor_parallel_size"] == 1 else "mp"
-    else:
-        args["enable_sleep_mode"] = engine.free_cache_engine
-        args["enable_chunked_prefill"] = engine.enable_chunked_prefill
-        if engine.cudagraph_capture_sizes:
-            args["cudagraph_capture_sizes"] = list(engine.cudagraph_capture_sizes)
-    if server.priority not in (None, "", "fcfs"):  # the router sends priorities
-        args["scheduling_policy"] = "priority"
-    args["worker_extension_cls"] = WORKER_EXTENSION  # weight updates without files (weight_sync.py)
-    # Qwen2-VL without torchvision: no videos (vllm_plugin.py)
-    args.update(engine_arg_defaults(args["model"]))
-    args.update(dict(engine.engine_kwargs.get("vllm") or {}))
-    return args
-
-
-def _stop_sequence(completion: Any) -> str | None:
-    """The stop string that ended a completion: vLLM reports it as ``stop_reason`` (a token id there
-    is an end-of-turn / stop token, not a stop string)."""
-    reason = getattr(completion, "stop_reason", None)
-    return reason if isinstance(reason, str) and completion.finish_reason == "stop" else None
-
-
-async def _empty() -> AsyncIterator[Any]:
-    return
-    yield
-
-
-def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
-    """The logprob of each sampled token (vLLM returns a {token: Logprob} dict per position)."""
-    return [
-        float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], token_ids, strict=False)
-    ]
-
-
-class VLLMServer:
+class VLLMServer(WeightUpdateMethods):
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
 
     Parts: ``gate`` (:class:`~agentloop.servers.base.PauseGate`: pause / resume), ``batcher``
@@ -123,6 +58,7 @@ class VLLMServer:
     """
 
     supports_sleep: bool = False
+    weights: VLLMWeights
 
     def __init__(self, sections: ServerSections, server_index: int = 0) -> None:
         self.server_index = server_index
@@ -150,12 +86,6 @@ class VLLMServer:
         """A server from the ``rollout`` and ``model`` config slices
         (:meth:`ServerSections.from_slices`)."""
         return cls(ServerSections.from_slices(rollout, model), server_index)
-
-    @property
-    def global_steps(self) -> int:
-        """Version of the weights being served (verl's name; 0 before any update):
-        ``weights.version``."""
-        return self.weights.version
 
     @property
     def weight_transport(self) -> str:
@@ -212,25 +142,10 @@ class VLLMServer:
     def _sampling_params(
         self, prompt_len: int, params: dict[str, Any], stream: bool = False
     ) -> Any:
-        # vLLM is imported only where an engine runs (after start(): already loaded, the import is a
-        # lookup)
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        budget = self.prompt_length + self.response_length - prompt_len
-        max_tokens = params.get("max_tokens") or min(self.response_length, budget)
-        kwargs = {k: params[k] for k in _SAMPLING_KEYS if params.get(k) is not None}
-        if params.get("logprobs"):
-            kwargs["logprobs"] = 0
-        if params.get("stop"):  # stop strings need the engine to detokenize
-            kwargs["stop"] = params["stop"]
-        # a grammar (gateway/constraints.py): vLLM's own field names
-        if params.get("structured_outputs"):
-            kwargs["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
-        return SamplingParams(
-            max_tokens=int(min(max_tokens, budget)), detokenize=bool(params.get("stop")),
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-            **kwargs,
+        """vLLM ``SamplingParams`` within this server's budgets
+        (:func:`~agentloop.servers.vllm_io.sampling_params`)."""
+        return sampling_params(
+            params, prompt_len, self.prompt_length, self.response_length, stream=stream
         )
 
     def _prompt(
@@ -275,7 +190,7 @@ class VLLMServer:
                             self._raise_if_dead(e)
                         raise
             output = (
-                self._to_token_output(final, want_logprobs)
+                to_token_output(final, want_logprobs, self._extra_fields())
                 if final is not None
                 else TokenOutput(
                     token_ids=[], log_probs=[] if want_logprobs else None,
@@ -324,14 +239,14 @@ class VLLMServer:
                     async for out in (
                         self.engine.generate(prompt, params, request_id, priority=rank)
                         if admitted
-                        else _empty()
+                        else no_outputs()
                     ):
                         completion = out.outputs[0]
                         ids = list(completion.token_ids)
-                        log_probs = _sampled_logprobs(completion, ids) if want_logprobs else None
+                        log_probs = sampled_logprobs(completion, ids) if want_logprobs else None
                         finished = bool(out.finished)
                         reason = completion.finish_reason or "abort"
-                        stop = _FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
+                        stop = FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
                         versions += [self.global_steps] * len(ids)
                         extra = (
                             self.inflight.versioned(self._extra_fields(), versions)
@@ -340,7 +255,7 @@ class VLLMServer:
                         )
                         yield TokenDelta(
                             token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
-                            stop_sequence=_stop_sequence(completion) if finished else None,
+                            stop_sequence=stop_sequence(completion) if finished else None,
                             extra_fields=extra,
                             **self.gate.signals(stop, request_id, params.max_tokens),
                         )
@@ -446,19 +361,6 @@ class VLLMServer:
             "pid": os.getpid(),
         }
 
-    def _to_token_output(self, final: Any, want_logprobs: bool) -> TokenOutput:
-        completion = final.outputs[0]
-        token_ids = list(completion.token_ids)
-        log_probs = _sampled_logprobs(completion, token_ids) if want_logprobs else None
-        preempted = getattr(final, "num_preemptions", None)
-        return TokenOutput(
-            token_ids=token_ids, log_probs=log_probs,
-            stop_reason=_FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP),
-            stop_sequence=_stop_sequence(completion),
-            num_preempted=int(preempted) if preempted is not None else -1,
-            extra_fields=self._extra_fields(),
-        )
-
     def _extra_fields(self) -> dict[str, Any]:
         """What every output carries: this server's index and the version of the weights that
         produced it."""
@@ -496,11 +398,6 @@ class VLLMServer:
         await self._engine_call(self.engine.sleep(level=1), "sleep")
         self._sleeping = True
 
-    async def set_global_steps(self, global_steps: int) -> None:
-        """Set the weight version reported in ``extra_fields["global_steps"]`` without loading
-        weights (verl's server method of the same name)."""
-        self.weights.version = int(global_steps)
-
     async def set_weight_update(self, mode: str) -> None:
         """Switch ``server.weight_update`` (``abort`` | ``drain`` | ``keep``) for later requests and
         updates; refused while a request runs or an update is open
@@ -508,41 +405,6 @@ class VLLMServer:
         self.inflight.set_mode(
             mode, busy=self.weights.open is not None or bool(self.gate.in_flight)
         )
-
-    async def begin_weight_update(
-        self, global_steps: int | None = None, *, transport: str = "auto"
-    ) -> None:
-        """Open a weight update: in-flight requests finish on the old weights (keep mode: are frozen
-        and go on after it), new ones wait until :meth:`finish_weight_update`.  ``global_steps``
-        becomes the served version at the end (default: the current one + 1); ``transport`` is
-        ``auto`` (this server's :attr:`weight_transport`), ``direct`` or ``file``."""
-        self._require_awake()
-        await self.weights.begin(global_steps, transport)
-
-    async def load_weight_bucket(self, bucket: WeightBucket) -> None:
-        """Load one bucket of the open update (HF names; any order; a layer may straddle
-        buckets)."""
-        await self.weights.load(bucket)
-
-    async def finish_weight_update(self) -> dict[str, Any]:
-        """Apply the update, reset the prefix cache, publish the new version and resume generation.
-        Returns what was loaded: version, transport, tensors, bytes, seconds."""
-        return await self.weights.finish()
-
-    async def abort_weight_update(self) -> None:
-        """Close an open weight update without publishing its version and resume generation (a no-op
-        when none is open).  Layers that got all their tensors keep the new values: run the update
-        again.
-        """
-        await self.weights.abort()
-
-    async def update_weights(self, named_tensors: Weights, global_steps: int | None = None, *,
-                             transport: str = "auto") -> dict[str, Any]:
-        """The whole update in one call (one bucket): begin, load, finish.  With tied embeddings and
-        no ``lm_head.weight`` given, the output layer is loaded from ``model.embed_tokens.weight``.
-        """
-        self._require_awake()
-        return await load_whole(self.weights, named_tensors, global_steps, transport)
 
     def _require_awake(self) -> None:
         self._require_started()
