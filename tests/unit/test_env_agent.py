@@ -159,7 +159,8 @@ def test_done_on_the_first_step():
 def test_tool_calls_are_handed_to_the_environment_and_tool_turns_exact():
     out, server = run_env([say(call("add", a=2, b=3)), say("5")], "test_tools")
     turn = SEEN[0]
-    assert turn.tool_calls[0]["name"] == "add" and turn.tool_calls[0]["arguments"] == {"a": 2, "b": 3}
+    assert turn.tool_calls[0]["name"] == "add"
+    assert turn.tool_calls[0]["arguments"] == {"a": 2, "b": 3}
     assert "<tool_call>" in turn.text and out.extra_fields["num_tool_calls"] == 1
     assert out.status == "stop" and out.reward_score == 1.0 and CLOSED == ["tools"]
     sent = server.calls[1]["prompt_ids"]
@@ -191,7 +192,8 @@ def test_an_environment_exception_is_an_error_row_naming_it(where):
 
 def test_a_step_timeout_is_a_timeout_row():
     out, _ = run_env([say("3")], {"name": "test_guess", "fail": "slow"}, step_timeout=0.2)
-    assert out.status == "timeout" and "'test_guess'" in out.error and "step 1 timed out" in out.error
+    assert out.status == "timeout" and "'test_guess'" in out.error
+    assert "step 1 timed out" in out.error
     assert "env.step_timeout" in out.error and CLOSED == ["guess"]
 
 
