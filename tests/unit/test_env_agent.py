@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.cli.failures import EXIT_BAD_INPUT
 from agentloop.config import EnvConfig, default_config
 from agentloop.envs import ENVS, AssistantTurn, EnvReset, EnvStep, register_env
 from agentloop.envs.resolve import batch_rows, check_env_samples, resolve_env
@@ -253,3 +257,21 @@ def test_config_path_and_default(tmp_path):
 
 def test_registry_names():
     assert "test_guess" in ENVS and ENVS["test_guess"] is Guess
+
+
+def test_agentloop_rollout_refuses_an_unknown_env_before_anything_starts(model_dir, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "agent_name": "env_agent",
+             "extra_info": {"env": "test_gues"}}]
+    path = tmp_path / "envs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentloop.cli.rollout", "rollout",
+         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={path}",
+         f"output_dir={tmp_path / 'out'}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert proc.returncode == EXIT_BAD_INPUT and proc.stdout == "", proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("agentloop: error: row 0: unknown environment 'test_gues'")
+    assert "register_env" in line and "Ray" not in proc.stderr
