@@ -10,15 +10,18 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.cli.failures import EXIT_BAD_INPUT
 from agentloop.config import EnvConfig, default_config
 from agentloop.envs import ENVS, AssistantTurn, EnvReset, EnvStep, register_env
 from agentloop.envs.resolve import batch_rows, check_env_samples, resolve_env
 from agentloop.errors import ConfigError
 from agentloop.loops.env_agent import EnvAgentLoop
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
@@ -275,3 +278,30 @@ def test_agentloop_rollout_refuses_an_unknown_env_before_anything_starts(model_d
     (line,) = proc.stderr.splitlines()
     assert line.startswith("agentloop: error: row 0: unknown environment 'test_gues'")
     assert "register_env" in line and "Ray" not in proc.stderr
+
+
+def test_through_the_worker_rows_carry_rewards_env_and_error_messages():
+    cfg = default_config()
+    cfg.data.max_prompt_length = 128
+    cfg.data.max_response_length = 64
+    OmegaConf.resolve(cfg)
+    worker = AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}),
+        [ScriptedServer([say("7"), say("7")], eos_token_id=IM_END)], tokenizer=TOK,
+        trainer_config=cfg,
+    )
+    envs = ["test_guess", {"name": "test_guess", "fail": "step"}, "no_such_env"]
+    col = lambda values: np.array(values, dtype=object)  # noqa: E731
+    prompts = np.empty(3, dtype=object)
+    prompts[:] = [[] for _ in envs]
+    batch = DataProto(batch=None, non_tensor_batch={
+        "raw_prompt": prompts, "uid": col(["a", "b", "c"]), "index": np.arange(3),
+        "agent_name": col(["env_agent"] * 3), "extra_info": col([{"env": e} for e in envs]),
+    }, meta_info={})
+    out = asyncio.run(worker.generate_sequences(batch))
+    nt = out.non_tensor_batch
+    assert nt["status"].tolist() == ["stop", "error", "error"]
+    assert out.batch["rm_scores"].sum(-1).tolist()[0] == 1.0
+    assert nt["env"].tolist()[:2] == ["test_guess", "test_guess"]
+    assert "engine room on fire" in nt["error"][1] and "'no_such_env'" in nt["error"][2]
+    assert nt["turn_scores"][0] == [1.0]
