@@ -9,7 +9,16 @@ from agentloop.envs.base import (
     Message,
     register_env,
 )
+from agentloop.envs.resolve import (
+    ENV_AGENT,
+    EnvChoice,
+    check_env_config,
+    check_env_samples,
+    env_spec,
+    resolve_env,
+)
 
 __all__ = [
     "ENVS", "AssistantTurn", "EnvReset", "EnvStep", "Environment", "Message", "register_env",
+    "ENV_AGENT", "EnvChoice", "check_env_config", "check_env_samples", "env_spec", "resolve_env",
 ]
