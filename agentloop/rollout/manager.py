@@ -17,7 +17,6 @@ Usage from a trainer::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -26,31 +25,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
-import ray.exceptions
 from omegaconf import DictConfig
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agentloop.batch.metrics import align_keys, performance_metrics
 from agentloop.batch.protocol import DataProto
-from agentloop.cluster.colocated import start_colocated_servers
 from agentloop.cluster.placement import (
     ServerGroup,
     sleep_support,
-    start_standalone_servers,
     stop_servers,
 )
 from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
-from agentloop.config import AgentLoopConfig, GatewaySections, WorkerSections, resolve_config
+from agentloop.config import AgentLoopConfig, GatewaySections, resolve_config
 from agentloop.loops.base import resolve_registry
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
+from agentloop.rollout.fault_metrics import FaultMetrics
+from agentloop.rollout.gateway_pool import GatewayPool
+from agentloop.rollout.server_sleep import ServerSleep
+from agentloop.rollout.startup import alive_nodes, open_servers, shared_balancer, spawn_worker
 from agentloop.rollout.weights import WeightSync
-from agentloop.rollout.worker import AgentLoopWorker, check_batch, error_batch
+from agentloop.rollout.worker import check_batch, error_batch
 from agentloop.routing import AsyncLLMServerManager
-from agentloop.routing.balancer_actor import create_global_balancer
 from agentloop.tokenization.loader import load_tokenizer
 from agentloop.types import RolloutStatus
-from agentloop.utils.hangwatch import HangWatch
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +58,28 @@ class AgentLoopManager:
     Args (verl's, 0.6–0.9):
         config: trainer-shaped config (``actor_rollout_ref...``) or the rollout subtree.
         worker_group: the trainer's workers: one server per rollout replica is placed beside them
-        (colocated).
-            None: standalone servers. An :class:`AsyncLLMServerManager` here is taken as
-            ``llm_client``.
+            (colocated). None: standalone servers. An :class:`AsyncLLMServerManager` here is taken
+            as ``llm_client``.
         rollout_resource_pool: with a worker group, verl's resource pool its workers run in; else
-        unused. rm_resource_pool: verl's reward-model pool; accepted, unused (warned). llm_client:
-        an AsyncLLMServerManager over servers started elsewhere, shared as they are (verl 0.9).
-        teacher_client, reward_loop_worker_handles: not supported. model_path: required with a
-        rollout-only config; overrides the model path otherwise. servers: servers this manager owns
-        as if it had started them (restarts, :meth:`shutdown`): the
-            injection point for tests and placements of your own.
+            unused.
+        rm_resource_pool: verl's reward-model pool; accepted, unused (warned).
+        llm_client: an AsyncLLMServerManager over servers started elsewhere, shared as they are
+            (verl 0.9).
+        teacher_client, reward_loop_worker_handles: not supported.
+        model_path: required with a rollout-only config; overrides the model path otherwise.
+        servers: servers this manager owns as if it had started them (restarts, :meth:`shutdown`):
+            the injection point for tests and placements of your own.
 
     Raises:
         ConfigError: a bad config, or ``teacher_client`` / ``reward_loop_worker_handles`` given.
 
     Parts: ``workers`` (:class:`~agentloop.rollout.dispatcher.Dispatcher`), ``supervisor``
     (:class:`~agentloop.cluster.supervisor.ServerSupervisor`), ``weights``
-    (:class:`~agentloop.rollout.weights.WeightSync`). Spec: docs/concepts.md#placement,
+    (:class:`~agentloop.rollout.weights.WeightSync`), ``server_sleep``
+    (:class:`~agentloop.rollout.server_sleep.ServerSleep`), ``gateway_pool``
+    (:class:`~agentloop.rollout.gateway_pool.GatewayPool`), ``faults``
+    (:class:`~agentloop.rollout.fault_metrics.FaultMetrics`); actors started by
+    :mod:`agentloop.rollout.startup`. Spec: docs/concepts.md#placement,
     docs/porting-from-verl.md (Placement), docs/architecture.md#extension-points.
     """
 
@@ -99,31 +101,14 @@ class AgentLoopManager:
         if not ray.is_initialized():
             ray.init()
         self._owns_servers = llm_client is None
-        if llm_client is not None:
-            self.servers: ServerGroup = ServerGroup(
-                list(llm_client.server_handles), None, "shared", [], "shared"
-            )
-        elif servers is not None:
-            self.servers = servers
-        elif worker_group is not None:
-            self.servers = start_colocated_servers(self.config, worker_group, rollout_resource_pool)
-        else:
-            self.servers = start_standalone_servers(self.config)
-        self.server_handles = self.servers.handles
-        self._sleep_support = sleep_support(self.server_handles)
-        self._sleeping = False
-        self._sleep_noop_logged = False
-        # One server leaves nothing to balance: workers then route locally and skip the actor hop.
-        self.balancer = (
-            create_global_balancer(
-                len(self.server_handles), max_cache_size=self.config.server.max_cache_size
-            )
-            if len(self.server_handles) > 1
-            else None
+        self.servers: ServerGroup = open_servers(
+            self.config, worker_group, rollout_resource_pool, llm_client, servers
         )
-        # started on the first batch that has a gateway agent (openai_agent)
-        self.gateways: list[Any] = []
-        self._gateway_hangs: HangWatch[int] = HangWatch()
+        self.server_handles = self.servers.handles
+        self.server_sleep = ServerSleep(
+            self.servers, sleep_support(self.server_handles), self._each_server
+        )
+        self.balancer = shared_balancer(len(self.server_handles), self.config.server.max_cache_size)
         agent, server = self.config.agent, self.config.server
         self.supervisor = ServerSupervisor(
             self.servers, self.balancer, self._swap_server, restart=server.restart_dead
@@ -139,7 +124,10 @@ class AgentLoopManager:
             tick=self._watch if server.stall_timeout else None, hang_s=agent.stall_timeout or None,
             weight_version=lambda: self.weights.version,
         )
-        self._nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        # started on the first batch that has a gateway agent (openai_agent)
+        self.gateway_pool = GatewayPool(self.server_handles, self.balancer, self.workers)
+        self.faults = FaultMetrics(self.workers, self.supervisor, self.gateway_pool)
+        self._nodes = alive_nodes()
         try:
             self._wait_for_workers()
         except BaseException:
@@ -160,21 +148,10 @@ class AgentLoopManager:
         return self.workers.handles
 
     def _spawn_worker(self, index: int, worker_id: str) -> Any:
-        cls: Any = ray.remote(AgentLoopWorker)
-        # round-robin over the nodes alive now (a replacement avoids a node that is gone); a hard
-        # affinity, since
-        # Ray's soft one let several workers pile onto one node of a 4-node cluster
-        # (tests/integration/test_multinode)
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]) or self._nodes
-        return cls.options(
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                nodes[index % len(nodes)], soft=False
-            ),
-            max_concurrency=10000,
-        ).remote(
-            WorkerSections.of(self.config), self.config.root, list(self.server_handles),
-            self.balancer, self.registry, worker_id=worker_id,
+        """The dispatcher's :data:`~agentloop.rollout.worker_slots.Spawn`: worker ``index``."""
+        return spawn_worker(
+            self.config, self.server_handles, self.balancer, self.registry, index=index,
+            worker_id=worker_id, known_nodes=self._nodes,
         )
 
     def _error_rows(self, chunk: DataProto, status: RolloutStatus, message: str) -> DataProto:
@@ -192,28 +169,13 @@ class AgentLoopManager:
         hang_s = float(self.config.server.stall_timeout or 0)
         if self._owns_servers:
             self.supervisor.watch(hang_s)
-        if self.gateways:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
-            # agent
-            from agentloop.gateway.actor import kill_hung_gateways
-
-            self._gateways_hung += len(
-                kill_hung_gateways(
-                    self.gateways, self._gateway_hangs, hang_s,
-                    tell=functools.partial(self.workers.tell, "gateway_lost"),
-                )
-            )
+        self.gateway_pool.watch(hang_s)
 
     def _swap_server(self, index: int, handle: Any) -> None:
         """A restarted server replaces server ``index`` for every worker (and later workers)."""
         self.server_handles[index] = handle
         self.workers.broadcast("replace_server", index, handle)
-        if self.gateways:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
-            # agent
-            from agentloop.gateway.actor import tell_gateways
-
-            tell_gateways(self.gateways, index, handle)
+        self.gateway_pool.swap_server(index, handle)
 
     def _wait_for_workers(self) -> None:
         """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing
@@ -224,11 +186,8 @@ class AgentLoopManager:
         }
         for name, error in sorted(self.init_errors.items()):
             logger.warning(
-                "agent loop %r failed to initialise (%s); samples that use it "
-                "will come back with "
-                "status 'error', other agent loops are not affected",
-                name,
-                error,
+                "agent loop %r failed to initialise (%s); samples that use it will come back with "
+                "status 'error', other agent loops are not affected", name, error,
             )
 
     @functools.cached_property
@@ -262,7 +221,7 @@ class AgentLoopManager:
             self.sleep()
         output.meta_info["metrics"] = metrics
         timing = performance_metrics(output, time.perf_counter() - t0)
-        timing.update(self._fault_metrics(failovers))
+        timing.update(self.faults.take(failovers))
         output.meta_info = {**output.meta_info, "timing": timing}
         return output
 
@@ -290,7 +249,7 @@ class AgentLoopManager:
                 rows = part.rows
                 rows.meta_info["metrics"] = part.stats.metrics
                 timing = performance_metrics(rows, time.perf_counter() - t0)
-                timing.update(self._fault_metrics(part.stats.server_failovers))
+                timing.update(self.faults.take(part.stats.server_failovers))
                 rows.meta_info = {**rows.meta_info, "timing": timing}
                 yield rows
         finally:
@@ -320,25 +279,12 @@ class AgentLoopManager:
         ):
             self.start_gateways()
         elif self.gateways:
-            self._replace_dead_gateways()
+            self.gateway_pool.replace_dead(GatewaySections.of(self.config))
         if self.config.engine.free_cache_engine:
             self.wake_up()
         self.supervisor.poll(self.weight_version)
         self.grow_sticky_cache(2 * len(prompts))
         return prompts
-
-    def _replace_dead_gateways(self) -> None:
-        """Gateway actors that died are replaced before the batch, and the workers given the new
-        set."""
-        # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway agent
-        from agentloop.gateway.actor import replace_dead_gateways
-
-        replaced = replace_dead_gateways(
-            self.gateways, GatewaySections.of(self.config), self.server_handles, self.balancer
-        )
-        if replaced:
-            self.workers.broadcast("attach_gateways", self.gateways, remember=True)
-            self._gateway_restarts += replaced
 
     def grow_sticky_cache(self, entries: int) -> None:
         """Make the shared balancer keep at least ``entries`` request-id -> server bindings (one
@@ -353,24 +299,6 @@ class AgentLoopManager:
 
     _sticky_capacity: int = 0
 
-    def _fault_metrics(self, failovers: int) -> dict[str, float]:
-        """``agent_loop/faults/*``: failovers, retries and restarts since the previous batch,
-        servers now down."""
-        counts = {
-            **self.workers.fault_counts,
-            "servers_restarted": self.supervisor.counts["server_restarts"],
-            "servers_hung": self.supervisor.counts["servers_hung"],
-            "gateways_replaced": self._gateway_restarts, "gateways_hung": self._gateways_hung,
-        }
-        before, self._fault_totals = self._fault_totals, dict(counts)
-        metrics = {k: v - before.get(k, 0) for k, v in counts.items()}  # the counts are cumulative
-        metrics.update(server_failovers=failovers, servers_down=len(self.supervisor.down))
-        return {f"agent_loop/faults/{k}": float(v) for k, v in metrics.items()}
-
-    _fault_totals: dict[str, int] = {}
-    _gateway_restarts: int = 0
-    _gateways_hung: int = 0
-
     def recover(self, timeout: float = 0.0) -> dict[str, int]:
         """Put back restarted servers and replacement workers that finished starting, waiting up to
         ``timeout`` seconds for them (batches do this themselves, without waiting); returns the
@@ -380,13 +308,7 @@ class AgentLoopManager:
         each batch) or a worker dies."""
         self.supervisor.poll(self.weight_version, wait_s=timeout)
         self.workers.poll_replacements(timeout)
-        waiting = len(self.supervisor.awaiting_weights())
-        return {
-            "servers_down": len(self.supervisor.down),
-            "servers_restarting": len(self.supervisor.restarting) - waiting,
-            "servers_awaiting_weights": waiting, "workers": len(self.workers.handles),
-            "workers_starting": sum(1 for s in self.workers.slots if s.starting),
-        }
+        return self.faults.pool_state()
 
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> AgentLoopManager:
@@ -430,21 +352,17 @@ class AgentLoopManager:
         """Stop the engines' profilers and write their traces."""
         self._each_server("stop_profile")
 
+    @property
+    def gateways(self) -> list[Any]:
+        """The OpenAI gateway actors (empty until the first batch with a gateway agent)."""
+        return self.gateway_pool.handles
+
     def start_gateways(self) -> list[Any]:
         """Start the OpenAI gateway actors (``rollout.gateway``) and hand them to the workers.
 
         Called automatically before the first batch with a gateway agent; returns the actor handles.
         """
-        if not self.gateways:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
-            # agent
-            from agentloop.gateway.actor import start_gateways
-
-            self.gateways = start_gateways(
-                GatewaySections.of(self.config), self.server_handles, self.balancer
-            )
-            self.workers.broadcast("attach_gateways", self.gateways, remember=True)
-        return self.gateways
+        return self.gateway_pool.start(GatewaySections.of(self.config))
 
     def pause(self) -> int:
         """Abort every in-flight engine request and hold new ones until :meth:`resume` (e.g. around
@@ -467,13 +385,11 @@ class AgentLoopManager:
 
         Args:
             weights: a state dict or an iterable of ``(name, tensor)`` pairs with HF names (full,
-            unsharded
-                tensors, any device), read once and lazily, sent in buckets shared by all servers,
-                never as one object (:mod:`agentloop.servers.weight_sync`).
+                unsharded tensors, any device), read once and lazily, sent in buckets shared by all
+                servers, never as one object (:mod:`agentloop.servers.weight_sync`).
             global_steps: the new version (default: the previous + 1; servers start at 0), which
-            later generations
-                report (``extra_fields["global_steps"]``, trajectories' ``min_global_steps`` /
-                ``max_global_steps``).
+                later generations report (``extra_fields["global_steps"]``, trajectories'
+                ``min_global_steps`` / ``max_global_steps``).
             bucket_mb: the bucket size in MiB.
 
         Sleeping servers are woken first (and left awake); new requests wait until the update is
@@ -514,45 +430,25 @@ class AgentLoopManager:
 
     @property
     def can_sleep(self) -> bool:
-        """Whether every server really releases accelerator memory on :meth:`sleep` (each declares
-        ``supports_sleep``): vLLM on CUDA with ``free_cache_engine``; not the CPU engine."""
-        return all(self._sleep_support)
+        """Whether every server releases accelerator memory on :meth:`sleep`
+        (:attr:`ServerSleep.can_sleep <agentloop.rollout.server_sleep.ServerSleep.can_sleep>`)."""
+        return self.server_sleep.can_sleep
 
     @property
     def sleeping(self) -> bool:
         """Whether the servers are asleep: True from :meth:`sleep` until :meth:`wake_up`.  Always
         False where no server can sleep (nothing was released, so there is nothing to wake)."""
-        return self._sleeping
+        return self.server_sleep.sleeping
 
     def wake_up(self) -> None:
         """Wake the servers :meth:`sleep` put to sleep, re-acquiring their memory (no-op when
         none sleeps)."""
-        if self._sleeping:
-            self._each_server("wake_up", only=self._sleep_support)
-            self._sleeping = False
+        self.server_sleep.wake_up()
 
     def sleep(self) -> None:
         """Put every server that can sleep to sleep, freeing its accelerator memory.  Servers that
-        cannot (``can_sleep`` False) are left running; that is logged once per manager, not on every
-        call.
-        """
-        if self._sleeping:
-            return
-        if not self.can_sleep and not self._sleep_noop_logged:
-            self._sleep_noop_logged = True
-            log = logger.warning if self.servers.device == "cuda" else logger.info
-            log(
-                "AgentLoopManager.sleep: %d of %d servers cannot sleep (%s engine%s); "
-                "sleep/wake_up leave them "
-                "running and their memory held",
-                self._sleep_support.count(False),
-                len(self._sleep_support),
-                self.servers.device,
-                "" if self.servers.device != "cuda" else ", free_cache_engine=false",
-            )
-        if any(self._sleep_support):
-            self._each_server("sleep", only=self._sleep_support)
-            self._sleeping = True
+        cannot (``can_sleep`` False) are left running; that is logged once per manager."""
+        self.server_sleep.sleep()
 
     def shutdown(self) -> None:
         """Stop workers, balancer and engines, and release their resources."""
@@ -561,13 +457,8 @@ class AgentLoopManager:
         if hasattr(self, "supervisor"):
             for restart in self.supervisor.restarting.values():
                 ray.kill(restart.handle)
-        if self.gateways:
-            # best effort (a gateway may have died); all are killed next
-            with contextlib.suppress(Exception):
-                ray.get([g.shutdown.remote() for g in self.gateways], timeout=30)
-            for g in self.gateways:
-                ray.kill(g)
-            self.gateways = []
+        if hasattr(self, "gateway_pool"):
+            self.gateway_pool.shutdown()
         if self.balancer is not None:
             ray.kill(self.balancer)
         if self._owns_servers:

@@ -8,7 +8,9 @@ yields each group's rows and a :class:`WorkerStats` as soon as the group is done
 ``agent.sample_timeout``); an exception or timeout becomes an ``error`` / ``timeout`` row, a failing
 scorer marks only its row, so the batch always comes back whole. Rows are padded into verl's
 DataProto layout (:func:`agentloop.batch.postprocess.postprocess`). :func:`check_batch` raises
-``DatasetError`` / ``UnknownAgentError`` before anything runs.
+``DatasetError`` / ``UnknownAgentError`` before anything runs.  The batch check and per-sample
+info: :mod:`agentloop.rollout.samples`; a loop's result as trajectories or failed rows:
+:mod:`agentloop.rollout.episodes`; the process's set-up: :mod:`agentloop.rollout.worker_setup`.
 
 Spec: docs/concepts.md#one-samples-life; the output layout: docs/concepts.md#the-output-layout.
 """
@@ -19,14 +21,10 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
-import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,26 +39,21 @@ from agentloop.compat.rollout_trace import (
     rollout_trace_attr,
     select_traced_rows,
 )
-from agentloop.config import EngineConfig, ModelConfig, MultiTurnConfig, TraceConfig, WorkerSections
-from agentloop.errors import DatasetError
-from agentloop.loops.base import (
-    DictConfigWrap,
-    ResolvedAgentLoop,
-    ToolListWrap,
-    lookup,
-    resolve_registry,
-)
+from agentloop.config import ModelConfig, WorkerSections
+from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, resolve_registry
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
+from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
+from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
+from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router
 from agentloop.routing.tail import make_priority
 from agentloop.tokenization.loader import load_processor, load_tokenizer
-from agentloop.tools.registry import load_all_tools
 from agentloop.trace import enabled as trace_enabled
 from agentloop.trace import flush as trace_flush
 from agentloop.trace import set_token_decoder
-from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
+from agentloop.types import AgentLoopOutput, RolloutStatus
 from agentloop.utils.gcheap import freeze_startup_heap
 from agentloop.utils.process import restore_normal_priority
 
@@ -69,85 +62,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
-def load_rollout_tools(multi_turn: MultiTurnConfig) -> list[Any]:
-    """The tools of ``multi_turn.tool_config_path`` (and ``function_tool_path``), loaded once per
-    process and config (the worker hands them to verl 0.9 loops and to ``tool_agent``)."""
-    key = (multi_turn.tool_config_path, multi_turn.function_tool_path)
-    if key not in _TOOLS:
-        _TOOLS[key] = (
-            load_all_tools(tool_config_path=key[0], function_tool_path=key[1]) if any(key) else []
-        )
-    return _TOOLS[key]
-
-
-_TOOLS: dict[tuple[Any, Any], list[Any]] = {}
-
-
-def _start_tracing(trace: TraceConfig) -> int | None:
-    """verl's ``rollout.trace``: configure this process's trace recorder; returns how many samples a
-    worker traces per step (None: all).  An unsupported backend raises ConfigError (the manager
-    reports it)."""
-    if trace.backend:
-        RolloutTraceConfig.init(
-            trace.project_name or "agentloop", trace.experiment_name or "rollout", trace.backend,
-            trace.token2text, trace.max_samples_per_step_per_worker,
-        )
-    return trace.max_samples_per_step_per_worker
-
-
-def _model_type(model: ModelConfig) -> str | None:
-    """``model_type`` of the model's config.json (verl passes it to loops as ``hf_model_type``)."""
-    try:
-        return json.loads((Path(model.local_path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
-
-
-def trajectory_info(index: np.ndarray, step: int, validate: bool) -> list[dict[str, Any]]:
-    """verl's trajectory info: ``rollout_n`` counts earlier rows with the same sample index."""
-    seen: Counter = Counter()
-    out = []
-    for idx in index.tolist():
-        out.append(
-            {"step": step, "sample_index": idx, "rollout_n": seen[idx], "validate": validate}
-        )
-        seen[idx] += 1
-    return out
-
-
-def agent_names(batch: DataProto, default_agent: str) -> np.ndarray:
-    """The per-sample agent names: ``agent_name``, ``default_agent`` where the column or the
-    value is absent."""
-    given = batch.non_tensor_batch.get("agent_name")
-    names = np.empty(len(batch), dtype=object)
-    values = given.tolist() if given is not None else [None] * len(batch)
-    names[:] = [str(n) if n else default_agent for n in values]
-    return names
-
-
-def check_batch(
-    batch: DataProto, registry: dict[str, ResolvedAgentLoop], default_agent: str
-) -> np.ndarray:
-    """Fail before any generation if ``raw_prompt`` is missing or an ``agent_name`` is unknown.
-
-    Returns the per-sample agent names (:func:`agent_names`).
-
-    Raises:
-        DatasetError: no ``raw_prompt`` column.
-        UnknownAgentError: an ``agent_name`` is not registered (the message lists the registered
-        names).
-    """
-    if "raw_prompt" not in batch.non_tensor_batch:
-        raise DatasetError(
-            f"batch has no 'raw_prompt' column (non-tensor keys: "
-            f"{sorted(batch.non_tensor_batch)}); "
-            "each sample needs its chat messages under non_tensor_batch['raw_prompt']"
-        )
-    names = agent_names(batch, default_agent)
-    for name in set(names.tolist()):
-        lookup(registry, str(name))
-    return names
+# moved to agentloop.rollout.samples / episodes / worker_setup; importable from here as before
+__all__ = [
+    "AgentLoopWorker", "WorkerStats", "agent_names", "check_batch", "error_batch",
+    "load_rollout_tools", "trajectory_info",
+]
 
 
 @dataclass
@@ -219,7 +138,7 @@ class AgentLoopWorker:
         )
         # once per worker (verl 0.9); a bad config fails here
         self.tools = load_rollout_tools(sections.multi_turn)
-        self.hf_model_type = _model_type(model)
+        self.hf_model_type = hf_model_type(model)
         self.init_errors: dict[str, str] = {}
         for entry in self.registry.values():
             self._init_loop_class(entry)
@@ -229,7 +148,7 @@ class AgentLoopWorker:
         self.sample_timeout = self.agent.sample_timeout or None
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.trace_samples = _start_tracing(sections.trace)
+        self.trace_samples = start_tracing(sections.trace)
         if RolloutTraceConfig.enable_token2text():  # generate spans carry the decoded response
             set_token_decoder(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         # custom_reward_function (top level, verl's): imported once here, so a bad path fails the
@@ -380,7 +299,7 @@ class AgentLoopWorker:
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
                 a, b = bounds[g], bounds[g + 1]
-                results = [_result_of(task, timeout) for task in tasks[a:b]]
+                results = [task_outputs(task, timeout) for task in tasks[a:b]]
                 rows = self._postprocess(
                     results, {k: v[a:b] for k, v in fields.items()}, names[a:b]
                 )
@@ -422,12 +341,13 @@ class AgentLoopWorker:
         self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any],
         info: dict[str, Any],
     ) -> list[AgentLoopOutput]:
-        """One sample: its loop run as one episode (:func:`_episode`; an error row when it failed),
-        then each trajectory given its reward (:mod:`agentloop.rewards.scoring`).  With
+        """One sample: its loop run as one episode
+        (:func:`~agentloop.rollout.episodes.to_episode`; an error row when it failed), then each
+        trajectory given its reward (:mod:`agentloop.rewards.scoring`).  With
         ``agent.record_timing`` each engine call's server and times go on the first trajectory
         (``generate_calls``, for ``agentloop report``)."""
         with collect_generate_calls() if self.record_timing else contextlib.nullcontext() as calls:
-            episode = _episode(await self._run_loop(name, sampling_params, sample, info), name)
+            episode = to_episode(await self._run_loop(name, sampling_params, sample, info), name)
         if calls is not None:
             attach_generate_calls(episode, calls)
         return await self.rewards.score(episode, sample)
@@ -442,7 +362,7 @@ class AgentLoopWorker:
         timeout = self.sample_timeout
         if name in self.init_errors:
             return [
-                _failed(
+                failed_output(
                     RolloutStatus.ERROR,
                     f"agent loop {name!r} "
                     f"({entry.cls.__qualname__}) failed to "
@@ -462,13 +382,13 @@ class AgentLoopWorker:
                 "sample %s (%s) timed out after %ss", info["sample_index"], name, timeout
             )
             return [
-                _failed(
+                failed_output(
                     RolloutStatus.TIMEOUT, f"agent loop {name!r} exceeded sample_timeout={timeout}s"
                 )
             ]
         except Exception as e:  # noqa: BLE001 - a failed sample is data, not a crash
             logger.warning("sample %s (%s) failed: %r", info["sample_index"], name, e)
-            return [_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
+            return [failed_output(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
         return output
 
     def _postprocess(
@@ -494,110 +414,6 @@ def _cancel(tasks: list[asyncio.Task]) -> None:
     for task in tasks:
         if not task.done():
             task.cancel()
-
-
-def _result_of(task: asyncio.Task, timeout: float | None) -> list[AgentLoopOutput]:
-    """A finished sample task's outputs; a cancelled one (deadline) is a ``timeout`` row, one that
-    raised (a bug outside the loop's own error handling) an ``error`` row."""
-    if task.cancelled():
-        return [
-            _failed(
-                RolloutStatus.TIMEOUT,
-                f"the batch deadline (agent.batch_timeout) "
-                f"passed after "
-                f"{timeout or 0:.0f}s with this sample still "
-                f"running",
-            )
-        ]
-    e = task.exception()
-    if e is not None:
-        logger.error("a sample task failed outside its agent loop: %r", e)
-        return [_failed(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
-    return task.result()
-
-
-def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, engine: EngineConfig,
-                calculate_log_probs: bool, pad_token_id: int, default_agent: str) -> DataProto:
-    """The rows of ``chunk`` when no worker could roll them out (its worker died and retries ran
-    out, or it hung past the batch deadline): one ``status`` row per sample with ``message``, in
-    verl's padded layout (the ``engine`` section's lengths), keeping each sample's non-tensor fields
-    (uid, index...)."""
-    fields = {k: v for k, v in chunk.non_tensor_batch.items()}
-    fields["agent_name"] = agent_names(chunk, default_agent)
-    output = postprocess(
-        [_failed(status, message) for _ in range(len(chunk))],
-        prompt_length=engine.prompt_length, response_length=engine.response_length,
-        pad_token_id=pad_token_id, sample_fields=fields, calculate_log_probs=calculate_log_probs,
-        rewards_configured=False,
-    )
-    return output
-
-
-def _episode(output: Any, name: str) -> MultiTrajectoryAgentLoopOutput:
-    """What a loop returned (an AgentLoopOutput, a list of them or a MultiTrajectoryAgentLoopOutput)
-    as one episode of checked trajectories; anything else is one error row.  Every trajectory gets
-    the episode's ``session_id`` in ``extra_fields``: the episode's own, else one a trajectory
-    carries (the first), else a fresh one."""
-    episode = output if isinstance(output, MultiTrajectoryAgentLoopOutput) else None
-    if episode is not None:
-        outputs = episode.trajectories
-    elif isinstance(output, list):
-        outputs = output
-    else:
-        outputs = [output]
-    if not outputs or not all(isinstance(o, AgentLoopOutput) for o in outputs):
-        msg = (
-            f"agent loop {name!r} returned {type(output).__name__}; expected "
-            f"AgentLoopOutput, a list of them or "
-            "a MultiTrajectoryAgentLoopOutput"
-        )
-        outputs, episode = [_failed(RolloutStatus.ERROR, msg)], None
-    outputs = [_checked(o, name) for o in outputs]
-    given = [
-        o.extra_fields.get("session_id")
-        for o in outputs
-        if o.extra_fields.get("session_id") is not None
-    ]
-    if episode is not None and episode.session_id is not None:
-        session_id = str(episode.session_id)
-    elif given:
-        session_id = str(given[0])
-    else:
-        session_id = uuid.uuid4().hex
-    for o in outputs:
-        o.extra_fields = {**o.extra_fields, "session_id": session_id}
-    if episode is None:
-        return MultiTrajectoryAgentLoopOutput(trajectories=outputs, session_id=session_id)
-    return episode.model_copy(update={"trajectories": outputs, "session_id": session_id})
-
-
-def _checked(output: AgentLoopOutput, name: str) -> AgentLoopOutput:
-    """The output, or an error row when its per-token lists disagree in length (one bad trajectory
-    must not fail its neighbours' padding)."""
-    n = len(output.response_ids)
-    problem = None
-    if len(output.response_mask) != n:
-        problem = f"response_mask has {len(output.response_mask)} entries for {n} response ids"
-    elif output.response_logprobs is not None and len(output.response_logprobs) != n:
-        problem = (
-            f"response_logprobs has {len(output.response_logprobs)} entries for {n} response ids"
-        )
-    if problem is None:
-        return output
-    logger.warning("agent loop %r returned a malformed trajectory: %s", name, problem)
-    return _failed(
-        RolloutStatus.ERROR,
-        f"agent loop {name!r} returned a malformed "
-        f"trajectory: {problem} (one "
-        "mask value and, with log-probs, one log-prob per "
-        "response token)",
-    )
-
-
-def _failed(status: RolloutStatus, message: str) -> AgentLoopOutput:
-    return AgentLoopOutput(
-        prompt_ids=[], response_ids=[], response_mask=[], status=status, error=message
-    )
 
 
 def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
