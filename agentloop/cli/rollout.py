@@ -33,6 +33,7 @@ from agentloop.cli.summary import (
     format_table,
     pick_rows,
     render_trajectory,
+    rewards_by,
     row_scores,
     summary_rows,
     use_colour,
@@ -162,6 +163,8 @@ def summarize(output: DataProto, wall: float, num_samples: int) -> dict[str, Any
             if len(scored)
             else None
         ),
+        # per environment (env_agent rows: the ``env`` column), null without one
+        "reward_by_env": rewards_by(output, "env"),
         # the tokens the policy sampled (response_mask 1): the console's tok/s
         "sampled_tokens": sampled,
         "sampled_tokens_per_s": round(sampled / wall, 1) if wall > 0 else None,

@@ -44,6 +44,22 @@ def row_scores(output: DataProto) -> np.ndarray | None:
     return scores
 
 
+def rewards_by(output: DataProto, column: str) -> dict[str, dict[str, Any]] | None:
+    """Per value of the non-tensor ``column`` (e.g. ``env``, ``agent_name``): the mean reward and
+    the number of rows scored; None without the column or without ``rm_scores``."""
+    values = output.non_tensor_batch.get(column)
+    scores = row_scores(output)
+    if values is None or scores is None:
+        return None
+    groups: dict[str, list[float]] = {}
+    for value, score in zip(values.tolist(), scores.tolist(), strict=True):
+        if value is not None and np.isfinite(score):
+            groups.setdefault(str(value), []).append(float(score))
+    return {
+        k: {"mean": float(np.mean(v)), "rows_scored": len(v)} for k, v in sorted(groups.items())
+    }
+
+
 def _tool_turns(output: DataProto) -> np.ndarray:
     """Per row: how many tool calls it made (``num_tool_calls``), else how many mask-0 runs its
     response has."""
@@ -77,6 +93,10 @@ def summary_rows(output: DataProto, wall: float, num_samples: int) -> list[tuple
                 f"{np.nanmean(scores):.3f} ({int(np.isfinite(scores).sum())} rows scored)",
             )
         )
+    by_env = rewards_by(output, "env")
+    if by_env:
+        rows.append(("reward by env", ", ".join(
+            f"{name} {g['mean']:.3f} ({g['rows_scored']})" for name, g in by_env.items())))
     rows += [
         (
             "tool-call rate",

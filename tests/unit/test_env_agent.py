@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from agentloop.batch.protocol import DataProto
 from agentloop.cli.failures import EXIT_BAD_INPUT
+from agentloop.cli.summary import rewards_by, summary_rows
 from agentloop.config import EnvConfig, default_config
 from agentloop.envs import ENVS, AssistantTurn, EnvReset, EnvStep, register_env
 from agentloop.envs.resolve import batch_rows, check_env_samples, resolve_env
@@ -305,3 +306,6 @@ def test_through_the_worker_rows_carry_rewards_env_and_error_messages():
     assert nt["env"].tolist()[:2] == ["test_guess", "test_guess"]
     assert "engine room on fire" in nt["error"][1] and "'no_such_env'" in nt["error"][2]
     assert nt["turn_scores"][0] == [1.0]
+    # `agentloop rollout`'s summary: rewards per environment
+    assert rewards_by(out, "env") == {"test_guess": {"mean": 1.0, "rows_scored": 1}}
+    assert ("reward by env", "test_guess 1.000 (1)") in summary_rows(out, 1.0, 3)
