@@ -42,6 +42,7 @@ from agentloop.utils.process import restore_normal_priority
 
 logger = logging.getLogger(__name__)
 
+
 class VLLMServer(WeightUpdateMethods):
     """One vLLM AsyncLLM engine.  Build with :meth:`start` (async) before use.
 
