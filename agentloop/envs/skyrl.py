@@ -24,7 +24,7 @@ INSTALL = "pip install 'agentloop[envs]' (or pip install skyrl-gym)"
 
 _NOT_EXTRAS = frozenset({
     "raw_prompt", "prompt", "multi_modal_data", "agent_name", "env_class", "index",
-    "tools_kwargs", "interaction_kwargs", "uid",
+    "tools_kwargs", "interaction_kwargs", "uid", "trajectory_info",
 })
 """Sample fields that are agentloop's or the prompt itself, not SkyRL extras."""
 
