@@ -267,6 +267,7 @@ BUILTIN_LOOP_TARGETS = {
     "tool_agent": "agentloop.loops.tool_agent.ToolAgentLoop",
     "openai_agent": "agentloop.loops.openai_agent.OpenAIAgentLoop",
     "env_agent": "agentloop.loops.env_agent.EnvAgentLoop",
+    "textarena_selfplay": "agentloop.loops.textarena_selfplay.TextArenaSelfPlayLoop",
 }
 """agentloop's own loops by import path: registered by name here and imported when first resolved,
 so this module never imports them (they import it); their ``@register`` then fills in the class."""
