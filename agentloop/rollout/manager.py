@@ -37,6 +37,7 @@ from agentloop.cluster.placement import (
 from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, GatewaySections, resolve_config
+from agentloop.envs.resolve import ENV_AGENT, batch_rows, check_env_config, check_env_samples
 from agentloop.loops.base import resolve_registry
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.fault_metrics import FaultMetrics
@@ -98,6 +99,7 @@ class AgentLoopManager:
         check_verl_arguments(worker_group, rollout_resource_pool, rm_resource_pool, teacher_client,
                              reward_loop_worker_handles, llm_client)
         self.registry = resolve_registry(self.config.agent.agent_loop_config_path)
+        check_env_config(self.config.env)  # env.default / env.config_path, before servers start
         if not ray.is_initialized():
             ray.init()
         self._owns_servers = llm_client is None
@@ -260,7 +262,7 @@ class AgentLoopManager:
 
     def prepare(self, prompts: DataProto) -> DataProto:
         """Check a batch and get ready for it: the one batch check
-        (:func:`~agentloop.rollout.worker.check_batch`), gateways started or replaced, servers
+        (:func:`~agentloop.rollout.samples.check_batch`), gateways started or replaced, servers
         woken, restarted servers put back, the sticky cache grown.  Returns the batch with
         ``meta_info["global_steps"]`` (default: :attr:`weight_version`; a copy, the caller's is left
         as it is).
@@ -274,6 +276,9 @@ class AgentLoopManager:
                 meta_info={**prompts.meta_info, "global_steps": self.weight_version},
             )
         names = check_batch(prompts, self.registry, self.config.agent.default_agent_loop)
+        if ENV_AGENT in set(names.tolist()):  # every environment env_agent rows name resolves
+            rows = batch_rows(prompts.non_tensor_batch, self.config.agent.default_agent_loop)
+            check_env_samples(rows, self.config.env)
         if not self.gateways and any(
             self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())
         ):
