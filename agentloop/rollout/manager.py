@@ -262,7 +262,7 @@ class AgentLoopManager:
 
     def prepare(self, prompts: DataProto) -> DataProto:
         """Check a batch and get ready for it: the one batch check
-        (:func:`~agentloop.rollout.worker.check_batch`), gateways started or replaced, servers
+        (:func:`~agentloop.rollout.samples.check_batch`), gateways started or replaced, servers
         woken, restarted servers put back, the sticky cache grown.  Returns the batch with
         ``meta_info["global_steps"]`` (default: :attr:`weight_version`; a copy, the caller's is left
         as it is).
