@@ -24,6 +24,7 @@ from ray.actor import ActorHandle
 from agentloop.config import GatewaySections
 from agentloop.errors import ConfigError, ServerError, first_line
 from agentloop.gateway.app import build_app
+from agentloop.gateway.fastpath import GatewayApp
 from agentloop.gateway.images import ImageEncoder
 from agentloop.gateway.service import GatewayService, SessionHandle
 from agentloop.parsers.base import get_tool_parser
@@ -77,6 +78,8 @@ class GatewayActor:
         )
         self._server: Any = None
         self._task: asyncio.Task | None = None
+        self.app: GatewayApp | None = None
+        """The HTTP application, once :meth:`start` built it."""
         self.url = ""
 
     @classmethod
@@ -106,8 +109,11 @@ class GatewayActor:
                 f"gateway cannot bind to host {self.host!r} (rollout.gateway.host): {e}"
             ) from e
         port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.service, max_body_bytes=self.max_body_bytes),
-                                log_level="warning", access_log=False, lifespan="off")
+        self.app = build_app(self.service, max_body_bytes=self.max_body_bytes)
+        # proxy_headers off: no X-Forwarded-* rewriting layer per request (the gateway never reads
+        # the client's address); docs/gateway.md#load
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                proxy_headers=False)
         self._server = uvicorn.Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -7,14 +7,15 @@ Routes: one ``POST /sessions/{id}/v1{path}`` per dialect
 or ``x-api-key: <key>``.  Errors carry a request id (also in every response's ``x-request-id``
 header), in the shape of the dialect whose route was hit (OpenAI's elsewhere): 4xx for the client's
 faults, 5xx only for the gateway's own (details only in the server log line ``request <id>: ...``).
+The dialect routes go through :class:`FastPath`, a plain ASGI handler in front of FastAPI that
+answers them byte for byte as the FastAPI routes would, without FastAPI's per-request stack
+(docs/gateway.md#load); everything else is FastAPI's.
 Spec (every status code): docs/gateway.md#http-api."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,13 +26,29 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agentloop.config.build import read_value
 from agentloop.gateway.dialects import DIALECTS, Dialect, dialect_for_path
+from agentloop.gateway.fastpath import FastPath, GatewayApp
 from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.service import GatewayService
+from agentloop.gateway.wire import (
+    MAX_JSON_DEPTH as MAX_JSON_DEPTH,
+)
+from agentloop.gateway.wire import (
+    check_declared_length,
+    internal_error,
+    key_from_headers,
+    new_request_id,
+    parse_body,
+    too_large,
+)
+from agentloop.gateway.wire import (
+    decode_json as decode_json,
+)
+from agentloop.gateway.wire import (
+    json_depth_over as json_depth_over,
+)
 
 DEFAULT_MAX_BODY_BYTES: int = read_value(None, "actor_rollout_ref.rollout.gateway.max_body_bytes")
 """The YAML's ``gateway.max_body_bytes`` (8 MiB): :func:`build_app`'s default."""
-MAX_JSON_DEPTH = 64
-"""Deepest nesting of arrays / objects a request body may have."""
 
 logger = logging.getLogger(__name__)
 
@@ -46,80 +63,21 @@ def _error(e: GatewayHTTPError, request: Request | None = None) -> JSONResponse:
 
 async def read_json(request: Request, max_body_bytes: int, *, required: bool = True) -> Any:
     """The decoded JSON body; 413 above the limit (checked while reading), 400 when not JSON."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_body_bytes:
-        raise GatewayHTTPError(
-            413, f"request body of {declared} bytes is over the limit of {max_body_bytes}",
-            type_="request_too_large",
-        )
+    check_declared_length(request.headers.get("content-length"), max_body_bytes)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_body_bytes:
-            raise GatewayHTTPError(413, f"request body is over the limit of {max_body_bytes} bytes",
-                                   type_="request_too_large")
+            raise too_large(max_body_bytes)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        if required:
-            raise GatewayHTTPError(400, "the request body is empty; send a JSON object")
-        return None
-    return decode_json(raw)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON (use a finite number or null)")
-
-
-def decode_json(raw: bytes) -> Any:
-    """Parse a request body; 400 for invalid JSON, non-finite numbers, huge integers or too deep
-    nesting."""
-    try:
-        value = json.loads(raw, parse_constant=_no_constant)
-    except RecursionError:
-        value = None
-        deep = True
-    # JSONDecodeError, NaN, integers over Python's digit limit
-    except (ValueError, UnicodeDecodeError) as e:
-        raise GatewayHTTPError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
-    else:
-        deep = json_depth_over(value, MAX_JSON_DEPTH)
-    if deep:
-        raise GatewayHTTPError(
-            400,
-            f"the request body nests arrays/objects more than "
-            f"{MAX_JSON_DEPTH} levels deep; "
-            "flatten it",
-        )
-    return value
-
-
-def json_depth_over(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists / dicts more than ``limit`` levels deep (iterative, no
-    recursion)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
+    return parse_body(b"".join(chunks), required=required)
 
 
 def _api_key(request: Request) -> str | None:
     """The session key: ``Authorization: Bearer <key>`` (OpenAI SDKs) or ``x-api-key: <key>``
     (Anthropic's)."""
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.headers.get("x-api-key", "").strip() or None
+    headers = request.headers
+    return key_from_headers(headers.get("authorization", ""), headers.get("x-api-key", ""))
 
 
 _COMPLETE_OPENAPI = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
@@ -129,11 +87,6 @@ _COMPLETE_OPENAPI = {"requestBody": {"required": False, "content": {"application
 def request_id_of(request: Request) -> str:
     """The id :class:`RequestIdMiddleware` gave this request."""
     return str(request.scope.get("state", {}).get("request_id") or new_request_id())
-
-
-def new_request_id() -> str:
-    """``req_…`` id."""
-    return f"req_{uuid.uuid4().hex[:24]}"
 
 
 class RequestIdMiddleware:
@@ -167,11 +120,7 @@ class RequestIdMiddleware:
             )
             if started:  # a stream already began: nothing more can be said to the client
                 return
-            error = GatewayHTTPError(
-                500,
-                f"internal gateway error; the server log has the details under request id {rid}",
-                type_="server_error", request_id=rid,
-            )
+            error = internal_error(rid)
             dialect = dialect_for_path(str(scope.get("path", "")))
             body = error.body() if dialect is None else dialect.error_body(error)
             await JSONResponse(status_code=500, content=body, headers={"x-request-id": rid})(
@@ -179,9 +128,16 @@ class RequestIdMiddleware:
             )
 
 
-def build_app(service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI application of one gateway."""
-    app = FastAPI(title="agentloop gateway", version="1")
+def build_app(
+    service: GatewayService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    fast_path: bool = True,
+) -> GatewayApp:
+    """The application of one gateway: FastAPI, with the dialect routes served by
+    :class:`FastPath` in front of it unless ``fast_path`` is false (the FastAPI routes then answer
+    them; same responses)."""
+    app = GatewayApp(title="agentloop gateway", version="1")
+    if fast_path:
+        app.fast_path = FastPath(service, max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(GatewayHTTPError)
