@@ -29,12 +29,14 @@ from agentloop.errors import AgentLoopError, ConfigError
 from agentloop.utils.registry import did_you_mean
 
 __all__ = [
-    "GameError", "GameResult", "TextArenaConfig", "TextArenaEnv", "TextArenaGame",
-    "import_textarena", "prompt_prefix",
+    "TEXTARENA_TARGETS", "GameError", "GameResult", "TextArenaConfig", "TextArenaEnv",
+    "TextArenaGame", "import_textarena", "prompt_prefix",
 ]
 
 INSTALL = "pip install 'agentloop[envs]' (or pip install textarena)"
 """How to get the package, for the missing-package error."""
+TEXTARENA_TARGETS = frozenset({"textarena", "agentloop.envs.textarena.TextArenaEnv"})
+"""How an environment entry (``_target_``) names :class:`TextArenaEnv`."""
 OBSERVATION_MODES = ("new", "wrapped")
 """``new``: the messages since the player's last move; ``wrapped``: the game wrappers' string."""
 

@@ -28,7 +28,9 @@ from omegaconf import DictConfig
 
 from agentloop.config import EnvConfig, MultiTurnConfig
 from agentloop.envs.base import Message
+from agentloop.envs.resolve import env_spec, named_envs
 from agentloop.envs.textarena import (
+    TEXTARENA_TARGETS,
     GameError,
     GameResult,
     TextArenaConfig,
@@ -102,8 +104,9 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
         self.defaults = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         super().__init__(*args, **kwargs)
         values = config_values(self.rollout_config, "textarena_selfplay", _loop_values)
-        self.max_turns: int | None = values["max_turns"]
-        self.step_timeout: float | None = values["step_timeout"]
+        self.env: EnvConfig = values["env"]
+        self.max_turns: int | None = self.env.max_turns
+        self.step_timeout: float | None = self.env.step_timeout
         self.return_messages: bool = values["return_messages"]
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any
@@ -114,7 +117,10 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             ConfigError: the sample's game config is bad, or textarena is missing.
             GameError: the game raised or timed out (the worker makes it an error row).
         """
-        config = game_config(self.defaults, kwargs.get("extra_info"))
+        spec = None
+        if _names_env(kwargs, self.env) or not self.defaults:
+            spec = env_spec(kwargs, self.env.default)  # none at all: a ConfigError naming the fix
+        config = game_config(self.defaults, spec, self.env)
         game = TextArenaGame(config)
         self.sampling_params = dict(sampling_params)
         players = config.num_players or 2
@@ -235,26 +241,41 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
         )
 
 
-def game_config(defaults: Mapping[str, Any], extra_info: Any) -> TextArenaConfig:
-    """The sample's game: ``extra_info.env`` (a mapping of :class:`TextArenaConfig` keys, or the
-    name ``textarena``) over the loop's ``defaults``.
+def game_config(defaults: Mapping[str, Any], spec: Any, env: EnvConfig) -> TextArenaConfig:
+    """The sample's game: its environment spec (``extra_info.env``, an ``env`` column or
+    ``env.default``: the name ``textarena``, an ``env.config_path`` entry whose ``_target_`` is
+    the textarena env, or a mapping of :class:`TextArenaConfig` keys with either) over the loop's
+    ``defaults``.
 
     Raises:
-        ConfigError: ``extra_info.env`` names another environment, or the merged config is bad.
+        ConfigError: the spec names another environment, or the merged config is bad.
     """
-    given = extra_info.get("env") if isinstance(extra_info, Mapping) else None
-    name = given.get("name") if isinstance(given, Mapping) else given
-    if name not in (None, "textarena"):
+    given = {"name": spec} if isinstance(spec, str) else dict(spec or {})
+    name = given.get("name")
+    named = named_envs(env.config_path)
+    if name in named:
+        target, base = named[name]
+        if target not in TEXTARENA_TARGETS:
+            raise ConfigError(f"textarena_selfplay plays TextArena games; environment {name!r} "
+                              f"({env.SECTION}.config_path) is {target!r}")
+        given = {**base, **given}
+    elif name not in (None, "textarena"):
         raise ConfigError(
-            f"textarena_selfplay plays TextArena games; the sample's extra_info.env names "
-            f"{name!r}: give {{'name': 'textarena', 'env_id': ...}} or use agent_name env_agent"
+            f"textarena_selfplay plays TextArena games; the sample names environment {name!r}: "
+            f"give {{'name': 'textarena', 'env_id': ...}} or use agent_name env_agent"
         )
-    merged = {**defaults, **(dict(given) if isinstance(given, Mapping) else {})}
-    return TextArenaConfig.from_dict(merged, "textarena_selfplay game config (extra_info.env over "
-                                             "the loop's registry entry)")
+    return TextArenaConfig.from_dict({**defaults, **given},
+                                     "textarena_selfplay game config (the sample's env over the "
+                                     "loop's registry entry)")
+
+
+def _names_env(sample: Mapping[str, Any], env: EnvConfig) -> bool:
+    """The sample (or ``env.default``) names an environment."""
+    extra = sample.get("extra_info")
+    given = extra.get("env") if isinstance(extra, Mapping) else None
+    return given is not None or sample.get("env") is not None or env.default is not None
 
 
 def _loop_values(rollout: DictConfig) -> dict[str, Any]:
-    env = EnvConfig.from_rollout(rollout)
-    return {"max_turns": env.max_turns, "step_timeout": env.step_timeout,
+    return {"env": EnvConfig.from_rollout(rollout),
             "return_messages": MultiTurnConfig.from_rollout(rollout).return_messages}

@@ -69,16 +69,21 @@ def rollout_cfg(response_length: int = 2048, **env: Any):
     return cfg
 
 
-def selfplay(moves: list[str], env: dict[str, Any], response_length: int = 2048, tok: Any = TOK,
-             **env_cfg: Any):
+def selfplay(moves: list[str], env: Any, response_length: int = 2048, tok: Any = TOK,
+             loop_kwargs: dict[str, Any] | None = None, **env_cfg: Any):
+    """Play ``moves`` through the loop; ``env`` is the sample's ``extra_info.env`` (a dict gets
+    ``name: textarena``)."""
     cfg = rollout_cfg(response_length, **env_cfg)
     replies = [tok.encode(m, add_special_tokens=False) + [tok.eos_token_id] for m in moves]
     server = ScriptedServer(replies, eos_token_id=tok.eos_token_id)
+    if isinstance(env, dict):
+        env = {"name": "textarena", **env}
 
     async def go():
-        loop = TextArenaSelfPlayLoop(cfg, AsyncLLMServerManager([server]), tok)
+        loop = TextArenaSelfPlayLoop(cfg, AsyncLLMServerManager([server]), tok,
+                                     **(loop_kwargs or {}))
         return await loop.run({"logprobs": True}, raw_prompt=SYSTEM,
-                              extra_info={"env": {"name": "textarena", **env}})
+                              extra_info={} if env is None else {"env": env})
 
     return asyncio.run(go()), server
 
@@ -230,6 +235,23 @@ def test_bad_game_configs_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="agent_name textarena_selfplay"):
         resolve_env({"name": "textarena", "env_id": "TicTacToe-v0", "num_players": 2},
                     rollout_env())
+
+
+def test_games_by_name_from_the_config_file_or_the_loops_registry_entry(tmp_path):
+    moves = ["[4]", "[0]", "[1]", "[3]", "[7]"]
+    games = tmp_path / "games.yaml"
+    games.write_text("- name: ttt\n  _target_: agentloop.envs.textarena.TextArenaEnv\n"
+                     "  env_id: TicTacToe-v0\n- name: other\n  _target_: pkg.Other\n")
+    out, _ = selfplay(moves, "ttt", config_path=str(games))
+    assert [t.reward_score for t in out.trajectories] == [1.0, -1.0]
+    out, _ = selfplay(moves, None, loop_kwargs={"env_id": "TicTacToe-v0"})
+    assert [t.extra_fields["env_id"] for t in out.trajectories] == ["TicTacToe-v0"] * 2
+    with pytest.raises(ConfigError, match="environment 'other'"):
+        selfplay(moves, "other", config_path=str(games))
+    with pytest.raises(ConfigError, match="names environment 'skyrl_gym'"):
+        selfplay(moves, {"name": "skyrl_gym"})
+    with pytest.raises(ConfigError, match="the sample names no environment"):
+        selfplay(moves, None)
 
 
 def rollout_env():
