@@ -120,7 +120,7 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
         spec = None
         if _names_env(kwargs, self.env) or not self.defaults:
             spec = env_spec(kwargs, self.env.default)  # none at all: a ConfigError naming the fix
-        config = game_config(self.defaults, spec, self.env)
+        label, config = game_config(self.defaults, spec, self.env)
         game = TextArenaGame(config)
         self.sampling_params = dict(sampling_params)
         players = config.num_players or 2
@@ -146,7 +146,8 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
                 break
         result = await self._call(game, "close", game.result)
         return MultiTrajectoryAgentLoopOutput(
-            trajectories=[self._output(seat, result, config) for seat in seats], reward_to="last",
+            trajectories=[self._output(seat, result, config, label) for seat in seats],
+            reward_to="last",
         )
 
     async def _call(self, game: TextArenaGame, name: str, fn: Callable[..., _T], *args: Any
@@ -212,7 +213,8 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             return None
         return str(text)
 
-    def _output(self, seat: Seat, result: GameResult, config: TextArenaConfig) -> AgentLoopOutput:
+    def _output(self, seat: Seat, result: GameResult, config: TextArenaConfig, label: str
+                ) -> AgentLoopOutput:
         """The seat's trajectory; a seat that never moved has its prompt (the sample's
         ``raw_prompt``) and no response."""
         if not seat.started:
@@ -234,18 +236,20 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             reward_score=None if rewards is None else rewards.get(seat.player_id),
             status=seat.status,
             extra_fields={
-                "player_id": seat.player_id, "env_id": config.env_id,
+                "env": label, "player_id": seat.player_id, "env_id": config.env_id,
                 "prompt_truncated": seat.prompt_truncated, **result.fields(seat.player_id),
                 **({"messages": list(seat.messages)} if self.return_messages else {}),
             },
         )
 
 
-def game_config(defaults: Mapping[str, Any], spec: Any, env: EnvConfig) -> TextArenaConfig:
+def game_config(defaults: Mapping[str, Any], spec: Any, env: EnvConfig
+                ) -> tuple[str, TextArenaConfig]:
     """The sample's game: its environment spec (``extra_info.env``, an ``env`` column or
     ``env.default``: the name ``textarena``, an ``env.config_path`` entry whose ``_target_`` is
     the textarena env, or a mapping of :class:`TextArenaConfig` keys with either) over the loop's
-    ``defaults``.
+    ``defaults``. Returns the environment's label (the entry's name, else ``textarena``: the
+    rows' ``env`` field) and the game.
 
     Raises:
         ConfigError: the spec names another environment, or the merged config is bad.
@@ -264,9 +268,10 @@ def game_config(defaults: Mapping[str, Any], spec: Any, env: EnvConfig) -> TextA
             f"textarena_selfplay plays TextArena games; the sample names environment {name!r}: "
             f"give {{'name': 'textarena', 'env_id': ...}} or use agent_name env_agent"
         )
-    return TextArenaConfig.from_dict({**defaults, **given},
-                                     "textarena_selfplay game config (the sample's env over the "
-                                     "loop's registry entry)")
+    label = name if name in named else "textarena"
+    return label, TextArenaConfig.from_dict({**defaults, **given},
+                                            "textarena_selfplay game config (the sample's env "
+                                            "over the loop's registry entry)")
 
 
 def _names_env(sample: Mapping[str, Any], env: EnvConfig) -> bool:

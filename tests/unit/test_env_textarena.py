@@ -244,7 +244,9 @@ def test_games_by_name_from_the_config_file_or_the_loops_registry_entry(tmp_path
                      "  env_id: TicTacToe-v0\n- name: other\n  _target_: pkg.Other\n")
     out, _ = selfplay(moves, "ttt", config_path=str(games))
     assert [t.reward_score for t in out.trajectories] == [1.0, -1.0]
+    assert [t.extra_fields["env"] for t in out.trajectories] == ["ttt", "ttt"]
     out, _ = selfplay(moves, None, loop_kwargs={"env_id": "TicTacToe-v0"})
+    assert out.trajectories[0].extra_fields["env"] == "textarena"
     assert [t.extra_fields["env_id"] for t in out.trajectories] == ["TicTacToe-v0"] * 2
     with pytest.raises(ConfigError, match="environment 'other'"):
         selfplay(moves, "other", config_path=str(games))
