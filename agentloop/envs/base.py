@@ -87,3 +87,14 @@ factory)."""
 def register_env(name: str) -> Any:
     """Decorator: register an environment class (or factory) under ``name``."""
     return ENVS.register(name)
+
+
+BUILTIN_ENV_TARGETS: dict[str, str] = {
+    "skyrl_gym": "agentloop.envs.skyrl.SkyRLGymEnv",
+    "textarena": "agentloop.envs.textarena.TextArenaEnv",
+    "reasoning_gym": "agentloop.envs.reasoning_gym.ReasoningGymEnv",
+}
+"""The adapters by import path: registered by name here and imported when first resolved, so a
+sample can name one without importing its module (or its optional package) first."""
+for _name, _target in BUILTIN_ENV_TARGETS.items():
+    ENVS.add(_name, _target)
