@@ -1,7 +1,8 @@
 """SkyRL-gym environments under the ``env_agent`` loop, unchanged (docs/environments.md#skyrl-gym).
 
 The environment config ``{"name": "skyrl_gym", "env_id": "gsm8k", "env_config": {...}}`` makes one
-:class:`SkyRLGymEnv` per sample. ``reset`` calls ``skyrl_gym.make(env_id, env_config=env_config,
+:class:`SkyRLGymEnv` per sample (without ``env_id``, each sample's ``env_class`` column names it, as
+in SkyRL's own datasets). ``reset`` calls ``skyrl_gym.make(env_id, env_config=env_config,
 extras=extras)`` and ``env.init(prompt)``; ``step`` calls ``env.step(turn.text)`` and hands back
 its observations, reward and done. ``extras`` are SkyRL's per-row fields: the sample's columns
 (``reward_model`` also as SkyRL's ``reward_spec``, ``extra_info``, ``data_source``, ...) over the
@@ -118,7 +119,8 @@ class SkyRLGymEnv:
 
     Args:
         env_id: the id registered with ``skyrl_gym.register`` (``gsm8k``, ``gsm8k_multi_turn``,
-            ``text2sql``, ``search``, ``lcb``, ``aime``, ... or the user's own).
+            ``text2sql``, ``search``, ``lcb``, ``aime``, ... or the user's own); None: the
+            sample's ``env_class`` (SkyRL's dataset column), checked at ``reset``.
         env_config: SkyRL's ``env_config`` argument (the env's own settings), passed as given.
         extras: fixed SkyRL ``extras`` under each sample's columns (:func:`skyrl_extras`).
         entry_point: ``"pkg.module:EnvClass"``; registers ``env_id`` with SkyRL-gym when it is not
@@ -128,9 +130,9 @@ class SkyRLGymEnv:
             the registered ids).
     """
 
-    def __init__(self, env_id: str, env_config: Mapping[str, Any] | None = None,
+    def __init__(self, env_id: str | None = None, env_config: Mapping[str, Any] | None = None,
                  extras: Mapping[str, Any] | None = None, entry_point: str | None = None) -> None:
-        gym = _registered(env_id, entry_point)
+        gym = _skyrl_gym() if env_id is None else _registered(env_id, entry_point)
         self.env_id = env_id
         self.env_config = dict(env_config or {})
         self.extras = dict(extras or {})
@@ -145,11 +147,20 @@ class SkyRLGymEnv:
         Returns:
             ``init``'s conversation as the prompt, its metadata (scalars) as ``info``.
         Raises:
-            ValueError: the sample has no ``raw_prompt``; the environment's own errors pass through.
+            ValueError: the sample has no ``raw_prompt``, or no ``env_class`` when the config has
+                no ``env_id``; ConfigError: an ``env_class`` SkyRL-gym does not know. The
+                environment's own errors pass through.
         """
         prompt = sample.get("raw_prompt")
         if prompt is None:
             raise ValueError("skyrl_gym: the sample has no raw_prompt (the chat messages to init)")
+        if self.env_id is None:
+            env_class = sample.get("env_class")
+            if env_class is None:
+                raise ValueError("skyrl_gym: no env_id in the environment config and no env_class "
+                                 "column in the sample; give one of them")
+            self.env_id = str(env_class)
+            _registered(self.env_id, None)
         self.env = self._gym.make(self.env_id, env_config=self.env_config,
                                   extras=skyrl_extras(sample, self.extras))
         observations, info = self.env.init([dict(m) for m in prompt])
@@ -178,13 +189,14 @@ class SkyRLGymEnv:
 
     @classmethod
     def check_config(cls, config: Mapping[str, Any]) -> None:
-        """The start-up check (before any engine): skyrl-gym installed, ``env_id`` registered.
+        """The start-up check (before any engine): skyrl-gym installed, ``env_id`` (when given)
+        registered.
 
         Raises:
-            ConfigError: the package is missing, ``env_id`` is not given or not registered.
+            ConfigError: the package is missing, or ``env_id`` is not registered.
         """
-        if "env_id" not in config:
-            raise ConfigError("environment 'skyrl_gym' needs env_id (e.g. {name: skyrl_gym, "
-                              "env_id: gsm8k}): the id of a SkyRL-gym environment")
-        _registered(config["env_id"], config.get("entry_point"))
+        if config.get("env_id") is None:
+            _skyrl_gym()
+        else:
+            _registered(config["env_id"], config.get("entry_point"))
 

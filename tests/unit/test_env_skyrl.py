@@ -168,9 +168,22 @@ def test_refusals_before_any_engine():
     cfg = EnvConfig.from_rollout(rollout_cfg())
     with pytest.raises(ConfigError, match="did you mean 'gsm8k'"):
         resolve_env({"name": "skyrl_gym", "env_id": "gsm8kk"}, cfg)
-    with pytest.raises(ConfigError, match="needs env_id"):
-        resolve_env("skyrl_gym", cfg)
     assert resolve_env({"name": "skyrl_gym", "env_id": "gsm8k"}, cfg).make().env_id == "gsm8k"
+    env = resolve_env("skyrl_gym", cfg).make()  # no env_id: the sample's env_class
+    with pytest.raises(ValueError, match="no env_id in the environment config and no env_class"):
+        env.reset(sample())
+    with pytest.raises(ConfigError, match="did you mean 'gsm8k'"):
+        env.reset({**sample(), "env_class": "gsm8kk"})
+
+
+def test_skyrl_dataset_rows_as_they_are():
+    """A row of SkyRL's own dataset format (env_class, reward_spec, no reward_model) under
+    env.default: skyrl_gym."""
+    row = {"raw_prompt": PROMPT, "env_class": "gsm8k", "data_source": "openai/gsm8k",
+           "reward_spec": {"method": "rule", "ground_truth": "5"}, "extra_info": {"split": "x"}}
+    env = SkyRLGymEnv()
+    assert env.reset(row).messages == PROMPT and env.env_id == "gsm8k"
+    assert env.step(turn("#### 5")).reward == 1.0 and env.step(turn("#### 4")).reward == 0.0
 
 
 def test_missing_package_names_the_extra(monkeypatch):
