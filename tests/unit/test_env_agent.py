@@ -259,8 +259,13 @@ def test_config_path_and_default(tmp_path):
         EnvConfig.from_rollout(rollout_cfg(max_turns=0))
 
 
-def test_registry_names():
+def test_registry_names_and_the_adapters_named_before_their_modules_are_imported():
     assert "test_guess" in ENVS and ENVS["test_guess"] is Guess
+    code = ("import sys; from agentloop.envs import ENVS; "
+            "print(sorted(ENVS.names()), 'agentloop.envs.skyrl' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert proc.stdout.strip() == "['reasoning_gym', 'skyrl_gym', 'textarena'] False"
 
 
 def test_agentloop_rollout_refuses_an_unknown_env_before_anything_starts(model_dir, tmp_path):
