@@ -14,7 +14,8 @@
 ``summarize_context``) or with ``@function_tool`` (``FUNCTION_TOOLS``, which :data:`TOOLS` consults
 for names it lacks: one lookup for both).
 
-``config.type`` is optional; when given it must be ``native`` (verl's MCP tools are not supported).
+``config.type`` is optional: ``native`` (the default) or ``mcp`` (verl's MCP entries: every tool of
+the MCP servers the entry's ``mcp:`` block names, see :mod:`agentloop.tools.mcp`).
 :func:`load_all_tools` is verl 0.9.1's entry point: the YAML's tools, then the ``@function_tool``
 functions of ``function_tool_path`` (a Python file, see
 :func:`~agentloop.tools.function_tool.load_function_tools_from_path`).
@@ -39,6 +40,7 @@ from agentloop.tools.function_tool import (
     FunctionTool,
     load_function_tools_from_path,
 )
+from agentloop.tools.mcp import VERL_MCP_CLASSES, MCPTool, check_mcp_class, load_mcp_tools
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
 from agentloop.utils.imports import load_yaml_entries
 from agentloop.utils.registry import Registry, entry_target
@@ -105,7 +107,7 @@ def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
         raise ConfigError(
             f"{where}: config.type {config['type']!r} is not supported; "
             f"agentloop loads native "
-            "tools only (type: native, or leave it out)"
+            "tools (type: native, or leave it out) and MCP servers (type: mcp)"
         )
     raw_schema = entry.get("tool_schema")
     try:
@@ -124,16 +126,38 @@ def build_tool(entry: dict[str, Any], where: str) -> BaseTool:
         raise ConfigError(f"{where}: {e}") from e
 
 
+def build_mcp_tools(entry: dict[str, Any], where: str, base_dir: Path) -> list[BaseTool]:
+    """The tools of one ``config.type: mcp`` entry (:func:`agentloop.tools.mcp.load_mcp_tools`);
+    ``class_name`` / ``_target_`` is optional: verl's MCP classes mean :class:`MCPTool`, anything
+    else must resolve to an MCPTool subclass."""
+    target = entry.get("_target_") or entry.get("class_name")
+    cls: type[MCPTool] = MCPTool
+    if target is not None and str(target) not in VERL_MCP_CLASSES:
+        key = "_target_" if entry.get("_target_") is not None else "class_name"
+        cls = check_mcp_class(tool_class(str(target), f"{where} {key}"), str(target), where)
+    return list(load_mcp_tools(entry, where, cls, base_dir))
+
+
+def _is_mcp(entry: Any) -> bool:
+    return isinstance(entry, dict) and (entry.get("config") or {}).get("type") == "mcp"
+
+
 def initialize_tools_from_config(tool_config_path: str | Path) -> list[BaseTool]:
-    """All tools of a ``tool_config_path`` YAML, validated."""
+    """All tools of a ``tool_config_path`` YAML, validated (a ``type: mcp`` entry gives every
+    tool its servers list)."""
     path = Path(tool_config_path).expanduser()
     entries = load_yaml_entries(path, "tools", "tool_config_path")
     tools: list[BaseTool] = []
     for i, entry in enumerate(entries):
-        tool = build_tool(entry, f"{path} tools[{i}]")
-        if any(t.name == tool.name for t in tools):
-            raise ConfigError(f"{path} tools[{i}]: duplicate tool name {tool.name!r}")
-        tools.append(tool)
+        where = f"{path} tools[{i}]"
+        if _is_mcp(entry):
+            built = build_mcp_tools(entry, where, path.parent)
+        else:
+            built = [build_tool(entry, where)]
+        for tool in built:
+            if any(t.name == tool.name for t in tools):
+                raise ConfigError(f"{where}: duplicate tool name {tool.name!r}")
+            tools.append(tool)
     return tools
 
 

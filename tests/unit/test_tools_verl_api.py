@@ -477,10 +477,18 @@ def test_load_all_tools_errors(tmp_path):
         "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    "
         "config: {type: mcp}\n"
     )
-    with pytest.raises(
-        ConfigError, match=r"mcp.yaml tools\[0\].*config.type 'mcp' is not " r"supported"
-    ):
+    # type: mcp is accepted (tests/unit/test_tools_mcp.py); its class must be an MCPTool
+    with pytest.raises(ConfigError, match=r"mcp.yaml tools\[0\].*needs class_name to be an MCPTool"):
         load_all_tools(mcp)
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        "tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n    "
+        "config: {type: sandbox}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"other.yaml tools\[0\].*config.type 'sandbox' is not supported"
+    ):
+        load_all_tools(other)
 
 
 # ---------------------------------------------------------------- Gsm8kTool with verl's config and
