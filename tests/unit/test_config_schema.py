@@ -249,6 +249,7 @@ def test_router_config_reads_partial_rollout_from_async_training():
 _GENERIC = {
     "path", "name", "format", "timeout", "n", "seed", "dtype", "host", "backend", "device",
     "enable", "type", "data", "mode", "custom", "trace", "priority", "vllm", "sglang",
+    "env",  # also a sample's field (extra_info.env, an env column) and an MCP server's variables
 }
 
 
