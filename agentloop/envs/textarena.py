@@ -19,24 +19,29 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentloop.config import EnvConfig
 from agentloop.envs.base import AssistantTurn, EnvReset, EnvStep, Message, register_env
+from agentloop.envs.resolve import env_spec, named_envs
 from agentloop.errors import AgentLoopError, ConfigError
 from agentloop.utils.registry import did_you_mean
 
 __all__ = [
     "TEXTARENA_TARGETS", "GameError", "GameResult", "TextArenaConfig", "TextArenaEnv",
-    "TextArenaGame", "import_textarena", "prompt_prefix",
+    "TextArenaGame", "check_selfplay_samples", "import_textarena", "prompt_prefix",
+    "selfplay_game",
 ]
 
 INSTALL = "pip install 'agentloop[envs]' (or pip install textarena)"
 """How to get the package, for the missing-package error."""
 TEXTARENA_TARGETS = frozenset({"textarena", "agentloop.envs.textarena.TextArenaEnv"})
 """How an environment entry (``_target_``) names :class:`TextArenaEnv`."""
+SELFPLAY_LOOP = "textarena_selfplay"
+"""The self-play loop's ``agent_name``."""
 OBSERVATION_MODES = ("new", "wrapped")
 """``new``: the messages since the player's last move; ``wrapped``: the game wrappers' string."""
 
@@ -331,3 +336,71 @@ class TextArenaEnv:
     def close(self) -> None:
         """Drop the game (TextArena games hold no outside resources)."""
         self.game.env = None
+
+
+def selfplay_game(sample: Mapping[str, Any], env: EnvConfig,
+                  defaults: Mapping[str, Any] | None = None) -> tuple[str, TextArenaConfig]:
+    """A self-play sample's game: its environment spec (``extra_info.env``, an ``env`` column or
+    ``env.default``, read as ``env_agent`` reads it: the name ``textarena``, an ``env.config_path``
+    entry whose ``_target_`` is the textarena env, or a mapping of :class:`TextArenaConfig` keys
+    with either) over ``defaults`` (the loop's registry entry).
+
+    Returns:
+        The environment's label (the entry's name, else ``textarena``: the rows' ``env`` field) and
+        the game.
+    Raises:
+        ConfigError: no spec and no defaults, a spec naming another environment, or a bad config.
+    """
+    spec = None
+    if _names_env(sample, env) or not defaults:
+        spec = env_spec(sample, env.default)  # none at all: a ConfigError naming the fix
+    given = {"name": spec} if isinstance(spec, str) else dict(spec or {})
+    name = given.get("name")
+    named = named_envs(env.config_path)
+    if name in named:
+        target, base = named[name]
+        if target not in TEXTARENA_TARGETS:
+            raise ConfigError(f"{SELFPLAY_LOOP} plays TextArena games; environment {name!r} "
+                              f"({env.SECTION}.config_path) is {target!r}")
+        given = {**base, **given}
+    elif name not in (None, "textarena"):
+        raise ConfigError(
+            f"{SELFPLAY_LOOP} plays TextArena games; the sample names environment {name!r}: "
+            f"give {{'name': 'textarena', 'env_id': ...}} or use agent_name env_agent"
+        )
+    label = name if name in named else "textarena"
+    where = f"{SELFPLAY_LOOP} game config (the sample's env over the loop's registry entry)"
+    return label, TextArenaConfig.from_dict({**(defaults or {}), **given}, where)
+
+
+def check_selfplay_samples(rows: Iterable[Mapping[str, Any]], env: EnvConfig) -> None:
+    """The start-up check of a dataset's ``textarena_selfplay`` rows that name their game (each
+    distinct spec once): the config, the package and the game id (rows naming none take the loop's
+    registry entry, checked when they run).
+
+    Args:
+        rows: the samples' fields (``agent_name``, ``extra_info``, ``env``), e.g.
+            ``agentloop.envs.resolve.batch_rows``; rows of other loops are skipped.
+        env: the ``env`` section.
+    Raises:
+        ConfigError: the first row whose game is refused, naming the row.
+    """
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        if str(row.get("agent_name")) != SELFPLAY_LOOP or not _names_env(row, env):
+            continue
+        key = repr(env_spec(row, env.default))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            selfplay_game(row, env)[1].check_registered()
+        except ConfigError as e:
+            raise ConfigError(f"row {i}: {e}") from None
+
+
+def _names_env(sample: Mapping[str, Any], env: EnvConfig) -> bool:
+    """The sample (or ``env.default``) names an environment."""
+    extra = sample.get("extra_info")
+    given = extra.get("env") if isinstance(extra, Mapping) else None
+    return given is not None or sample.get("env") is not None or env.default is not None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from uuid import uuid4
@@ -28,16 +28,14 @@ from omegaconf import DictConfig
 
 from agentloop.config import EnvConfig, MultiTurnConfig
 from agentloop.envs.base import Message
-from agentloop.envs.resolve import env_spec, named_envs
 from agentloop.envs.textarena import (
-    TEXTARENA_TARGETS,
     GameError,
     GameResult,
     TextArenaConfig,
     TextArenaGame,
     prompt_prefix,
+    selfplay_game,
 )
-from agentloop.errors import ConfigError
 from agentloop.loops.base import AgentLoopBase, config_values, register
 from agentloop.loops.prompt import apply_chat_template, fit_prompt
 from agentloop.tokenization import encode_new_turns
@@ -117,10 +115,7 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             ConfigError: the sample's game config is bad, or textarena is missing.
             GameError: the game raised or timed out (the worker makes it an error row).
         """
-        spec = None
-        if _names_env(kwargs, self.env) or not self.defaults:
-            spec = env_spec(kwargs, self.env.default)  # none at all: a ConfigError naming the fix
-        label, config = game_config(self.defaults, spec, self.env)
+        label, config = selfplay_game(kwargs, self.env, self.defaults)
         game = TextArenaGame(config)
         self.sampling_params = dict(sampling_params)
         players = config.num_players or 2
@@ -241,44 +236,6 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
                 **({"messages": list(seat.messages)} if self.return_messages else {}),
             },
         )
-
-
-def game_config(defaults: Mapping[str, Any], spec: Any, env: EnvConfig
-                ) -> tuple[str, TextArenaConfig]:
-    """The sample's game: its environment spec (``extra_info.env``, an ``env`` column or
-    ``env.default``: the name ``textarena``, an ``env.config_path`` entry whose ``_target_`` is
-    the textarena env, or a mapping of :class:`TextArenaConfig` keys with either) over the loop's
-    ``defaults``. Returns the environment's label (the entry's name, else ``textarena``: the
-    rows' ``env`` field) and the game.
-
-    Raises:
-        ConfigError: the spec names another environment, or the merged config is bad.
-    """
-    given = {"name": spec} if isinstance(spec, str) else dict(spec or {})
-    name = given.get("name")
-    named = named_envs(env.config_path)
-    if name in named:
-        target, base = named[name]
-        if target not in TEXTARENA_TARGETS:
-            raise ConfigError(f"textarena_selfplay plays TextArena games; environment {name!r} "
-                              f"({env.SECTION}.config_path) is {target!r}")
-        given = {**base, **given}
-    elif name not in (None, "textarena"):
-        raise ConfigError(
-            f"textarena_selfplay plays TextArena games; the sample names environment {name!r}: "
-            f"give {{'name': 'textarena', 'env_id': ...}} or use agent_name env_agent"
-        )
-    label = name if name in named else "textarena"
-    return label, TextArenaConfig.from_dict({**defaults, **given},
-                                            "textarena_selfplay game config (the sample's env "
-                                            "over the loop's registry entry)")
-
-
-def _names_env(sample: Mapping[str, Any], env: EnvConfig) -> bool:
-    """The sample (or ``env.default``) names an environment."""
-    extra = sample.get("extra_info")
-    given = extra.get("env") if isinstance(extra, Mapping) else None
-    return given is not None or sample.get("env") is not None or env.default is not None
 
 
 def _loop_values(rollout: DictConfig) -> dict[str, Any]:

@@ -15,7 +15,13 @@ from omegaconf import OmegaConf
 from agentloop.config import EnvConfig, default_config
 from agentloop.envs import AssistantTurn
 from agentloop.envs.resolve import resolve_env
-from agentloop.envs.textarena import GameError, TextArenaConfig, TextArenaEnv, TextArenaGame
+from agentloop.envs.textarena import (
+    GameError,
+    TextArenaConfig,
+    TextArenaEnv,
+    TextArenaGame,
+    check_selfplay_samples,
+)
 from agentloop.errors import ConfigError
 from agentloop.loops.env_agent import EnvAgentLoop
 from agentloop.loops.textarena_selfplay import TextArenaSelfPlayLoop
@@ -254,6 +260,18 @@ def test_games_by_name_from_the_config_file_or_the_loops_registry_entry(tmp_path
         selfplay(moves, {"name": "skyrl_gym"})
     with pytest.raises(ConfigError, match="the sample names no environment"):
         selfplay(moves, None)
+
+
+def test_selfplay_rows_are_checked_before_anything_runs():
+    row = {"agent_name": "textarena_selfplay",
+           "extra_info": {"env": {"name": "textarena", "env_id": "TicTacToe-v0"}}}
+    bad = {"agent_name": "textarena_selfplay",
+           "extra_info": {"env": {"name": "textarena", "env_id": "TicTacToe"}}}
+    other = {"agent_name": "env_agent", "extra_info": {"env": {"name": "nope"}}}
+    unnamed = {"agent_name": "textarena_selfplay", "extra_info": {}}
+    check_selfplay_samples([row, other, unnamed, row], rollout_env())
+    with pytest.raises(ConfigError, match="row 1: textarena env_id 'TicTacToe' is not a"):
+        check_selfplay_samples([row, bad], rollout_env())
 
 
 def rollout_env():
