@@ -116,7 +116,7 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             GameError: the game raised or timed out (the worker makes it an error row).
         """
         label, config = selfplay_game(kwargs, self.env, self.defaults)
-        game = TextArenaGame(config)
+        game = await asyncio.to_thread(TextArenaGame, config)  # the first one imports textarena
         self.sampling_params = dict(sampling_params)
         players = config.num_players or 2
         await self._call(game, "reset", game.reset, players)
