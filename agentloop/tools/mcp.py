@@ -12,7 +12,8 @@ more MCP servers::
           servers: [name]                             # optional: only these servers
           tool_selected_list: [tool, ...]             # optional (verl): only these tools
 
-A server is ``{command, args, env, cwd}`` (stdio: the process is started by the SDK) or
+A server is ``{command, args, env, cwd}`` (stdio: the process is started by the SDK; ``command:
+python`` / ``python3`` means the interpreter running agentloop) or
 ``{url, headers, auth_token}`` (streamable HTTP), plus an optional ``start_timeout`` (seconds).
 The tools are listed once when the YAML is loaded (a short-lived connection, so a server that
 does not start is a ConfigError before any engine starts); their ``inputSchema`` is the OpenAI
@@ -25,6 +26,7 @@ each call; a crashed or hung server becomes an error message to the model (count
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ VERL_MCP_CLASSES = frozenset({
     "verl.tools.mcp_base_tool.MCPBaseTool", "verl.tools.mcp_search_tool.MCPSearchTool",
 })
 """verl's MCP tool classes: a ``class_name`` naming one loads :class:`MCPTool`."""
+PYTHON_COMMANDS = frozenset({"python", "python3"})
+"""A server ``command`` spelled so runs the interpreter that runs agentloop (its packages)."""
 _MCP_KEYS = {"mcp_servers_config_path", "mcp_servers", "servers", "tool_selected_list"}
 _SERVER_KEYS = {
     "command", "args", "env", "cwd", "url", "headers", "auth_token", "start_timeout", "type",
@@ -145,6 +149,8 @@ def _server_spec(name: str, raw: Any, where: str) -> MCPServerSpec:
     args = raw.get("args") or []
     if not isinstance(args, list | tuple):
         raise ConfigError(f"{where}: MCP server {name!r}: 'args' must be a list, got {args!r}")
+    if command in PYTHON_COMMANDS:
+        command = sys.executable
     return MCPServerSpec(
         name=name, command=str(command) if command else None, args=tuple(str(a) for a in args),
         env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from agentloop.config import default_config
+from agentloop.cli.rollout import build_config
+from agentloop.config import default_config, resolve_config
 from agentloop.errors import ConfigError
 from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.loops.tool_calls import ToolRunner
@@ -28,6 +29,7 @@ from agentloop.parsers import FunctionCall
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
+from agentloop.testing.tiny_model import ensure_tiny_model
 from agentloop.tools import BaseTool
 from agentloop.tools.mcp import MCPTool, MCPToolError
 from agentloop.tools.registry import initialize_tools_from_config
@@ -335,3 +337,18 @@ def test_tool_agent_rollout_calls_an_mcp_tool_with_exact_tokens(tmp_path, server
     assert (mask == 0).sum() == len(expected) - len(out.prompt_ids) - len(first)
     assert [s["function"]["name"] for s in ToolAgentLoop.tool_schemas or []] == [
         "add", "pid", "sleep", "crash"]  # the server's order
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_example_config_and_its_server(monkeypatch):
+    monkeypatch.chdir(REPO)  # the example names its files relative to the repository
+    model = f"actor_rollout_ref.model.path={ensure_tiny_model()}"
+    cfg = build_config("examples/environments/mcp.yaml", [model])
+    resolved = resolve_config(cfg)
+    tools = {t.name: t for t in initialize_tools_from_config(
+        resolved.multi_turn.tool_config_path)}
+    assert list(tools) == ["calculator"] and type(tools["calculator"]) is MCPTool
+    assert run_calls(tools, [("calculator", {"expression": "480 + 115"}),
+                             ("calculator", {"expression": "7 / 2"})]) == ["595", "3.5"]
