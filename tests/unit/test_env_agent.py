@@ -21,6 +21,7 @@ from agentloop.config import EnvConfig, default_config
 from agentloop.envs import ENVS, AssistantTurn, EnvReset, EnvStep, register_env
 from agentloop.envs.resolve import batch_rows, check_env_samples, resolve_env
 from agentloop.errors import ConfigError
+from agentloop.loops import env_agent
 from agentloop.loops.env_agent import EnvAgentLoop
 from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager
@@ -314,3 +315,50 @@ def test_through_the_worker_rows_carry_rewards_env_and_error_messages():
     # `agentloop rollout`'s summary: rewards per environment
     assert rewards_by(out, "env") == {"test_guess": {"mean": 1.0, "rows_scored": 1}}
     assert ("reward by env", "test_guess 1.000 (1)") in summary_rows(out, 1.0, 3)
+
+
+class Odd(Guess):
+    """Returns what the protocol does not allow, or fails in close()."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def step(self, turn: AssistantTurn) -> Any:
+        if self.what == "tuple":
+            return [], 1.0, True, {}
+        if self.what == "reward":
+            return EnvStep([], reward="lots")
+        return super().step(turn)
+
+    def close(self) -> None:
+        if self.what == "close":
+            raise OSError("socket gone")
+
+
+register_env("test_odd")(Odd)
+
+
+@pytest.mark.parametrize("what,expected", [
+    ("tuple", "step 1 returned tuple, expected an EnvStep"),
+    ("reward", "step 1 returned reward 'lots', expected a number"),
+])
+def test_a_step_that_breaks_the_protocol_is_an_error_row(what, expected):
+    out, _ = run_env([say("3")], {"name": "test_odd", "what": what})
+    assert out.status == "error" and out.error == f"environment 'test_odd': {expected}"
+
+
+def test_a_failing_close_is_kept_and_the_episode_stands():
+    out, _ = run_env([say("7")], {"name": "test_odd", "what": "close"})
+    assert out.status == "stop" and out.reward_score == 1.0 and out.error is None
+    assert "close raised OSError: socket gone" in out.extra_fields["env_close_error"]
+
+
+def test_a_template_that_rerenders_the_assistant_turn_is_an_error_row(monkeypatch):
+    def mismatch(*args: Any, **kwargs: Any) -> list[int]:
+        raise env_agent.TemplateMismatchError("reasoning dropped")
+
+    monkeypatch.setattr(env_agent, "encode_new_turns", mismatch)
+    out, _ = run_env([say("3")], "test_guess")
+    assert out.status == "error" and "exact tokens are impossible" in out.error
+    assert CLOSED == ["guess"] and out.response_mask == [1] * len(say("3"))
