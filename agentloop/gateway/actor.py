@@ -147,6 +147,36 @@ class GatewayActor:
         """Close a session; returns its trajectories."""
         return await self.service.finalize(session_id, longest_only)
 
+    async def create_sessions(self, calls: list[tuple[Any, ...]]) -> list[SessionHandle | None]:
+        """:meth:`create_session` for each argument tuple, in one call (what
+        :class:`GatewayManager` sends for opens made together); None where it raised, and nothing
+        was opened for it (the caller repeats that one alone and gets its error)."""
+        handles: list[SessionHandle | None] = []
+        for args in calls:
+            try:
+                handles.append(self.service.create_session(*args))
+            except Exception:  # noqa: BLE001 - repeated alone by the caller, which raises it
+                handles.append(None)
+        return handles
+
+    async def finalize_sessions(self, calls: list[tuple[str, bool]]) -> list[dict[str, Any] | None]:
+        """:meth:`finalize` for each ``(session_id, longest_only)``, in one call; None for a session
+        that is unknown, has requests in flight, or whose finalize raised (it is left open, so the
+        caller's repeat alone does exactly what :meth:`finalize` does)."""
+        results: list[dict[str, Any] | None] = []
+        sessions = self.service.sessions
+        for session_id, longest_only in calls:
+            session = sessions.get(session_id)
+            if session is None or session.in_flight:
+                results.append(None)
+                continue
+            try:
+                results.append(await self.service.finalize(session_id, longest_only))
+            except Exception:  # noqa: BLE001 - left open; the caller's repeat raises it
+                sessions[session_id] = session
+                results.append(None)
+        return results
+
     async def abort(self, session_id: str) -> dict[str, Any]:
         """Abort a session's in-flight requests."""
         return await self.service.abort(session_id)
@@ -174,6 +204,50 @@ async def _maybe_remote(handle: Any, method: str, *args: Any, **kwargs: Any) -> 
     return await getattr(handle, method)(*args, **kwargs)
 
 
+class _Coalescer:
+    """Calls of one gateway method made in the same event-loop turn, sent as one call of its batch
+    method (``create_sessions`` for ``create_session``…): a thousand sessions opened together cost
+    one Ray call per gateway instead of a thousand.  An item the batch answers None for, and every
+    item of a gateway without the batch method, is called alone, so results and errors are those
+    of the single call.
+    """
+
+    def __init__(self, gateway: Any, single: str, batch: str) -> None:
+        self.gateway, self.single, self.batch = gateway, single, batch
+        self.batched = hasattr(gateway, batch)
+        self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+
+    async def call(self, *args: Any) -> Any:
+        """The single method's result for ``args`` (or its exception)."""
+        if not self.batched:
+            return await _maybe_remote(self.gateway, self.single, *args)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self.pending:  # the first of this turn: flush after every caller of the turn ran
+            loop.call_soon(self._flush)
+        self.pending.append((args, future))
+        result = await future
+        if result is None:
+            return await _maybe_remote(self.gateway, self.single, *args)
+        return result
+
+    def _flush(self) -> None:
+        batch, self.pending = self.pending, []
+        asyncio.get_running_loop().create_task(self._send(batch))
+
+    async def _send(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> None:
+        try:
+            results = await _maybe_remote(self.gateway, self.batch, [args for args, _ in batch])
+        except BaseException as e:  # noqa: BLE001 - handed to every caller of the batch
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+
 class GatewayManager:
     """Opens sessions on the least-busy gateway and routes later calls to the same one.
 
@@ -195,6 +269,8 @@ class GatewayManager:
         """Why the manager killed a gateway (e.g. it hung): said in the errors of the sessions
         that were on it."""
         self._where: dict[str, int] = {}
+        self._opens = [_Coalescer(g, "create_session", "create_sessions") for g in self.gateways]
+        self._closes = [_Coalescer(g, "finalize", "finalize_sessions") for g in self.gateways]
 
     def lost(self, index: int, reason: str) -> None:
         """The manager is about to kill gateway ``index`` for ``reason``: no new session goes there,
@@ -205,6 +281,8 @@ class GatewayManager:
 
     async def _call(self, index: int, method: str, *args: Any) -> Any:
         try:
+            if method == "finalize":
+                return await self._closes[index].call(*args)
             return await _maybe_remote(self.gateways[index], method, *args)
         except Exception as e:
             if index in self.why and _actor_gone(e):
@@ -228,8 +306,8 @@ class GatewayManager:
             i = min(live, key=lambda k: self.active[k])
             self.active[i] += 1  # reserved before the await, so concurrent opens spread out
             try:
-                handle: SessionHandle = await _maybe_remote(
-                    self.gateways[i], "create_session", session_id, metadata, sampling_params
+                handle: SessionHandle = await self._opens[i].call(
+                    session_id, metadata, sampling_params
                 )
             except BaseException as e:
                 self.active[i] -= 1

@@ -5,10 +5,12 @@ engine) with the fast path switched on and off between requests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +18,10 @@ import httpx
 import pytest
 from gateway_helpers import LiveGateway
 
+from agentloop.gateway.actor import GatewayActor, GatewayManager
 from agentloop.gateway.dialects import DIALECTS
 from agentloop.gateway.fastpath import FastPath, GatewayApp
+from agentloop.gateway.protocol import GatewayHTTPError
 from agentloop.gateway.service import GatewayService
 from agentloop.testing import ScriptedServer
 
@@ -255,3 +259,54 @@ def _wait_for(condition: Any, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+class CountedActor:
+    """An in-process gateway actor that counts the calls of each of its session methods."""
+
+    def __init__(self, actor: GatewayActor) -> None:
+        self.actor = actor
+        self.calls: Counter[str] = Counter()
+
+    async def create_session(self, *args: Any) -> Any:
+        self.calls["create_session"] += 1
+        return await self.actor.create_session(*args)
+
+    async def create_sessions(self, calls: list[Any]) -> Any:
+        self.calls["create_sessions"] += 1
+        return await self.actor.create_sessions(calls)
+
+    async def finalize(self, *args: Any) -> Any:
+        self.calls["finalize"] += 1
+        return await self.actor.finalize(*args)
+
+    async def finalize_sessions(self, calls: list[Any]) -> Any:
+        self.calls["finalize_sessions"] += 1
+        return await self.actor.finalize_sessions(calls)
+
+
+def test_the_manager_opens_and_closes_concurrent_sessions_in_one_call(
+    gateway: LiveGateway,
+) -> None:
+    counted = CountedActor(gateway.actor)
+    manager = GatewayManager([counted])
+
+    async def scenario() -> None:
+        handles = await asyncio.gather(
+            *(manager.create_session(metadata={"i": i}) for i in range(20))
+        )
+        assert len({h.session_id for h in handles}) == 20 and manager.active == [20]
+        assert counted.calls == {"create_sessions": 1}
+        with pytest.raises(GatewayHTTPError) as taken:  # the single call's error, as before
+            await manager.create_session(session_id=handles[0].session_id)
+        assert taken.value.status == 409 and counted.calls["create_session"] == 1
+        done = await asyncio.gather(*(manager.finalize(h.session_id) for h in handles[1:]))
+        assert [d["metadata"]["i"] for d in done] == list(range(1, 20))
+        assert counted.calls["finalize_sessions"] == 1 and counted.calls["finalize"] == 0
+        await gateway.actor.finalize(handles[0].session_id)  # closed behind the manager's back
+        with pytest.raises(GatewayHTTPError) as gone:
+            await manager.finalize(handles[0].session_id)
+        assert gone.value.status == 404 and counted.calls["finalize"] == 1
+        assert manager.active == [0]
+
+    gateway.run(scenario())
