@@ -48,6 +48,7 @@ from agentloop.rollout.weights import WeightSync
 from agentloop.rollout.worker import check_batch, error_batch
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.tokenization.loader import load_tokenizer
+from agentloop.tools.registry import check_tool_config
 from agentloop.types import RolloutStatus
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class AgentLoopManager:
                              reward_loop_worker_handles, llm_client)
         self.registry = resolve_registry(self.config.agent.agent_loop_config_path)
         check_env_config(self.config.env)  # env.default / env.config_path, before servers start
+        check_tool_config(self.config.multi_turn.tool_config_path)  # MCP servers, likewise
         if not ray.is_initialized():
             ray.init()
         self._owns_servers = llm_client is None

@@ -46,8 +46,8 @@ from agentloop.tools.mcp_client import (
 from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 __all__ = [
-    "MCPServer", "MCPServerError", "MCPServerSpec", "MCPTool", "MCPToolError", "load_mcp_tools",
-    "load_server_specs",
+    "MCPServer", "MCPServerError", "MCPServerSpec", "MCPTool", "MCPToolError", "import_mcp",
+    "load_mcp_tools", "load_server_specs",
 ]
 
 DEFAULT_TIMEOUT = 30.0

@@ -40,7 +40,14 @@ from agentloop.tools.function_tool import (
     FunctionTool,
     load_function_tools_from_path,
 )
-from agentloop.tools.mcp import VERL_MCP_CLASSES, MCPTool, check_mcp_class, load_mcp_tools
+from agentloop.tools.mcp import (
+    VERL_MCP_CLASSES,
+    MCPTool,
+    check_mcp_class,
+    import_mcp,
+    load_mcp_tools,
+    load_server_specs,
+)
 from agentloop.tools.schemas import OpenAIFunctionToolSchema
 from agentloop.utils.imports import load_yaml_entries
 from agentloop.utils.registry import Registry, entry_target
@@ -136,6 +143,28 @@ def build_mcp_tools(entry: dict[str, Any], where: str, base_dir: Path) -> list[B
         key = "_target_" if entry.get("_target_") is not None else "class_name"
         cls = check_mcp_class(tool_class(str(target), f"{where} {key}"), str(target), where)
     return list(load_mcp_tools(entry, where, cls, base_dir))
+
+
+def check_tool_config(tool_config_path: str | Path | None) -> None:
+    """What can be checked of a tool YAML without starting anything, for the driver before any
+    engine starts: the ``type: mcp`` entries' servers (unknown names, a server without ``command``
+    or ``url``, a missing servers file), their class and the mcp SDK. None: nothing to check.
+
+    Raises:
+        ConfigError: the first problem found, naming the file and the entry.
+    """
+    if not tool_config_path:
+        return
+    path = Path(tool_config_path).expanduser()
+    for i, entry in enumerate(load_yaml_entries(path, "tools", "tool_config_path")):
+        if not _is_mcp(entry):
+            continue
+        where = f"{path} tools[{i}]"
+        target = entry.get("_target_") or entry.get("class_name")
+        if target is not None and str(target) not in VERL_MCP_CLASSES:
+            check_mcp_class(tool_class(str(target), f"{where} class_name"), str(target), where)
+        load_server_specs(entry.get("mcp"), where, path.parent)
+        import_mcp()
 
 
 def _is_mcp(entry: Any) -> bool:

@@ -26,13 +26,14 @@ from agentloop.errors import ConfigError
 from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.loops.tool_calls import ToolRunner
 from agentloop.parsers import FunctionCall
+from agentloop.rollout import manager as manager_module
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
 from agentloop.testing.tiny_model import ensure_tiny_model
 from agentloop.tools import BaseTool
 from agentloop.tools.mcp import MCPTool, MCPToolError
-from agentloop.tools.registry import initialize_tools_from_config
+from agentloop.tools.registry import check_tool_config, initialize_tools_from_config
 
 pytest.importorskip("mcp")
 
@@ -255,6 +256,23 @@ def test_bad_config_is_a_config_error_before_any_server_starts(tmp_path, mcp, me
     with pytest.raises(ConfigError) as e:
         load(tmp_path, entry)
     assert message in str(e.value) and "tools[0]" in str(e.value)
+
+
+def test_the_manager_refuses_a_bad_mcp_config_before_starting_servers(tmp_path, monkeypatch):
+    def no_servers(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("servers started")
+
+    monkeypatch.setattr(manager_module, "open_servers", no_servers)
+    cfg = default_config()
+    cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
+    bad = {"config": {"type": "mcp"}, "mcp": {"mcp_servers": {"p": {"command": "x"}},
+                                              "servers": ["q"]}}
+    cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path = write_tools(tmp_path, bad)
+    with pytest.raises(ConfigError, match=r"tools\[0\]: unknown MCP server\(s\) \['q'\]"):
+        manager_module.AgentLoopManager(cfg)
+    check_tool_config(None)  # no tool file: nothing to check
+    good = {"config": {"type": "mcp"}, "mcp": {"mcp_servers": {"p": {"command": "x"}}}}
+    check_tool_config(write_tools(tmp_path, good))  # checked without starting 'x'
 
 
 def test_bad_server_or_selection_is_a_config_error(tmp_path, server_py):
