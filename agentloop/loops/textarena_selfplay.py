@@ -232,7 +232,8 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             status=seat.status,
             extra_fields={
                 "env": label, "player_id": seat.player_id, "env_id": config.env_id,
-                "prompt_truncated": seat.prompt_truncated, **result.fields(seat.player_id),
+                "prompt_truncated": seat.prompt_truncated, "num_tool_calls": 0,
+                **result.fields(seat.player_id),
                 **({"messages": list(seat.messages)} if self.return_messages else {}),
             },
         )
