@@ -8,7 +8,8 @@ returned messages with exact tokens (mask 0). Turn rewards go to ``turn_scores``
 is the last step's ``info["score"]`` when given, else the sum of turn rewards. An exception or a
 timeout (``env.step_timeout``) in the environment ends the sample as an ``error`` / ``timeout``
 row naming the environment, with its tokens so far; ``close()`` is always called. Sync environment
-methods run in a thread pool, async ones are awaited.
+methods run in a thread pool, async ones are awaited. A chat template that re-renders earlier turns
+closes the trajectory as a snapshot and starts a new one (docs/context.md), as ``tool_agent`` does.
 
 Spec: docs/environments.md.
 """
@@ -31,12 +32,19 @@ from agentloop.config import EnvConfig, MultiTurnConfig
 from agentloop.envs.base import AssistantTurn, EnvReset, EnvStep
 from agentloop.envs.resolve import EnvChoice, check_env_config, env_spec, resolve_env
 from agentloop.loops.base import AgentLoopBase, config_values, register, trainer_config_of
+from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.parsers.base import FunctionCall, ToolParser, get_tool_parser
 from agentloop.tokenization import encode_new_turns
 from agentloop.tokenization.incremental import TemplateMismatchError
 from agentloop.trace import span as trace_span
-from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
+from agentloop.types import (
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    MultiTrajectoryAgentLoopOutput,
+    RolloutStatus,
+    StopReason,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +83,10 @@ class Episode:
         "min_global_steps": None, "max_global_steps": None, "env_close_error": None,
     })
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
+    snapshots: Snapshots = field(default_factory=Snapshots)
+    """Trajectories closed because the chat template re-renders earlier turns (docs/context.md)."""
+    segment_start: int = 0
+    """Turns before the current trajectory began (its ``num_turns`` counts from there)."""
 
     def reward(self) -> float | None:
         """The documented rule: the last step's ``info["score"]``, else the sum of turn rewards
@@ -131,10 +143,13 @@ class EnvAgentLoop(AgentLoopBase):
         values = config_values(self.rollout_config, "env_agent", _env_agent_values)
         self.env_config: EnvConfig = values["env"]
         self.return_messages: bool = values["return_messages"]
+        self.context: ContextSettings = values["context"]
         self.request_id = uuid4().hex
         self.sampling_params: dict[str, Any] = {}
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+    async def run(
+        self, sampling_params: dict[str, Any], **kwargs: Any
+    ) -> AgentLoopOutput | MultiTrajectoryAgentLoopOutput:
         """Roll out one episode (see the module docstring).
 
         Raises:
@@ -155,7 +170,7 @@ class EnvAgentLoop(AgentLoopBase):
         finally:
             if env is not None:
                 await self._close(choice, env, ep)
-        return self._output(ep, choice)
+        return ep.snapshots.finish(self._output(ep, choice))
 
     @property
     def _timeout(self) -> float | None:
@@ -171,11 +186,14 @@ class EnvAgentLoop(AgentLoopBase):
             s.outputs = {"messages": _short(reset.messages), "tools": len(reset.tools or [])}
         ep.messages, ep.tools = _checked_messages(choice, "reset", reset.messages), reset.tools
         ep.info.update(reset.info)
-        ids = apply_chat_template(self.tokenizer, ep.messages, tools=ep.tools,
-                                  add_generation_prompt=True, **self.apply_chat_template_kwargs)
         ep.prompt_ids, ep.counters["prompt_truncated"] = fit_prompt(
-            ids, self.prompt_length, self.prompt_truncation
+            self._render(ep.messages, ep.tools), self.prompt_length, self.prompt_truncation
         )
+
+    def _render(self, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, tools=tools,
+                                   add_generation_prompt=True, **self.apply_chat_template_kwargs)
 
     async def _turn(self, choice: EnvChoice, env: Any, ep: Episode) -> bool:
         """One generate → step → append round; False once the episode is over."""
@@ -252,10 +270,8 @@ class EnvAgentLoop(AgentLoopBase):
             ids = encode_new_turns(self.tokenizer, messages, system=system, tools=ep.tools,
                                    previous=assistant,
                                    chat_template_kwargs=self.apply_chat_template_kwargs)
-        except TemplateMismatchError as e:
-            raise EnvFailure(RolloutStatus.ERROR, f"environment {choice.name!r}: the chat "
-                             f"template renders the assistant turn differently once the "
-                             f"observation follows ({e}); exact tokens are impossible") from e
+        except TemplateMismatchError:
+            return self._snapshot(choice, ep, messages)
         if len(ep.response_mask) + len(ids) >= self.response_length:
             return self._end(ep, RolloutStatus.LENGTH)
         ep.messages += messages
@@ -264,6 +280,26 @@ class EnvAgentLoop(AgentLoopBase):
         ep.response_logprobs += [0.0] * len(ids)
         ep.weight_versions += [-1] * len(ids)
         ep.observation_turns += 1
+        return True
+
+    def _snapshot(self, choice: EnvChoice, ep: Episode, messages: list[dict[str, Any]]) -> bool:
+        """The template re-renders earlier turns: close this trajectory and start a new one whose
+        prompt renders the whole conversation (as ``tool_agent`` does; docs/context.md)."""
+        if not ep.snapshots.allows_another(self.context):
+            ep.snapshots.capped = True
+            return self._end(ep, RolloutStatus.MAX_TURNS)
+        conversation = [*ep.messages, *messages]
+        prompt = self._render(conversation, ep.tools)
+        if len(prompt) > self.prompt_length:  # never cut: it would not render the conversation
+            return self._end(ep, RolloutStatus.LENGTH)
+        closed = self._output(ep, choice)
+        closed.reward_score = None  # the episode's reward goes with its final trajectory
+        ep.snapshots.close(closed, TEMPLATE)
+        ep.prompt_ids, ep.response_ids, ep.response_mask = prompt, [], []
+        ep.response_logprobs, ep.weight_versions, ep.metrics = [], [], AgentLoopMetrics()
+        ep.messages = conversation
+        ep.observation_turns += 1
+        ep.segment_start = ep.assistant_turns + ep.observation_turns
         return True
 
     async def _env_call(self, choice: EnvChoice, ep: Episode, what: str,
@@ -305,7 +341,7 @@ class EnvAgentLoop(AgentLoopBase):
                                if self.sampling_params.get("logprobs") else None),
             response_weight_versions=(ep.weight_versions[:n]
                                       if any(v >= 0 for v in ep.weight_versions) else None),
-            num_turns=ep.assistant_turns + ep.observation_turns + 1,
+            num_turns=ep.assistant_turns + ep.observation_turns - ep.segment_start + 1,
             metrics=ep.metrics,
             extra_fields=fields,
             reward_score=ep.reward(),
@@ -315,8 +351,9 @@ class EnvAgentLoop(AgentLoopBase):
 
 
 def _env_agent_values(rollout: DictConfig) -> dict[str, Any]:
-    return {"env": EnvConfig.from_rollout(rollout),
-            "return_messages": MultiTurnConfig.from_rollout(rollout).return_messages}
+    mt = MultiTurnConfig.from_rollout(rollout)
+    return {"env": EnvConfig.from_rollout(rollout), "return_messages": mt.return_messages,
+            "context": ContextSettings.from_config(mt)}
 
 
 def _checked_messages(choice: EnvChoice, what: str, messages: Any) -> list[dict[str, Any]]:

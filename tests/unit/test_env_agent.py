@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
+from agentloop.testing.templates import STOP_TOKENS, make_template_tokenizer
 from agentloop.trace import configure
 
 TOK = FakeTokenizer()
@@ -354,11 +356,49 @@ def test_a_failing_close_is_kept_and_the_episode_stands():
     assert "close raised OSError: socket gone" in out.extra_fields["env_close_error"]
 
 
-def test_a_template_that_rerenders_the_assistant_turn_is_an_error_row(monkeypatch):
+def test_a_template_that_rerenders_earlier_turns_snapshots_the_trajectory(monkeypatch):
     def mismatch(*args: Any, **kwargs: Any) -> list[int]:
         raise env_agent.TemplateMismatchError("reasoning dropped")
 
     monkeypatch.setattr(env_agent, "encode_new_turns", mismatch)
-    out, _ = run_env([say("3")], "test_guess")
-    assert out.status == "error" and "exact tokens are impossible" in out.error
-    assert CLOSED == ["guess"] and out.response_mask == [1] * len(say("3"))
+    out, server = run_env([say("3"), say("9"), say("7")], "test_guess")
+    rows = out.trajectories
+    assert len(rows) == 3 and [r.extra_fields["context_edit"] for r in rows] == [
+        "template", "template", None]
+    assert [r.reward_score for r in rows[:2]] == [None, None]
+    assert rows[-1].reward_score == pytest.approx(0.8) and rows[-1].status == "stop"
+    # each new trajectory's prompt is a full render of the conversation so far
+    assert TOK.decode(rows[1].prompt_ids).endswith("higher<|im_end|>\n<|im_start|>assistant\n")
+    assert all(r.response_mask == [1] * len(say("3")) for r in rows) and CLOSED == ["guess"]
+    assert server.calls[2]["prompt_ids"] == rows[2].prompt_ids
+
+
+@pytest.mark.parametrize("name", ["chatml_hermes", "qwen3", "llama3_json"])
+def test_exact_tokens_with_real_chat_templates(name):
+    """Every trajectory's prompt + response decodes to the template's render of the conversation
+    before its last assistant turn plus that turn (qwen3 drops earlier reasoning: a new trajectory
+    per observation)."""
+    tok = copy.deepcopy(make_template_tokenizer(name))
+    end = tok.convert_tokens_to_ids(STOP_TOKENS[name][0])
+    replies = iter([tok.encode(t, add_special_tokens=False) + [end] for t in ("3", "9", "7")])
+    server = ScriptedServer(lambda ids, p, rid: next(replies), eos_token_id=end)
+    rollout = rollout_cfg()
+    rollout.multi_turn.return_messages = True
+
+    async def go():
+        EnvAgentLoop.init_class(rollout, tok)
+        loop = EnvAgentLoop(rollout, AsyncLLMServerManager([server]), tok)
+        return await loop.run({}, raw_prompt=[], extra_info={"env": "test_guess"})
+
+    out = asyncio.run(go())
+    rows = getattr(out, "trajectories", [out])
+    assert len(rows) == (3 if name == "qwen3" else 1)
+    assert rows[-1].status == "stop" and rows[-1].reward_score == pytest.approx(0.8)
+    for row in rows:
+        messages = row.extra_fields["messages"]
+        assert messages[-1]["role"] == "assistant"
+        # the conversation before the last assistant turn, as the template renders it with the
+        # generation prompt, then what the policy sampled
+        before = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        text = tok.decode(row.prompt_ids + row.response_ids)
+        assert text == before + messages[-1]["content"] + STOP_TOKENS[name][0]
