@@ -85,7 +85,7 @@ def _dataset(dataset: str, seed: int, size: int, config_json: str) -> Any:
 def _config_json(config: Mapping[str, Any] | str | None) -> str:
     """A dataset config (a mapping, or its JSON text as a recipe keeps it) as sorted JSON."""
     if isinstance(config, str):
-        config = json.loads(config or "{}")
+        return json.dumps(json.loads(config or "{}"), sort_keys=True)
     return json.dumps(dict(config or {}), sort_keys=True)
 
 
