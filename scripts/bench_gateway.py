@@ -15,9 +15,10 @@ them: the engine is a Ray actor and each path is measured in one run, passes alt
 
 ``--engine fake`` (default) is :class:`agentloop.testing.ScriptedServer` replying after ``--delay``
 seconds, so the numbers are the gateway's own overhead at N concurrent sessions (try ``--sessions
-1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints sessions/s, p50 / p99 per-turn
-latency of each path and its ratio to direct; every trajectory is checked to be its own
-conversation.
+1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints, per path, the median over
+repeats of sessions/s, p50 / p99 per-turn latency, the ratio to direct and the CPU milliseconds per
+turn of the driver (client side) and of the gateway actor processes; every trajectory is checked to
+be its own conversation.
 
     python scripts/bench_gateway.py [--engine fake|vllm] [--sessions 16] [--turns 4] [--max-tokens
     16]
@@ -172,10 +173,14 @@ async def main_async(args: argparse.Namespace) -> None:
     sides = ["direct", *env["gateways"]]
     firsts = [f"Tell me a story about topic number {i}." for i in range(args.sessions)]
     results: dict[str, list[float]] = {side: [] for side in sides}
-    walls = dict.fromkeys(sides, 0.0)
+    walls: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
     stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        # idle connections are dropped before uvicorn's 5 s keep-alive ends: never reused while
+        # the server closes them (a ServerDisconnectedError when a pass starts ~5 s after the last)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+        async with aiohttp.ClientSession(connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=600)) as client:
             env["client"] = client
             for rep in range(args.repeats + 1):  # the first round warms every path up
@@ -184,11 +189,16 @@ async def main_async(args: argparse.Namespace) -> None:
                 for side in order:
                     lat: list[float] = []
                     round_stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
+                    actors = [] if side == "direct" else env["gateways"][side].gateways
+                    gw0, cpu0 = await actors_cpu(actors), time.process_time()
                     t0 = time.perf_counter()
                     await run_pass(side, args, env, firsts, lat, round_stats)
+                    wall = time.perf_counter() - t0
+                    used = (time.process_time() - cpu0, await actors_cpu(actors) - gw0)
                     await asyncio.sleep(0.5)  # let the actors settle between passes
                     if rep > 0:
-                        walls[side] += time.perf_counter() - t0 - 0.5
+                        walls[side].append(wall)
+                        cpu[side].append(used)
                         results[side] += lat
                         for k, v in round_stats.items():
                             stats[k] += v
@@ -199,7 +209,16 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.engine == "vllm":
             ray.get(server.shutdown.remote())
         ray.shutdown()
-    report(results, walls, stats, args)
+    report(results, walls, cpu, stats, args)
+
+
+def _process_time(actor: Any) -> float:
+    return time.process_time()
+
+
+async def actors_cpu(actors: list[Any]) -> float:
+    """CPU seconds the processes of ``actors`` have used so far (all threads)."""
+    return sum(await asyncio.gather(*(a.__ray_call__.remote(_process_time) for a in actors)))
 
 
 def _prompt_tokens_per_turn(traj: Any) -> int:
@@ -210,18 +229,25 @@ def _prompt_tokens_per_turn(traj: Any) -> int:
     return sum(len(traj.prompt_ids) + i for i in starts)
 
 
-def report(results: dict[str, list[float]], walls: dict[str, float], stats: dict[str, int],
+def report(results: dict[str, list[float]], walls: dict[str, list[float]],
+           cpu: dict[str, list[tuple[float, float]]], stats: dict[str, int],
            args: argparse.Namespace) -> None:
-    n_sessions = args.sessions * args.repeats
+    """Per path: the median over repeats of sessions/s, per-turn latency percentiles over all
+    repeats, the ratio of medians to direct, and the median CPU ms per turn of the driver (client
+    side) and of the gateway actors' processes."""
+    turns = args.sessions * args.turns
     print(f"engine {args.engine}: {args.sessions} concurrent sessions x {args.turns} turns x "
-          f"{args.max_tokens} tokens, {args.repeats} repeats (passes alternating)")
-    print(f"{'path':<14}{'sessions/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'ratio':>8}")
-    direct_rate = n_sessions / walls["direct"]
+          f"{args.max_tokens} tokens, {args.repeats} repeats (passes rotating; medians)")
+    print(f"{'path':<14}{'sessions/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'ratio':>8}"
+          f"{'driver cpu ms/turn':>20}{'gateway cpu ms/turn':>21}")
+    direct_rate = statistics.median(args.sessions / w for w in walls["direct"])
     for side, vals in results.items():
-        rate = n_sessions / walls[side]
+        rate = statistics.median(args.sessions / w for w in walls[side])
+        driver = statistics.median(c[0] for c in cpu[side]) / turns * 1e3
+        gateway = statistics.median(c[1] for c in cpu[side]) / turns * 1e3
         print(f"{side:<14}{rate:>12.1f}{percentile(vals, 50) * 1e3:>10.1f}"
-              f"{percentile(vals, 99) * 1e3:>10.1f}{statistics.mean(vals) * 1e3:>10.1f}"
-              f"{rate / direct_rate:>8.2f}")
+              f"{percentile(vals, 99) * 1e3:>10.1f}{rate / direct_rate:>8.2f}"
+              f"{driver:>20.2f}{gateway:>21.2f}")
     n_turns = max(1, stats["sessions_checked"] * args.turns)
     print(f"tokens encoded per turn: gateway {stats['encoded'] / n_turns:.1f} vs full prompt "
           f"{stats['prompt_lens'] / n_turns:.1f}")
