@@ -340,10 +340,7 @@ class TextArenaEnv:
 
 def selfplay_game(sample: Mapping[str, Any], env: EnvConfig,
                   defaults: Mapping[str, Any] | None = None) -> tuple[str, TextArenaConfig]:
-    """A self-play sample's game: its environment spec (``extra_info.env``, an ``env`` column or
-    ``env.default``, read as ``env_agent`` reads it: the name ``textarena``, an ``env.config_path``
-    entry whose ``_target_`` is the textarena env, or a mapping of :class:`TextArenaConfig` keys
-    with either) over ``defaults`` (the loop's registry entry).
+    """A self-play sample's game (:func:`_selfplay_spec`, checked).
 
     Returns:
         The environment's label (the entry's name, else ``textarena``: the rows' ``env`` field) and
@@ -351,11 +348,32 @@ def selfplay_game(sample: Mapping[str, Any], env: EnvConfig,
     Raises:
         ConfigError: no spec and no defaults, a spec naming another environment, or a bad config.
     """
+    label, spec = _selfplay_spec(sample, env, defaults)
+    where = f"{SELFPLAY_LOOP} game config (the sample's env over the loop's registry entry)"
+    return label, TextArenaConfig.from_dict(spec, where)
+
+
+def _selfplay_spec(sample: Mapping[str, Any], env: EnvConfig,
+                   defaults: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """A self-play sample's game: its environment spec (``extra_info.env``, an ``env`` column or
+    ``env.default``, read as ``env_agent`` reads it: the name ``textarena``, an ``env.config_path``
+    entry whose ``_target_`` is the textarena env, or a mapping of :class:`TextArenaConfig` keys
+    with either) over ``defaults`` (the loop's registry entry); returns its label and the merged
+    keys.
+
+    Raises:
+        ConfigError: no spec and no defaults, or a spec naming another environment.
+    """
     spec = None
     if _names_env(sample, env) or not defaults:
         spec = env_spec(sample, env.default)  # none at all: a ConfigError naming the fix
     given = {"name": spec} if isinstance(spec, str) else dict(spec or {})
     name = given.get("name")
+    target = given.get("_target_") or given.get("class_name")
+    if target is not None and target not in TEXTARENA_TARGETS:
+        raise ConfigError(f"{SELFPLAY_LOOP} plays TextArena games; the sample's environment is "
+                          f"{target!r}: give _target_ {sorted(TEXTARENA_TARGETS)[0]!r} or use "
+                          "agent_name env_agent")
     named = named_envs(env.config_path)
     if name in named:
         target, base = named[name]
@@ -369,14 +387,13 @@ def selfplay_game(sample: Mapping[str, Any], env: EnvConfig,
             f"give {{'name': 'textarena', 'env_id': ...}} or use agent_name env_agent"
         )
     label = name if name in named else "textarena"
-    where = f"{SELFPLAY_LOOP} game config (the sample's env over the loop's registry entry)"
-    return label, TextArenaConfig.from_dict({**(defaults or {}), **given}, where)
+    return label, {**(defaults or {}), **given}
 
 
 def check_selfplay_samples(rows: Iterable[Mapping[str, Any]], env: EnvConfig) -> None:
     """The start-up check of a dataset's ``textarena_selfplay`` rows that name their game (each
-    distinct spec once): the config, the package and the game id (rows naming none take the loop's
-    registry entry, checked when they run).
+    distinct spec once): the config, the package and the game id. Rows that name no environment or
+    no ``env_id`` take them from the loop's registry entry and are checked when they run.
 
     Args:
         rows: the samples' fields (``agent_name``, ``extra_info``, ``env``), e.g.
@@ -394,7 +411,9 @@ def check_selfplay_samples(rows: Iterable[Mapping[str, Any]], env: EnvConfig) ->
             continue
         seen.add(key)
         try:
-            selfplay_game(row, env)[1].check_registered()
+            _, spec = _selfplay_spec(row, env)
+            if "env_id" in spec:
+                TextArenaConfig.from_dict(spec, f"{SELFPLAY_LOOP} game config").check_registered()
         except ConfigError as e:
             raise ConfigError(f"row {i}: {e}") from None
 

@@ -258,6 +258,11 @@ def test_games_by_name_from_the_config_file_or_the_loops_registry_entry(tmp_path
         selfplay(moves, "other", config_path=str(games))
     with pytest.raises(ConfigError, match="names environment 'skyrl_gym'"):
         selfplay(moves, {"name": "skyrl_gym"})
+    with pytest.raises(ConfigError, match="the sample's environment is 'pkg.Other'"):
+        selfplay(moves, {"_target_": "pkg.Other", "env_id": "TicTacToe-v0"})
+    out, _ = selfplay(moves, {"_target_": "agentloop.envs.textarena.TextArenaEnv",
+                              "env_id": "TicTacToe-v0"})
+    assert out.trajectories[0].reward_score == 1.0
     with pytest.raises(ConfigError, match="the sample names no environment"):
         selfplay(moves, None)
 
@@ -269,7 +274,8 @@ def test_selfplay_rows_are_checked_before_anything_runs():
            "extra_info": {"env": {"name": "textarena", "env_id": "TicTacToe"}}}
     other = {"agent_name": "env_agent", "extra_info": {"env": {"name": "nope"}}}
     unnamed = {"agent_name": "textarena_selfplay", "extra_info": {}}
-    check_selfplay_samples([row, other, unnamed, row], rollout_env())
+    seed_only = {"agent_name": "textarena_selfplay", "extra_info": {"env": {"seed": 3}}}
+    check_selfplay_samples([row, other, unnamed, seed_only, row], rollout_env())
     with pytest.raises(ConfigError, match="row 1: textarena env_id 'TicTacToe' is not a"):
         check_selfplay_samples([row, bad], rollout_env())
 
