@@ -146,6 +146,11 @@ def _server_spec(name: str, raw: Any, where: str) -> MCPServerSpec:
     headers = {str(k): str(v) for k, v in (raw.get("headers") or {}).items()}
     if raw.get("auth_token"):
         headers.setdefault("Authorization", f"Bearer {raw['auth_token']}")
+    try:
+        start_timeout = float(raw.get("start_timeout") or 30.0)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: MCP server {name!r}: 'start_timeout' must be a number of "
+                          f"seconds, got {raw.get('start_timeout')!r}") from e
     args = raw.get("args") or []
     if not isinstance(args, list | tuple):
         raise ConfigError(f"{where}: MCP server {name!r}: 'args' must be a list, got {args!r}")
@@ -155,7 +160,7 @@ def _server_spec(name: str, raw: Any, where: str) -> MCPServerSpec:
         name=name, command=str(command) if command else None, args=tuple(str(a) for a in args),
         env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},
         cwd=str(raw["cwd"]) if raw.get("cwd") else None, url=str(url) if url else None,
-        headers=headers, start_timeout=float(raw.get("start_timeout") or 30.0),
+        headers=headers, start_timeout=start_timeout,
     )
 
 
@@ -203,7 +208,10 @@ def load_server_specs(mcp_block: Any, where: str, base_dir: Path) -> list[MCPSer
         raise ConfigError(f"{where}: no MCP servers: give mcp.mcp_servers_config_path (a file with "
                           f"an 'mcpServers' mapping) or mcp.mcp_servers")
     chosen = mcp_block.get("servers")
-    names = [str(n) for n in chosen] if chosen else [n for n in raw if not raw[n].get("disabled")]
+    if chosen:
+        names = [str(n) for n in chosen]
+    else:
+        names = [n for n in raw if not (isinstance(raw[n], Mapping) and raw[n].get("disabled"))]
     missing = [n for n in names if n not in raw]
     if missing:
         raise ConfigError(f"{where}: unknown MCP server(s) {missing} in mcp.servers; the config "
