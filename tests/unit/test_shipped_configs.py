@@ -18,8 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(
     {
         p.resolve()
-        for pattern in ("examples/*/config*.yaml", "agentloop/configs/*.yaml", "configs/*.yaml")
+        for pattern in ("examples/*/config*.yaml", "agentloop/configs/*.yaml", "configs/*.yaml",
+                        "examples/environments/*.yaml")
         for p in REPO.glob(pattern)
+        if not p.name.endswith("_tools.yaml")  # a tool config, not a rollout config
     }
 )
 
@@ -27,7 +29,8 @@ SHIPPED = sorted(
 def test_the_shipped_configs_are_found():
     names = {str(p.relative_to(REPO)) for p in SHIPPED}
     assert {"agentloop/configs/rollout.yaml", "agentloop/configs/cpu_train.yaml",
-            "examples/quickstart/config.yaml"} <= names
+            "examples/quickstart/config.yaml", "examples/environments/skyrl_gym.yaml",
+            "examples/environments/mcp.yaml"} <= names
     assert len([n for n in names if n.startswith("examples/")]) >= 3
 
 
