@@ -68,6 +68,9 @@ class Seat:
     observations: int = 0
     """User turns after the prompt."""
     prompt_truncated: int = 0
+    steps: dict[str, int | None] = field(
+        default_factory=lambda: {"min_global_steps": None, "max_global_steps": None})
+    """The weight versions that sampled the seat's moves (verl's min/max_global_steps)."""
     status: RolloutStatus = RolloutStatus.STOP
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
 
@@ -193,6 +196,10 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
                              "max_tokens": self.response_length - len(seat.response_mask)},
         )
         seat.metrics.generate_sequences += time.perf_counter() - start
+        for key, pick in (("min_global_steps", min), ("max_global_steps", max)):
+            value, old = out.extra_fields.get(key), seat.steps[key]
+            if value is not None:
+                seat.steps[key] = value if old is None else pick(old, value)
         if out.num_preempted and out.num_preempted > 0:
             seat.metrics.num_preempted = max(seat.metrics.num_preempted, 0) + out.num_preempted
         seat.append(out.token_ids, sampled=True, logprobs=out.log_probs,
@@ -232,7 +239,7 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             status=seat.status,
             extra_fields={
                 "env": label, "player_id": seat.player_id, "env_id": config.env_id,
-                "prompt_truncated": seat.prompt_truncated, "num_tool_calls": 0,
+                "prompt_truncated": seat.prompt_truncated, "num_tool_calls": 0, **seat.steps,
                 **result.fields(seat.player_id),
                 **({"messages": list(seat.messages)} if self.return_messages else {}),
             },

@@ -135,6 +135,7 @@ def test_tictactoe_selfplay_one_trajectory_per_player_with_the_games_rewards():
         assert out_i.extra_fields["game_done"] is True
     assert (p0.extra_fields["player_id"], p1.extra_fields["player_id"]) == (0, 1)
     assert p0.num_turns == 6 and p1.num_turns == 4
+    assert p0.extra_fields["min_global_steps"] == p0.extra_fields["max_global_steps"] == 0
     # each player's request continues its own conversation; turns stick to one request id per player
     ids = [c["request_id"] for c in server.calls]
     assert ids[0] == ids[2] == ids[4] != ids[1] == ids[3]
