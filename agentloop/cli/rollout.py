@@ -42,6 +42,7 @@ from agentloop.cli.verify import add_verify_parser, run_verify
 from agentloop.compat.port import add_port_parser, run_port
 from agentloop.config import default_config, resolve_config
 from agentloop.envs.resolve import batch_rows, check_env_samples
+from agentloop.envs.textarena import check_selfplay_samples
 from agentloop.errors import AgentLoopError, ConfigError
 
 # called through the module: tests replace load_tokenizer
@@ -207,8 +208,9 @@ def run_rollout(cfg: DictConfig, *, show: int = 2, verbose: bool = False) -> int
         max_samples=data.max_samples, image_key=data.image_key, video_key=data.video_key,
     )
     # every environment the env_agent rows name resolves (docs/environments.md), before Ray starts
-    check_env_samples(batch_rows(batch.non_tensor_batch, resolved.agent.default_agent_loop),
-                      resolved.env)
+    rows = batch_rows(batch.non_tensor_batch, resolved.agent.default_agent_loop)
+    check_env_samples(rows, resolved.env)
+    check_selfplay_samples(rows, resolved.env)
     out_dir = Path(str(cfg.output_dir)).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_report(out_dir)

@@ -38,6 +38,7 @@ from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, GatewaySections, resolve_config
 from agentloop.envs.resolve import ENV_AGENT, batch_rows, check_env_config, check_env_samples
+from agentloop.envs.textarena import SELFPLAY_LOOP, check_selfplay_samples
 from agentloop.loops.base import resolve_registry
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.fault_metrics import FaultMetrics
@@ -278,9 +279,10 @@ class AgentLoopManager:
                 meta_info={**prompts.meta_info, "global_steps": self.weight_version},
             )
         names = check_batch(prompts, self.registry, self.config.agent.default_agent_loop)
-        if ENV_AGENT in set(names.tolist()):  # every environment env_agent rows name resolves
+        if {ENV_AGENT, SELFPLAY_LOOP} & set(names.tolist()):  # every environment rows name resolves
             rows = batch_rows(prompts.non_tensor_batch, self.config.agent.default_agent_loop)
             check_env_samples(rows, self.config.env)
+            check_selfplay_samples(rows, self.config.env)
         if not self.gateways and any(
             self.registry[str(n)].cls.requires_gateway for n in set(names.tolist())
         ):
