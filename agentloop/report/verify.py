@@ -298,7 +298,14 @@ def check_templates(tokenizer: Any, data: DataProto, result: VerifyResult) -> No
         messages, prompt = nt["messages"][r.index], nt["raw_prompt"][r.index]
         if not messages or prompt is None or not len(r.response):
             continue
-        prompt_messages = json.loads(prompt) if isinstance(prompt, str) else list(prompt)
+        saved = [dict(m) for m in messages]
+        # the prompt is what the conversation holds before the first sampled turn: the row's
+        # raw_prompt for tool_agent, the environment's first messages for env_agent / self-play
+        first = next((i for i, m in enumerate(saved) if m.get("role") == "assistant"), 0)
+        if first:
+            prompt_messages = saved[:first]
+        else:
+            prompt_messages = json.loads(prompt) if isinstance(prompt, str) else list(prompt)
         checked, problem = check_trajectory(
             tokenizer, r.index, prompt_messages, list(messages), r.response, r.mask
         )
