@@ -17,8 +17,8 @@ them: the engine is a Ray actor and each path is measured in one run, passes alt
 seconds, so the numbers are the gateway's own overhead at N concurrent sessions (try ``--sessions
 1000``); ``--engine vllm`` is the tiny model on vLLM CPU.  Prints, per path, the median over
 repeats of sessions/s, p50 / p99 per-turn latency, the ratio to direct and the CPU milliseconds per
-turn of the driver (client side) and of the gateway actor processes; every trajectory is checked to
-be its own conversation.
+turn of the driver (client side), the gateway actor processes and the engine actor; every trajectory
+is checked to be its own conversation.
 
     python scripts/bench_gateway.py [--engine fake|vllm] [--sessions 16] [--turns 4] [--max-tokens
     16]
@@ -174,7 +174,7 @@ async def main_async(args: argparse.Namespace) -> None:
     firsts = [f"Tell me a story about topic number {i}." for i in range(args.sessions)]
     results: dict[str, list[float]] = {side: [] for side in sides}
     walls: dict[str, list[float]] = {side: [] for side in sides}
-    cpu: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    cpu: dict[str, list[tuple[float, ...]]] = {side: [] for side in sides}
     stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
     try:
         # idle connections are dropped before uvicorn's 5 s keep-alive ends: never reused while
@@ -191,10 +191,12 @@ async def main_async(args: argparse.Namespace) -> None:
                     round_stats = {"encoded": 0, "prompt_lens": 0, "sessions_checked": 0}
                     actors = [] if side == "direct" else env["gateways"][side].gateways
                     gw0, cpu0 = await actors_cpu(actors), time.process_time()
+                    engine0 = await actors_cpu([server])
                     t0 = time.perf_counter()
                     await run_pass(side, args, env, firsts, lat, round_stats)
                     wall = time.perf_counter() - t0
-                    used = (time.process_time() - cpu0, await actors_cpu(actors) - gw0)
+                    used = (time.process_time() - cpu0, await actors_cpu(actors) - gw0,
+                            await actors_cpu([server]) - engine0)
                     await asyncio.sleep(0.5)  # let the actors settle between passes
                     if rep > 0:
                         walls[side].append(wall)
@@ -230,24 +232,25 @@ def _prompt_tokens_per_turn(traj: Any) -> int:
 
 
 def report(results: dict[str, list[float]], walls: dict[str, list[float]],
-           cpu: dict[str, list[tuple[float, float]]], stats: dict[str, int],
+           cpu: dict[str, list[tuple[float, ...]]], stats: dict[str, int],
            args: argparse.Namespace) -> None:
     """Per path: the median over repeats of sessions/s, per-turn latency percentiles over all
     repeats, the ratio of medians to direct, and the median CPU ms per turn of the driver (client
-    side) and of the gateway actors' processes."""
+    side), of the gateway actors' processes and of the engine actor."""
     turns = args.sessions * args.turns
     print(f"engine {args.engine}: {args.sessions} concurrent sessions x {args.turns} turns x "
           f"{args.max_tokens} tokens, {args.repeats} repeats (passes rotating; medians)")
     print(f"{'path':<14}{'sessions/s':>12}{'p50 ms':>10}{'p99 ms':>10}{'ratio':>8}"
-          f"{'driver cpu ms/turn':>20}{'gateway cpu ms/turn':>21}")
+          f"{'cpu ms/turn: driver':>21}{'gateways':>10}{'engine':>8}")
     direct_rate = statistics.median(args.sessions / w for w in walls["direct"])
     for side, vals in results.items():
         rate = statistics.median(args.sessions / w for w in walls[side])
         driver = statistics.median(c[0] for c in cpu[side]) / turns * 1e3
         gateway = statistics.median(c[1] for c in cpu[side]) / turns * 1e3
+        engine = statistics.median(c[2] for c in cpu[side]) / turns * 1e3
         print(f"{side:<14}{rate:>12.1f}{percentile(vals, 50) * 1e3:>10.1f}"
               f"{percentile(vals, 99) * 1e3:>10.1f}{rate / direct_rate:>8.2f}"
-              f"{driver:>20.2f}{gateway:>21.2f}")
+              f"{driver:>21.2f}{gateway:>10.2f}{engine:>8.2f}")
     n_turns = max(1, stats["sessions_checked"] * args.turns)
     print(f"tokens encoded per turn: gateway {stats['encoded'] / n_turns:.1f} vs full prompt "
           f"{stats['prompt_lens'] / n_turns:.1f}")
