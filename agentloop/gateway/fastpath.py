@@ -11,6 +11,7 @@ which keeps every other route.  Numbers: docs/gateway.md#load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -81,18 +82,25 @@ class _Reply:
             listener.cancel()
             pump.cancel()  # a no-op once it is done
             await asyncio.wait((pump,))
-        if not pump.cancelled() and pump.exception() is not None:
-            raise pump.exception()  # type: ignore[misc]
+        error = None if pump.cancelled() else pump.exception()
+        if error is not None:
+            raise error
 
     async def _pump(self, lines: AsyncIterator[str]) -> None:
-        self.started = True
-        await self.send({"type": "http.response.start", "status": 200,
-                         "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid)]})
-        async for line in lines:
-            await self.send(
-                {"type": "http.response.body", "body": line.encode("utf-8"), "more_body": True}
-            )
-        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            self.started = True
+            await self.send({"type": "http.response.start", "status": 200,
+                             "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid)]})
+            async for line in lines:
+                await self.send(
+                    {"type": "http.response.body", "body": line.encode("utf-8"), "more_body": True}
+                )
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:  # also when cancelled between two lines (while a send waited)
+            close = getattr(lines, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -205,7 +213,7 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         fast = self.fast_path
         found = None if fast is None else fast.match(scope)
-        if found is None:
+        if fast is None or found is None:
             await super().__call__(scope, receive, send)
         else:
-            await fast(scope, receive, send, *found)  # type: ignore[misc]
+            await fast(scope, receive, send, *found)
