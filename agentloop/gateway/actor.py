@@ -216,6 +216,7 @@ class _Coalescer:
         self.gateway, self.single, self.batch = gateway, single, batch
         self.batched = hasattr(gateway, batch)
         self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self.sending: set[asyncio.Task[None]] = set()  # strong references while in flight
 
     async def call(self, *args: Any) -> Any:
         """The single method's result for ``args`` (or its exception)."""
@@ -233,7 +234,9 @@ class _Coalescer:
 
     def _flush(self) -> None:
         batch, self.pending = self.pending, []
-        asyncio.get_running_loop().create_task(self._send(batch))
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
 
     async def _send(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> None:
         try:
