@@ -435,7 +435,7 @@ def test_anthropic_sdk_tool_loop_records_what_the_client_received(manager, tmp_p
 
 # ---- reasoning (reasoning helper) ---------------------------------------------------------------
 # The reasoning model needs its own template and gateway.reasoning_parser, so it has its own module
-# with one vLLM server: tests/integration/test_gateway_reasoning.py.
+# with one vLLM server: tests/integration/test_vllm_gateway_reasoning.py.
 
 
 # ---- tool_choice and structured output (structured-output helper) -------------------------------
