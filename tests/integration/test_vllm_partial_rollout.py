@@ -287,9 +287,12 @@ def _update_mid_generation(server: Any, ray: Any, name: str) -> tuple[Any, Any, 
         old, versions = want.extra_fields["global_steps"], got.extra_fields.get("weight_versions")
         # keep: no token before the update landed
         too_early = versions is not None and versions[0] != old
-        if at_begin and not too_early:
+        # keep must also see the request still running when the update finished (on a slow
+        # machine it can end between begin and finish: that landed too late too)
+        late = not at_begin or (name == "keep" and not at_finish)
+        if not late and not too_early:
             break
-        delay = next_delay(delay, landed_too_late=not at_begin)
+        delay = next_delay(delay, landed_too_late=late)
     return want, got, at_open, at_finish
 
 
