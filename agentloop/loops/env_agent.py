@@ -34,6 +34,7 @@ from agentloop.envs.resolve import EnvChoice, check_env_config, env_spec, resolv
 from agentloop.loops.base import AgentLoopBase, config_values, register, trainer_config_of
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
+from agentloop.loops.tool_calls import assistant_message
 from agentloop.parsers.base import FunctionCall, ToolParser, get_tool_parser
 from agentloop.tokenization import encode_new_turns
 from agentloop.tokenization.incremental import TemplateMismatchError
@@ -203,7 +204,7 @@ class EnvAgentLoop(AgentLoopBase):
         content, calls = await self.tool_parser.extract_tool_calls(out.token_ids, ep.tools)  # type: ignore[union-attr]
         ep.counters["num_tool_calls"] += len(calls)
         ep.counters["num_parse_errors"] += sum(1 for c in calls if c.error)
-        assistant = _assistant_message(content, calls)
+        assistant = assistant_message(content, calls)
         ep.messages.append(assistant)
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         step = await self._step(choice, env, ep, AssistantTurn(text, content, _calls(calls)))
@@ -367,16 +368,6 @@ def _checked_messages(choice: EnvChoice, what: str, messages: Any) -> list[dict[
         raise EnvFailure(RolloutStatus.ERROR, f"environment {choice.name!r}: {what} returned a "
                          f"message without 'role': {str(messages)[:200]}")
     return checked
-
-
-def _assistant_message(content: str, calls: list[FunctionCall]) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
-    return message
 
 
 def _calls(calls: list[FunctionCall]) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from agentloop.interactions.registry import initialize_interactions_from_config
 from agentloop.loops.base import AgentLoopBase, config_values, register, trainer_config_of
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots, edited_history
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
-from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult
+from agentloop.loops.tool_calls import ToolRunner, ToolTurnResult, assistant_message
 from agentloop.parsers.base import ToolParser, get_tool_parser
 from agentloop.rewards.loader import RewardFunctionConfig
 from agentloop.tokenization import encode_new_turns
@@ -258,7 +258,7 @@ class ToolAgentLoop(AgentLoopBase):
         if out.stop_reason == StopReason.LENGTH or len(data.response_mask) >= self.response_length:
             return self._end(data, RolloutStatus.LENGTH)
         content, calls = await self.tool_parser.extract_tool_calls(out.token_ids, self.tool_schemas)  # type: ignore[union-attr]
-        data.messages.append(_assistant_message(content, calls))
+        data.messages.append(assistant_message(content, calls))
         if not calls:
             return (
                 AgentState.INTERACTING
@@ -446,16 +446,6 @@ def _tool_agent_values(rollout: DictConfig) -> dict[str, Any]:
         "max_assistant_turns": mt.max_assistant_turns, "max_user_turns": mt.max_user_turns,
         "return_messages": mt.return_messages, "context": ContextSettings.from_config(mt),
     }
-
-
-def _assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
-    return message
 
 
 def _track_versions(fields: dict[str, Any], out_fields: dict[str, Any]) -> None:

@@ -221,3 +221,15 @@ def _with_text(message: dict[str, Any], text: str) -> dict[str, Any]:
 
 async def _text(text: str) -> tuple[str, list[Any]]:
     return text, []
+
+
+def assistant_message(content: str, calls: list[Any]) -> dict[str, Any]:
+    """The chat message of an assistant turn: its content and the parsed calls
+    (:class:`~agentloop.parsers.base.FunctionCall`) as OpenAI ``tool_calls``."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message
