@@ -188,15 +188,6 @@ def test_a_section_keeps_its_components_own_message():
         dataclasses.replace(build_sections(default_config())["gateway"], reward_to="first")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
 ROUTING = [
     ({"server": {"max_failovers": 2, "priority": "context"}}, {"partial_rollout": True}),
     ({"server": {"max_failovers": 0, "priority": None}, "agent": {"restart_preempted": True}}, {}),

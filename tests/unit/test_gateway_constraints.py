@@ -312,15 +312,6 @@ def test_the_scripted_server_flags_a_grammar_it_does_not_follow():
 
 
 # ---- through the gateway (chat dialect, the fake engine) --------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
 @pytest.fixture
 def gateway(tokenizer):
     gw = LiveGateway(tokenizer)

@@ -22,15 +22,6 @@ from agentloop.testing import ScriptedServer
 from agentloop.types import TokenOutput
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
 @pytest.fixture
 def gateway(tokenizer):
     gw = LiveGateway(tokenizer)

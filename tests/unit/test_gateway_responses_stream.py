@@ -261,15 +261,6 @@ def test_openai_agents_runner_with_its_default_responses_model():
 
 
 # ---- the live gateway: real HTTP, fake engine, the tiny model's tokenizer ------------------------
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
 @pytest.fixture
 def gateway(tokenizer):
     gw = LiveGateway(tokenizer)

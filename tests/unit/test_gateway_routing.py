@@ -17,15 +17,6 @@ from agentloop.routing.strategies import make_balancer
 from agentloop.testing import ScriptedServer
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
 class SlowGateway:
     """Stands in for a GatewayActor: opening a session takes a moment, so concurrent opens
     overlap."""

@@ -13,22 +13,12 @@ import re
 from typing import Any
 
 import aiohttp
-import pytest
 from gateway_helpers import LiveGateway, full_render_ids
 
 from agentloop.testing import ScriptedServer
 
 NUM_SESSIONS = 1000
 DIALECTS = ("chat", "responses", "messages")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from agentloop.testing.tiny_model import ensure_tiny_model
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
 
 
 class EchoTag:
