@@ -57,6 +57,36 @@ def summary_rows(table: RolloutTable, summary: dict[str, Any]) -> dict[str, Any]
     return rows
 
 
+NO_ENV = "(no env)"
+"""The group of rows without an environment in a rollout where others have one."""
+
+
+def env_rows(table: RolloutTable) -> dict[str, dict[str, Any]]:
+    """Per environment (the ``env`` column of ``env_agent`` / self-play rows, sorted by name; rows
+    without one as :data:`NO_ENV`): trajectories, mean reward over the rows with a valid reward
+    (None when none has one), status counts, mean turns. Empty when no row names an environment."""
+    if table.env is None or all(e is None for e in table.env):
+        return {}
+    groups: dict[str, list[int]] = {}
+    for row, env in enumerate(table.env):
+        groups.setdefault(NO_ENV if env is None else env, []).append(row)
+    out: dict[str, dict[str, Any]] = {}
+    for env in sorted(groups):
+        rows = groups[env]
+        rewards = table.reward[rows] if table.reward is not None else np.zeros(0)
+        scored = rewards[~np.isnan(rewards)]
+        statuses = _counts([table.status[r] for r in rows])
+        out[env] = {
+            "trajectories": len(rows),
+            "mean reward": round(float(scored.mean()), 4) if len(scored) else None,
+            "status": ", ".join(
+                f"{k}: {v}" for k, v in sorted(statuses.items(), key=lambda kv: -kv[1])
+            ),
+            "mean turns": round(float(table.num_turns[rows].mean()), 2),
+        }
+    return out
+
+
 def _counts(values: list[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for v in values:
@@ -70,6 +100,19 @@ def _table(rows: dict[str, Any]) -> str:
         for k, v in rows.items()
     )
     return f"<table>{cells}</table>"
+
+
+def _grouped_table(groups: dict[str, dict[str, Any]], key: str) -> str:
+    """One row per group, one column per value (the columns of the first group)."""
+    columns = list(next(iter(groups.values())))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in [key, *columns])
+    body = "".join(
+        f"<tr><th>{html.escape(name)}</th>"
+        + "".join(f"<td>{html.escape(_text(values[c]))}</td>" for c in columns)
+        + "</tr>"
+        for name, values in groups.items()
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _text(value: Any) -> str:
@@ -89,14 +132,17 @@ def _image(plot: Plot, page_dir: Path, embed: bool) -> str:
 
 
 def render_html(output_dir: Path, rows: dict[str, Any], timeline: dict[str, Any], plots: list[Plot],
-                embed: bool = False) -> str:
-    """The report page for ``output_dir``."""
+                embed: bool = False, by_env: dict[str, dict[str, Any]] | None = None) -> str:
+    """The report page for ``output_dir``; ``by_env`` (:func:`env_rows`) adds the "By
+    environment" table when not empty."""
     title = f"agentloop rollout report: {output_dir.resolve().name}"
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
         f"<p>{html.escape(str(output_dir.resolve()))}</p><h2>Summary</h2>", _table(rows),
     ]
+    if by_env:
+        parts += ["<h2>By environment</h2>", _grouped_table(by_env, "environment")]
     if timeline:
         parts += ["<h2>Generate calls</h2>", _table(timeline)]
     parts += ["<h2>Plots</h2>", *(_image(p, output_dir, embed) for p in plots), "</body></html>"]
@@ -121,7 +167,8 @@ def write_report(output_dir: str | Path, embed: bool = False) -> Path:
     page = directory / REPORT_HTML
     page.write_text(
         render_html(
-            directory, summary_rows(table, summary), timeline_stats(table.calls), plots, embed
+            directory, summary_rows(table, summary), timeline_stats(table.calls), plots, embed,
+            by_env=env_rows(table),
         )
     )
     return page

@@ -92,6 +92,9 @@ class RolloutTable:
     rewards."""
     calls: list[dict[str, Any]] = field(default_factory=list)
     """Every recorded generate call (:mod:`agentloop.report.timing`), each with its ``row``."""
+    env: list[str | None] | None = None
+    """The ``env`` column per row (``env_agent`` / self-play rows: the environment's name, None
+    on other rows); None when the rollout has no such column."""
 
     def __len__(self) -> int:
         return len(self.status)
@@ -125,7 +128,10 @@ def rollout_table(data: DataProto) -> RolloutTable:
     if GENERATE_CALLS in nt:
         for row, row_calls in enumerate(nt[GENERATE_CALLS].tolist()):
             calls.extend({**c, "row": row} for c in row_calls or [])
+    env = None
+    if "env" in nt:
+        env = [None if v is None else str(v) for v in nt["env"].tolist()]
     return RolloutTable(
         response_length=response_length, sampled_tokens=sampled, num_turns=turns, status=status,
-        tool_calls=tool_calls, reward=reward, calls=calls,
+        tool_calls=tool_calls, reward=reward, calls=calls, env=env,
     )

@@ -121,6 +121,34 @@ def test_report_says_what_is_missing_and_can_embed_the_images(
     assert page.count("data:image/png;base64,") == len(PLOTS) and 'src="report/' not in page
 
 
+def test_report_groups_rows_by_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rows with an ``env`` (env_agent / self-play) get one line per environment: count, mean
+    reward over the valid rewards, statuses, mean turns; rows without one are grouped apart."""
+    outputs = synthetic_outputs()
+    envs = ["skyrl_gym", "textarena", None]
+    for i, out in enumerate(outputs):
+        if envs[i % 3] is not None:
+            out.extra_fields["env"] = envs[i % 3]
+    out_dir = save_rollout(tmp_path / "envs", outputs)
+    code, _, _ = run_cli(["report", str(out_dir)], capsys)
+    page = (out_dir / "report.html").read_text()
+    assert code == 0 and "<h2>By environment</h2>" in page
+    # skyrl_gym rows 0, 3, 6, 9: rewards 1, 0, 1, 0; turns 2 + 2 * (i % 3) = 2 each
+    assert ("<tr><th>skyrl_gym</th><td>4</td><td>0.5</td><td>stop: 4</td><td>2.0</td></tr>"
+            in page)
+    # textarena rows 1, 4, 7, 10: rewards 0, 1, 0, 1; turns 4
+    assert ("<tr><th>textarena</th><td>4</td><td>0.5</td><td>stop: 4</td><td>4.0</td></tr>"
+            in page)
+    # rows 2, 5, 8, 11 (11 ended length): rewards 1, 0, 1, 0; turns 6
+    assert ("<tr><th>(no env)</th><td>4</td><td>0.5</td><td>stop: 3, length: 1</td>"
+            "<td>6.0</td></tr>" in page)
+    plain = save_rollout(tmp_path / "plain", synthetic_outputs())
+    run_cli(["report", str(plain)], capsys)
+    assert "By environment" not in (plain / "report.html").read_text()
+
+
 @pytest.mark.parametrize("layout", ["no_dir", "empty_dir", "not_a_dataproto", "not_a_rollout"])
 def test_report_bad_input_is_one_line_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
