@@ -10,6 +10,8 @@ timeout (``env.step_timeout``) in the environment ends the sample as an ``error`
 row naming the environment, with its tokens so far; ``close()`` is always called. Sync environment
 methods run in a thread pool, async ones are awaited. A chat template that re-renders earlier turns
 closes the trajectory as a snapshot and starts a new one (docs/context.md), as ``tool_agent`` does.
+Configured tools (``multi_turn.tool_config_path``: MCP servers, ``BaseTool``s) are offered next to
+the environment's and run as ``tool_agent`` runs them (:mod:`agentloop.loops.env_tools`).
 
 Spec: docs/environments.md.
 """
@@ -33,6 +35,7 @@ from agentloop.envs.base import AssistantTurn, EnvReset, EnvStep
 from agentloop.envs.resolve import EnvChoice, check_env_config, env_spec, resolve_env
 from agentloop.loops.base import AgentLoopBase, config_values, register, trainer_config_of
 from agentloop.loops.context import TEMPLATE, ContextSettings, Snapshots
+from agentloop.loops.env_tools import EnvTools, claimed_names
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.loops.tool_calls import assistant_message
 from agentloop.parsers.base import FunctionCall, ToolParser, get_tool_parser
@@ -66,6 +69,9 @@ class Episode:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    """The tools offered to the policy: the environment's, then the configured ones."""
+    claimed: frozenset[str] = frozenset()
+    """The names of the environment's own tools (their calls go to ``step``)."""
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
@@ -80,7 +86,8 @@ class Episode:
     """``info["score"]`` of the last step, when it gave one."""
     info: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=lambda: {
-        "num_tool_calls": 0, "num_parse_errors": 0, "prompt_truncated": 0,
+        "num_tool_calls": 0, "num_parse_errors": 0, "num_tool_errors": 0, "num_tool_timeouts": 0,
+        "prompt_truncated": 0,
         "min_global_steps": None, "max_global_steps": None, "env_close_error": None,
     })
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
@@ -127,16 +134,22 @@ class EnvAgentLoop(AgentLoopBase):
     budget."""
 
     tool_parser: ClassVar[ToolParser | None] = None
+    env_tools: ClassVar[EnvTools] = EnvTools()
+    """The configured tools (``multi_turn.tool_config_path``), loaded once per worker."""
+    init_class_takes_tools: ClassVar[bool] = True
 
     @classmethod
     def init_class(
         cls, config: Any, tokenizer: Any, processor: Any | None = None, **kwargs: Any
     ) -> None:
-        """Load the tool parser (``multi_turn.format``) and check the ``env`` section once per
-        worker."""
+        """Load the tool parser (``multi_turn.format``) and the configured tools (or take the
+        worker's, ``tools=ToolListWrap``), and check the ``env`` section, once per worker."""
         root = trainer_config_of(config)
         check_env_config(EnvConfig.from_root(root))
-        cls.tool_parser = get_tool_parser(MultiTurnConfig.from_root(root).format, tokenizer)
+        mt = MultiTurnConfig.from_root(root)
+        given = kwargs.get("tools")
+        cls.env_tools = EnvTools.load(mt, list(given.tools) if given is not None else None)
+        cls.tool_parser = get_tool_parser(mt.format, tokenizer)
         cls._class_initialized = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -147,6 +160,7 @@ class EnvAgentLoop(AgentLoopBase):
         self.context: ContextSettings = values["context"]
         self.request_id = uuid4().hex
         self.sampling_params: dict[str, Any] = {}
+        self.tools_kwargs: dict[str, Any] = {}
 
     async def run(
         self, sampling_params: dict[str, Any], **kwargs: Any
@@ -159,6 +173,7 @@ class EnvAgentLoop(AgentLoopBase):
         """
         choice = resolve_env(env_spec(kwargs, self.env_config.default), self.env_config)
         self.sampling_params = dict(sampling_params)
+        self.tools_kwargs = dict(kwargs.get("tools_kwargs") or {})
         ep = Episode()
         env = None
         try:
@@ -185,7 +200,8 @@ class EnvAgentLoop(AgentLoopBase):
                 raise EnvFailure(RolloutStatus.ERROR, f"environment {choice.name!r}: reset "
                                  f"returned {type(reset).__name__}, expected an EnvReset")
             s.outputs = {"messages": _short(reset.messages), "tools": len(reset.tools or [])}
-        ep.messages, ep.tools = _checked_messages(choice, "reset", reset.messages), reset.tools
+        ep.messages = _checked_messages(choice, "reset", reset.messages)
+        ep.tools, ep.claimed = self.env_tools.offered(reset.tools), claimed_names(reset.tools)
         ep.info.update(reset.info)
         ep.prompt_ids, ep.counters["prompt_truncated"] = fit_prompt(
             self._render(ep.messages, ep.tools), self.prompt_length, self.prompt_truncation
@@ -206,16 +222,40 @@ class EnvAgentLoop(AgentLoopBase):
         ep.counters["num_parse_errors"] += sum(1 for c in calls if c.error)
         assistant = assistant_message(content, calls)
         ep.messages.append(assistant)
+        ours, theirs = self.env_tools.split(calls, ep.claimed)
+        if ours and not theirs:  # only configured tools: run them, the environment is not stepped
+            stop = self._limit(ep, out)
+            if stop is not None:
+                return self._end(ep, stop)
+            return self._append(choice, ep, await self._run_tools(ep, ours), assistant)
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        step = await self._step(choice, env, ep, AssistantTurn(text, content, _calls(calls)))
+        step = await self._step(choice, env, ep, AssistantTurn(text, content, _calls(theirs)))
         if step.done:
             return self._end(ep, RolloutStatus.STOP)
+        stop = self._limit(ep, out)
+        if stop is not None:
+            return self._end(ep, stop)
+        results = await self._run_tools(ep, ours) if ours else []
+        return self._append(choice, ep, [*results, *step.messages], assistant)
+
+    def _limit(self, ep: Episode, out: Any) -> RolloutStatus | None:
+        """``length`` when the turn used up the budget, ``max_turns`` at ``env.max_turns``, else
+        None."""
         if out.stop_reason == StopReason.LENGTH or len(ep.response_mask) >= self.response_length:
-            return self._end(ep, RolloutStatus.LENGTH)
+            return RolloutStatus.LENGTH
         max_turns = self.env_config.max_turns
         if max_turns and ep.assistant_turns >= max_turns:
-            return self._end(ep, RolloutStatus.MAX_TURNS)
-        return self._append(choice, ep, step.messages, assistant)
+            return RolloutStatus.MAX_TURNS
+        return None
+
+    async def _run_tools(self, ep: Episode, calls: list[FunctionCall]) -> list[dict[str, Any]]:
+        """Run configured-tool calls as ``tool_agent`` does; their tool messages, in call order."""
+        start = time.perf_counter()
+        result = await self.env_tools.run(calls, self.tools_kwargs)
+        ep.metrics.tool_calls += time.perf_counter() - start
+        ep.counters["num_tool_errors"] += result.num_errors
+        ep.counters["num_tool_timeouts"] += result.num_timeouts
+        return result.messages
 
     async def _generate(self, ep: Episode) -> Any:
         budget = self.response_length - len(ep.response_mask)
