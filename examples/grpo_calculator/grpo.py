@@ -68,18 +68,21 @@ class GRPOConfig:
     eval_problems: int = 64
     """Held-out problems for the greedy evaluation before and after training."""
     seed: int = 0
-    """Seed of the training problems (the held-out set uses ``seed + 1000``)."""
+    """Seed of the training problems and their order, torch and vLLM's sampling."""
+    eval_seed: int = 1000
+    """Seed of the held-out problems (the same set for every ``seed``, so runs compare)."""
     async_rollout: bool = False
     """Generate ahead of training with the Rollouter (``--async``)."""
 
 
 def rollout_config(model_path: str | Path, *, temperature: float = 1.0, prompt_length: int = 320,
                    response_length: int = 128, num_servers: int = 1, score_in_workers: bool = True,
-                   **overrides: Any) -> DictConfig:
+                   seed: int | None = None, **overrides: Any) -> DictConfig:
     """The rollout config: agentloop's defaults ← the ``cpu_train`` preset ← this task ←
     ``overrides`` (dotted keys, e.g. ``{"actor_rollout_ref.rollout.max_num_seqs": 64}``).  With
     ``score_in_workers`` the workers score every trajectory (``custom_reward_function``: the
-    calculator answer match) into ``rm_scores``."""
+    calculator answer match) into ``rm_scores``; ``seed`` (None: the preset's) seeds vLLM's
+    sampling (``actor_rollout_ref.rollout.seed``)."""
     cfg: Any = OmegaConf.merge(default_config(), OmegaConf.load(CONFIG_DIR / "cpu_train.yaml"))
     task = {
         "actor_rollout_ref.model.path": str(model_path), "data.max_prompt_length": prompt_length,
@@ -92,6 +95,8 @@ def rollout_config(model_path: str | Path, *, temperature: float = 1.0, prompt_l
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(TOOLS_YAML),
     }
+    if seed is not None:
+        task["actor_rollout_ref.rollout.seed"] = seed
     if score_in_workers:
         task["custom_reward_function.path"] = "agentloop.rewards.calculator"
         task["custom_reward_function.name"] = "compute_score"

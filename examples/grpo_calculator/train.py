@@ -25,11 +25,15 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -61,14 +65,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[GRPOConfig, Path]:
         "--mini-batches", type=int, default=d.mini_batches, help="optimizer steps per rollout"
     )
     parser.add_argument("--eval-problems", type=int, default=d.eval_problems)
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="training problems and order, torch, vLLM sampling")
+    parser.add_argument("--eval-seed", type=int, default=d.eval_seed, help="held-out problems")
     parser.add_argument("--out", default="outputs/grpo_calculator")
     parser.add_argument("--async", dest="async_rollout", action="store_true",
                         help="generate ahead of training with the Rollouter (max_staleness 1)")
     a = parser.parse_args(argv)
     cfg = GRPOConfig(
         steps=a.steps, prompts_per_step=a.prompts, n=a.n, lr=a.lr, mini_batches=a.mini_batches,
-        eval_problems=a.eval_problems, seed=a.seed, async_rollout=a.async_rollout,
+        eval_problems=a.eval_problems, seed=a.seed, eval_seed=a.eval_seed,
+        async_rollout=a.async_rollout,
     )
     return cfg, Path(a.out)
 
@@ -114,13 +121,16 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
     from agentloop.testing.tiny_model import SNAPSHOT_STEP, ensure_tiny_model
 
     model_path = ensure_tiny_model(snapshot_step=SNAPSHOT_STEP)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
+    print(f"seed {cfg.seed} (training problems and their order, torch, vLLM sampling)", flush=True)
     ray.init(include_dashboard=False, logging_level=logging.ERROR)
-    manager = AgentLoopManager(rollout_config(model_path, temperature=cfg.temperature))
+    manager = AgentLoopManager(
+        rollout_config(model_path, temperature=cfg.temperature, seed=cfg.seed)
+    )
     try:
         policy = load_policy(model_path)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-        held_out = problem_rows(cfg.eval_problems, seed=cfg.seed + 1000)
+        held_out = problem_rows(cfg.eval_problems, seed=cfg.eval_seed)
         train_rows = problem_rows(cfg.steps * cfg.prompts_per_step, seed=cfg.seed)
         before = greedy_success(manager, held_out)
         print(
@@ -163,6 +173,14 @@ def run(cfg: GRPOConfig, out_dir: Path) -> dict[str, Any]:
     plot_curve(history, before, after, out_dir / "reward_curve.png")
     print(f"wrote {out_dir / 'metrics.json'} and {out_dir / 'reward_curve.png'}")
     return result
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, numpy and torch (the policy's init is loaded, but dropout-free
+    training still draws nothing else; vLLM gets the seed through the rollout config)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def grpo_step(manager: Any, policy: Any, optimizer: Any, cfg: GRPOConfig, step: int,
