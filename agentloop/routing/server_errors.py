@@ -1,7 +1,8 @@
 """A server call's errors as the caller sees them: the server's own, out of Ray's wrappers.
 
-:func:`server_errors` turns what one server call raised into what the router's caller gets (a dead
-actor: :class:`ServerDeadError`; an error the server raised: that error);
+:func:`translated` (and the context manager :func:`server_errors` around it) turns what one server
+call raised into what the router's caller gets (a dead actor: :class:`ServerDeadError`; an error
+the server raised: that error);
 :func:`server_cause` unwraps ``RayTaskError`` to the exception the server raised;
 :func:`plain_message` strips terminal colour codes and Ray's ``ray::Class.method()`` frame lines
 from an error's text.  Used by :class:`agentloop.routing.manager.AsyncLLMServerManager`.
@@ -44,9 +45,31 @@ def plain_message(message: str) -> str:
     return "\n".join(lines).strip() or _ANSI.sub("", message).strip()
 
 
+SERVER_CALL_ERRORS: tuple[type[BaseException], ...] = (RayActorError, ServerDeadError, RayTaskError)
+"""What a server call may raise that :func:`translated` turns into the caller's error."""
+
+
+def translated(error: BaseException, server: int, request_id: str) -> BaseException:
+    """What the caller of server ``server`` gets for ``error`` (one of :data:`SERVER_CALL_ERRORS`),
+    raised by a call for ``request_id``: a dead actor as a :class:`ServerDeadError` named by the
+    router's index ``server``; a ServerDeadError the server raised (its engine died) renamed so;
+    any other error the server raised as it raised it (out of Ray's wrapper).  Returns ``error``
+    itself when it is to be re-raised as it is; raise anything else ``from error``."""
+    if isinstance(error, RayActorError):
+        return ServerDeadError(
+            f"server {server} died (its actor is gone) while serving "
+            f"request {request_id}: "
+            f"{plain_message(first_line(error))}",
+            server,
+        )
+    if isinstance(error, ServerDeadError):
+        return ServerDeadError(plain_message(str(server_cause(error))), server)
+    return server_cause(error)
+
+
 @contextlib.contextmanager
 def server_errors(server: int, request_id: str) -> Iterator[None]:
-    """Translate what a call to server ``server`` for ``request_id`` raises.
+    """Translate what a call to server ``server`` for ``request_id`` raises (:func:`translated`).
 
     Raises:
         ServerDeadError: the server's actor is gone, or the server itself raised it (its engine
@@ -55,19 +78,8 @@ def server_errors(server: int, request_id: str) -> Iterator[None]:
     """
     try:
         yield
-    except RayActorError as e:
-        raise ServerDeadError(
-            f"server {server} died (its actor is gone) while serving "
-            f"request {request_id}: "
-            f"{plain_message(first_line(e))}",
-            server,
-        ) from e
-    # raised by the server itself (its engine died): name it by our index
-    except ServerDeadError as e:
-        raise ServerDeadError(plain_message(str(server_cause(e))), server) from e
-    # any other error the server raised: its own, not Ray's traceback text
-    except RayTaskError as e:
-        cause = server_cause(e)
-        if cause is e:
+    except SERVER_CALL_ERRORS as e:
+        raised = translated(e, server, request_id)
+        if raised is e:
             raise
-        raise cause from e
+        raise raised from e
