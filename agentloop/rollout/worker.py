@@ -18,7 +18,6 @@ Spec: docs/concepts.md#one-samples-life; the output layout: docs/concepts.md#the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -346,9 +345,13 @@ class AgentLoopWorker:
         trajectory given its reward (:mod:`agentloop.rewards.scoring`).  With
         ``agent.record_timing`` each engine call's server and times go on the first trajectory
         (``generate_calls``, for ``agentloop report``)."""
-        with collect_generate_calls() if self.record_timing else contextlib.nullcontext() as calls:
+        if not self.record_timing:  # the hot path: no context manager per sample
             episode = to_episode(await self._run_loop(name, sampling_params, sample, info), name)
-        if calls is not None:
+        else:
+            with collect_generate_calls() as calls:
+                episode = to_episode(
+                    await self._run_loop(name, sampling_params, sample, info), name
+                )
             attach_generate_calls(episode, calls)
         return await self.rewards.score(episode, sample)
 
