@@ -103,6 +103,10 @@ class AgentLoopManager:
         self.registry = resolve_registry(self.config.agent.agent_loop_config_path)
         check_env_config(self.config.env)  # env.default / env.config_path, before servers start
         check_tool_config(self.config.multi_turn.tool_config_path)  # MCP servers, likewise
+        for name, entry in self.registry.items():  # a loop entry's own check (verifiers' venv)
+            check_entry = getattr(entry.cls, "check_entry", None)
+            if check_entry is not None:
+                check_entry(entry.kwargs, name)
         if not ray.is_initialized():
             ray.init()
         self._owns_servers = llm_client is None
