@@ -11,7 +11,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export RAY_DEDUP_LOGS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install model demo grpo test test-unit lint bench clean
+.PHONY: install model demo grpo test test-unit lint bench clean verifiers-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,19 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# verifiers 0.4.0 in its own venv (its openai 2.x / mcp 2.0 pins clash with the engine's): the verifiers environments
+# (docs/environments.md#verifiers) run their episodes there, out of process. ~1 min; needs Python >= 3.11.
+VF_VENV ?= .venv-verifiers
+VF_STAMP := $(VF_VENV)/.verifiers-0.4.0-installed
+
+$(VF_STAMP):
+	test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VF_VENV)/bin/python -m pip install -q verifiers==0.4.0
+	touch $@
+
+verifiers-env: $(VF_STAMP)
 
 # Installs the tiny tool-calling model shipped in agentloop/assets into the cache (no training; `python
 # scripts/make_tiny_model.py --force` retrains it, ~4-6 min on 2 cores, and compares it with the shipped one).
@@ -37,7 +50,7 @@ demo: install
 grpo: install
 	$(PY) examples/grpo_calculator/train.py
 
-test: install model
+test: install model verifiers-env
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=25
 
 test-unit: install
