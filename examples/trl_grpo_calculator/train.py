@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--eval-problems", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-at", type=int, nargs="*", default=[],
+                   help="also evaluate (greedy, held-out) after these rollouts")
     p.add_argument("--out", default="outputs/trl_grpo_calculator")
     return p.parse_args(argv)
 
@@ -74,14 +76,11 @@ def grpo_args(a: argparse.Namespace, out: Path) -> Any:
     )
 
 
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
+def calculator(expression: str):  # no return annotation: the schema the model was trained on
+    """Evaluate an arithmetic expression with integers and the operators +, - and *.
 
     Args:
-        expression: The arithmetic expression to evaluate, e.g. "3 * (4 + 5)".
-
-    Returns:
-        The result of the expression.
+        expression: The expression, e.g. 12 * 7
     """
     return format_number(evaluate(expression))
 
@@ -92,6 +91,7 @@ class PrintSteps:
     def __init__(self, updates: int) -> None:
         self.updates = updates
         self.history: list[dict[str, float]] = []
+        self.evals: dict[int, float] = {}
         self.t0 = time.perf_counter()
 
     def __call__(self, logs: dict[str, float], step: int) -> None:
@@ -107,7 +107,7 @@ class PrintSteps:
 
 
 def make_trainer(a: argparse.Namespace, model_path: Path, manager: Any, out: Path,
-                 printer: PrintSteps) -> tuple[Any, Any]:
+                 printer: PrintSteps, held_out: list[dict[str, Any]]) -> tuple[Any, Any]:
     """The GRPOTrainer of ``--backend`` and the AgentLoopRollout (None for ``trl``)."""
     from datasets import Dataset  # optional dependencies (the trl extra)
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
@@ -119,6 +119,17 @@ def make_trainer(a: argparse.Namespace, model_path: Path, manager: Any, out: Pat
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
                    **kwargs: Any) -> None:
             printer(logs or {}, state.global_step)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
+                        **kwargs: Any) -> None:
+            done, rest = divmod(state.global_step, a.updates)
+            if rest or done not in a.eval_at:
+                return
+            if a.backend == "trl":  # agentloop's callback (listed first) synced it already
+                manager.update_weights(model.state_dict())
+            success = greedy_success(manager, held_out)
+            printer.evals[done] = success
+            print(f"greedy success at rollout {done}: {success:.3f}", flush=True)
 
     rows = problem_rows(a.steps * a.prompts, seed=a.seed)
     data = Dataset.from_list(rows)
@@ -169,7 +180,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         print(f"greedy success before: {before:.3f} ({a.eval_problems} held-out problems)",
               flush=True)
         printer = PrintSteps(a.updates)
-        trainer, rollout = make_trainer(a, model_path, manager, out, printer)
+        trainer, rollout = make_trainer(a, model_path, manager, out, printer, held_out)
         t0 = time.perf_counter()
         trainer.train()
         train_seconds = time.perf_counter() - t0
@@ -183,7 +194,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         manager.shutdown()
         ray.shutdown()
     result = {"args": vars(a), "greedy_before": before, "greedy_after": after,
-              "train_seconds": train_seconds, "history": printer.history}
+              "train_seconds": train_seconds, "history": printer.history,
+              "greedy_at": printer.evals}
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'metrics.json'}")
