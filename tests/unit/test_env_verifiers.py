@@ -105,16 +105,16 @@ def row_texts(out: DataProto, tokenizer: Any, i: int) -> tuple[list[int], list[i
 
 
 def test_reward_is_the_rubric_score_and_the_tokens_are_the_sessions(tokenizer):
-    questions = [json.loads(line) for line in (EXAMPLES / "verifiers.jsonl").open()][:4]
-    rows = [{"raw_prompt": q["prompt"], "extra_info": {"verifiers": {"idx": i}}}
-            for i, q in enumerate(questions)]
+    lines = (EXAMPLES / "verifiers.jsonl").read_text().splitlines()
+    questions = [json.loads(lines[i]) for i in (0, 3)]  # answered right, then wrong
+    rows = [{"raw_prompt": q["prompt"], "extra_info": q["extra_info"]} for q in questions]
     # a task given as TaskData fields: the prompt is the row's
     rows.append({"raw_prompt": [{"role": "user", "content": "What is 3 + 4? Answer."}],
                  "extra_info": {"verifiers": {"task": {"answer": "7"}}}})
     answers = [q["reward_model"]["ground_truth"] for q in questions] + ["7"]
     out = asyncio.run(run_rows(tokenizer, rows, ENV))
     nt = out.non_tensor_batch
-    assert nt["status"].tolist() == ["stop"] * 5, nt["error"].tolist()
+    assert nt["status"].tolist() == ["stop"] * 3, nt["error"].tolist()
     replies = []
     for i, row in enumerate(rows):
         prompt, resp = row_texts(out, tokenizer, i)
@@ -125,7 +125,7 @@ def test_reward_is_the_rubric_score_and_the_tokens_are_the_sessions(tokenizer):
         assert out.batch["response_mask"][i].sum().item() == len(resp)
         replies.append(tokenizer.decode(resp[:-1]))
     scores = rubric_scores(replies, answers)
-    assert sorted(set(scores)) == [0.0, 1.0]  # the policy gets some right, some wrong
+    assert scores == [1.0, 0.0, 1.0]
     rewards = out.batch["rm_scores"].sum(-1).tolist()
     assert rewards == pytest.approx(scores)
     assert set(nt["env"].tolist()) == {"verifiers/verifiers_env"}
