@@ -112,6 +112,7 @@ def make_trainer(a: argparse.Namespace, model_path: Path, manager: Any, out: Pat
     from datasets import Dataset  # optional dependencies (the trl extra)
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
 
     from agentloop.integrations.trl import AgentLoopRollout, agentloop_reward
 
@@ -142,6 +143,9 @@ def make_trainer(a: argparse.Namespace, model_path: Path, manager: Any, out: Pat
                               rollout_func=rollout, callbacks=[rollout, Logs()])
     else:
         rollout = None
+        # the tiny model's template is Qwen2.5's hermes format, which TRL does not recognise by
+        # text: give the tokenizer TRL's parser for that format
+        tokenizer.response_template = qwen3_template
         trainer = GRPOTrainer(model=policy, args=grpo_args(a, out), train_dataset=data,
                               processing_class=tokenizer, reward_funcs=[answer_reward],
                               tools=[calculator], callbacks=[Logs()])
