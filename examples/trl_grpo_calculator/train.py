@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16, help="problems per rollout")
     p.add_argument("--n", type=int, default=8, help="samples per problem (num_generations)")
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per rollout")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--eval-problems", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-at", type=int, nargs="*", default=[],
