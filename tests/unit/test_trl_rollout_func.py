@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 pytest.importorskip("trl")
+pytestmark = pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions")
 
 from agentloop import MultiTrajectoryAgentLoopOutput  # noqa: E402
 from agentloop.config import default_config  # noqa: E402
@@ -243,3 +244,58 @@ def test_peft_models_and_bad_intervals_are_refused() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="sync_every"):
             AgentLoopRollout(ScriptedManager(), sync_every=bad)  # type: ignore[arg-type]
+
+
+def test_grpo_trainer_trains_on_the_fields_and_leaves_failed_samples_out(
+        tokenizer: Any, tmp_path: Any) -> None:
+    """TRL 1.16's own GRPOTrainer on the scripted rollout (single_turn, the calculator reward in
+    the workers): one step trains; the failed samples are unscorable (advantage 0, no loss)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentloop.testing.tiny_model import ensure_tiny_model
+
+    right = tokenizer.encode("The answer is 5.", add_special_tokens=False)
+    wrong = tokenizer.encode("The answer is 6.", add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def reply(ids: list[int], params: dict[str, Any], rid: str) -> list[int]:
+        if "fail" in tokenizer.decode(ids):
+            raise RuntimeError("engine exploded")
+        return [*(right if len(calls) % 2 else wrong), end]
+
+    calls: list[int] = []
+    manager = ScriptedManager()
+    cfg = default_config()
+    cfg.data.max_prompt_length = 64
+    cfg.data.max_response_length = 16
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = True
+    cfg.custom_reward_function.path = "agentloop.rewards.calculator"
+    cfg.custom_reward_function.name = "compute_score"
+    OmegaConf.resolve(cfg)
+    server = ScriptedServer(lambda ids, p, rid: calls.append(1) or reply(ids, p, rid),
+                            eos_token_id=end)
+    manager.worker = AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+        tokenizer=tokenizer, trainer_config=cfg)
+    manager.tokenizer = tokenizer
+    data = Dataset.from_list([
+        {"prompt": [{"role": "user", "content": q}], "data_source": "calculator",
+         "reward_model": {"ground_truth": "5"}} for q in ("two plus three", "fail please")])
+    rollout = AgentLoopRollout(manager)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8,
+                      num_generations=4, learning_rate=1e-5, beta=0.0, use_cpu=True, bf16=False,
+                      report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+                      max_completion_length=16)
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model()), dtype=torch.float32),
+        args=args, train_dataset=data, processing_class=tokenizer,
+        reward_funcs=[agentloop_reward], rollout_func=rollout, callbacks=[rollout])
+    trainer.train()
+    assert rollout.samples == 8 and rollout.failed == {"error": 4}
+    assert len(manager.updates) == 1 and manager.updates[0][1] == 1  # synced after the step
+    log = trainer.state.log_history[0]
+    assert log["agentloop/failed"] == 0.5
+    assert log["reward"] == 0.5  # the 4 scorable samples (2 right, 2 wrong); failed ones left out
+    assert torch.isfinite(torch.tensor(log["loss"]))
