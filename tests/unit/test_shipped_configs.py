@@ -21,7 +21,8 @@ SHIPPED = sorted(
         for pattern in ("examples/*/config*.yaml", "agentloop/configs/*.yaml", "configs/*.yaml",
                         "examples/environments/*.yaml")
         for p in REPO.glob(pattern)
-        if not p.name.endswith("_tools.yaml")  # a tool config, not a rollout config
+        # tool configs and agent-loop lists, not rollout configs
+        if not p.name.endswith(("_tools.yaml", "_agents.yaml"))
     }
 )
 
