@@ -6,8 +6,15 @@ per-line figures.
 
 Each round runs the command once in each tree (as a fresh process, with that tree first on
 PYTHONPATH) and collects the lines matching --pattern; a figure is the number before --unit on such
-a line.  Prints per tree and per matched label the median over rounds, and the paired ratio
-new/base.
+a line.  ``--figure LABEL=REGEX`` (repeatable) instead takes the first group of REGEX, searched in
+the whole output, as figure LABEL (for figures without a unit, e.g. bench_overhead's ratios):
+
+    python scripts/bench_trees.py --base ../base --rounds 4 \
+        --figure "ratio agentloop/raw=paired passes: median ([0-9.]+)" \
+        --figure "serial ms=serial time per batch .*median ([0-9.]+) ms" \
+        -- scripts/bench_overhead.py --repeats 5
+
+Prints per tree and per label the median over rounds, and the paired ratio new/base.
 """
 
 from __future__ import annotations
@@ -43,6 +50,18 @@ def figures(text: str, pattern: str, unit: str) -> dict[str, float]:
     return out
 
 
+def named_figures(text: str, specs: list[str]) -> dict[str, float]:
+    """``LABEL=REGEX`` specs: LABEL's figure is REGEX's first group at its first match in ``text``
+    (labels whose REGEX does not match are left out)."""
+    out = {}
+    for spec in specs:
+        label, _, regex = spec.partition("=")
+        m = re.search(regex, text)
+        if m:
+            out[label] = float(m.group(1))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", type=Path, required=True, help="checkout of the baseline commit")
@@ -50,16 +69,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--pattern", default="µs/row")
     parser.add_argument("--unit", default="µs/row")
+    parser.add_argument(
+        "--figure", action="append", default=[], metavar="LABEL=REGEX",
+        help="a figure: REGEX's first group in the output (repeatable; replaces --pattern)",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
+    unit = "" if args.figure else args.unit
     seen: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     for r in range(args.rounds):
         for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-            for label, value in figures(run(tree, cmd), args.pattern, args.unit).items():
+            text = run(tree, cmd)
+            found = (
+                named_figures(text, args.figure)
+                if args.figure
+                else figures(text, args.pattern, args.unit)
+            )
+            for label, value in found.items():
                 seen[name].setdefault(label, []).append(value)
-                print(f"round {r} {name:<4} {label} {value:g} {args.unit}", flush=True)
+                print(f"round {r} {name:<4} {label} {value:g} {unit}", flush=True)
     for label in seen["base"]:
         base, new = seen["base"][label], seen["new"].get(label, [])
         if not new:
@@ -67,7 +97,7 @@ def main() -> None:
         ratios = [n / b for n, b in zip(new, base, strict=False)]
         print(
             f"{label}: base {statistics.median(base):g}, new {statistics.median(new):g} "
-            f"{args.unit} (medians of "
+            f"{unit} (medians of "
             f"{len(base)}); new/base paired median {statistics.median(ratios):.3f} "
             f"(range {min(ratios):.3f}-{max(ratios):.3f})"
         )
