@@ -11,7 +11,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export RAY_DEDUP_LOGS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install model demo grpo trl-grpo test test-unit lint bench clean verifiers-env
+.PHONY: install model demo grpo trl-grpo test test-unit lint bench clean verifiers-env openenv-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,20 @@ $(VF_STAMP):
 
 verifiers-env: $(VF_STAMP)
 
+# openenv 0.10.0 in its own venv (it needs fastmcp<4 -> mcp<2 and gradio -> pillow<13, the engine has mcp 2.x and
+# pillow 13): the OpenEnv environments (docs/environments.md#openenv) run their client and server there, out of
+# process. ~1.5 min; needs Python >= 3.11.
+OE_VENV ?= .venv-openenv
+OE_STAMP := $(OE_VENV)/.openenv-0.10.0-installed
+
+$(OE_STAMP):
+	test -x $(OE_VENV)/bin/python || $(PYTHON) -m venv $(OE_VENV)
+	$(OE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OE_VENV)/bin/python -m pip install -q openenv==0.10.0 uvicorn
+	touch $@
+
+openenv-env: $(OE_STAMP)
+
 # Installs the tiny tool-calling model shipped in agentloop/assets into the cache (no training; `python
 # scripts/make_tiny_model.py --force` retrains it, ~4-6 min on 2 cores, and compares it with the shipped one).
 model: install
@@ -57,7 +71,7 @@ BACKEND ?= agentloop
 trl-grpo: install
 	$(PY) examples/trl_grpo_calculator/train.py --seed $(SEED) --backend $(BACKEND)
 
-test: install model verifiers-env
+test: install model verifiers-env openenv-env
 	$(PY) -m pytest tests -q -p no:cacheprovider --durations=25
 
 test-unit: install
