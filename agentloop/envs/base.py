@@ -93,6 +93,8 @@ BUILTIN_ENV_TARGETS: dict[str, str] = {
     "skyrl_gym": "agentloop.envs.skyrl.SkyRLGymEnv",
     "textarena": "agentloop.envs.textarena.TextArenaEnv",
     "reasoning_gym": "agentloop.envs.reasoning_gym.ReasoningGymEnv",
+    "subprocess": "agentloop.envs.subprocess_env.SubprocessEnv",
+    "openenv": "agentloop.envs.openenv.OpenEnvEnv",
 }
 """The adapters by import path: registered by name here and imported when first resolved, so a
 sample can name one without importing its module (or its optional package) first."""

@@ -1,0 +1,186 @@
+"""The OpenEnv bridge: run by the OpenEnv venv's interpreter (``.venv-openenv/bin/python -P
+openenv_bridge.py``), never imported by agentloop (docs/environments.md#openenv).
+
+It imports only the standard library and ``openenv``. It speaks the JSON-lines protocol of
+:mod:`agentloop.envs.subprocess_env` on stdin/stdout (anything else printed goes to stderr): on
+``start`` it starts the OpenEnv server (``python -m uvicorn <app>`` or a given command, a local
+process on a free port, no Docker) or takes a URL, and connects OpenEnv's own client
+(``GenericEnvClient``, or the class named by ``client``); ``reset`` calls ``client.reset(**kwargs)``
+and turns the observation into a user message; ``step`` builds the action from the assistant text
+(``{action_field: text}``, or an ``action_class`` instance) and calls ``client.step(action)``;
+``close`` closes the client and stops the server.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+_HIDDEN = ("metadata", "reward", "done")
+"""Observation fields that are not shown to the policy (reward and done are the step's own)."""
+
+
+def _import(path: str) -> Any:
+    """``pkg.module.Name`` or ``pkg.module:Name``."""
+    module, _, name = path.replace(":", ".").rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    """An observation (a dict, or a pydantic model of a typed client) as a dict."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    return dict(value or {})
+
+
+def _scalars(info: Any) -> dict[str, Any]:
+    return {str(k): v for k, v in (info or {}).items() if isinstance(v, (str, int, float, bool))}
+
+
+class Bridge:
+    """One OpenEnv session: its server (unless given a URL), its client, the config."""
+
+    def __init__(self) -> None:
+        self.config: dict[str, Any] = {}
+        self.server: subprocess.Popen | None = None
+        self.client: Any = None
+
+    def start(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Start the server (or take ``base_url``) and connect the client."""
+        self.config = dict(request.get("config") or {})
+        url = self.config.get("base_url") or self._serve()
+        client_cls = _import(self.config.get("client")
+                             or "openenv.core.generic_client.GenericEnvClient")
+        timeout = float(self.config.get("message_timeout") or 60.0)
+        self.client = client_cls(base_url=url, message_timeout_s=timeout).sync()
+        self.client.connect()
+        return {}
+
+    def _serve(self) -> str:
+        """Start the server on a free local port; its URL once ``/health`` answers."""
+        port = _free_port()
+        command = self.config.get("command")
+        if command:
+            argv = [str(a).replace("{port}", str(port)) for a in command]
+        else:
+            argv = [sys.executable, "-m", "uvicorn", str(self.config["app"]), "--host",
+                    "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        self.server = subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr,
+                                       stdin=subprocess.DEVNULL, cwd=self.config.get("cwd"))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + float(self.config.get("start_timeout") or 60.0)
+        while time.monotonic() < deadline:
+            code = self.server.poll()
+            if code is not None:
+                raise RuntimeError(f"the OpenEnv server {argv} exited with code {code} before it "
+                                   "answered /health (its output is on stderr)")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    return url
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"the OpenEnv server {argv} did not answer /health within "
+                           f"{self.config.get('start_timeout') or 60.0}s")
+
+    def reset(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``client.reset(**kwargs)``: the config's ``reset_kwargs`` under the sample's
+        ``extra_info.openenv``; the observation as the prompt."""
+        sample = request.get("sample") or {}
+        extra = sample.get("extra_info") if isinstance(sample.get("extra_info"), dict) else {}
+        kwargs = {**(self.config.get("reset_kwargs") or {}), **(extra.get("openenv") or {})}
+        result = self.client.reset(**kwargs)
+        messages = []
+        if self.config.get("system"):
+            messages.append({"role": "system", "content": str(self.config["system"])})
+        messages.append({"role": "user", "content": self._text(result.observation)})
+        return {"messages": messages, "info": _scalars(self._metadata(result))}
+
+    def step(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``client.step(action)`` with the assistant text in the action field."""
+        turn = request.get("turn") or {}
+        text = str(turn.get(self.config.get("action_text") or "text") or "")
+        fields = {**(self.config.get("action_fields") or {}),
+                  str(self.config.get("action_field") or "message"): text}
+        action_class = self.config.get("action_class")
+        action = _import(action_class)(**fields) if action_class else fields
+        result = self.client.step(action)
+        role = str(self.config.get("role") or "user")
+        return {"messages": [{"role": role, "content": self._text(result.observation)}],
+                "reward": 0.0 if result.reward is None else float(result.reward),
+                "done": bool(result.done), "info": _scalars(self._metadata(result))}
+
+    def _text(self, observation: Any) -> str:
+        """The observation field ``observation_field``; else its only text field; else its
+        fields as JSON."""
+        obs = _as_dict(observation)
+        field = self.config.get("observation_field")
+        if field:
+            if field not in obs:
+                raise KeyError(f"observation has no field {field!r} (it has {sorted(obs)})")
+            return str(obs[field])
+        shown = {k: v for k, v in obs.items() if k not in _HIDDEN}
+        texts = [v for v in shown.values() if isinstance(v, str)]
+        if len(shown) == 1 and texts:
+            return texts[0]
+        return json.dumps(shown, sort_keys=True, default=str)
+
+    @staticmethod
+    def _metadata(result: Any) -> dict[str, Any]:
+        metadata = getattr(result, "metadata", None)
+        if metadata is None:
+            metadata = _as_dict(result.observation).get("metadata")
+        return dict(metadata or {})
+
+    def close(self, request: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the client and stop the server (it is killed if it does not stop in 5 s)."""
+        try:
+            if self.client is not None:
+                self.client.close()
+        finally:
+            self.client = None
+            if self.server is not None and self.server.poll() is None:
+                self.server.terminate()
+                try:
+                    self.server.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.server.kill()
+        return {}
+
+
+def main() -> None:
+    """Serve requests from stdin until ``close`` or end of input."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything the environment prints goes to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    bridge = Bridge()
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.get("op")
+        try:
+            if op not in ("start", "reset", "step", "close"):
+                raise ValueError(f"unknown op {op!r}")
+            reply = {"ok": True, **getattr(bridge, op)(request)}
+        except Exception as e:  # noqa: BLE001 - every failure is the reply's error
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply, default=str) + "\n")
+        out.flush()
+        if op == "close":
+            return
+    bridge.close()
+
+
+if __name__ == "__main__":
+    main()
