@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -56,6 +57,7 @@ class Bridge:
     def __init__(self) -> None:
         self.config: dict[str, Any] = {}
         self.server: subprocess.Popen | None = None
+        self.server_log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the bridge
         self.client: Any = None
 
     def start(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -78,22 +80,30 @@ class Bridge:
         else:
             argv = [sys.executable, "-m", "uvicorn", str(self.config["app"]), "--host",
                     "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        self.server = subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr,
+        self.server = subprocess.Popen(argv, stdout=self.server_log, stderr=self.server_log,
                                        stdin=subprocess.DEVNULL, cwd=self.config.get("cwd"))
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + float(self.config.get("start_timeout") or 60.0)
         while time.monotonic() < deadline:
             code = self.server.poll()
             if code is not None:
-                raise RuntimeError(f"the OpenEnv server {argv} exited with code {code} before it "
-                                   "answered /health (its output is on stderr)")
+                raise RuntimeError(f"the OpenEnv server `{' '.join(argv)}` exited with code "
+                                   f"{code} before it answered /health; its output: "
+                                   f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2):
                     return url
             except OSError:
                 time.sleep(0.1)
-        raise TimeoutError(f"the OpenEnv server {argv} did not answer /health within "
+        raise TimeoutError(f"the OpenEnv server `{' '.join(argv)}` did not answer /health within "
                            f"{self.config.get('start_timeout') or 60.0}s")
+
+    def _log_tail(self) -> str:
+        """The last 600 characters of the server's output, on one line."""
+        self.server_log.seek(0, os.SEEK_END)
+        self.server_log.seek(max(0, self.server_log.tell() - 600))
+        text = self.server_log.read().decode(errors="replace")
+        return " | ".join(line for line in text.splitlines() if line.strip())
 
     def reset(self, request: dict[str, Any]) -> dict[str, Any]:
         """``client.reset(**kwargs)``: the config's ``reset_kwargs`` under the sample's

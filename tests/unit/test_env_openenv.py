@@ -1,0 +1,224 @@
+"""Out-of-process environments (docs/environments.md#openenv): the ``subprocess`` environment
+against a fake bridge run by this interpreter (always), and the ``openenv`` adapter against the
+real openenv 0.10.0 in ``.venv-openenv`` with the example environment (skipped without the venv),
+both through EnvAgentLoop on the scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from agentloop.config import EnvConfig, default_config
+from agentloop.envs.resolve import check_env_samples, resolve_env
+from agentloop.errors import ConfigError
+from agentloop.loops.env_agent import EnvAgentLoop
+from agentloop.routing import AsyncLLMServerManager
+from agentloop.testing import FakeTokenizer, ScriptedServer
+from agentloop.testing.fake_tokenizer import IM_END
+
+TOK = FakeTokenizer()
+ROOT = Path(__file__).resolve().parents[2]
+OPENENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
+EXAMPLES = ROOT / "examples" / "environments"
+
+FAKE_BRIDGE = textwrap.dedent("""
+    import json, os, sys, time
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    config = {}
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        reply = {"ok": True}
+        if op == "start":
+            config = req["config"]
+            print("started", flush=True)  # goes to stderr, not into the protocol
+        elif op == "reset":
+            word = req["sample"]["extra_info"].get("word", "go")
+            reply.update(messages=[{"role": "user", "content": word}], info={"pid": os.getpid()})
+        elif op == "step":
+            text = req["turn"]["text"]
+            if text == "crash":
+                sys.stderr.write("the bridge is dying now\\n")
+                sys.stderr.flush()
+                os._exit(3)
+            if text == "hang":
+                time.sleep(60)
+            if text == "raise":
+                reply = {"ok": False, "error": "ValueError: bad move"}
+            elif text == "garbage":
+                out.write("not json\\n")
+                continue
+            else:
+                reply.update(messages=[{"role": "user", "content": "got " + text}],
+                             reward=float(len(text.split())), done="done" in text,
+                             info={"last": text})
+        elif op == "close":
+            open(config["closed_marker"], "w").close()
+        out.write(json.dumps(reply) + "\\n")
+        if op == "close":
+            break
+""")
+
+
+@pytest.fixture()
+def bridge(tmp_path: Path) -> dict[str, Any]:
+    """The env spec of a ``subprocess`` environment running the fake bridge."""
+    script = tmp_path / "fake_bridge.py"
+    script.write_text(FAKE_BRIDGE)
+    return {"name": "subprocess", "python": sys.executable, "script": str(script),
+            "config": {"closed_marker": str(tmp_path / "closed")}}
+
+
+def rollout_cfg(step_timeout: float = 30.0) -> Any:
+    cfg = default_config()
+    cfg.data.max_prompt_length = 256
+    cfg.data.max_response_length = 400
+    cfg.actor_rollout_ref.rollout.env.step_timeout = step_timeout
+    cfg.actor_rollout_ref.rollout.multi_turn.return_messages = True
+    OmegaConf.resolve(cfg)
+    return cfg.actor_rollout_ref.rollout
+
+
+def run_loop(replies: list[str], env: Any, step_timeout: float = 30.0,
+             **extra_info: Any) -> Any:
+    """One episode of ``env`` through EnvAgentLoop, the policy saying ``replies``."""
+    rollout = rollout_cfg(step_timeout)
+    server = ScriptedServer([TOK.encode(r) + [IM_END] for r in replies], eos_token_id=IM_END)
+
+    async def go() -> Any:
+        EnvAgentLoop.init_class(rollout, TOK)
+        loop = EnvAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
+        fields = {"raw_prompt": [{"role": "user", "content": "x"}], "index": 0,
+                  "extra_info": {"env": env, **extra_info}}
+        return await loop.run({}, **fields)
+
+    return asyncio.run(go())
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_subprocess_env_steps_rewards_and_close(bridge: dict[str, Any], tmp_path: Path) -> None:
+    out = run_loop(["one two", "a b done"], bridge, word="start")
+    assert out.status.value == "stop" and out.error is None
+    assert out.extra_fields["turn_scores"] == [2.0, 3.0]
+    assert out.reward_score == 5.0
+    assert [m["content"] for m in out.extra_fields["messages"]] == ["start", "one two",
+                                                                    "got one two", "a b done"]
+    assert out.extra_fields["env_info"]["last"] == "a b done"
+    assert (tmp_path / "closed").exists()  # close() reached the bridge
+    assert out.extra_fields["env_close_error"] is None
+
+
+def test_subprocess_env_remote_error_is_an_error_row(bridge: dict[str, Any]) -> None:
+    out = run_loop(["raise"], bridge)
+    assert out.status.value == "error"
+    assert out.error == ("environment 'subprocess': step 1 raised RemoteEnvError: "
+                         "ValueError: bad move")
+    assert out.response_ids  # the tokens so far are kept
+
+
+def test_subprocess_env_crash_names_exit_code_and_stderr(bridge: dict[str, Any]) -> None:
+    out = run_loop(["fine", "crash"], bridge)
+    assert out.status.value == "error"
+    assert out.error.startswith("environment 'subprocess': step 2 raised BridgeError: the bridge "
+                                "(fake_bridge.py) exited with code 3 and did not answer step")
+    assert "the bridge is dying now" in out.error and "started" in out.error
+    assert out.extra_fields["turn_scores"] == [1.0]
+
+
+def test_subprocess_env_garbage_reply_is_an_error_row(bridge: dict[str, Any]) -> None:
+    out = run_loop(["garbage"], bridge)
+    assert out.status.value == "error"
+    assert "answered step with a line that is not JSON: b'not json\\n'" in out.error
+
+
+def test_subprocess_env_timeout_kills_the_bridge(bridge: dict[str, Any]) -> None:
+    out = run_loop(["hang"], bridge, step_timeout=2.0)
+    assert out.status.value == "timeout"
+    assert out.error == ("environment 'subprocess': step 1 timed out after 2s "
+                         "(actor_rollout_ref.rollout.env.step_timeout)")
+    assert gone(out.extra_fields["env_info"]["pid"])
+
+
+def test_missing_interpreter_is_refused_before_start(bridge: dict[str, Any]) -> None:
+    cfg = EnvConfig.from_rollout(rollout_cfg())
+    with pytest.raises(ConfigError, match="no Python interpreter at '/nonexistent/python'"):
+        resolve_env({**bridge, "python": "/nonexistent/python"}, cfg)
+    rows = [{"agent_name": "env_agent",
+             "extra_info": {"env": {"name": "openenv", "app": "m:app",
+                                    "python": "/nonexistent/python"}}}]
+    with pytest.raises(ConfigError) as e:
+        check_env_samples(rows, cfg)
+    assert str(e.value) == (
+        "row 0: environment 'openenv': no Python interpreter at '/nonexistent/python'; create it "
+        "with `make openenv-env` (openenv==0.10.0 in .venv-openenv), or set the env config's "
+        "'python'")
+    with pytest.raises(ConfigError, match="give exactly one of"):
+        resolve_env({"name": "openenv", "app": "m:app", "base_url": "http://x"}, cfg)
+
+
+needs_openenv = pytest.mark.skipif(not OPENENV_PYTHON.exists(),
+                                   reason="no .venv-openenv (make openenv-env)")
+WORD_ENV = {"name": "openenv", "app": "openenv_wordenv:app", "path": [str(EXAMPLES)],
+            "python": str(OPENENV_PYTHON)}
+
+
+def direct_rewards(word: str, texts: list[str]) -> list[tuple[float, bool]]:
+    """The example environment's own (reward, done) for ``texts``, run in the OpenEnv venv."""
+    code = textwrap.dedent(f"""
+        import json
+        from openenv_wordenv import SayAction, WordEnv
+        env = WordEnv()
+        env.reset(word={word!r})
+        out = []
+        for text in {texts!r}:
+            obs = env.step(SayAction(message=text))
+            out.append((obs.reward, obs.done))
+        print(json.dumps(out))
+    """)
+    done = subprocess.run([str(OPENENV_PYTHON), "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(EXAMPLES)}, timeout=120,
+                          check=True)
+    return [tuple(x) for x in json.loads(done.stdout.splitlines()[-1])]  # type: ignore[misc]
+
+
+@needs_openenv
+def test_openenv_example_rewards_equal_the_server() -> None:
+    texts = ["red", "I say Blue"]
+    out = run_loop(texts, WORD_ENV, openenv={"word": "blue"})
+    assert out.status.value == "stop", out.error
+    expected = direct_rewards("blue", texts)
+    assert [(r, True) for r in out.extra_fields["turn_scores"]][-1:] == [expected[-1]]
+    assert out.extra_fields["turn_scores"] == [r for r, _ in expected] == [0.0, 1.0]
+    assert out.reward_score == 1.0
+    contents = [m["content"] for m in out.extra_fields["messages"]]
+    assert contents == ["Say the word 'blue'.", "red", "Not quite. Say blue.", "I say Blue"]
+    assert out.extra_fields["env_info"] == {"tries": 2, "word": "blue"}
+    assert TOK.decode(out.prompt_ids).count("Say the word 'blue'.") == 1
+
+
+@needs_openenv
+def test_openenv_server_that_fails_to_start_is_an_error_row() -> None:
+    out = run_loop(["hi"], {**WORD_ENV, "app": "no_such_module:app"})
+    assert out.status.value == "error"
+    assert out.error.startswith("environment 'openenv': reset raised RemoteEnvError: "
+                                "RuntimeError: the OpenEnv server")
+    assert "exited with code" in out.error
+    assert 'Could not import module "no_such_module"' in out.error  # the server's own output
+    assert out.reward_score is None
