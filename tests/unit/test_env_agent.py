@@ -268,7 +268,8 @@ def test_registry_names_and_the_adapters_named_before_their_modules_are_imported
             "print(sorted(ENVS.names()), 'agentloop.envs.skyrl' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)
-    assert proc.stdout.strip() == "['reasoning_gym', 'skyrl_gym', 'textarena'] False"
+    assert proc.stdout.strip() == ("['openenv', 'reasoning_gym', 'skyrl_gym', 'subprocess', "
+                                   "'textarena'] False")
 
 
 def test_agentloop_rollout_refuses_an_unknown_env_before_anything_starts(model_dir, tmp_path):
