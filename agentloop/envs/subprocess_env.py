@@ -187,20 +187,24 @@ class SubprocessEnv:
         """Spawn the bridge (in a thread: no fork on the event loop's thread), connect its pipes
         to the loop, and send ``start``."""
         self._stderr = tempfile.TemporaryFile(prefix="agentloop-bridge-")  # noqa: SIM115 - closed in close()
-        self._proc = await asyncio.to_thread(self._spawn)
-        self._finalizer = weakref.finalize(self, _killpg, self._proc.pid)
+        proc = await asyncio.to_thread(self._spawn)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=LINE_LIMIT)
         self._read_pipe, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), self._proc.stdout)
-        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, self._proc.stdin)
+            lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
+        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
         self._reader, self._writer = reader, writer
         await self._call({"op": "start", "config": self.config})
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE,
+        """Start the bridge in its own session; kept on ``self`` at once, so that a caller
+        cancelled while this thread runs still has ``close()`` kill it."""
+        proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=self._stderr,
                                 start_new_session=True)
+        self._proc = proc
+        self._finalizer = weakref.finalize(self, _killpg, proc.pid)
+        return proc
 
     async def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         """Send one request and read its reply; a cancellation (a timeout) kills the bridge.
