@@ -222,3 +222,20 @@ def test_openenv_server_that_fails_to_start_is_an_error_row() -> None:
     assert "exited with code" in out.error
     assert 'Could not import module "no_such_module"' in out.error  # the server's own output
     assert out.reward_score is None
+
+
+def bridges() -> set[int]:
+    """Pids of running OpenEnv bridges and example servers."""
+    found = subprocess.run(["pgrep", "-f", "openenv_bridge.py|openenv_wordenv:app"],
+                           capture_output=True, text=True)
+    return {int(p) for p in found.stdout.split()}
+
+
+@needs_openenv
+def test_openenv_timeout_kills_the_bridge_and_its_server() -> None:
+    before = bridges()
+    out = run_loop(["hi"], WORD_ENV, step_timeout=1.0)  # reset: starting takes longer
+    assert out.status.value == "timeout"
+    assert out.error == ("environment 'openenv': reset timed out after 1s "
+                         "(actor_rollout_ref.rollout.env.step_timeout)")
+    assert bridges() <= before
