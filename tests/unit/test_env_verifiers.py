@@ -70,13 +70,16 @@ def batch(rows: list[dict[str, Any]]) -> DataProto:
     for key in ("raw_prompt", "extra_info"):
         nt[key] = np.empty(n, dtype=object)
         nt[key][:] = [r[key] for r in rows]
-    nt["agent_name"] = np.array(["verifiers_sum"] * n, dtype=object)
+    nt["agent_name"] = np.array([r.get("agent_name", "verifiers_sum") for r in rows], dtype=object)
     nt["uid"] = np.array([f"u{i}" for i in range(n)], dtype=object)
     nt["index"] = np.arange(n)
     return DataProto(batch=None, non_tensor_batch=nt, meta_info={})
 
 
-async def run_rows(tokenizer: Any, rows: list[dict[str, Any]], env: dict[str, Any]) -> DataProto:
+async def run_rows(tokenizer: Any, rows: list[dict[str, Any]], env: dict[str, Any],
+                   **more: dict[str, Any]) -> DataProto:
+    """``rows`` through a worker whose loop ``verifiers_sum`` runs ``env`` (and one loop per
+    ``more`` entry: name -> env) against a live gateway on the scripted engine."""
     r = OmegaConf.create({
         "prompt_length": 256, "response_length": 64, "calculate_log_probs": True,
         "multi_turn": {"format": "hermes"}, "gateway": {"host": "127.0.0.1"},
@@ -85,9 +88,11 @@ async def run_rows(tokenizer: Any, rows: list[dict[str, Any]], env: dict[str, An
     gw = GatewayActor.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
                                   tokenizer=tokenizer)
     await gw.start()
-    registry = {"verifiers_sum": ResolvedAgentLoop(
-        "verifiers_sum", VerifiersAgentLoop,
-        {"env": env, "path": [str(EXAMPLES)], "python": str(PYTHON)})}
+    registry = {
+        name: ResolvedAgentLoop(name, VerifiersAgentLoop,
+                                {"env": e, "path": [str(EXAMPLES)], "python": str(PYTHON)})
+        for name, e in {"verifiers_sum": env, **more}.items()
+    }
     try:
         worker = AgentLoopWorker.from_slices(r, OmegaConf.create({"path": "tiny"}), [server],
                                              registry=registry, tokenizer=tokenizer, gateways=[gw])
@@ -111,12 +116,25 @@ def test_reward_is_the_rubric_score_and_the_tokens_are_the_sessions(tokenizer):
     # a task given as TaskData fields: the prompt is the row's
     rows.append({"raw_prompt": [{"role": "user", "content": "What is 3 + 4? Answer."}],
                  "extra_info": {"verifiers": {"task": {"answer": "7"}}}})
+    # the example's harness with two replies: one trajectory, the follow-up user turn as context
+    rows.append({**rows[0], "agent_name": "two_turns"})
     answers = [q["reward_model"]["ground_truth"] for q in questions] + ["7"]
-    out = asyncio.run(run_rows(tokenizer, rows, ENV))
+    two_turns = {**ENV, "agent": {"harness": {"id": "verifiers_env", "max_turns": 2}}}
+    out = asyncio.run(run_rows(tokenizer, rows, ENV, two_turns=two_turns))
     nt = out.non_tensor_batch
-    assert nt["status"].tolist() == ["stop"] * 3, nt["error"].tolist()
+    assert nt["status"].tolist() == ["stop"] * 4, nt["error"].tolist()
+    prompt, resp = row_texts(out, tokenizer, 3)
+    first = tokenizer.encode("The sum is 74.", add_special_tokens=False)
+    conversation = [*rows[0]["raw_prompt"], {"role": "assistant", "content": "The sum is 74."},
+                    {"role": "user", "content": "Check it; give the number."},
+                    {"role": "assistant", "content": "The sum is 74."}]
+    whole = tokenizer.apply_chat_template(conversation, tokenize=True)
+    assert prompt + resp == whole[: len(prompt + resp)]  # then only the template's closing newline
+    assert tokenizer.decode(whole[len(prompt + resp):]).strip() == ""
+    assert out.batch["response_mask"][3].sum().item() == 2 * (len(first) + 1)
+    assert nt["__num_turns__"][3] == 4 and out.batch["rm_scores"][3].sum().item() == 1.0
     replies = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows[:3]):
         prompt, resp = row_texts(out, tokenizer, i)
         # exact tokens: the task's prompt as the chat template renders it, then the sampled reply
         assert prompt == tokenizer.apply_chat_template(row["raw_prompt"], tokenize=True,
@@ -127,7 +145,7 @@ def test_reward_is_the_rubric_score_and_the_tokens_are_the_sessions(tokenizer):
     scores = rubric_scores(replies, answers)
     assert scores == [1.0, 0.0, 1.0]
     rewards = out.batch["rm_scores"].sum(-1).tolist()
-    assert rewards == pytest.approx(scores)
+    assert rewards[:3] == pytest.approx(scores)
     assert set(nt["env"].tolist()) == {"verifiers/verifiers_env"}
 
 
