@@ -14,13 +14,16 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.protocol import DataProto
 from agentloop.config import EnvConfig, default_config
 from agentloop.envs.resolve import check_env_samples, resolve_env
 from agentloop.errors import ConfigError
 from agentloop.loops.env_agent import EnvAgentLoop
+from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
@@ -239,3 +242,39 @@ def test_openenv_timeout_kills_the_bridge_and_its_server() -> None:
     assert out.error == ("environment 'openenv': reset timed out after 1s "
                          "(actor_rollout_ref.rollout.env.step_timeout)")
     assert bridges() <= before
+
+
+@needs_openenv
+def test_openenv_example_config_through_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example's env.config_path entry, rows and default env, through AgentLoopWorker."""
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository root
+    cfg = default_config()
+    cfg.data.max_prompt_length = 128
+    cfg.data.max_response_length = 256
+    cfg.actor_rollout_ref.rollout.env.default = "openenv_word"
+    cfg.actor_rollout_ref.rollout.env.config_path = "examples/environments/openenv_envs.yaml"
+    OmegaConf.resolve(cfg)
+    rows = [json.loads(line) for line in (EXAMPLES / "openenv.jsonl").read_text().splitlines()]
+    rows = rows[:2]  # blue, apple; the policy always says "blue"
+    server = ScriptedServer([TOK.encode("blue") + [IM_END]] * 4, eos_token_id=IM_END)
+    worker = AgentLoopWorker.from_slices(cfg.actor_rollout_ref.rollout,
+                                         OmegaConf.create({"path": "unused"}), [server],
+                                         tokenizer=TOK, trainer_config=cfg)
+
+    def col(values: list[Any]) -> np.ndarray:
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
+
+    batch = DataProto(batch=None, non_tensor_batch={
+        "raw_prompt": col([r["prompt"] for r in rows]), "uid": col(["a", "b"]),
+        "index": np.arange(2), "agent_name": col([r["agent_name"] for r in rows]),
+        "extra_info": col([r["extra_info"] for r in rows]),
+    }, meta_info={})
+    out = asyncio.run(worker.generate_sequences(batch))
+    nt = out.non_tensor_batch
+    assert nt["status"].tolist() == ["stop", "stop"], nt["error"].tolist()
+    assert nt["turn_scores"].tolist() == [[1.0], [0.0, 0.0, 0.0]]
+    assert out.batch["rm_scores"].sum(-1).tolist() == [1.0, 0.0]
+    assert nt["env"].tolist() == ["openenv_word", "openenv_word"]
+    assert "Answer with the word you are asked to say." in TOK.decode(out.batch["prompts"][0])
