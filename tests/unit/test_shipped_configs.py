@@ -22,7 +22,7 @@ SHIPPED = sorted(
                         "examples/environments/*.yaml")
         for p in REPO.glob(pattern)
         # tool configs and agent-loop lists, not rollout configs
-        if not p.name.endswith(("_tools.yaml", "_agents.yaml"))
+        if not p.name.endswith(("_tools.yaml", "_agents.yaml", "_envs.yaml"))
     }
 )
 
