@@ -128,6 +128,7 @@ def verl_config(verl_dir, model_path, train_file):
         f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.load_format=auto",  # the stand-in server loads model.path
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "reward.num_workers=1", "trainer.device=cpu",
     ]
     config_dir = verl_dir / "verl" / "trainer" / "config"
