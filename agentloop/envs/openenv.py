@@ -61,6 +61,8 @@ class OpenEnvEnv(SubprocessEnv):
         start_timeout: seconds the server has to answer ``/health``. message_timeout: the
             client's per-message timeout.
         python: the OpenEnv venv's interpreter (default ``.venv-openenv/bin/python``).
+        pool: one bridge (and server) per worker serving every sample, one client session each,
+            instead of a bridge and a server per sample.
     """
 
     missing_fix = (f"create it with `{MAKE_TARGET}` (openenv==0.10.0 in .venv-openenv), or set "
@@ -75,7 +77,7 @@ class OpenEnvEnv(SubprocessEnv):
                  observation_field: str | None = None, system: str | None = None,
                  role: str = "user", reset_kwargs: Mapping[str, Any] | None = None,
                  start_timeout: float = 60.0, message_timeout: float = 60.0,
-                 python: str = DEFAULT_PYTHON) -> None:
+                 python: str = DEFAULT_PYTHON, pool: bool = False) -> None:
         config = {
             "app": app, "command": list(command) if command else None, "base_url": base_url,
             "cwd": str(Path(cwd).absolute()) if cwd else None, "client": client,
@@ -85,7 +87,7 @@ class OpenEnvEnv(SubprocessEnv):
             "reset_kwargs": dict(reset_kwargs or {}), "start_timeout": start_timeout,
             "message_timeout": message_timeout,
         }
-        super().__init__(python, str(BRIDGE_SCRIPT), config, path=list(path or []))
+        super().__init__(python, str(BRIDGE_SCRIPT), config, path=list(path or []), pool=pool)
 
     @classmethod
     def check_config(cls, config: Mapping[str, Any]) -> None:

@@ -5,10 +5,12 @@ It imports only the standard library and ``openenv``. It speaks the JSON-lines p
 :mod:`agentloop.envs.subprocess_env` on stdin/stdout (anything else printed goes to stderr): on
 ``start`` it starts the OpenEnv server (``python -m uvicorn <app>`` or a given command, a local
 process on a free port, no Docker) or takes a URL, and connects OpenEnv's own client
-(``GenericEnvClient``, or the class named by ``client``); ``reset`` calls ``client.reset(**kwargs)``
-and turns the observation into a user message; ``step`` builds the action from the assistant text
-(``{action_field: text}``, or an ``action_class`` instance) and calls ``client.step(action)``;
-``close`` closes the client and stops the server.
+(``GenericEnvClient``, or the class named by ``client``), one client per session (a pooled bridge
+serves several samples at once, each request in a thread); ``reset`` calls
+``client.reset(**kwargs)`` and turns the observation into a user message; ``step`` builds the
+action from the assistant text (``{action_field: text}``, or an ``action_class`` instance) and
+calls ``client.step(action)``; ``close`` closes the session's client (without a session: every
+client, and stops the server). Replies repeat the request's ``id``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _HIDDEN = ("metadata", "reward", "done")
@@ -52,24 +56,35 @@ def _scalars(info: Any) -> dict[str, Any]:
 
 
 class Bridge:
-    """One OpenEnv session: its server (unless given a URL), its client, the config."""
+    """The OpenEnv server (unless given a URL), one client per session, the config."""
 
     def __init__(self) -> None:
         self.config: dict[str, Any] = {}
         self.server: subprocess.Popen | None = None
         self.server_log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the bridge
-        self.client: Any = None
+        self.url = ""
+        self.sessions: dict[str, Any] = {}
 
     def start(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Start the server (or take ``base_url``) and connect the client."""
+        """Start the server (or take ``base_url``) and import the client class."""
         self.config = dict(request.get("config") or {})
-        url = self.config.get("base_url") or self._serve()
-        client_cls = _import(self.config.get("client")
-                             or "openenv.core.generic_client.GenericEnvClient")
-        timeout = float(self.config.get("message_timeout") or 60.0)
-        self.client = client_cls(base_url=url, message_timeout_s=timeout).sync()
-        self.client.connect()
+        self.url = self.config.get("base_url") or self._serve()
+        _import(self.config.get("client") or "openenv.core.generic_client.GenericEnvClient")
         return {}
+
+    def _client(self, request: dict[str, Any], new: bool = False) -> Any:
+        """The request's session's client (connected; made by ``reset``)."""
+        session = str(request.get("session") or "")
+        if new and session not in self.sessions:
+            client_cls = _import(self.config.get("client")
+                                 or "openenv.core.generic_client.GenericEnvClient")
+            timeout = float(self.config.get("message_timeout") or 60.0)
+            client = client_cls(base_url=self.url, message_timeout_s=timeout).sync()
+            client.connect()
+            self.sessions[session] = client
+        if session not in self.sessions:
+            raise KeyError(f"no session {session!r} (step before reset)")
+        return self.sessions[session]
 
     def _serve(self) -> str:
         """Start the server on a free local port; its URL once ``/health`` answers."""
@@ -109,9 +124,11 @@ class Bridge:
         """``client.reset(**kwargs)``: the config's ``reset_kwargs`` under the sample's
         ``extra_info.openenv``; the observation as the prompt."""
         sample = request.get("sample") or {}
-        extra = sample.get("extra_info") if isinstance(sample.get("extra_info"), dict) else {}
+        extra = sample.get("extra_info")
+        if not isinstance(extra, dict):
+            extra = {}
         kwargs = {**(self.config.get("reset_kwargs") or {}), **(extra.get("openenv") or {})}
-        result = self.client.reset(**kwargs)
+        result = self._client(request, new=True).reset(**kwargs)
         messages = []
         if self.config.get("system"):
             messages.append({"role": "system", "content": str(self.config["system"])})
@@ -126,7 +143,7 @@ class Bridge:
                   str(self.config.get("action_field") or "message"): text}
         action_class = self.config.get("action_class")
         action = _import(action_class)(**fields) if action_class else fields
-        result = self.client.step(action)
+        result = self._client(request).step(action)
         role = str(self.config.get("role") or "user")
         return {"messages": [{"role": role, "content": self._text(result.observation)}],
                 "reward": 0.0 if result.reward is None else float(result.reward),
@@ -155,12 +172,19 @@ class Bridge:
         return dict(metadata or {})
 
     def close(self, request: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the client and stop the server (it is killed if it does not stop in 5 s)."""
+        """Close the session's client; without a session, every client and the server (it is
+        killed if it does not stop in 5 s)."""
+        session = (request or {}).get("session")
+        if session is not None:
+            client = self.sessions.pop(str(session), None)
+            if client is not None:
+                client.close()
+            return {}
         try:
-            if self.client is not None:
-                self.client.close()
+            for client in list(self.sessions.values()):
+                client.close()
         finally:
-            self.client = None
+            self.sessions.clear()
             if self.server is not None and self.server.poll() is None:
                 self.server.terminate()
                 try:
@@ -170,26 +194,37 @@ class Bridge:
         return {}
 
 
+def _answer(bridge: Bridge, request: dict[str, Any], out: Any, lock: threading.Lock) -> None:
+    """Run one request and write its reply (with the request's ``id``)."""
+    op = request.get("op")
+    try:
+        if op not in ("start", "reset", "step", "close"):
+            raise ValueError(f"unknown op {op!r}")
+        reply = {"ok": True, **getattr(bridge, op)(request)}
+    except Exception as e:  # noqa: BLE001 - every failure is the reply's error
+        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    with lock:
+        out.write(json.dumps({**reply, "id": request.get("id")}, default=str) + "\n")
+        out.flush()
+
+
 def main() -> None:
-    """Serve requests from stdin until ``close`` or end of input."""
+    """Serve requests from stdin until a ``close`` without a session, or end of input;
+    ``start`` and ``close`` run in order, the sessions' ``reset`` / ``step`` in threads."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything the environment prints goes to stderr, not into the protocol
     sys.stdout = sys.stderr
-    bridge = Bridge()
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request.get("op")
-        try:
-            if op not in ("start", "reset", "step", "close"):
-                raise ValueError(f"unknown op {op!r}")
-            reply = {"ok": True, **getattr(bridge, op)(request)}
-        except Exception as e:  # noqa: BLE001 - every failure is the reply's error
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply, default=str) + "\n")
-        out.flush()
-        if op == "close":
-            return
-    bridge.close()
+    bridge, lock = Bridge(), threading.Lock()
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request.get("op") in ("reset", "step") or request.get("session") is not None:
+                pool.submit(_answer, bridge, request, out, lock)
+                continue
+            _answer(bridge, request, out, lock)
+            if request.get("op") == "close":
+                return
+        bridge.close()
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ stdout, in order (plain JSON)::
                                                   "done": false, "info": {}}
     {"op": "close"}                           -> {"ok": true}   (the bridge then exits)
 
-A failure is ``{"ok": false, "error": "ValueError: ..."}``. The bridge runs in its own process
-group, which is killed on ``close()`` (also after a timeout or a cancellation), so a server it
-started goes with it. A bridge that dies is the sample's error, with its exit code and stderr tail.
+A failure is ``{"ok": false, "error": "ValueError: ..."}``. Each request carries an ``id`` the
+reply repeats. The bridge runs in its own process group, which is killed on ``close()`` (also after
+a timeout or a cancellation), so a server it started goes with it. A bridge that dies is the
+sample's error, with its exit code and stderr tail. With ``pool: true`` one bridge per worker (per
+config) serves every sample: requests then also carry a ``session`` (one per sample), ``close``
+ends only that session, and a timed-out session is closed without killing the bridge.
 """
 
 from __future__ import annotations
@@ -28,37 +31,20 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
-import tempfile
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+from uuid import uuid4
 
 from agentloop.envs.base import AssistantTurn, EnvReset, EnvStep, register_env
+from agentloop.envs.bridge import BridgeError, BridgeProcess, RemoteEnvError, shared_bridge
 from agentloop.errors import ConfigError
 
 __all__ = ["BridgeError", "RemoteEnvError", "SubprocessEnv", "check_interpreter"]
 
-LINE_LIMIT = 64 * 1024 * 1024
-"""Largest reply line read from a bridge (bytes)."""
-STDERR_TAIL = 800
-"""How much of the bridge's stderr an error message quotes (characters)."""
-_EXIT_WAIT_S = 2.0
-"""How long a bridge that closed its stdout is waited for, to report its exit code."""
-
-
 _FOUND: set[tuple[str, str]] = set()
 """(interpreter, module) pairs already found importable (each is probed once per process)."""
-
-
-class BridgeError(RuntimeError):
-    """The bridge process died, hung up or wrote something that is not a reply."""
-
-
-class RemoteEnvError(RuntimeError):
-    """The environment in the bridge raised; the message is its ``Type: text``."""
 
 
 def check_interpreter(python: str, module: str | None, missing: str) -> None:
@@ -80,20 +66,6 @@ def check_interpreter(python: str, module: str | None, missing: str) -> None:
     _FOUND.add((python, module))
 
 
-def _jsonable(value: Any) -> Any:
-    """``json.dumps`` default: numpy values as plain ones, anything else as its text."""
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    return str(value)
-
-
-def _killpg(pid: int) -> None:
-    """SIGKILL the process group ``pid`` leads (the bridge and what it started)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-        os.killpg(pid, signal.SIGKILL)
-
-
 @register_env("subprocess")
 class SubprocessEnv:
     """One episode in a bridge process run by another interpreter (see the module docstring).
@@ -105,6 +77,8 @@ class SubprocessEnv:
         config: sent to the bridge in its ``start`` request (what environment to build).
         path: directories put on the bridge's ``PYTHONPATH``.
         env_vars: extra environment variables of the bridge.
+        pool: one bridge per worker and config for every sample (sessions), instead of one per
+            sample.
     """
 
     missing_fix = "set the env config's 'python' to a virtualenv's interpreter"
@@ -113,17 +87,15 @@ class SubprocessEnv:
     """A module the interpreter must import (checked before any engine starts)."""
 
     def __init__(self, python: str, script: str, config: Mapping[str, Any] | None = None,
-                 path: list[str] | None = None, env_vars: Mapping[str, str] | None = None) -> None:
+                 path: list[str] | None = None, env_vars: Mapping[str, str] | None = None,
+                 pool: bool = False) -> None:
         self.argv = [str(Path(python).absolute()), "-P", str(Path(script).absolute())]
         self.config = dict(config or {})
         paths = [str(Path(p).absolute()) for p in (path or [])]
         self.env = {**os.environ, **dict(env_vars or {}), "PYTHONPATH": os.pathsep.join(paths)}
-        self._proc: subprocess.Popen | None = None
-        self._stderr: IO[bytes] | None = None
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.WriteTransport | None = None
-        self._read_pipe: asyncio.BaseTransport | None = None
-        self._finalizer: Any = None
+        self.pool = pool
+        self.session = uuid4().hex if pool else None
+        self._bridge: BridgeProcess | None = None
 
     @classmethod
     def check_config(cls, config: Mapping[str, Any]) -> None:
@@ -139,15 +111,20 @@ class SubprocessEnv:
             raise ConfigError(f"no bridge script at {str(script)!r} (the env config's 'script')")
 
     async def reset(self, sample: dict[str, Any]) -> EnvReset:
-        """Start the bridge (first call) and reset its environment.
+        """Start the bridge (or take the worker's pooled one) and reset its environment.
 
         Raises:
             BridgeError: the bridge died or answered nonsense. RemoteEnvError: the environment
                 raised (its message).
         """
-        if self._proc is None:
-            await self._start()
-        reply = await self._call({"op": "reset", "sample": sample})
+        if self.pool:
+            key = json.dumps([self.argv, self.env.get("PYTHONPATH"), self.config],
+                             sort_keys=True, default=str)
+            self._bridge = await shared_bridge(key, self.argv, self.env, self.config)
+        elif self._bridge is None:
+            self._bridge = BridgeProcess(self.argv, self.env)
+            await self._call("start", self._bridge.open(self.config))
+        reply = await self._request({"op": "reset", "sample": sample})
         return EnvReset(list(reply.get("messages") or []), tools=reply.get("tools"),
                         info=dict(reply.get("info") or {}))
 
@@ -157,124 +134,52 @@ class SubprocessEnv:
         Raises:
             BridgeError, RemoteEnvError: as for :meth:`reset`.
         """
-        reply = await self._call({"op": "step", "turn": dataclasses.asdict(turn)})
+        reply = await self._request({"op": "step", "turn": dataclasses.asdict(turn)})
         reward = reply.get("reward")
         return EnvStep(list(reply.get("messages") or []),
                        reward=0.0 if reward is None else reward,
                        done=bool(reply.get("done")), info=dict(reply.get("info") or {}))
 
     async def close(self) -> None:
-        """Ask the bridge to close its environment, then kill its process group (always).
+        """Close the environment: the session of a pooled bridge; else ask the bridge to close,
+        then kill its process group (always).
 
         Raises:
-            RemoteEnvError: the environment's close raised (the bridge is killed anyway).
+            RemoteEnvError: the environment's close raised (a private bridge is killed anyway).
         """
-        if self._proc is None:
+        bridge = self._bridge
+        if bridge is None:
+            return
+        if self.pool:
+            if bridge.alive:
+                await self._request({"op": "close"})
             return
         try:
-            if self._proc.poll() is None and self._reader is not None:
+            if bridge.alive:
                 with contextlib.suppress(BridgeError):
-                    await self._call({"op": "close"})
-                await self._exited(_EXIT_WAIT_S)
+                    await bridge.call({"op": "close"})
+                await bridge.exited(2.0)
         finally:
-            self._kill()
-            await self._exited(_EXIT_WAIT_S)  # reap it
-            if self._stderr is not None:
-                self._stderr.close()
-                self._stderr = None
+            await bridge.release()
 
-    async def _start(self) -> None:
-        """Spawn the bridge (in a thread: no fork on the event loop's thread), connect its pipes
-        to the loop, and send ``start``."""
-        self._stderr = tempfile.TemporaryFile(prefix="agentloop-bridge-")  # noqa: SIM115 - closed in close()
-        proc = await asyncio.to_thread(self._spawn)
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=LINE_LIMIT)
-        self._read_pipe, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
-        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
-        self._reader, self._writer = reader, writer
-        await self._call({"op": "start", "config": self.config})
+    async def _request(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self._bridge is None:
+            raise BridgeError(f"the bridge was never started ({request['op']} before reset)")
+        if self.session is not None:
+            request["session"] = self.session
+        return await self._call(request["op"], self._bridge.call(request))
 
-    def _spawn(self) -> subprocess.Popen:
-        """Start the bridge in its own session; kept on ``self`` at once, so that a caller
-        cancelled while this thread runs still has ``close()`` kill it."""
-        proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=self._stderr,
-                                start_new_session=True)
-        self._proc = proc
-        self._finalizer = weakref.finalize(self, _killpg, proc.pid)
-        return proc
-
-    async def _call(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Send one request and read its reply; a cancellation (a timeout) kills the bridge.
-
-        Raises:
-            BridgeError: the bridge is gone, hung up or wrote a line that is not a reply.
-            RemoteEnvError: the reply is ``{"ok": false, ...}``.
-        """
-        op = request["op"]
-        if self._reader is None or self._writer is None or self._writer.is_closing():
-            raise BridgeError(await self._died(op))
+    async def _call(self, op: str, call: Any) -> Any:
+        """Await ``call``; a cancellation (a timeout) kills a private bridge, or closes this
+        session of a pooled one in the background."""
         try:
-            self._writer.write((json.dumps(request, default=_jsonable) + "\n").encode())
-            line = await self._reader.readline()
+            return await call
         except asyncio.CancelledError:
-            self._kill()
+            bridge = self._bridge
+            if bridge is not None and not self.pool:
+                bridge.kill()
+            elif bridge is not None and bridge.alive and op != "close":
+                task = asyncio.ensure_future(bridge.call({"op": "close",
+                                                          "session": self.session}))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
-        except (ValueError, asyncio.LimitOverrunError) as e:
-            self._kill()
-            raise BridgeError(f"the bridge's {op} reply is over {LINE_LIMIT} bytes ({e})") from e
-        if not line:
-            raise BridgeError(await self._died(op))
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            raise BridgeError(f"the bridge answered {op} with a line that is not JSON: "
-                              f"{line[:200]!r}; {self._tail()}") from None
-        if not isinstance(reply, dict):
-            raise BridgeError(f"the bridge answered {op} with {reply!r:.200}, not an object")
-        if not reply.get("ok"):
-            raise RemoteEnvError(str(reply.get("error") or f"{op} failed (no error given)"))
-        return reply
-
-    async def _died(self, op: str) -> str:
-        """The message for a bridge that hung up during ``op``: exit code and stderr tail."""
-        code = await self._exited(_EXIT_WAIT_S)
-        how = "is still running" if code is None else f"exited with code {code}"
-        script = Path(self.argv[-1]).name
-        return f"the bridge ({script}) {how} and did not answer {op}; {self._tail()}"
-
-    async def _exited(self, wait_s: float) -> int | None:
-        """The bridge's exit code, waiting up to ``wait_s`` for it; None while it runs."""
-        proc = self._proc
-        if proc is None:
-            return None
-        delay, waited = 0.005, 0.0
-        while (code := proc.poll()) is None and waited < wait_s:
-            await asyncio.sleep(delay)
-            waited += delay
-            delay = min(delay * 2, 0.1)
-        return code
-
-    def _tail(self) -> str:
-        """The last :data:`STDERR_TAIL` characters of the bridge's stderr, on one line."""
-        if self._stderr is None:
-            return "stderr: (none)"
-        fd = self._stderr.fileno()
-        size = os.fstat(fd).st_size
-        start = max(0, size - STDERR_TAIL)
-        text = os.pread(fd, size - start, start).decode(errors="replace").strip()
-        return "stderr: " + (" | ".join(line for line in text.splitlines() if line) or "(empty)")
-
-    def _kill(self) -> None:
-        """Kill the bridge's process group and close the pipes (idempotent)."""
-        if self._proc is not None:
-            _killpg(self._proc.pid)
-            with contextlib.suppress(OSError):
-                self._proc.kill()
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        for pipe in (self._writer, self._read_pipe):
-            if pipe is not None:
-                pipe.close()

@@ -56,6 +56,8 @@ FAKE_BRIDGE = textwrap.dedent("""
                 os._exit(3)
             if text == "hang":
                 time.sleep(60)
+            if text == "slow":
+                time.sleep(0.5)
             if text == "raise":
                 reply = {"ok": False, "error": "ValueError: bad move"}
             elif text == "garbage":
@@ -67,8 +69,9 @@ FAKE_BRIDGE = textwrap.dedent("""
                              info={"last": text})
         elif op == "close":
             open(config["closed_marker"], "w").close()
+        reply["id"] = req["id"]
         out.write(json.dumps(reply) + "\\n")
-        if op == "close":
+        if op == "close" and "session" not in req:
             break
 """)
 
@@ -106,6 +109,18 @@ def run_loop(replies: list[str], env: Any, step_timeout: float = 30.0,
         return await loop.run({}, **fields)
 
     return asyncio.run(go())
+
+
+async def episode(replies: list[str], env: Any, step_timeout: float = 30.0,
+                  **extra_info: Any) -> Any:
+    """One episode on the running event loop (pooled bridges are per loop)."""
+    rollout = rollout_cfg(step_timeout)
+    server = ScriptedServer([TOK.encode(r) + [IM_END] for r in replies], eos_token_id=IM_END)
+    EnvAgentLoop.init_class(rollout, TOK)
+    loop = EnvAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
+    fields = {"raw_prompt": [{"role": "user", "content": "x"}], "index": 0,
+              "extra_info": {"env": env, **extra_info}}
+    return await loop.run({}, **fields)
 
 
 def gone(pid: int) -> bool:
@@ -148,7 +163,7 @@ def test_subprocess_env_crash_names_exit_code_and_stderr(bridge: dict[str, Any])
 def test_subprocess_env_garbage_reply_is_an_error_row(bridge: dict[str, Any]) -> None:
     out = run_loop(["garbage"], bridge)
     assert out.status.value == "error"
-    assert "answered step with a line that is not JSON: b'not json\\n'" in out.error
+    assert "the bridge wrote a line that is not a reply: b'not json\\n'" in out.error
 
 
 def test_subprocess_env_timeout_kills_the_bridge(bridge: dict[str, Any]) -> None:
@@ -157,6 +172,40 @@ def test_subprocess_env_timeout_kills_the_bridge(bridge: dict[str, Any]) -> None
     assert out.error == ("environment 'subprocess': step 1 timed out after 5s "
                          "(actor_rollout_ref.rollout.env.step_timeout)")
     assert gone(out.extra_fields["env_info"]["pid"])
+
+
+def test_pooled_bridge_serves_concurrent_episodes_as_sessions(bridge: dict[str, Any]) -> None:
+    pooled = {**bridge, "pool": True}
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(episode(["one", "two done"], pooled, word="w1"),
+                                    episode(["a b done"], pooled, word="w2"))
+
+    first, second = asyncio.run(go())
+    assert first.extra_fields["turn_scores"] == [1.0, 2.0] and first.reward_score == 3.0
+    assert second.extra_fields["turn_scores"] == [3.0] and second.reward_score == 3.0
+    assert first.extra_fields["messages"][0]["content"] == "w1"
+    pid = first.extra_fields["env_info"]["pid"]
+    assert second.extra_fields["env_info"]["pid"] == pid  # one bridge for both samples
+    assert not gone(pid)  # the pooled bridge outlives the episodes (until its loop's process ends)
+    os.kill(pid, 9)
+
+
+def test_pooled_timeout_closes_the_session_not_the_bridge(bridge: dict[str, Any]) -> None:
+    pooled = {**bridge, "pool": True}
+
+    async def go() -> list[Any]:
+        warm = await episode(["done"], pooled, step_timeout=30.0)
+        late = await episode(["slow"], pooled, step_timeout=0.2)
+        after = await episode(["x done"], pooled, step_timeout=30.0)
+        return [warm, late, after]
+
+    warm, late, after = asyncio.run(go())
+    assert late.status.value == "timeout" and "step 1 timed out after 0.2s" in late.error
+    assert after.status.value == "stop" and after.reward_score == 2.0
+    pid = warm.extra_fields["env_info"]["pid"]
+    assert after.extra_fields["env_info"]["pid"] == pid and not gone(pid)
+    os.kill(pid, 9)
 
 
 def test_missing_interpreter_is_refused_before_start(bridge: dict[str, Any]) -> None:
@@ -284,3 +333,23 @@ def test_openenv_example_config_through_a_worker(monkeypatch: pytest.MonkeyPatch
     assert out.batch["rm_scores"].sum(-1).tolist() == [1.0, 0.0]
     assert nt["env"].tolist() == ["openenv_word", "openenv_word"]
     assert "Answer with the word you are asked to say." in TOK.decode(out.batch["prompts"][0])
+
+
+@needs_openenv
+def test_openenv_pooled_one_bridge_and_server_for_concurrent_samples() -> None:
+    before = bridges()
+    pooled = {**WORD_ENV, "pool": True}
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(episode(["blue"], pooled, openenv={"word": "blue"}),
+                                    episode(["no", "apple"], pooled, openenv={"word": "apple"}))
+
+    blue, apple = asyncio.run(go())
+    assert blue.extra_fields["turn_scores"] == [1.0], blue.error
+    assert apple.extra_fields["turn_scores"] == [0.0, 1.0], apple.error
+    assert [m["content"] for m in apple.extra_fields["messages"]][:3] == [
+        "Say the word 'apple'.", "no", "Not quite. Say apple."]
+    started = bridges() - before
+    assert len(started) == 2  # one bridge and its one server, shared by both samples
+    for pid in started:
+        os.kill(pid, 9)
