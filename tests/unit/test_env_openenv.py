@@ -326,7 +326,12 @@ def test_openenv_example_config_through_a_worker(monkeypatch: pytest.MonkeyPatch
         "index": np.arange(2), "agent_name": col([r["agent_name"] for r in rows]),
         "extra_info": col([r["extra_info"] for r in rows]),
     }, meta_info={})
+    before = bridges()
     out = asyncio.run(worker.generate_sequences(batch))
+    started = bridges() - before
+    for pid in started:  # the example's pooled bridge and its server
+        os.kill(pid, 9)
+    assert len(started) == 2
     nt = out.non_tensor_batch
     assert nt["status"].tolist() == ["stop", "stop"], nt["error"].tolist()
     assert nt["turn_scores"].tolist() == [[1.0], [0.0, 0.0, 0.0]]
