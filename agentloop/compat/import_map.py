@@ -96,7 +96,8 @@ VERL_NOT_PROVIDED: dict[str, str] = {
     "verl.utils.reward_score": "scoring functions: point custom_reward_function.{path,name} "
     "at your scorer (verl's "
     "signature); agentloop.rewards has calculator and gsm8k compute_score",
-    "verl.trainer": "the PPO trainer is not part of agentloop; call "
+    "verl.trainer": "the PPO trainer is not part of agentloop; run verl's own trainer with "
+    "agentloop's manager (python -m agentloop.compat.verl_main) or call "
     "AgentLoopManager.generate_sequences from yours",
 }
 """verl modules that loops import which agentloop deliberately does not provide → reason and
