@@ -59,10 +59,11 @@ demo: install
 	$(VENV)/bin/agentloop rollout --config examples/quickstart/config.yaml \
 	  actor_rollout_ref.model.path=$$($(PY) scripts/make_tiny_model.py --quiet)
 
-# GRPO on the calculator task (examples/grpo_calculator): ~3 min on 2 cores (its weaker starting checkpoint ships in
-# agentloop/assets). Prints the reward per step; writes outputs/grpo_calculator/reward_curve.png.
+# GRPO on the calculator task (examples/grpo_calculator): ~4-5 min on 2 idle cores (its weaker starting checkpoint
+# ships in agentloop/assets); 60 steps, greedy held-out success +0.195 / +0.203 / +0.188 for seeds 0 / 1 / 2
+# (SEED=n picks another). Prints the seed and the reward per step; writes outputs/grpo_calculator/reward_curve.png.
 grpo: install
-	$(PY) examples/grpo_calculator/train.py
+	$(PY) examples/grpo_calculator/train.py --seed $(SEED)
 
 # TRL's GRPOTrainer with agentloop as its rollout backend (examples/trl_grpo_calculator; docs/trl.md): the same task,
 # ~6-8 min on 2 cores. SEED=1 picks another seed; BACKEND=trl uses TRL's own generation and tool loop instead.

@@ -48,8 +48,8 @@ ScoreFn = Callable[..., float]
 class GRPOConfig:
     """Hyper-parameters of the example (the defaults are the measured run in README.md)."""
 
-    steps: int = 30
-    """Rollout + update rounds."""
+    steps: int = 60
+    """Rollout + update rounds (30 reached +0.06 to +0.22 greedy; 60: README.md)."""
     prompts_per_step: int = 16
     """Distinct problems per round."""
     n: int = 8
@@ -65,8 +65,9 @@ class GRPOConfig:
     """Gradient clipping."""
     temperature: float = 1.0
     """Sampling temperature of the rollout (the recompute divides the logits by it too)."""
-    eval_problems: int = 64
-    """Held-out problems for the greedy evaluation before and after training."""
+    eval_problems: int = 256
+    """Held-out problems for the greedy evaluation before and after training (64 left a ±0.05
+    sampling error on the gain)."""
     seed: int = 0
     """Seed of the training problems and their order, torch and vLLM's sampling."""
     eval_seed: int = 1000

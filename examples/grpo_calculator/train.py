@@ -1,7 +1,7 @@
 """GRPO on the calculator task: an HF policy trained from agentloop rollouts on vLLM (CPU).
 
-    .venv/bin/python examples/grpo_calculator/train.py [--steps 30] [--prompts 16] [--n 8] [--lr
-    1e-4] [--async]
+    .venv/bin/python examples/grpo_calculator/train.py [--steps 60] [--prompts 16] [--n 8] [--lr
+    1e-4] [--seed 0] [--async]
 
 1. Builds (first time only, ~2-4 min) and loads the weak starting checkpoint: the tiny model's
    training run stopped at step 400 of 1100 (``ensure_tiny_model(snapshot_step=400)``).
