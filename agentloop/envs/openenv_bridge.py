@@ -38,6 +38,17 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _die_with_parent() -> None:
+    """In the server's child process (Linux): SIGTERM when the bridge dies, so a server is
+    never left behind whatever ends the bridge."""
+    try:
+        import ctypes  # stdlib; only where prctl exists (optional: other systems skip it)
+
+        ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,7 +107,8 @@ class Bridge:
             argv = [sys.executable, "-m", "uvicorn", str(self.config["app"]), "--host",
                     "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         self.server = subprocess.Popen(argv, stdout=self.server_log, stderr=self.server_log,
-                                       stdin=subprocess.DEVNULL, cwd=self.config.get("cwd"))
+                                       stdin=subprocess.DEVNULL, cwd=self.config.get("cwd"),
+                                       preexec_fn=_die_with_parent)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + float(self.config.get("start_timeout") or 60.0)
         while time.monotonic() < deadline:
