@@ -238,7 +238,8 @@ class VerlTrainerManager(AgentLoopManager):
             out = type(batch)(batch=out.batch, non_tensor_batch=out.non_tensor_batch,
                               meta_info=out.meta_info)
         # TensorDict has no `in`: keys() it is
-        if "rm_scores" not in out.batch.keys() and self._reward_workers and len(out):  # noqa: SIM118
+        keys = out.batch.keys() if out.batch is not None else ()
+        if "rm_scores" not in keys and self._reward_workers and len(out):
             score_with_verl_workers(out, self._reward_workers)
         return out
 
