@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer with agentloop as its rollout backend, on the calculator task (CPU, minutes).
 
-    .venv/bin/python examples/trl_grpo_calculator/train.py [--seed 0] [--steps 30] [--lr 1e-4]
+    .venv/bin/python examples/trl_grpo_calculator/train.py [--seed 0] [--steps 60] [--lr 1e-4]
     .venv/bin/python examples/trl_grpo_calculator/train.py --backend trl   # TRL's own tool loop
 
 1. Loads the weak starting checkpoint (``ensure_tiny_model(snapshot_step=400)``) as TRL's policy
@@ -45,13 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line (defaults: the measured runs of README.md)."""
     p = argparse.ArgumentParser(description="TRL GRPOTrainer + agentloop on the calculator task")
     p.add_argument("--backend", choices=("agentloop", "trl"), default="agentloop")
-    p.add_argument("--steps", type=int, default=30, help="rollouts (generation batches)")
+    p.add_argument("--steps", type=int, default=60, help="rollouts (generation batches)")
     p.add_argument("--prompts", type=int, default=16, help="problems per rollout")
     p.add_argument("--n", type=int, default=8, help="samples per problem (num_generations)")
     p.add_argument("--updates", type=int, default=2, help="optimizer steps per rollout")
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--eval-problems", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--eval-problems", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0,
+                   help="training problems and order, torch, TRL, vLLM sampling")
+    p.add_argument("--eval-seed", type=int, default=1000,
+                   help="held-out problems (the same set for every --seed)")
     p.add_argument("--eval-at", type=int, nargs="*", default=[],
                    help="also evaluate (greedy, held-out) after these rollouts")
     p.add_argument("--out", default="outputs/trl_grpo_calculator")
@@ -175,11 +178,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out = Path(a.out) / f"{a.backend}-seed{a.seed}"
     model_path = ensure_tiny_model(snapshot_step=SNAPSHOT_STEP)
     torch.manual_seed(a.seed)
-    print(f"seed: {a.seed}  backend: {a.backend}", flush=True)
+    print(f"seed: {a.seed}  eval seed: {a.eval_seed}  backend: {a.backend}", flush=True)
     ray.init(include_dashboard=False, logging_level=logging.ERROR)
-    manager = AgentLoopManager(rollout_config(model_path, temperature=1.0))
+    manager = AgentLoopManager(rollout_config(model_path, temperature=1.0, seed=a.seed))
     try:
-        held_out = problem_rows(a.eval_problems, seed=a.seed + 1000)
+        held_out = problem_rows(a.eval_problems, seed=a.eval_seed)
         before = greedy_success(manager, held_out)
         print(f"greedy success before: {before:.3f} ({a.eval_problems} held-out problems)",
               flush=True)
