@@ -10,6 +10,7 @@ imported only where an engine runs.  Keys: docs/concepts.md ("The vLLM server").
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig
@@ -71,13 +72,21 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
     return args
 
 
+@dataclass(frozen=True)
+class NoBudget:
+    """What :func:`sampling_params` returns when the request has no tokens left (``max_tokens``
+    <= 0): vLLM's ``SamplingParams`` refuses that, the server answers ``length`` with no tokens."""
+
+    max_tokens: int
+
+
 def sampling_params(
     params: dict[str, Any], prompt_len: int, prompt_length: int, response_length: int,
     stream: bool = False,
 ) -> Any:
     """vLLM ``SamplingParams`` for one request: ``params`` (verl's sampling keys), ``max_tokens``
     defaulting to ``response_length`` and capped by what ``prompt_length + response_length`` leaves
-    after the prompt; delta outputs when ``stream``."""
+    after the prompt; delta outputs when ``stream``; a :class:`NoBudget` when nothing is left."""
     # vLLM is imported only where an engine runs (after start(): already loaded, the import is a
     # lookup)
     from vllm import SamplingParams
@@ -85,6 +94,8 @@ def sampling_params(
 
     budget = prompt_length + response_length - prompt_len
     max_tokens = params.get("max_tokens") or min(response_length, budget)
+    if min(max_tokens, budget) <= 0:  # vLLM refuses max_tokens < 1: the caller ends it as length
+        return NoBudget(max_tokens=int(min(max_tokens, budget)))
     kwargs = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
     if params.get("logprobs"):
         kwargs["logprobs"] = 0
