@@ -72,7 +72,7 @@ def _env_config(env: Any) -> dict[str, Any]:
     if not isinstance(taskset, Mapping) or not taskset.get("id"):
         raise ConfigError("verifiers loop: 'env' needs a taskset id, e.g. env: {taskset: {id: "
                           f"verifiers_env}} (got {env!r})")
-    agent = dict(config.get("agent") or {})
+    agent = dict(config.pop("agent", None) or {})  # verifiers' own key, not the rollout config's
     agent.setdefault("runtime", dict(_LOCAL_RUNTIME))
     return {**config, "agent": agent}
 
