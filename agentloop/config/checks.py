@@ -36,6 +36,19 @@ def check_prompt_truncation(value: Any) -> None:
         )
 
 
+BALANCER_MODES: tuple[str, ...] = ("shared", "local")
+"""``server.balancer``: one balancer actor for every router, or each worker's router on its own."""
+
+
+def check_balancer_mode(value: Any) -> None:
+    """Raise the ConfigError for a ``server.balancer`` that is not one of :data:`BALANCER_MODES`."""
+    if value not in BALANCER_MODES:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.server.balancer must be 'shared' (one balancer actor, "
+            f"verl's routing) or 'local' (each worker's router balances on its own), got {value!r}"
+        )
+
+
 REWARD_TO_MODES: tuple[str, ...] = get_args(RewardTo)
 """``multi_turn.reward_to``: all | last | discounted."""
 

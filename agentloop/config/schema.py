@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from agentloop.config.build import build_section, check_fields, read_value
 from agentloop.config.checks import (
+    check_balancer_mode,
     check_context_window,
     check_engine_name,
     check_env_max_turns,
@@ -192,6 +193,8 @@ class ServerConfig(Section):
     placement_strategy: str
     device: str
     max_cache_size: int
+    balancer: str
+    """``shared`` (one GlobalBalancer actor) | ``local`` (each worker's router on its own)."""
     batch_calls: bool
     max_failovers: int | None
     restart_dead: bool
@@ -200,6 +203,8 @@ class ServerConfig(Section):
     priority: str | None
     weight_update: str
     """Resolved: ``abort`` | ``drain`` | ``keep`` (see :func:`weight_update_mode`)."""
+
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"balancer": check_balancer_mode}
 
     @classmethod
     def from_root(cls, root: Any) -> ServerConfig:
