@@ -19,6 +19,7 @@ from typing import Any
 
 try:  # optional dependency: the `trl` extra
     import trl  # noqa: F401
+    from accelerate import PartialState
     from transformers import TrainerCallback
 except ImportError as exc:  # pragma: no cover - exercised only without trl
     raise ImportError(
@@ -33,7 +34,11 @@ from agentloop.integrations.trl_fields import (
     to_trl_fields,
 )
 
-__all__ = ["FAILED_STATUSES", "AgentLoopRollout", "agentloop_reward"]
+__all__ = ["FAILED_STATUSES", "SYNC_RANKS", "AgentLoopRollout", "agentloop_reward"]
+
+SYNC_RANKS = ("all", "main")
+"""Which processes stream the weights: ``all`` (each rank into its own manager's servers) or
+``main`` (only the main process; every rank waits for it: ranks sharing one set of servers)."""
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,13 @@ class AgentLoopRollout(TrainerCallback):  # type: ignore[misc]
             ``extra_info``...); default: the trainer's train and eval datasets, read on the first
             call (an ``IterableDataset`` is skipped).
         failed_reward: the reward of a failed sample; None (default) makes it unscorable for TRL.
+        sync_ranks: under ``accelerate launch`` with several processes, ``all`` (default: every
+            rank has its own manager and syncs it) or ``main`` (the ranks' managers share one
+            set of servers: the main process syncs, every rank waits for it before rolling out
+            again); docs/trl.md#multi-process-accelerate.
+
+    Raises:
+        ValueError: a bad ``sync_every`` or ``sync_ranks``.
 
     Attributes:
         samples, failed: samples returned and failed ones so far (``failed`` by status).
@@ -94,9 +106,12 @@ class AgentLoopRollout(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, manager: Any, *, sync_every: int = 1, sync_on_train_begin: bool = False,
                  dataset: Iterable[Mapping[str, Any]] | None = None,
-                 failed_reward: float | None = None) -> None:
+                 failed_reward: float | None = None, sync_ranks: str = "all") -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
+        if sync_ranks not in SYNC_RANKS:
+            raise ValueError(f"sync_ranks must be one of {SYNC_RANKS}, got {sync_ranks!r}")
+        self.sync_ranks = sync_ranks
         self.manager = manager
         self.sync_every = sync_every
         self.sync_on_train_begin = sync_on_train_begin
@@ -154,16 +169,22 @@ class AgentLoopRollout(TrainerCallback):  # type: ignore[misc]
         if state.global_step > 0 and self.last_synced_step != state.global_step:
             self.sync(model, state.global_step)
 
-    def sync(self, model: Any, step: int) -> int:
-        """Stream ``model``'s full weights into the manager's servers as version ``step``;
-        returns the servers' new version.
+    def sync(self, model: Any, step: int) -> int | None:
+        """Stream ``model``'s full weights into the manager's servers as version ``step`` (with
+        ``sync_ranks="main"``: on the main process only, then every process waits for it);
+        returns the servers' new version, None on a process that did not stream.
 
         Raises:
             ValueError: a PEFT or FSDP-sharded model.
         """
-        version = int(self.manager.update_weights(
-            self._full_model(model).state_dict(), global_steps=step))
-        self.syncs += 1
+        policy = self._full_model(model)
+        state = PartialState()
+        version = None
+        if self.sync_ranks == "all" or state.is_main_process:
+            version = int(self.manager.update_weights(policy.state_dict(), global_steps=step))
+            self.syncs += 1
+        if self.sync_ranks == "main":
+            state.wait_for_everyone()  # no rank rolls out before the servers hold the new weights
         self.last_synced_step = step
         return version
 

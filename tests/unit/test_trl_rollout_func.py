@@ -244,6 +244,17 @@ def test_peft_models_and_bad_intervals_are_refused() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="sync_every"):
             AgentLoopRollout(ScriptedManager(), sync_every=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sync_ranks must be one of"):
+        AgentLoopRollout(ScriptedManager(), sync_ranks="rank0")
+
+
+def test_sync_ranks_main_syncs_in_a_single_process() -> None:
+    """One process is the main one: ``sync_ranks="main"`` syncs as ``all`` does (2 processes:
+    tests/integration/test_trl_multiprocess.py)."""
+    manager = ScriptedManager()
+    rollout = AgentLoopRollout(manager, sync_ranks="main")
+    model = torch.nn.Linear(2, 2)
+    assert rollout.sync(model, 4) == 4 and rollout.syncs == 1 and rollout.last_synced_step == 4
 
 
 def test_grpo_trainer_trains_on_the_fields_and_leaves_failed_samples_out(
