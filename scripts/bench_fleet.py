@@ -19,7 +19,10 @@ setting it runs a warm-up step, then ``--steps`` timed ``generate_sequences`` st
   per call caps the calls/s of any fleet at ``1 / cost``; workers and hosts scale out.
 
     python scripts/bench_fleet.py [--servers 64,256,1024] [--trajectories 10000] [--turns 10]
-    [--workers 8] [--nodes 4] [--hosts 8] [--steps 1] [--json PATH]
+    [--workers 8] [--nodes 4] [--hosts 8] [--steps 1] [--routing shared,local] [--json PATH]
+
+``--routing`` takes ``rollout.server.balancer`` values (``shared``: the balancer actor, the
+default; ``local``: worker-local routers), run one after the other per server count.
 
 Results and the 128-GPU arithmetic: docs/benchmarks.md, "Fleet rehearsal".
 """
@@ -40,7 +43,6 @@ import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import agentloop.rollout.manager as manager_module  # noqa: E402
 from agentloop.batch.data import rows_to_batch  # noqa: E402
 from agentloop.batch.protocol import DataProto  # noqa: E402
 from agentloop.cluster.placement import ServerGroup  # noqa: E402
@@ -72,26 +74,17 @@ def start_cluster(nodes: int, cpus_per_node: int) -> tuple[Cluster, list[str]]:
     return cluster, ids
 
 
-SHIPPED_BALANCER = manager_module.shared_balancer
-
-
-def no_shared_balancer(num_servers: int, max_cache_size: int) -> None:
-    """``--routing local``: no balancer actor, so every worker's router balances on its own (its
-    own sticky cache and in-flight counts; a trajectory's turns all come from one worker)."""
-    return None
-
-
 def fleet_config(args: argparse.Namespace, routing: str) -> Any:
-    """The rollout config of every setting: ``fleet_agent``, no sleep, budgets that fit (a local
-    router's sticky cache holds a whole batch, as the shared one is grown to)."""
+    """The rollout config of every setting: ``fleet_agent``, no sleep, budgets that fit, and
+    ``rollout.server.balancer`` = ``routing`` (``shared``: the balancer actor; ``local``: each
+    worker's router on its own, its sticky cache grown to its share of the batch)."""
     cfg = default_config()
     cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
     cfg.data.max_prompt_length = 32
     cfg.data.max_response_length = args.turns * (args.tokens + 2)
     for key, value in {
         "agent.num_workers": args.workers, "agent.default_agent_loop": "fleet_agent",
-        "server.device": "cpu", "free_cache_engine": False,
-        **({"server.max_cache_size": 2 * args.trajectories} if routing == "local" else {}),
+        "server.device": "cpu", "free_cache_engine": False, "server.balancer": routing,
     }.items():
         OmegaConf.update(cfg.actor_rollout_ref.rollout, key, value)
     return cfg
@@ -161,11 +154,8 @@ def run_setting(
     args: argparse.Namespace, node_ids: list[str], servers: int, routing: str
 ) -> list[dict[str, Any]]:
     """Start hosts and a manager over ``servers`` virtual servers routed the ``routing`` way
-    (``shared``: the shipped balancer actor; ``local``: each worker's own); warm up, then time the
-    steps."""
-    manager_module.shared_balancer = (
-        SHIPPED_BALANCER if routing == "shared" else no_shared_balancer
-    )
+    (``rollout.server.balancer``: ``shared``, the balancer actor, or ``local``, each worker's own);
+    warm up, then time the steps."""
     hosts = start_fleet_hosts(
         args.hosts, node_ids, latency=args.latency, token_rate=args.token_rate, tokens=args.tokens
     )
@@ -184,7 +174,6 @@ def run_setting(
             print_row(row)
     finally:
         manager.shutdown()
-        manager_module.shared_balancer = SHIPPED_BALANCER
     return rows
 
 
@@ -235,8 +224,9 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=8, help="FleetServer actor processes")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--routing", default="shared",
-                        help="comma list: shared (the balancer actor, shipped), local "
-                        "(worker-local routers, the fix measured); alternated per setting")
+                        help="comma list of rollout.server.balancer values: shared (the "
+                        "balancer actor, the default) and/or local (worker-local routers); "
+                        "alternated per setting")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
 

@@ -60,6 +60,10 @@ class ServerSupervisor:
         health_timeout_s: how long a health probe may take before the server is reported (not
         restarted:
             a busy engine may answer slowly).
+        tell_down: ``tell_down(index)`` pushes a server taken out of routing to every worker's
+            router (worker-local routing, no balancer actor: ``rollout.server.balancer: local``);
+            None: the balancer actor is the one told. A put-back server reaches the routers by
+            ``swap`` (their ``replace_server`` routes to it again).
     """
 
     group: ServerGroup
@@ -67,6 +71,7 @@ class ServerSupervisor:
     swap: Callable[[int, Any], None]
     restart: bool = True
     health_timeout_s: float = 30.0
+    tell_down: Callable[[int], None] | None = None
     down: set[int] = field(default_factory=set)
     restarting: dict[int, _Restart] = field(default_factory=dict)
     counts: dict[str, int] = field(
@@ -228,6 +233,8 @@ class ServerSupervisor:
         self.down.add(index)
         if self.balancer is not None:
             ray.get(self.balancer.mark_down.remote(index))
+        if self.tell_down is not None:
+            self.tell_down(index)
         if self.can_restart:
             self._begin_restart(index, polite=not hung)
         elif hung:  # its requests would wait on it forever: killed, they fail over

@@ -275,7 +275,7 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "server.restart_dead": True, "server.weight_update_timeout": 600, "server.stall_timeout": 300,
     "server.num_servers": None, "server.num_cpus_per_server": 1, "server.device": "auto",
     "server.max_cache_size": 10000, "server.batch_calls": True, "server.priority": None,
-    "server.placement_strategy": "PACK", "server.weight_update": None,
+    "server.balancer": "shared", "server.placement_strategy": "PACK", "server.weight_update": None,
     "gateway.num_gateways": 1, "gateway.host": "127.0.0.1", "gateway.max_body_bytes": 8388608,
     "gateway.max_image_bytes": 5242880, "gateway.reasoning_parser": None,
     "gateway.session_timeout": None, "gateway.max_concurrent_sessions": 0,

@@ -44,7 +44,13 @@ from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.fault_metrics import FaultMetrics
 from agentloop.rollout.gateway_pool import GatewayPool
 from agentloop.rollout.server_sleep import ServerSleep
-from agentloop.rollout.startup import alive_nodes, open_servers, shared_balancer, spawn_worker
+from agentloop.rollout.startup import (
+    alive_nodes,
+    open_servers,
+    shared_balancer,
+    spawn_worker,
+    sticky_share,
+)
 from agentloop.rollout.weights import WeightSync
 from agentloop.rollout.worker import check_batch, error_batch
 from agentloop.routing import AsyncLLMServerManager
@@ -117,10 +123,13 @@ class AgentLoopManager:
         self.server_sleep = ServerSleep(
             self.servers, sleep_support(self.server_handles), self._each_server
         )
-        self.balancer = shared_balancer(len(self.server_handles), self.config.server.max_cache_size)
         agent, server = self.config.agent, self.config.server
+        self.balancer = shared_balancer(len(self.server_handles), server.max_cache_size,
+                                        server.balancer)
+        self.local_routing = self.balancer is None and len(self.server_handles) > 1
         self.supervisor = ServerSupervisor(
-            self.servers, self.balancer, self._swap_server, restart=server.restart_dead
+            self.servers, self.balancer, self._swap_server, restart=server.restart_dead,
+            tell_down=self._tell_down if self.balancer is None else None,
         )
         self.weights = WeightSync(
             self.supervisor, backend=self.config.engine.name, mode=server.weight_update,
@@ -161,7 +170,13 @@ class AgentLoopManager:
         return spawn_worker(
             self.config, self.server_handles, self.balancer, self.registry, index=index,
             worker_id=worker_id, known_nodes=self._nodes,
+            sticky_capacity=self._sticky_capacity if self.local_routing else 0,
+            down_servers=tuple(sorted(self.supervisor.down)) if self.balancer is None else (),
         )
+
+    def _tell_down(self, index: int) -> None:
+        """No balancer actor: a server taken out of routing is pushed to every worker's router."""
+        self.workers.tell("mark_server_down", index)
 
     def _error_rows(self, chunk: DataProto, status: RolloutStatus, message: str) -> DataProto:
         pad = self.tokenizer.pad_token_id
@@ -303,9 +318,15 @@ class AgentLoopManager:
         """Make the shared balancer keep at least ``entries`` request-id -> server bindings (one
         actor call, only when that grows it): ``rollout.server.max_cache_size`` is a floor, so a
         batch larger than it does not evict the bindings of samples still running (their next turn
-        would lose its prefix cache).
+        would lose its prefix cache).  With worker-local routing (``server.balancer: local``) each
+        worker's router keeps its share instead (:func:`~agentloop.rollout.startup.sticky_share`).
         """
-        if self.balancer is not None and entries > self._sticky_capacity:
+        if self.local_routing:
+            share = sticky_share(entries, len(self.workers.handles))
+            if share > self._sticky_capacity:
+                self.workers.broadcast("ensure_cache_capacity", share)
+                self._sticky_capacity = share
+        elif self.balancer is not None and entries > self._sticky_capacity:
             self._sticky_capacity = int(
                 ray.get(self.balancer.ensure_cache_capacity.remote(int(entries)))
             )

@@ -2,12 +2,16 @@
 
 :func:`open_servers` picks where the servers come from (shared, injected, colocated beside the
 trainer, or standalone); :func:`shared_balancer` starts the one balancer actor when there is
-something to balance; :func:`spawn_worker` starts one AgentLoopWorker actor pinned to a node,
-round-robin over the nodes alive now.  Spec: docs/concepts.md#placement.
+something to balance and ``rollout.server.balancer`` is ``shared`` (``local``: none, each worker's
+router balances its own trajectories, its sticky cache sized by :func:`sticky_share`);
+:func:`spawn_worker` starts one AgentLoopWorker actor pinned to a node, round-robin over the nodes
+alive now.  Spec: docs/concepts.md#placement, docs/routing.md#worker-local-routing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import ray
@@ -37,12 +41,29 @@ def open_servers(
     return start_standalone_servers(config)
 
 
-def shared_balancer(num_servers: int, max_cache_size: int) -> Any:
-    """The GlobalBalancer actor every worker's router shares, or None for one server (nothing to
-    balance: workers then route locally and skip the actor hop)."""
-    if num_servers <= 1:
+def shared_balancer(num_servers: int, max_cache_size: int, mode: str = "shared") -> Any:
+    """The GlobalBalancer actor every worker's router shares, or None: for one server (nothing to
+    balance) and with ``mode`` ``local`` (``rollout.server.balancer``), workers then route on their
+    own and skip the actor hop."""
+    if num_servers <= 1 or mode == "local":
         return None
     return create_global_balancer(num_servers, max_cache_size=max_cache_size)
+
+
+def sticky_share(entries: int, num_workers: int) -> int:
+    """Bindings each worker-local router keeps when the manager wants ``entries`` in all (twice
+    the batch): its share, ``ceil(entries / num_workers)``; the batch is dealt out evenly."""
+    return math.ceil(max(0, int(entries)) / max(1, int(num_workers)))
+
+
+def worker_sections(config: AgentLoopConfig, sticky_capacity: int = 0) -> WorkerSections:
+    """What a worker is built with: ``config``'s sections, its router's sticky cache raised to
+    ``sticky_capacity`` bindings when that is more than ``server.max_cache_size``."""
+    sections = WorkerSections.of(config)
+    if sticky_capacity <= sections.router.max_cache_size:
+        return sections
+    router = dataclasses.replace(sections.router, max_cache_size=int(sticky_capacity))
+    return dataclasses.replace(sections, router=router)
 
 
 def alive_nodes() -> list[str]:
@@ -53,21 +74,25 @@ def alive_nodes() -> list[str]:
 def spawn_worker(
     config: AgentLoopConfig, server_handles: list[Any], balancer: Any,
     registry: dict[str, ResolvedAgentLoop], *, index: int, worker_id: str,
-    known_nodes: list[str],
+    known_nodes: list[str], sticky_capacity: int = 0, down_servers: tuple[int, ...] = (),
 ) -> Any:
     """Start worker ``index`` as an AgentLoopWorker actor (owner id ``worker_id``) on node
     ``index`` mod the nodes alive now (``known_nodes`` if none answers); returns its handle.
+    ``sticky_capacity``: its router's sticky cache size when larger than
+    ``server.max_cache_size``; ``down_servers``: servers out of routing now (both for worker-local
+    routing, where a replacement worker has no balancer actor to learn them from).
 
     A hard affinity: Ray's soft one let several workers pile onto one node of a 4-node cluster
     (tests/integration/test_multinode); a replacement so avoids a node that is gone.
     """
     cls: Any = ray.remote(AgentLoopWorker)
+    sections = worker_sections(config, sticky_capacity)
     nodes = alive_nodes() or known_nodes
     return cls.options(
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[index % len(nodes)], soft=False),
         max_concurrency=10000,
     ).remote(
-        WorkerSections.of(config), config.root, list(server_handles), balancer, registry,
-        worker_id=worker_id,
+        sections, config.root, list(server_handles), balancer, registry,
+        worker_id=worker_id, down_servers=tuple(down_servers),
     )

@@ -102,6 +102,8 @@ class AgentLoopWorker:
         only). worker_id: the owner id of this worker's in-flight slots in the shared balancer (the
         manager
             releases them if this worker dies); default: a fresh id.
+        down_servers: servers already out of routing when it starts (worker-local routing: a
+            replacement worker joining while a server restarts).
 
     Raises:
         ConfigError: a bad tool config or reward function (the worker fails to start).
@@ -111,7 +113,7 @@ class AgentLoopWorker:
         self, sections: WorkerSections, trainer_config: DictConfig, server_handles: list[Any],
         balancer: Any = None, registry: dict[str, ResolvedAgentLoop] | None = None,
         tokenizer: Any = None, gateways: list[Any] | None = None, processor: Any = None,
-        worker_id: str | None = None,
+        worker_id: str | None = None, down_servers: tuple[int, ...] = (),
     ) -> None:
         self.trainer_config = trainer_config
         self.agent, self.engine, model = sections.agent, sections.engine, sections.model_config
@@ -127,6 +129,8 @@ class AgentLoopWorker:
         self.server_manager = build_router(
             sections.router, server_handles, balancer, owner=worker_id
         )
+        for index in down_servers:
+            self.server_manager.mark_down(index)
         self.sampling = {False: sections.sampling, True: sections.val_sampling}
         """Sampling by ``meta_info["validate"]`` (verl's ``val_kwargs`` when validating)."""
         self.record_timing = bool(self.agent.record_timing)
@@ -239,6 +243,15 @@ class AgentLoopWorker:
         """Route to ``handle`` as server ``index`` from now on (the manager restarted a dead
         server)."""
         self.server_manager.replace_server(index, handle)
+
+    def mark_server_down(self, index: int) -> None:
+        """Stop routing to server ``index`` (the manager found it dead; worker-local routing)."""
+        self.server_manager.mark_down(index)
+
+    def ensure_cache_capacity(self, entries: int) -> int:
+        """Grow this worker's own sticky cache (worker-local routing) to at least ``entries``
+        bindings; returns its capacity (0 with the shared balancer actor)."""
+        return self.server_manager.ensure_cache_capacity(entries)
 
     def set_priority(self, policy: str | None) -> None:
         """Switch this worker's engine priority policy (``rollout.server.priority``; null: send

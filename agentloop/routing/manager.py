@@ -272,6 +272,20 @@ class AsyncLLMServerManager:
         else:
             self.balancer.mark_down(server)
 
+    def mark_down(self, index: int) -> None:
+        """Stop routing to server ``index`` (the manager found it dead): this client's own balancer
+        (worker-local routing); a shared balancer actor is told once, by the manager."""
+        self.down.add(index)
+        if not self._remote_balancer:
+            self.balancer.mark_down(index)
+
+    def ensure_cache_capacity(self, entries: int) -> int:
+        """Grow this client's own sticky cache to at least ``entries`` bindings and return its
+        capacity; 0 with a shared balancer actor (the manager grows that one)."""
+        if self._remote_balancer:
+            return 0
+        return int(self.balancer.ensure_cache_capacity(int(entries)))
+
     def replace_server(self, index: int, handle: Any) -> None:
         """Use ``handle`` (a restarted server) as server ``index`` from now on and route to it
         again."""
