@@ -23,6 +23,10 @@ setting it runs a warm-up step, then ``--steps`` timed ``generate_sequences`` st
 
 ``--routing`` takes ``rollout.server.balancer`` values (``shared``: the balancer actor, the
 default; ``local``: worker-local routers), run one after the other per server count.
+``--agent tool_agent``: the shipped ``tool_agent`` (hermes format, the real calculator tool, the
+tiny model's tokenizer and chat template) instead of ``fleet_agent``; each server replies with a
+tool call, then with the answer once the call is in the context, so a trajectory makes 2 generate
+calls and 1 tool call (the balancer wait is not recorded: ``tool_agent`` is not instrumented).
 
 Results and the 128-GPU arithmetic: docs/benchmarks.md, "Fleet rehearsal".
 """
@@ -34,6 +38,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -54,7 +59,9 @@ from agentloop.testing.fleet import (  # noqa: E402
     virtual_servers,
 )
 from agentloop.testing.tiny_model import ensure_tiny_model  # noqa: E402
+from agentloop.tokenization.loader import load_tokenizer  # noqa: E402
 
+TOOLS_YAML = Path(__file__).resolve().parent.parent / "examples" / "calculator_agent" / "tools.yaml"
 ROLES = ("driver", "balancer", "workers", "hosts")
 
 
@@ -82,19 +89,42 @@ def fleet_config(args: argparse.Namespace, routing: str) -> Any:
     cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
     cfg.data.max_prompt_length = 32
     cfg.data.max_response_length = args.turns * (args.tokens + 2)
-    for key, value in {
-        "agent.num_workers": args.workers, "agent.default_agent_loop": "fleet_agent",
+    settings: dict[str, Any] = {
+        "agent.num_workers": args.workers, "agent.default_agent_loop": args.agent,
         "server.device": "cpu", "free_cache_engine": False, "server.balancer": routing,
-    }.items():
+    }
+    if args.agent == "tool_agent":
+        cfg.data.max_prompt_length, cfg.data.max_response_length = 256, 128
+        settings.update({
+            "multi_turn.enable": True, "multi_turn.format": "hermes",
+            "multi_turn.max_assistant_turns": 3, "multi_turn.tool_config_path": str(TOOLS_YAML),
+        })
+    for key, value in settings.items():
         OmegaConf.update(cfg.actor_rollout_ref.rollout, key, value)
     return cfg
 
 
-def make_batch(n: int, turns: int, tokens: int) -> DataProto:
-    """``n`` fleet_agent samples of ``turns`` turns."""
+def tool_replies(cfg: Any) -> dict[str, list[int]]:
+    """``--agent tool_agent``: the servers' two replies (a calculator call, then the answer)."""
+    tok = load_tokenizer(cfg.actor_rollout_ref.model)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+    return {
+        "call_ids": tok.encode(call, add_special_tokens=False) + [tok.eos_token_id],
+        "answer_ids": tok.encode("The answer is 5.", add_special_tokens=False)
+        + [tok.eos_token_id],
+    }
+
+
+def make_batch(args: argparse.Namespace, n: int) -> DataProto:
+    """``n`` samples: fleet_agent ones of ``--turns`` turns, or tool_agent questions."""
+    if args.agent == "tool_agent":
+        return rows_to_batch([
+            {"prompt": [{"role": "user", "content": f"What is {i} plus {i + 7}?"}]}
+            for i in range(n)
+        ])
     return rows_to_batch([
-        {"prompt": [{"role": "user", "content": f"q{i}"}], "turns": turns,
-         "tokens_per_turn": tokens}
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "turns": args.turns,
+         "tokens_per_turn": args.tokens}
         for i in range(n)
     ])
 
@@ -156,19 +186,22 @@ def run_setting(
     """Start hosts and a manager over ``servers`` virtual servers routed the ``routing`` way
     (``rollout.server.balancer``: ``shared``, the balancer actor, or ``local``, each worker's own);
     warm up, then time the steps."""
+    cfg = fleet_config(args, routing)
+    replies = tool_replies(cfg) if args.agent == "tool_agent" else {}
     hosts = start_fleet_hosts(
-        args.hosts, node_ids, latency=args.latency, token_rate=args.token_rate, tokens=args.tokens
+        args.hosts, node_ids, latency=args.latency, token_rate=args.token_rate, tokens=args.tokens,
+        **replies,
     )
     group = ServerGroup(
         handles=virtual_servers(hosts, servers), placement_group=None, device="cpu", info=[]
     )
-    manager = AgentLoopManager(fleet_config(args, routing), servers=group)
+    manager = AgentLoopManager(cfg, servers=group)
     rows = []
     try:
-        manager.generate_sequences(make_batch(min(args.trajectories, 500), args.turns, args.tokens))
-        batch = make_batch(args.trajectories, args.turns, args.tokens)
+        manager.generate_sequences(make_batch(args, min(args.trajectories, 500)))
+        batch = make_batch(args, args.trajectories)
         for step in range(args.steps):
-            row = {"servers": servers, "routing": routing, "step": step,
+            row = {"servers": servers, "routing": routing, "agent": args.agent, "step": step,
                    **measure_step(manager, hosts, batch)}
             rows.append(row)
             print_row(row)
@@ -227,6 +260,7 @@ def main() -> None:
                         help="comma list of rollout.server.balancer values: shared (the "
                         "balancer actor, the default) and/or local (worker-local routers); "
                         "alternated per setting")
+    parser.add_argument("--agent", default="fleet_agent", choices=["fleet_agent", "tool_agent"])
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
 

@@ -12,7 +12,9 @@ actor changes nothing but where the Python runs.
 
 :class:`FleetAgentLoop` (``fleet_agent``) makes ``turns`` generate calls per trajectory (a fixed
 prompt, each reply and a short masked "tool result" appended to the context), and records, in the
-worker process, how long each call waited for the balancer (:func:`process_report`).
+worker process, how long each call waited for the balancer (:func:`process_report`).  With
+``call_ids`` / ``answer_ids`` a server plays a tool-calling model instead, for ``tool_agent``:
+the tool call first, the answer once the context holds the call (:meth:`FleetServer.reply_ids`).
 """
 
 from __future__ import annotations
@@ -58,20 +60,36 @@ class FleetServer(ScriptedServer):
         token_rate: tokens per second of one reply.
         tokens: tokens per reply (capped by the request's ``max_tokens``).
         token_id: the token every reply repeats.
+        call_ids, answer_ids: a tool-calling model's two replies (see :meth:`reply_ids`); None:
+            ``tokens`` times ``token_id``.
     """
 
     def __init__(
         self, sections: Any = None, server_index: int = 0, *, latency: float = 0.0,
         token_rate: float = 0.0, tokens: int = 4, token_id: int = 13,
+        call_ids: Sequence[int] | None = None, answer_ids: Sequence[int] | None = None,
     ) -> None:
         super().__init__(name=f"fleet{server_index}")
         self.latency = float(latency)
         self.token_rate = float(token_rate)
         self.tokens = int(tokens)
         self.token_id = int(token_id)
+        self.call_ids = list(call_ids) if call_ids else None
+        self.answer_ids = list(answer_ids or [])
         self.num_calls = 0
         self.num_tokens = 0
 
+    def reply_ids(self, prompt_ids: list[int], max_tokens: int | None) -> list[int]:
+        """What a request gets: ``call_ids`` while the context does not hold the call (its
+        tokens but the last, in a row) yet, else ``answer_ids`` (stateless, so any server can answer
+        any turn); without ``call_ids``, ``tokens`` times ``token_id``; capped by ``max_tokens``."""
+        if self.call_ids is None:
+            ids = [self.token_id] * self.tokens
+        elif _holds(prompt_ids, self.call_ids[:-1]):
+            ids = self.answer_ids
+        else:
+            ids = self.call_ids
+        return ids if max_tokens is None else ids[: max(0, int(max_tokens))]
     async def generate(
         self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
         image_data: list[Any] | None = None, **kwargs: Any,
@@ -80,7 +98,8 @@ class FleetServer(ScriptedServer):
         paused (the pause gate of every server)."""
         self.num_calls += 1
         max_tokens = sampling_params.get("max_tokens")
-        n = self.tokens if max_tokens is None else max(0, min(self.tokens, int(max_tokens)))
+        ids = self.reply_ids(prompt_ids, max_tokens)
+        n = len(ids)
         wait = self.latency + (n / self.token_rate if self.token_rate > 0 else 0.0)
         async with self.gate.admitted(request_id) as admitted:
             if admitted and wait > 0:
@@ -94,7 +113,7 @@ class FleetServer(ScriptedServer):
             if not admitted:
                 stop = StopReason.ABORTED
             output = TokenOutput(
-                token_ids=[self.token_id] * n,
+                token_ids=ids[:n],
                 log_probs=fake_log_probs(n) if sampling_params.get("logprobs") else None,
                 stop_reason=stop, extra_fields={"global_steps": self.global_steps},
             )
@@ -108,6 +127,13 @@ class FleetServer(ScriptedServer):
     def counters(self) -> dict[str, int]:
         """Calls and tokens served so far."""
         return {"calls": self.num_calls, "tokens": self.num_tokens}
+
+
+def _holds(ids: list[int], run: list[int]) -> bool:
+    """Whether ``run`` occurs in ``ids`` as consecutive tokens."""
+    if not run:
+        return True
+    return any(ids[i:i + len(run)] == run for i, token in enumerate(ids) if token == run[0])
 
 
 def start_fleet_hosts(

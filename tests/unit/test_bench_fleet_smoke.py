@@ -34,3 +34,13 @@ def test_bench_fleet_smoke(tmp_path: Path) -> None:
         assert row["calls_per_s"] > 0 and row["workers_rss_mb"] > 0
     assert rows[0]["balancer_rss_mb"] > 0 and rows[1]["balancer_rss_mb"] == 0
     assert "calls/s" in proc.stdout and "ceilings from servers=16 (shared)" in proc.stdout
+
+
+def test_fleet_server_plays_a_tool_calling_model_statelessly() -> None:
+    from agentloop.testing.fleet import FleetServer
+
+    server = FleetServer(call_ids=[40, 41, 42, 2], answer_ids=[50, 2])
+    assert server.reply_ids([1, 40, 3], None) == [40, 41, 42, 2]  # a lone marker is not the call
+    assert server.reply_ids([1, 40, 41, 42, 2, 9, 9], None) == [50, 2]  # the call is in context
+    assert server.reply_ids([1], 2) == [40, 41]  # capped by max_tokens
+    assert FleetServer(tokens=3, token_id=7).reply_ids([1], None) == [7, 7, 7]
