@@ -145,16 +145,18 @@ def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
 
 
 def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
-               after_get: Any = None) -> tuple[float, int, float]:
+               after_get: Any = None, per_sample: bool = True) -> tuple[float, int, float]:
     """Returns (wall, rows, engine busy fraction while the in-flight budget was full).
-    ``after_get()`` runs after each hand-out (a trainer step, e.g. a weight update)."""
+    ``after_get()`` runs after each hand-out (a trainer step, e.g. a weight update);
+    ``per_sample``: the Rollouter's (False: a group holds its places until its last sample ends)."""
     import threading
 
     from agentloop.rollout.rollouter import Rollouter
 
     t0 = time.perf_counter()
     rollouter = Rollouter(
-        manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1
+        manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1,
+        per_sample=per_sample,
     ).start()
     samples: list[tuple[float, float, int]] = []  # (time, busy seconds, samples in flight)
     done = threading.Event()

@@ -22,11 +22,14 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
   ``rollout.server.weight_update``: ``abort`` (the default: running requests are cut and resumed,
   re-reading their contexts), ``drain`` (running requests finish first, new ones wait) and ``keep``
   (running requests are frozen and go on with their KV cache).
+* with ``--per-group``, the ``rollouter`` and ``abort`` passes once more with the Rollouter's
+  ``per_sample=False`` (``rollout-g``, ``abort-g``: a group holds its places in the in-flight budget
+  until its last sample ends; the only way before 2026-11-27).
 
 Prints seconds per step (median, range) of each and the ratio verl / each.
 
     python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
-    [--updates]
+    [--updates] [--per-group]
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ def main() -> None:
         "--updates", action="store_true",
         help="also Rollouter passes with a weight update per step: drain, abort, keep",
     )
+    parser.add_argument(
+        "--per-group", action="store_true",
+        help="also the rollouter (and abort) passes with per_sample=False: rollout-g, abort-g",
+    )
     args = parser.parse_args()
     print(
         "workload: "
@@ -114,23 +121,28 @@ def main() -> None:
         rows_per_step = args.groups * args.n
         bench_async.sync_pass(manager, batches[:1])  # warm-up
         per_step: dict[str, list[float]] = {"verl": [], "priority": [], "rollouter": []}
+        if args.per_group:
+            per_step["rollout-g"] = []
         if args.updates:
             per_step.update({"drain": [], "abort": [], "keep": []})
+            if args.per_group:
+                per_step["abort-g"] = []
             weights = tiny_weights(str(cfg.actor_rollout_ref.model.path))
         for r in range(args.repeats):
             for mode in per_step:
                 manager.workers.broadcast("set_priority", None if mode == "verl" else "context")
                 manager.set_weight_update(mode if mode in ("drain", "keep") else "abort")
                 time.sleep(1.5)  # let idle engine threads settle
-                if mode in ("drain", "abort", "keep"):
+                per_sample = not mode.endswith("-g")
+                if mode in ("drain", "abort", "keep", "abort-g"):
                     # under the mode set above
                     step = functools.partial(manager.update_weights, weights)
                     wall, rows, _ = bench_async.async_pass(
-                        manager, batches, args.groups, rows_per_step, step
+                        manager, batches, args.groups, rows_per_step, step, per_sample
                     )
-                elif mode == "rollouter":
+                elif mode in ("rollouter", "rollout-g"):
                     wall, rows, _ = bench_async.async_pass(
-                        manager, batches, args.groups, rows_per_step
+                        manager, batches, args.groups, rows_per_step, per_sample=per_sample
                     )
                 else:
                     wall, rows = bench_async.sync_pass(manager, batches)

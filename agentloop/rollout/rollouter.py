@@ -15,10 +15,14 @@ RL).
 
 One background thread splits the prompt batches into groups (rows sharing ``group_by``) and keeps up
 to ``max_inflight`` samples running through the manager's dispatcher; :meth:`Rollouter.get` hands
-out finished groups as one DataProto. With ``max_staleness`` set, groups (and dispatches) that lag
-the weights by more than that many versions are re-run; a dead or hung worker is replaced and its
-groups re-run, at most ``agent.max_sample_retries`` times, then handed out as ``error`` rows.
-:meth:`Rollouter.metrics` reports queues, staleness and the engine-busy fraction.
+out finished groups as one DataProto.  With ``per_sample`` (the default) a group's samples are
+dispatched and counted one by one: a sample that ended frees its place in the budget at once (the
+next samples start), while its group waits for its siblings; a group is handed out only once all of
+its samples are in.  With ``max_staleness`` set, samples (and dispatches) that lag the weights by
+more than that many versions are re-run, and so are groups that went stale while queued; a dead or
+hung worker is replaced and its samples re-run, at most ``agent.max_sample_retries`` times, then
+handed out as ``error`` rows. :meth:`Rollouter.metrics` reports queues, staleness and the
+engine-busy fraction.
 
 Spec (staleness, faults, metrics): docs/async.md#the-rollouter-generation-runs-ahead-of-training.
 """
@@ -32,6 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,29 +53,63 @@ def engine_capacity(manager: Any) -> int:
     return max(1, len(manager.server_handles) * manager.config.engine.max_num_seqs)
 
 
+@dataclass(eq=False)
+class Gathering:
+    """One group coming back unit by unit: its samples (``per_sample``) or itself as one unit."""
+
+    units: list[Group]
+    """What is dispatched, in the group's row order."""
+    done: dict[int, DataProto] = field(default_factory=dict)
+    """Unit index -> its finished rows (``meta_info["metrics"]``: a list, one dict per row)."""
+    failed: bool = False
+    """A unit came back as error rows (the dispatcher gave up on it)."""
+
+    @property
+    def size(self) -> int:
+        """The group's rows."""
+        return sum(len(u.rows) for u in self.units)
+
+    def complete(self) -> bool:
+        """Every unit is in."""
+        return len(self.done) == len(self.units)
+
+    def rows(self) -> DataProto:
+        """The group's rows in row order, ``meta_info["metrics"]`` one list over them."""
+        parts = [self.done[i] for i in range(len(self.units))]
+        if len(parts) == 1:
+            return parts[0]
+        metrics = [m for p in parts for m in p.meta_info.pop("metrics", None) or []]
+        out = DataProto.concat(align_keys(parts))
+        out.meta_info["metrics"] = metrics
+        return out
+
+
 class Rollouter:
     """See the module docstring.
 
     Args:
         manager: an :class:`agentloop.rollout.manager.AgentLoopManager`.
         prompts: an iterable of prompt batches (DataProto with ``raw_prompt``; repeat them ``n``
-        times with a
-            shared ``uid`` first, e.g. :func:`agentloop.batch.data.repeat_for_rollout`).  Exhausting
-            it ends the rollout once everything in flight is done.
+            times with a shared ``uid`` first, e.g.
+            :func:`agentloop.batch.data.repeat_for_rollout`).  Exhausting it ends the rollout once
+            everything in flight is done.
         max_inflight: samples running at once (across all workers); None (default): what the engines
-        run at once,
-            servers x ``rollout.max_num_seqs`` (verl's fixed-size budgets leave large deployments
-            idle).
+            run at once, servers x ``rollout.max_num_seqs`` (verl's fixed-size budgets leave large
+            deployments idle).
         max_staleness: the most weight versions a group handed out may lag behind (None: unbounded).
         group_by: the column whose equal values form a group (None: every row is a group).
         max_queue: finished groups kept waiting for :meth:`get` before dispatching pauses.
-        groups_per_dispatch: groups sent to a worker in one streaming call.
+        groups_per_dispatch: groups (their rows' worth of samples, with ``per_sample``) sent to a
+            worker in one streaming call.
+        per_sample: dispatch and count a group's samples one by one (a finished sample frees its
+            place in ``max_inflight`` at once); False: a group is one unit whose places are held
+            until its last sample ends.
     """
 
     def __init__(
         self, manager: Any, prompts: Iterable[DataProto], *, max_inflight: int | None = None,
         max_staleness: int | None = None, group_by: str | None = "uid", max_queue: int = 1024,
-        groups_per_dispatch: int = 4,
+        groups_per_dispatch: int = 4, per_sample: bool = True,
     ) -> None:
         if max_inflight is None:
             max_inflight = engine_capacity(manager)
@@ -85,9 +124,12 @@ class Rollouter:
         self.group_by = group_by
         self.max_queue = max_queue
         self.groups_per_dispatch = max(1, groups_per_dispatch)
-        # groups waiting to be dispatched
+        self.per_sample = per_sample
+        # units waiting to be dispatched
         self._todo: collections.deque[Group] = collections.deque()
-        self._ready: queue.Queue[tuple[Group, DataProto] | None] = queue.Queue()  # (prompts, rows)
+        self._owner: dict[Group, tuple[Gathering, int]] = {}
+        """Each unit not yet in -> its group and its index there."""
+        self._ready: queue.Queue[tuple[Gathering, DataProto] | None] = queue.Queue()
         self._flight: DispatchRun | None = None
         """The dispatches running (opened by the thread)."""
         self._exhausted = False
@@ -142,7 +184,7 @@ class Rollouter:
             if item is None:  # the end
                 self._ready.put(None)
                 break
-            prompts, rows = item
+            gathering, rows = item
             staleness = self._staleness(rows, self.manager.weight_version)
             with self._lock:
                 self._unconsumed -= 1
@@ -150,7 +192,7 @@ class Rollouter:
                 if self.max_staleness is not None and staleness > self.max_staleness:
                     self.counts["groups_rerun_stale"] += 1
                     # the thread dispatches it again (it waits for this decision)
-                    self._todo.appendleft(prompts)
+                    self._enqueue(gathering, front=True)
                     continue
             self.staleness[staleness] += 1
             self.counts["groups_handed_out"] += 1
@@ -160,9 +202,8 @@ class Rollouter:
         if not parts:
             return None
         # groups padded apart may differ in columns (a group whose samples all failed has no version
-        # or reward
-        # columns; loops add their own fields): aligned as generate_sequences aligns its workers'
-        # chunks
+        # or reward columns; loops add their own fields): aligned as generate_sequences aligns its
+        # workers' chunks
         out = DataProto.concat(align_keys(parts)) if len(parts) > 1 else parts[0]
         out.meta_info["rollouter"] = self.metrics()
         return out
@@ -213,7 +254,7 @@ class Rollouter:
                     continue
                 for finished in flight.poll(timeout=0.05):
                     self._take(finished)
-                again = flight.take_retries()  # a dead worker's groups: dispatched again first
+                again = flight.take_retries()  # a dead worker's units: dispatched again first
                 self.counts["groups_rerun_fault"] += len(again)
                 self._todo.extendleft(reversed(again))
                 self._cancel_stale(flight)
@@ -224,50 +265,86 @@ class Rollouter:
             flight.close()
             self._ready.put(None)
 
+    def _enqueue(self, gathering: Gathering, front: bool = False) -> None:
+        """Queue every unit of ``gathering`` for dispatch (``front``: before the others)."""
+        gathering.done.clear()
+        gathering.failed = False
+        for i, unit in enumerate(gathering.units):
+            self._owner[unit] = (gathering, i)
+        if front:
+            self._todo.extendleft(reversed(gathering.units))
+        else:
+            self._todo.extend(gathering.units)
+
+    def _read_prompts(self) -> None:
+        """The next prompt batch, split into groups (and those into samples) and queued."""
+        try:
+            batch = self.manager.prepare(next(self._prompts))
+        except StopIteration:
+            self._exhausted = True
+            return
+        for rows in split_groups(batch, self.group_by):
+            key = next(self._group_ids)
+            parts = split_groups(rows, None) if self.per_sample and len(rows) > 1 else [rows]
+            units = [Group(p, key=key if len(parts) == 1 else (key, i))
+                     for i, p in enumerate(parts)]
+            self._enqueue(Gathering(units))
+
     def _fill(self, flight: DispatchRun) -> None:
-        """Dispatch groups while fewer than ``max_inflight`` samples run and the ready queue has
+        """Dispatch units while fewer than ``max_inflight`` samples run and the ready queue has
         room."""
         while self._ready.qsize() < self.max_queue and flight.inflight() < self.max_inflight:
             if not self._todo and not self._exhausted:
-                try:
-                    batch = self.manager.prepare(next(self._prompts))
-                except StopIteration:
-                    self._exhausted = True
-                else:
-                    self._todo.extend(Group(rows, key=next(self._group_ids))
-                                      for rows in split_groups(batch, self.group_by))
+                self._read_prompts()
             if not self._todo:
                 return
-            groups = [self._todo.popleft()]
+            units = [self._todo.popleft()]
+            # at most groups_per_dispatch groups' worth of rows, within the budget
+            cap = self.groups_per_dispatch * self._group_size(units[0])
+            rows = len(units[0].rows)
             while (
                 self._todo
-                and len(groups) < self.groups_per_dispatch
-                and flight.inflight() + sum(len(g.rows) for g in groups) + len(self._todo[0].rows)
-                <= self.max_inflight
+                and rows + len(self._todo[0].rows) <= cap
+                and flight.inflight() + rows + len(self._todo[0].rows) <= self.max_inflight
             ):
-                groups.append(self._todo.popleft())
+                rows += len(self._todo[0].rows)
+                units.append(self._todo.popleft())
             # the version this dispatch starts at; the least-loaded live worker runs it
-            flight.submit(groups, global_steps=self.manager.weight_version)
-            self.counts["groups_dispatched"] += len(groups)
+            flight.submit(units, global_steps=self.manager.weight_version)
+            self.counts["groups_dispatched"] += sum(
+                1 for u in units if self._owner[u][1] == 0
+            )
+
+    def _group_size(self, unit: Group) -> int:
+        """Rows of the group ``unit`` belongs to."""
+        owner = self._owner.get(unit)
+        return owner[0].size if owner is not None else len(unit.rows)
 
     def _take(self, finished: Finished) -> None:
-        """A group came back: queued for :meth:`get`, or (too stale) its prompts rolled out
-        again."""
+        """A unit came back: kept until its group is complete, then queued for :meth:`get`; too
+        stale, its prompts are rolled out again."""
         rows = finished.rows
         rows.meta_info["metrics"] = finished.stats.metrics
+        gathering, index = self._owner[finished.group]
         # the dispatcher gave up on it (its worker died, retries used): error rows
         if finished.fault:
-            self.counts["groups_failed_fault"] += 1
+            gathering.failed = True
         else:
             staleness = self._staleness(rows, finished.version)
             if self.max_staleness is not None and staleness > self.max_staleness:
                 self.counts["groups_rerun_stale"] += 1
                 self._todo.appendleft(finished.group)  # its prompts, rolled out again
                 return
-            self.counts["groups_done"] += 1
+        gathering.done[index] = rows
+        if not gathering.complete():
+            return
+        for unit in gathering.units:
+            self._owner.pop(unit, None)
+        self.counts["groups_failed_fault" if gathering.failed else "groups_done"] += 1
+        rows = gathering.rows()
         with self._lock:
             self._unconsumed += 1
-        self._ready.put((finished.group, rows))
+        self._ready.put((gathering, rows))
 
     def _staleness(self, rows: DataProto, dispatched_at: int) -> int:
         oldest = rows.non_tensor_batch.get("min_global_steps")
