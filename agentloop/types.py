@@ -88,7 +88,12 @@ class TokenOutput(BaseModel):
     log_probs: list[float] | None = None
     """Log-probability of each sampled token, when requested."""
     routed_experts: Any | None = None
-    """MoE routing record (verl field; unused by the dense engines here)."""
+    """MoE routing (verl's field), with ``rollout.enable_rollout_routing_replay``: the experts
+    each token was routed to, [n, num_layers, top_k], for positions ``routed_experts_start ..
+    routed_experts_start + n`` of ``prompt_ids + token_ids`` (docs/porting-from-verl.md)."""
+    routed_experts_start: int = 0
+    """The position of ``routed_experts``' first row (the request's
+    ``routed_experts_prompt_start``)."""
     stop_reason: StopReason = StopReason.STOP
     """Why generation stopped: ``stop``, ``length`` or ``aborted``."""
     stop_sequence: str | None = None
@@ -192,6 +197,9 @@ class AgentLoopOutput(BaseModel):
     ``weight_versions``, which it reports with ``async_training.partial_rollout`` (a generation a
     pause cut may span versions)."""
     routed_experts: Any | None = None
+    """MoE routing (verl's field): row ``i`` the experts token ``i`` of ``prompt_ids +
+    response_ids`` was routed to, [n, num_layers, top_k]; rows past ``n`` are filled when padded
+    (docs/porting-from-verl.md#routing-replay-r3)."""
     multi_modal_data: dict[str, Any] | None = None
     """Images / videos seen by the trajectory, for multimodal trainers."""
     reward_score: float | None = None

@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from agentloop.batch.protocol import DataProto, object_array
+from agentloop.batch.routed_experts import ROUTED_EXPERTS_KEY, pad_routed_experts
 from agentloop.errors import DatasetError
 from agentloop.rewards.columns import reward_columns, reward_extra_columns
 from agentloop.types import AgentLoopOutput
@@ -141,6 +142,7 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
 def _tensor_columns(
     outputs: list[AgentLoopOutput], prompt_length: int, response_length: int, pad_token_id: int,
     calculate_log_probs: bool, rewards_configured: bool = False,
+    routed_experts_shape: tuple[int, int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Build every tensor column of docs/concepts.md#the-output-layout, and the reward columns'
     non-tensor companions (empty without a reward source)."""
@@ -180,6 +182,9 @@ def _tensor_columns(
             cols["rollout_weight_versions"],
             [_or_empty(o.response_weight_versions) for o in outputs],
         )
+    routed = pad_routed_experts(outputs, start, kept_prompt, total, width, routed_experts_shape)
+    if routed is not None:  # routing replay (R3): verl's layout, aligned with input_ids
+        cols[ROUTED_EXPERTS_KEY] = routed
     reward_non_tensor: dict[str, np.ndarray] = {}
     if rewards_configured or any(o.reward_score is not None for o in outputs):
         resp_valid = np.arange(response_length)[None, :] < kept_response[:, None]
@@ -284,6 +289,7 @@ def postprocess(
     outputs: list[AgentLoopOutput], *, prompt_length: int, response_length: int, pad_token_id: int,
     sample_fields: dict[str, np.ndarray] | None = None, calculate_log_probs: bool = False,
     rewards_configured: bool = False, trajectory_counts: Sequence[int] | None = None,
+    routed_experts_shape: tuple[int, int] | None = None,
 ) -> DataProto:
     """Pad ``outputs`` (one row per trajectory) into verl's rollout layout.
 
@@ -296,7 +302,8 @@ def postprocess(
         ``outputs[i]``. calculate_log_probs: add ``rollout_log_probs`` (0.0 on rows without
         log-probs). rewards_configured: add the reward columns even when no row has a
         ``reward_score``. trajectory_counts: consecutive ``outputs`` per sample, for the episode
-        columns; None: one each.
+        columns; None: one each. routed_experts_shape: ``(layers, top_k)`` with routing replay
+        on: ``routed_experts`` is built for every row (:mod:`agentloop.batch.routed_experts`).
 
     Returns:
         A DataProto of ``len(outputs)`` rows (columns: docs/concepts.md#the-output-layout).
@@ -314,7 +321,7 @@ def postprocess(
     _check_lengths(outputs, calculate_log_probs)
     tensors, reward = _tensor_columns(
         outputs, prompt_length, response_length, pad_token_id, calculate_log_probs,
-        rewards_configured,
+        rewards_configured, routed_experts_shape,
     )
     batch = TensorDict(tensors, batch_size=[len(outputs)])
     non_tensor, extra_keys = _non_tensor_columns(outputs, sample_fields, reward, trajectory_counts)

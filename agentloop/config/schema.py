@@ -31,6 +31,7 @@ from agentloop.config.checks import (
     check_reward_block,
     check_reward_gamma,
     check_reward_to,
+    check_routing_mode,
     check_tool_executor,
     check_tool_max_workers,
 )
@@ -122,6 +123,9 @@ class EngineConfig(Section):
     logprobs_mode: str
     normal_priority: bool
     gc_freeze: bool
+    enable_rollout_routing_replay: bool
+    """Routing replay (R3): the servers return the experts each token was routed to (MoE models
+    only; docs/porting-from-verl.md#routing-replay-r3)."""
     engine_kwargs: dict[str, Any]
     """``{"vllm": {...}, "sglang": {...}}``: extra engine arguments per backend (values may be
     None)."""
@@ -195,6 +199,8 @@ class ServerConfig(Section):
     max_cache_size: int
     balancer: str
     """``shared`` (one GlobalBalancer actor) | ``local`` (each worker's router on its own)."""
+    routing: str
+    """``sticky`` (verl's sticky least-in-flight) | ``prefix`` (KV-cache-aware prefix affinity)."""
     batch_calls: bool
     max_failovers: int | None
     restart_dead: bool
@@ -204,7 +210,9 @@ class ServerConfig(Section):
     weight_update: str
     """Resolved: ``abort`` | ``drain`` | ``keep`` (see :func:`weight_update_mode`)."""
 
-    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {"balancer": check_balancer_mode}
+    PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {
+        "balancer": check_balancer_mode, "routing": check_routing_mode,
+    }
 
     @classmethod
     def from_root(cls, root: Any) -> ServerConfig:
@@ -223,6 +231,8 @@ class RouterConfig(Section):
     max_cache_size: int = key(f"{_S}.max_cache_size")
     batch_calls: bool = key(f"{_S}.batch_calls")
     max_failovers: int | None = key(f"{_S}.max_failovers")
+    routing: str = key(f"{_S}.routing")
+    """``sticky`` | ``prefix`` (:func:`agentloop.routing.prefix_affinity.build_balancer`)."""
     priority: str | None = key(f"{_S}.priority")
     """The policy name (``null`` | ``fcfs`` | ``context``); ``make_priority`` turns it into a
     policy."""

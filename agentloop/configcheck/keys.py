@@ -229,12 +229,11 @@ _add(ROLLOUT, IRRELEVANT, "a copy of actor_rollout_ref.model.mtp, checked there"
 _add(
     ROLLOUT,
     UNSUPPORTED,
-    "extra outputs/hooks not implemented (routed experts, custom server or manager classes)",
-    {
-        "enable_rollout_routing_replay": False, "agent.custom_async_server.path": None,
-        "agent.custom_async_server.name": None,
-    },
+    "extra outputs/hooks not implemented (custom server or manager classes)",
+    {"agent.custom_async_server.path": None, "agent.custom_async_server.name": None},
 )
+_add(ROLLOUT, HONOURED, "routed experts per token in routed_experts (MoE models, vLLM)",
+     {"enable_rollout_routing_replay": False})
 _add(ROLLOUT, HONOURED, "function tools loaded once per worker (load_all_tools)",
      {"multi_turn.function_tool_path": None})
 _add(
@@ -275,7 +274,8 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "server.restart_dead": True, "server.weight_update_timeout": 600, "server.stall_timeout": 300,
     "server.num_servers": None, "server.num_cpus_per_server": 1, "server.device": "auto",
     "server.max_cache_size": 10000, "server.batch_calls": True, "server.priority": None,
-    "server.balancer": "shared", "server.placement_strategy": "PACK", "server.weight_update": None,
+    "server.balancer": "shared", "server.routing": "sticky",
+    "server.placement_strategy": "PACK", "server.weight_update": None,
     "gateway.num_gateways": 1, "gateway.host": "127.0.0.1", "gateway.max_body_bytes": 8388608,
     "gateway.max_image_bytes": 5242880, "gateway.reasoning_parser": None,
     "gateway.session_timeout": None, "gateway.max_concurrent_sessions": 0,

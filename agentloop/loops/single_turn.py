@@ -23,6 +23,7 @@ from typing import Any
 from uuid import uuid4
 
 from agentloop.batch.multimodal import decode_images, encode_images, sample_media
+from agentloop.batch.routed_experts import RoutedExpertsTrace
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
@@ -51,10 +52,11 @@ class SingleTurnAgentLoop(AgentLoopBase):
             media["video_data"] = videos
         prompt_ids, dropped = fit_prompt(prompt_ids, self.prompt_length, self.prompt_truncation)
 
-        start = time.perf_counter()
+        start, routing = time.perf_counter(), RoutedExpertsTrace()
         output = await self.server_manager.generate(
             request_id=uuid4().hex, prompt_ids=prompt_ids, sampling_params=sampling_params, **media
         )
+        routing.add(prompt_ids, output)
         metrics = AgentLoopMetrics(
             generate_sequences=time.perf_counter() - start, num_preempted=output.num_preempted
         )
@@ -77,6 +79,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_weight_versions=list(versions[: self.response_length])
             if versions is not None
             else None,
+            routed_experts=routing.rows_for(prompt_ids + response_ids),
             num_turns=2,
             metrics=metrics,
             multi_modal_data={"image": images} if images else None,

@@ -24,6 +24,7 @@ from uuid import uuid4
 from omegaconf import DictConfig
 
 from agentloop.batch.multimodal import decode_images, encode_images, sample_media
+from agentloop.batch.routed_experts import RoutedExpertsTrace
 from agentloop.config import MultiTurnConfig
 from agentloop.errors import ConfigError
 from agentloop.interactions.base import BaseInteraction
@@ -71,6 +72,8 @@ class AgentData:
     response_logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     """Per response token: the weight version that sampled it (-1: not sampled, or not reported)."""
+    routing: RoutedExpertsTrace = field(default_factory=RoutedExpertsTrace)
+    """Routing replay: the experts each token ran through, by position (batch/routed_experts.py)."""
     assistant_turns: int = 0
     user_turns: int = 0
     status: RolloutStatus = RolloutStatus.STOP
@@ -232,15 +235,17 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def _generating(self, data: AgentData) -> AgentState:
         budget = self.response_length - len(data.response_mask)
-        start = time.perf_counter()
+        start, prompt = time.perf_counter(), data.prompt_ids + data.response_ids
         out = await self.server_manager.generate(
-            request_id=self.request_id, prompt_ids=data.prompt_ids + data.response_ids,
-            sampling_params={**self.sampling_params, "max_tokens": budget},
+            request_id=self.request_id, prompt_ids=prompt,
+            sampling_params={**self.sampling_params, "max_tokens": budget,
+                             **data.routing.request(prompt)},
             image_data=list(data.image_data) or None,
             **({"video_data": data.video_data} if data.video_data else {}),
         )
         data.metrics.generate_sequences += time.perf_counter() - start
         _track_versions(data.counters, out.extra_fields)
+        data.routing.add(prompt, out)
         data.response_ids += out.token_ids
         data.response_mask += [1] * len(out.token_ids)
         data.response_logprobs += (
@@ -428,6 +433,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_weight_versions=(
                 data.weight_versions[:n] if any(v >= 0 for v in data.weight_versions) else None
             ),
+            routed_experts=data.routing.rows_for(data.prompt_ids + data.response_ids[:n]),
             num_turns=data.user_turns + data.assistant_turns - data.segment_start + 1,
             metrics=data.metrics,
             extra_fields={

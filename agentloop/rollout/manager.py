@@ -29,11 +29,7 @@ from omegaconf import DictConfig
 
 from agentloop.batch.metrics import align_keys, performance_metrics
 from agentloop.batch.protocol import DataProto
-from agentloop.cluster.placement import (
-    ServerGroup,
-    sleep_support,
-    stop_servers,
-)
+from agentloop.cluster.placement import ServerGroup, sleep_support, stop_servers
 from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, GatewaySections, resolve_config
@@ -43,6 +39,7 @@ from agentloop.loops.base import resolve_registry
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.fault_metrics import FaultMetrics
 from agentloop.rollout.gateway_pool import GatewayPool
+from agentloop.rollout.routing_replay import check_routing_replay
 from agentloop.rollout.server_sleep import ServerSleep
 from agentloop.rollout.startup import (
     alive_nodes,
@@ -109,6 +106,7 @@ class AgentLoopManager:
         self.registry = resolve_registry(self.config.agent.agent_loop_config_path)
         check_env_config(self.config.env)  # env.default / env.config_path, before servers start
         check_tool_config(self.config.multi_turn.tool_config_path)  # MCP servers, likewise
+        check_routing_replay(self.config.engine, self.config.model_config)  # R3: an MoE model
         for name, entry in self.registry.items():  # a loop entry's own check (verifiers' venv)
             check_entry = getattr(entry.cls, "check_entry", None)
             if check_entry is not None:
@@ -125,7 +123,7 @@ class AgentLoopManager:
         )
         agent, server = self.config.agent, self.config.server
         self.balancer = shared_balancer(len(self.server_handles), server.max_cache_size,
-                                        server.balancer)
+                                        server.balancer, server.routing)
         self.local_routing = self.balancer is None and len(self.server_handles) > 1
         self.supervisor = ServerSupervisor(
             self.servers, self.balancer, self._swap_server, restart=server.restart_dead,

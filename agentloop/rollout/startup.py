@@ -41,13 +41,16 @@ def open_servers(
     return start_standalone_servers(config)
 
 
-def shared_balancer(num_servers: int, max_cache_size: int, mode: str = "shared") -> Any:
+def shared_balancer(
+    num_servers: int, max_cache_size: int, mode: str = "shared", routing: str = "sticky"
+) -> Any:
     """The GlobalBalancer actor every worker's router shares, or None: for one server (nothing to
     balance) and with ``mode`` ``local`` (``rollout.server.balancer``), workers then route on their
-    own and skip the actor hop."""
+    own and skip the actor hop. ``routing``: ``rollout.server.routing`` (``sticky``, ``prefix``).
+    """
     if num_servers <= 1 or mode == "local":
         return None
-    return create_global_balancer(num_servers, max_cache_size=max_cache_size)
+    return create_global_balancer(num_servers, max_cache_size=max_cache_size, routing=routing)
 
 
 def sticky_share(entries: int, num_workers: int) -> int:

@@ -44,6 +44,7 @@ from agentloop.report.timing import attach_generate_calls, collect_generate_call
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
+from agentloop.rollout.routing_replay import check_routing_replay
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router
@@ -142,6 +143,7 @@ class AgentLoopWorker:
         # once per worker (verl 0.9); a bad config fails here
         self.tools = load_rollout_tools(sections.multi_turn)
         self.hf_model_type = hf_model_type(model)
+        self.routed_experts_shape = check_routing_replay(self.engine, model)  # R3 column's shape
         self.init_errors: dict[str, str] = {}
         for entry in self.registry.values():
             self._init_loop_class(entry)
@@ -420,6 +422,7 @@ class AgentLoopWorker:
             pad_token_id=self.pad_token_id, sample_fields=sample_fields,
             calculate_log_probs=self.sampling[False].calculate_log_probs,
             rewards_configured=self.rewards.configured,
+            routed_experts_shape=self.routed_experts_shape,
         )
         # multi_modal_inputs; M-RoPE position_ids
         return add_multimodal_outputs(batch, self.processor)

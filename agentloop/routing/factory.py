@@ -42,5 +42,5 @@ def build_router(
         server_handles, balancer, max_cache_size=router_cfg.max_cache_size,
         batch_calls=router_cfg.batch_calls, owner=owner, max_failovers=router_cfg.max_failovers,
         partial_rollout=router_cfg.partial_rollout, restart_preempted=router_cfg.restart_preempted,
-        priority=make_priority(router_cfg.priority),
+        priority=make_priority(router_cfg.priority), routing=router_cfg.routing,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentloop.batch.routed_experts import join_routed_experts
 from agentloop.report import timing
 from agentloop.trace import decode_tokens, record_span
 from agentloop.types import TokenOutput
@@ -80,4 +81,5 @@ def join_pieces(pieces: list[TokenOutput]) -> TokenOutput:
     )
     return last.model_copy(update={
         "token_ids": [t for p in pieces for t in p.token_ids], "log_probs": log_probs,
-        "num_preempted": len(pieces) - 1, "extra_fields": fields, **signals})
+        "num_preempted": len(pieces) - 1, "extra_fields": fields, **signals,
+        **join_routed_experts(pieces)})

@@ -191,7 +191,8 @@ class VLLMServer(WeightUpdateMethods):
                             self._raise_if_dead(e)
                         raise
             output = (
-                to_token_output(final, want_logprobs, self._extra_fields())
+                to_token_output(final, want_logprobs, self._extra_fields(),
+                                getattr(params, "routed_experts_prompt_start", 0))
                 if final is not None
                 else TokenOutput(
                     token_ids=[], log_probs=[] if want_logprobs else None,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from agentloop.batch.routed_experts import PROMPT_START_KEY
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import WORKER_EXTENSION
@@ -66,6 +67,8 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
     if server.priority not in (None, "", "fcfs"):  # the router sends priorities
         args["scheduling_policy"] = "priority"
     args["worker_extension_cls"] = WORKER_EXTENSION  # weight updates without files (weight_sync.py)
+    if engine.enable_rollout_routing_replay:  # R3: routed experts in every output
+        args["enable_return_routed_experts"] = True
     # Qwen2-VL without torchvision: no videos (vllm_plugin.py)
     args.update(engine_arg_defaults(args["model"]))
     args.update(dict(engine.engine_kwargs.get("vllm") or {}))
@@ -99,6 +102,8 @@ def sampling_params(
     kwargs = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
     if params.get("logprobs"):
         kwargs["logprobs"] = 0
+    if params.get(PROMPT_START_KEY):  # routing replay: routing known from earlier turns
+        kwargs[PROMPT_START_KEY] = int(params[PROMPT_START_KEY])
     if params.get("stop"):  # stop strings need the engine to detokenize
         kwargs["stop"] = params["stop"]
     # a grammar (gateway/constraints.py): vLLM's own field names
@@ -125,9 +130,12 @@ def sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
     ]
 
 
-def to_token_output(final: Any, want_logprobs: bool, extra_fields: dict[str, Any]) -> TokenOutput:
+def to_token_output(
+    final: Any, want_logprobs: bool, extra_fields: dict[str, Any], routed_experts_start: int = 0
+) -> TokenOutput:
     """A final ``RequestOutput`` as a TokenOutput carrying ``extra_fields``
-    (``num_preempted`` -1 where vLLM does not report it)."""
+    (``num_preempted`` -1 where vLLM does not report it) and, with routing replay on, the
+    completion's ``routed_experts`` from position ``routed_experts_start``."""
     completion = final.outputs[0]
     token_ids = list(completion.token_ids)
     log_probs = sampled_logprobs(completion, token_ids) if want_logprobs else None
@@ -137,7 +145,8 @@ def to_token_output(final: Any, want_logprobs: bool, extra_fields: dict[str, Any
         stop_reason=FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP),
         stop_sequence=stop_sequence(completion),
         num_preempted=int(preempted) if preempted is not None else -1,
-        extra_fields=extra_fields,
+        extra_fields=extra_fields, routed_experts=getattr(completion, "routed_experts", None),
+        routed_experts_start=routed_experts_start,
     )
 
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from agentloop.errors import ServerError
 from agentloop.servers.base import GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket
@@ -30,6 +32,19 @@ Script = list[int] | TokenOutput | Exception
 
 ScriptFn = Callable[[list[int], dict[str, Any], str], "list[int] | TokenOutput"]
 """A reply function ``(prompt_ids, sampling_params, request_id) -> reply``."""
+
+
+def fake_routed_experts(
+    ids: Sequence[int], start: int, shape: tuple[int, int], num_experts: int = 8
+) -> np.ndarray:
+    """Deterministic routing of positions ``start..len(ids)-1`` of ``ids``: expert ``(7 * token +
+    3 * position + 5 * layer + j) % num_experts`` for choice ``j`` of ``layer`` (distinct choices
+    for ``top_k <= num_experts``); uint8 [n, layers, top_k], as vLLM returns it."""
+    layers, top_k = shape
+    pos = np.arange(start, len(ids), dtype=np.int64)
+    base = 7 * np.asarray(ids[start:], dtype=np.int64) + 3 * pos
+    grid = base[:, None, None] + 5 * np.arange(layers)[None, :, None] + np.arange(top_k)
+    return (grid % num_experts).astype(np.uint8)
 
 
 def fake_log_probs(n: int) -> list[float]:
@@ -49,6 +64,10 @@ class ScriptedServer:
         delay: seconds to wait before replying.
         token_delay: seconds per token of the reply, handed out one by one (a pause or abort can cut
         it). name: shown in error messages.
+        routed_experts: ``(layers, top_k)``: every reply carries :func:`fake_routed_experts` for
+            the positions the engine would have run (from the request's
+            ``routed_experts_prompt_start`` to the last sampled token, excluded), as vLLM does
+            with routing replay on; None: no routing (a dense model).
 
     Attributes:
         calls: one dict per ``generate`` call (request_id, prompt_ids, sampling_params, image_data).
@@ -64,8 +83,9 @@ class ScriptedServer:
     def __init__(
         self, responses: Sequence[Script] | ScriptFn | None = None, *,
         eos_token_id: int | None = None, delay: float = 0.0, token_delay: float = 0.0,
-        name: str = "scripted",
+        name: str = "scripted", routed_experts: tuple[int, int] | None = None,
     ) -> None:
+        self.routed_experts = routed_experts
         self._script: list[Script] | ScriptFn | None = (
             responses if callable(responses) or responses is None else list(responses)
         )
@@ -152,6 +172,14 @@ class ScriptedServer:
                 )
             update: dict[str, Any] = dict(self.gate.signals(output.stop_reason, request_id,
                                                             sampling_params.get("max_tokens")))
+            if self.routed_experts is not None and output.routed_experts is None:
+                start = int(sampling_params.get("routed_experts_prompt_start") or 0)
+                # the last sampled id never ran; nothing ran for a reply with no tokens
+                ran = [*prompt_ids, *output.token_ids][:-1]
+                if not output.token_ids:
+                    ran = list(prompt_ids[:start])
+                update["routed_experts"] = fake_routed_experts(ran, start, self.routed_experts)
+                update["routed_experts_start"] = start
             # a grammar the script cannot follow (rule 9)
             if sampling_params.get("structured_outputs"):
                 update["extra_fields"] = {**output.extra_fields, "structured_outputs_ignored": True}
