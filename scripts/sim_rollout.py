@@ -17,6 +17,13 @@ resumed, contexts re-read), ``drain`` (running requests finish first, new ones w
 (frozen, then go on with their KV cache).  Ratio = time per hand-out / the work bound of the
 trajectories handed out (their tokens at full batch, their prompts and tool results prefilled once,
 the update's pause); "decode" = against their tokens alone (the bound before prefill was counted).
+
+``--kv`` prints instead the KV-cache-aware routing comparison
+(docs/routing.md#kv-cache-aware-routing): verl's sticky least-in-flight (binding cache 10,000),
+the shipped policy (the same, cache grown to twice the batch), prefix affinity
+(``server.routing: prefix``) with and without moves, on three workloads (no shared prefixes;
+GRPO groups of 8 sharing a prompt under a shared system prompt; sub-agents forked from their
+parent's context), synchronous batch and Rollouter (``abort``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentloop.routing.prefix_affinity import build_balancer
 from agentloop.routing.strategies import Balancer, LeastInFlight, make_balancer
 from agentloop.routing.tail import ContextPriority
 from agentloop.testing.sim_rollout import (
@@ -52,12 +60,79 @@ class OracleLane:
         self.inner = make_balancer(servers - 1, seed=seed)
         self.last = servers - 1
 
-    def acquire(self, request_id: str, prompt_len: int = 0) -> int:
-        return self.last if request_id in self.lane else self.inner.acquire(request_id, prompt_len)
+    def acquire(self, request_id: str, prompt_len: int = 0, prefix: tuple[int, ...] = ()) -> int:
+        if request_id in self.lane:
+            return self.last
+        return self.inner.acquire(request_id, prompt_len, prefix=prefix)
 
     def release(self, server: int) -> None:
         if server != self.last:
             self.inner.release(server)
+
+
+KV_WORKLOADS = {
+    "no shared prefix": {},
+    "GRPO n=8, system prompt": {"group_size": 8, "prompt_tokens": 1536, "system_tokens": 1024},
+    "sub-agents (3 per trajectory)": {
+        "trajectories": 1024, "subagents": 3, "prompt_tokens": 1536, "system_tokens": 1024,
+    },
+}
+"""Per workload: :class:`Workload` fields over the defaults (``--trajectories`` scales them)."""
+
+
+def kv_policies(seed: int, batch: int) -> dict[str, Callable[[int], Any]]:
+    """The routing policies ``--kv`` compares, by name."""
+
+    def shipped(n: int) -> Any:
+        balancer = make_balancer(n, seed=seed)
+        balancer.ensure_cache_capacity(2 * batch)  # as the manager does before each batch
+        return balancer
+
+    return {
+        "verl: sticky + least in-flight (cache 10,000)": lambda n: make_balancer(n, seed=seed),
+        "shipped: the same, cache grown to 2x batch": shipped,
+        "prefix affinity (server.routing: prefix)": (
+            lambda n: build_balancer(n, routing="prefix", seed=seed)
+        ),
+        "prefix affinity, no moves": (
+            lambda n: build_balancer(n, routing="prefix", seed=seed, move_slack=None)
+        ),
+    }
+
+
+def kv_main(args: argparse.Namespace) -> None:
+    """The KV-cache-aware routing table (module docstring)."""
+    m = ServerModel()
+    print(f"{'servers':>7}  {'workload':<30} {'regime':<10} {'policy':<46} {'time s':>7} "
+          f"{'ratio':>6} {'token hits':>10} {'turn hits':>9} {'moves':>6}")
+    for servers in args.servers:
+        for wname, fields in KV_WORKLOADS.items():
+            scale = args.trajectories / 4096
+            trajectories = max(1, round(fields.get("trajectories", 4096) * scale))
+            w = Workload(**{**fields, "trajectories": trajectories, "seed": args.seed})
+            total = trajectories * (1 + w.subagents)
+            regimes = ["sync"] if w.subagents or args.no_stream else ["sync", "rollouter"]
+            for regime in regimes:
+                for pname, factory in kv_policies(args.seed, total).items():
+                    made: list[Any] = []
+
+                    def keep(
+                        n: int, factory: Callable[[int], Any] = factory, made: list[Any] = made
+                    ) -> Any:
+                        made.append(factory(n))
+                        return made[-1]
+
+                    if regime == "sync":
+                        r = simulate(keep, w, m, servers)
+                        t = r["makespan_s"]
+                    else:
+                        r = simulate_stream(keep, w, m, servers, batches=args.batches,
+                                            max_staleness=None, update="abort")
+                        t = r["batch_s"]
+                    moves = getattr(made[0].strategy, "moves", 0)
+                    print(f"{servers:>7}  {wname:<30} {regime:<10} {pname:<46} {t:>7.1f} "
+                          f"{r['ratio']:>6.3f} {r['prompt_token_hit_rate']:>10.1%} "
+                          f"{r['prefix_hit_rate']:>9.0%} {moves:>6}", flush=True)
 
 
 def main() -> None:
@@ -74,7 +149,11 @@ def main() -> None:
         "--updates", nargs="+", default=["abort", "drain", "keep"],
         choices=["abort", "drain", "keep"],
     )
+    parser.add_argument("--kv", action="store_true", help="the KV-cache-aware routing table only")
     args = parser.parse_args()
+    if args.kv:
+        kv_main(args)
+        return
     w, m = Workload(trajectories=args.trajectories, seed=args.seed), ServerModel()
     shipped: Callable[[int], Any] = lambda n: make_balancer(n, seed=args.seed)  # noqa: E731
     print(

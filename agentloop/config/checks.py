@@ -49,6 +49,20 @@ def check_balancer_mode(value: Any) -> None:
         )
 
 
+ROUTING_MODES: tuple[str, ...] = ("sticky", "prefix")
+"""``server.routing``: verl's sticky least-in-flight, or KV-cache-aware prefix affinity."""
+
+
+def check_routing_mode(value: Any) -> None:
+    """Raise the ConfigError for a ``server.routing`` that is not one of :data:`ROUTING_MODES`."""
+    if value not in ROUTING_MODES:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.server.routing must be 'sticky' (request id, else least "
+            f"in flight: verl's routing) or 'prefix' (KV-cache-aware prefix affinity, "
+            f"docs/routing.md), got {value!r}"
+        )
+
+
 REWARD_TO_MODES: tuple[str, ...] = get_args(RewardTo)
 """``multi_turn.reward_to``: all | last | discounted."""
 

@@ -3,6 +3,7 @@
 from agentloop.routing.balancer_actor import BalancerActor, RemoteBalancer, create_global_balancer
 from agentloop.routing.factory import build_router
 from agentloop.routing.manager import AsyncLLMServerManager, LLMServerClient
+from agentloop.routing.prefix_affinity import PrefixAffinity, build_balancer, prefix_keys
 from agentloop.routing.strategies import (
     Balancer,
     LeastInFlight,
@@ -14,6 +15,6 @@ from agentloop.routing.strategies import (
 
 __all__ = [
     "AsyncLLMServerManager", "Balancer", "BalancerActor", "LLMServerClient", "LeastInFlight",
-    "RemoteBalancer", "RouteContext", "RoutingStrategy", "StickySession", "build_router",
-    "create_global_balancer", "make_balancer",
+    "PrefixAffinity", "RemoteBalancer", "RouteContext", "RoutingStrategy", "StickySession",
+    "build_balancer", "build_router", "create_global_balancer", "make_balancer", "prefix_keys",
 ]

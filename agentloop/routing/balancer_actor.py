@@ -16,14 +16,16 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agentloop.routing.strategies import make_balancer
+from agentloop.routing.prefix_affinity import build_balancer
 
 
 class BalancerActor:
     """Actor body: a :class:`~agentloop.routing.strategies.Balancer` behind remote methods."""
 
     def __init__(self, num_servers: int, **kwargs: Any) -> None:
-        self.balancer = make_balancer(num_servers, **kwargs)
+        """``kwargs``: :func:`~agentloop.routing.prefix_affinity.build_balancer`'s (``routing``,
+        ``max_cache_size``, ...)."""
+        self.balancer = build_balancer(num_servers, **kwargs)
 
     def acquire(self, request_id: str, prompt_len: int = 0, owner: str | None = None) -> int:
         """Choose a server for ``request_id`` and count it in flight."""
@@ -34,13 +36,13 @@ class BalancerActor:
         self.balancer.release(server, owner)
 
     def acquire_many(
-        self, requests: list[tuple[str, int]], releases: list[int], owner: str | None = None
+        self, requests: list[tuple[Any, ...]], releases: list[int], owner: str | None = None
     ) -> list[int]:
-        """Apply ``releases`` first, then acquire a server for each ``(request_id, prompt_len)``,
-        all for ``owner``."""
+        """Apply ``releases`` first, then acquire a server for each ``(request_id, prompt_len)``
+        or ``(request_id, prompt_len, prefix)`` (``server.routing: prefix``), all for ``owner``."""
         for server in releases:
             self.balancer.release(server, owner)
-        return [self.balancer.acquire(rid, plen, owner) for rid, plen in requests]
+        return [self.balancer.acquire(req[0], req[1], owner, *req[2:]) for req in requests]
 
     def release_owner(self, owner: str) -> int:
         """Release the slots a dead worker still held; returns how many."""
@@ -102,16 +104,19 @@ class RemoteBalancer:
         self.owner = owner
         """Whose slots these are (the worker's id): the manager releases them all if the worker
         dies."""
-        self._acquires: list[tuple[str, int, asyncio.Future[int]]] = []
+        self._acquires: list[tuple[str, int, asyncio.Future[int], tuple[int, ...]]] = []
         self._releases: list[int] = []
         self._busy = False
         # strong reference: unreferenced tasks can be collected
         self._task: asyncio.Task[None] | None = None
 
-    async def acquire(self, request_id: str, prompt_len: int = 0) -> int:
-        """Ask the actor for a server (batched with concurrent acquires and pending releases)."""
+    async def acquire(
+        self, request_id: str, prompt_len: int = 0, prefix: tuple[int, ...] = ()
+    ) -> int:
+        """Ask the actor for a server (batched with concurrent acquires and pending releases);
+        ``prefix``: the prompt's prefix keys (``server.routing: prefix``)."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._acquires.append((request_id, prompt_len, future))
+        self._acquires.append((request_id, prompt_len, future, prefix))
         self._kick()
         return await future
 
@@ -148,25 +153,27 @@ class RemoteBalancer:
             self._task = None
 
     async def _trip(
-        self, batch: list[tuple[str, int, asyncio.Future[int]]], releases: list[int]
+        self, batch: list[tuple[str, int, asyncio.Future[int], tuple[int, ...]]],
+        releases: list[int],
     ) -> None:
         """One actor call: apply ``releases``, acquire for ``batch`` and resolve its futures."""
-        ref = self.handle.acquire_many.remote([(r, p) for r, p, _ in batch], releases, self.owner)
+        requests = [(r, p, k) if k else (r, p) for r, p, _, k in batch]
+        ref = self.handle.acquire_many.remote(requests, releases, self.owner)
         try:
             servers = await ref
         # the loop is going away: nobody will use what the call acquires
         except asyncio.CancelledError:
-            for _, _, fut in batch:
+            for _, _, fut, _ in batch:
                 fut.cancel()
             if isinstance(ref, ray.ObjectRef):
                 ref.future().add_done_callback(self._release_result)
             raise
         except Exception as e:  # noqa: BLE001 - handed to every waiter
-            for _, _, fut in batch:
+            for _, _, fut, _ in batch:
                 if not fut.done():
                     fut.set_exception(e)
             return
-        for (_, _, fut), server in zip(batch, servers, strict=True):
+        for (_, _, fut, _), server in zip(batch, servers, strict=True):
             if fut.cancelled():
                 self._releases.append(server)
             else:

@@ -24,13 +24,14 @@ from agentloop.report import timing
 from agentloop.routing.balancer_actor import RemoteBalancer
 from agentloop.routing.batcher import ServerCallBatcher
 from agentloop.routing.outputs import UNCUT, join_pieces, trace_generate, with_versions
+from agentloop.routing.prefix_affinity import build_balancer, prefix_keys
 from agentloop.routing.server_errors import (  # noqa: F401 (server_cause, server_errors: re-export)
     SERVER_CALL_ERRORS,
     server_cause,
     server_errors,
     translated,
 )
-from agentloop.routing.strategies import Balancer, make_balancer
+from agentloop.routing.strategies import Balancer
 from agentloop.servers.base import ServerDeadError
 from agentloop.trace import enabled as trace_enabled
 from agentloop.types import StopReason, TokenDelta, TokenOutput
@@ -55,6 +56,10 @@ class AsyncLLMServerManager:
             ``aborted``, or with ``restart_preempted`` runs them again from their start.
         priority: ``(request_id, prompt_len) -> int`` sent as ``sampling_params["priority"]`` (e.g.
             :class:`agentloop.routing.tail.ContextPriority`); None: arrival order.
+        routing: ``server.routing``: ``prefix`` sends each prompt's prefix keys with the acquire
+            (:func:`~agentloop.routing.prefix_affinity.prefix_keys`) and builds the default local
+            balancer as :class:`~agentloop.routing.prefix_affinity.PrefixAffinity`; ``sticky``
+            (default) sends none.
 
     Raises:
         RoutingError: ``server_handles`` is empty.
@@ -66,7 +71,7 @@ class AsyncLLMServerManager:
         self, server_handles: Sequence[Any], balancer: Balancer | ActorHandle | None = None, *,
         max_cache_size: int = 10000, batch_calls: bool = True, owner: str | None = None,
         max_failovers: int | None = None, partial_rollout: bool = False,
-        restart_preempted: bool = False, priority: Any = None,
+        restart_preempted: bool = False, priority: Any = None, routing: str = "sticky",
     ) -> None:
         self.server_handles = list(server_handles)
         self.priority = priority
@@ -74,9 +79,11 @@ class AsyncLLMServerManager:
             raise RoutingError(
                 "no servers to route to: AsyncLLMServerManager got an empty server_handles list"
             )
-        self.balancer: Any = balancer if balancer is not None else make_balancer(
-            len(self.server_handles), max_cache_size=max_cache_size
+        self.balancer: Any = balancer if balancer is not None else build_balancer(
+            len(self.server_handles), routing=routing, max_cache_size=max_cache_size
         )
+        self._prefix = routing == "prefix"
+        """Send prefix keys (``server.routing: prefix``); off, the hot path computes none."""
         self.owner = owner or uuid.uuid4().hex
         self._remote_balancer = isinstance(self.balancer, ActorHandle)
         self._client = RemoteBalancer(self.balancer, self.owner) if self._remote_balancer else None
@@ -101,9 +108,13 @@ class AsyncLLMServerManager:
         self.num_resumes = 0
         """Generations re-issued after a server pause interrupted them (``partial_rollout``)."""
 
-    async def _acquire(self, request_id: str, prompt_len: int) -> int:
+    async def _acquire(
+        self, request_id: str, prompt_len: int, prefix: tuple[int, ...] = ()
+    ) -> int:
         if self._client is not None:
-            return await self._client.acquire(request_id, prompt_len)
+            return await self._client.acquire(request_id, prompt_len, prefix)
+        if prefix:
+            return self.balancer.acquire(request_id, prompt_len, prefix=prefix)
         return self.balancer.acquire(request_id, prompt_len)
 
     def _release_nowait(self, server: int, *, cancelled: bool = False) -> None:
@@ -241,7 +252,8 @@ class AsyncLLMServerManager:
         attempt = 0
         while True:
             try:
-                async with self._slot(key, len(prompt_ids), request_id) as server:
+                prefix = prefix_keys(prompt_ids) if self._prefix else ()
+                async with self._slot(key, len(prompt_ids), request_id, prefix) as server:
                     start = timing.now()
                     output = await self._call(
                         server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
@@ -378,7 +390,10 @@ class AsyncLLMServerManager:
             "prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
             "image_data": image_data,
         }
-        async with self._slot(sticky_key or request_id, len(prompt_ids), request_id) as server:
+        prefix = prefix_keys(prompt_ids) if self._prefix else ()
+        async with self._slot(
+            sticky_key or request_id, len(prompt_ids), request_id, prefix
+        ) as server:
             handle = self.server_handles[server]
             if isinstance(handle, ActorHandle):
                 refs: Any = handle.generate_stream.options(num_returns="streaming").remote(**kwargs)
@@ -389,13 +404,15 @@ class AsyncLLMServerManager:
                     yield self._tag(delta, server)
 
     @contextlib.asynccontextmanager
-    async def _slot(self, key: str, prompt_len: int, request_id: str) -> AsyncIterator[int]:
+    async def _slot(
+        self, key: str, prompt_len: int, request_id: str, prefix: tuple[int, ...] = ()
+    ) -> AsyncIterator[int]:
         """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
         cancellation alike.  A dead server actor becomes a ServerDeadError; an error raised inside
         the server propagates as the server raised it (out of Ray's task-error wrapper:
         :func:`~agentloop.routing.server_errors.translated`).
         """
-        server = await self._acquire(key, prompt_len)
+        server = await self._acquire(key, prompt_len, prefix)
         cancelled = False
         try:
             yield server

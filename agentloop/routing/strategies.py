@@ -32,6 +32,10 @@ class RouteContext:
 
     request_id: str
     prompt_len: int = 0
+    prefix: tuple[int, ...] = ()
+    """Keys of nested prefixes of the prompt, shortest first
+    (:func:`agentloop.routing.prefix_affinity.prefix_keys`; the simulator
+    passes its own); empty unless the router was built for ``server.routing: prefix``."""
 
 
 class RoutingStrategy(Protocol):
@@ -206,13 +210,18 @@ class Balancer:
         if track is not None:
             track(self.in_flight)
 
-    def acquire(self, request_id: str, prompt_len: int = 0, owner: str | None = None) -> int:
+    def acquire(
+        self, request_id: str, prompt_len: int = 0, owner: str | None = None,
+        prefix: tuple[int, ...] = (),
+    ) -> int:
         """Choose a healthy server for a request starting now and count it in flight (for
-        ``owner`` too)."""
+        ``owner`` too); ``prefix``: :attr:`RouteContext.prefix`."""
         if all(self.healthy):
-            server = self.strategy.choose(RouteContext(request_id, prompt_len), self.in_flight)
+            server = self.strategy.choose(
+                RouteContext(request_id, prompt_len, prefix), self.in_flight
+            )
         else:
-            server = self._choose_healthy(RouteContext(request_id, prompt_len))
+            server = self._choose_healthy(RouteContext(request_id, prompt_len, prefix))
         self.in_flight[server] += 1
         if self._moved is not None:
             self._moved(server, self.in_flight[server] - 1, self.in_flight[server])

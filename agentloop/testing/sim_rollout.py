@@ -37,6 +37,14 @@ class Workload:
     prompt_tokens: int = 512
     tool_tokens: int = 64
     seed: int = 0
+    group_size: int = 1
+    """GRPO's ``rollout.n``: consecutive trajectories in groups of this many share their prompt."""
+    system_tokens: int = 0
+    """The first this-many prompt tokens are one system prompt shared by every trajectory."""
+    subagents: int = 0
+    """Sub-agents each trajectory forks when its first turn ends (synchronous batch only): each
+    starts from its parent's context (shared prefix) plus ``tool_tokens`` of instruction and runs
+    turns of its own; the batch ends when every parent and sub-agent has ended."""
 
 
 @dataclass
@@ -63,6 +71,13 @@ class _Trajectory:
     done_at: float = 0.0
     version: int = 0
     """The weight version when it started (stream regime)."""
+    prompt: int = 0
+    """Its first prompt's tokens."""
+    chain: list[tuple[int, int]] = field(default_factory=list)
+    """(key, tokens) of the prefixes its first prompt shares with others, shortest first."""
+    children: list[_Trajectory] = field(default_factory=list)
+    """Sub-agents started when its first turn ends."""
+    is_child: bool = False
 
 
 @dataclass
@@ -73,6 +88,7 @@ class _Server:
     busy: bool = False
     tokens: int = 0
     stall: float = 0.0  # seconds added to the next step (a weight update's pause and re-prefill)
+    cached: dict[int, int] = field(default_factory=dict)  # prefix key -> tokens of it cached
 
 
 def _trajectory(rng: random.Random, w: Workload, index: int) -> _Trajectory:
@@ -87,19 +103,61 @@ def _trajectory(rng: random.Random, w: Workload, index: int) -> _Trajectory:
         for _ in range(turns)
     ]
     tools = [rng.lognormvariate(math.log(w.tool_median_s), w.tool_sigma) for _ in range(turns - 1)]
-    return _Trajectory(index, lengths, tools, context=w.prompt_tokens)
+    chain = [(hash((1, 0)), w.system_tokens)] if w.system_tokens else []
+    if w.group_size > 1:
+        chain.append((hash((2, index // w.group_size)), w.prompt_tokens))
+    return _Trajectory(
+        index, lengths, tools, context=w.prompt_tokens, prompt=w.prompt_tokens, chain=chain
+    )
+
+
+def traj_key(index: int) -> int:
+    """The prefix key of trajectory ``index``'s own context (its sub-agents share it)."""
+    return hash((3, index))
+
+
+def _fork(rng: random.Random, w: Workload, parent: _Trajectory, index: int) -> _Trajectory:
+    """A sub-agent of ``parent``: its context after the first turn plus an instruction."""
+    child = _trajectory(rng, w, index)
+    shared = parent.prompt + parent.turns[0]
+    child.prompt = child.context = shared + w.tool_tokens
+    child.chain = [*parent.chain, (traj_key(parent.index), shared)]
+    child.is_child = True
+    return child
 
 
 def make_trajectories(w: Workload) -> list[_Trajectory]:
+    """The workload's trajectories (sub-agents after every parent, each also in its parent's
+    ``children``)."""
     rng = random.Random(w.seed)
-    return [_trajectory(rng, w, i) for i in range(w.trajectories)]
+    trajs = [_trajectory(rng, w, i) for i in range(w.trajectories)]
+    for parent in list(trajs[: w.trajectories]):
+        for j in range(w.subagents):
+            child = _fork(rng, w, parent, w.trajectories + parent.index * w.subagents + j)
+            parent.children.append(child)
+            trajs.append(child)
+    return trajs
 
 
 def _prefill_s(t: _Trajectory, w: Workload, m: ServerModel) -> float:
     """Prefill every schedule pays for ``t``: its prompt and each tool result, once (a turn landing
     on its previous server reads only the new tokens; any other placement, or an update that empties
     the cache, reads more)."""
-    return (w.prompt_tokens + w.tool_tokens * (len(t.turns) - 1)) * m.prefill_per_token
+    return (t.prompt + w.tool_tokens * (len(t.turns) - 1)) * m.prefill_per_token
+
+
+def _shared_prefill_s(trajs: list[_Trajectory], m: ServerModel) -> float:
+    """Prefill the bound does not count: each shared prefix is read once, not once per trajectory
+    (0 for a workload that shares nothing)."""
+    saved, seen = 0, set()
+    for t in trajs:
+        below = 0
+        for key, tokens in t.chain:
+            if key in seen:
+                saved += tokens - below
+            seen.add(key)
+            below = tokens
+    return saved * m.prefill_per_token
 
 
 def _alone(t: _Trajectory, w: Workload, m: ServerModel, prefill: bool = True) -> float:
@@ -117,7 +175,10 @@ def _work(
     each prompt and tool result prefilled once (``prefill=False``: the tokens alone, the bound
     reported before 2026-11-27)."""
     decode = sum(sum(t.turns) for t in trajs) * (m.step_b + m.step_a / m.max_batch)
-    return (decode + (sum(_prefill_s(t, w, m) for t in trajs) if prefill else 0.0)) / servers
+    if not prefill:
+        return decode / servers
+    once = sum(_prefill_s(t, w, m) for t in trajs) - _shared_prefill_s(trajs, m)
+    return (decode + once) / servers
 
 
 def lower_bound(
@@ -144,6 +205,7 @@ class _Sim:
         self.events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, id)
         self.seq = 0
         self.hits = self.misses = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.now = 0.0
         self.stopped = False
         # a weight update waiting for the running requests (its pause seconds)
@@ -158,16 +220,33 @@ class _Sim:
 
     def start_turn(self, traj: _Trajectory) -> None:
         self.trajs[traj.index] = traj
-        server = self.balancer.acquire(f"traj-{traj.index}", traj.context)
+        rid = f"traj-{traj.index}"
+        if traj.chain or self.w.subagents:
+            keys = (*(k for k, _ in traj.chain), traj_key(traj.index))
+            server = self.balancer.acquire(rid, traj.context, prefix=keys)
+        else:
+            server = self.balancer.acquire(rid, traj.context)
         cached = traj.last_server == server
         if traj.turn:  # a later turn: its context is cached where its previous turn ran
             self.hits += cached
             self.misses += not cached
         uncached = self.w.tool_tokens if cached and traj.turn else traj.context
+        uncached = min(uncached, traj.context - self._cached_prefix(traj, server))
+        self.prompt_tokens += traj.context
+        self.cached_tokens += traj.context - uncached
         rank = self.priority(f"traj-{traj.index}", traj.context) if self.priority is not None else 0
         heapq.heappush(self.nodes[server].waiting, (rank, self.next_seq(), traj.index, uncached))
         if not self.nodes[server].busy:
             self.step(server)
+
+    def _cached_prefix(self, traj: _Trajectory, server: int) -> int:
+        """Tokens of ``traj``'s shared prefixes that ``server`` holds; records that it now holds
+        them all (the request's prompt is about to be read there)."""
+        cached, hit = self.nodes[server].cached, 0
+        for key, tokens in traj.chain:
+            hit = max(hit, min(tokens, cached.get(key, 0)))
+            cached[key] = max(tokens, cached.get(key, 0))
+        return hit
 
     def step(self, server: int) -> None:
         node, m = self.nodes[server], self.m
@@ -221,6 +300,8 @@ class _Sim:
         if not keep_kv:
             for traj in self.trajs.values():
                 traj.last_server = None
+            for node in self.nodes:
+                node.cached.clear()
         for server, node in enumerate(self.nodes):
             if not node.busy and node.waiting:
                 self.step(server)
@@ -242,6 +323,10 @@ class _Sim:
                 del node.running[index]
                 self.balancer.release(ident)
                 traj = self.trajs[index]
+                if traj.turn == 0 and traj.children:  # they read its context so far here
+                    node.cached[traj_key(index)] = traj.context + traj.turns[0]
+                    for child in traj.children:
+                        self.start_turn(child)
                 traj.context += traj.turns[traj.turn] + self.w.tool_tokens
                 traj.last_server = ident
                 if traj.turn + 1 < len(traj.turns):
@@ -256,6 +341,7 @@ class _Sim:
     def result(self) -> dict[str, float]:
         tokens = [n.tokens for n in self.nodes]
         return {"prefix_hit_rate": self.hits / max(1, self.hits + self.misses),
+                "prompt_token_hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
                 "load_imbalance": max(tokens) / (sum(tokens) / len(tokens)) if sum(tokens) else 1.0}
 
 
@@ -275,7 +361,8 @@ def simulate(
     trajs = make_trajectories(w)
     sim = _Sim(balancer_factory(servers), w, m, servers, priority, lambda t: None)
     for traj in trajs:
-        sim.start_turn(traj)
+        if not traj.is_child:
+            sim.start_turn(traj)
     sim.run()
     bound, decode = (
         lower_bound(trajs, w, m, servers),
@@ -306,6 +393,8 @@ def simulate_stream(
     abort, drain or keep)."""
     if update not in ("abort", "drain", "keep"):
         raise ValueError(f"update must be 'abort', 'drain' or 'keep', not {update!r}")
+    if w is not None and w.subagents:
+        raise ValueError("simulate_stream does not fork sub-agents (Workload.subagents must be 0)")
     w, m = w or Workload(), m or ServerModel()
     batch, in_flight = w.trajectories, in_flight or w.trajectories
     rng = random.Random(w.seed)
