@@ -42,7 +42,9 @@ def pack_tensor(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
     """``(array, original dtype)``; integer tensors are narrowed when every value fits."""
     arr = t.detach().contiguous().numpy()
     if t.dtype in (torch.int16, torch.int32, torch.int64) and t.numel():
-        lo, hi = int(t.min()), int(t.max())
+        # numpy's reductions, not torch's: torch runs them on its intra-op thread pool, whose
+        # wake-up cost 30-50 ms per call on a loaded 2-core host (measured; issue 33)
+        lo, hi = int(arr.min()), int(arr.max())
         for narrow in _NARROW:
             if narrow.itemsize >= t.dtype.itemsize:
                 break
