@@ -29,7 +29,7 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
 Prints seconds per step (median, range) of each and the ratio verl / each.
 
     python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
-    [--updates] [--per-group]
+    [--updates] [--per-group] [--routing sticky|prefix]
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def main() -> None:
     parser.add_argument("--tool-sigma", type=float, default=1.0)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument(
+        "--routing", choices=["sticky", "prefix"], default="sticky",
+        help="rollout.server.routing for every pass (prefix: KV-cache-aware, docs/routing.md)",
+    )
+    parser.add_argument(
         "--updates", action="store_true",
         help="also Rollouter passes with a weight update per step: drain, abort, keep",
     )
@@ -110,6 +114,7 @@ def main() -> None:
         "actor_rollout_ref.rollout.max_num_seqs": args.max_num_seqs,
         "actor_rollout_ref.rollout.agent.num_workers": 2,
         "actor_rollout_ref.rollout.server.num_servers": args.servers,
+        "actor_rollout_ref.rollout.server.routing": args.routing,
         "actor_rollout_ref.rollout.server.device": "cpu",
         # engines in priority mode; the verl pass sends none
         "actor_rollout_ref.rollout.server.priority": "context",
