@@ -30,6 +30,7 @@ from uuid import uuid4
 
 from omegaconf import DictConfig
 
+from agentloop.batch.routed_experts import RoutedExpertsTrace
 from agentloop.config import EnvConfig, MultiTurnConfig
 from agentloop.envs.base import AssistantTurn, EnvReset, EnvStep
 from agentloop.envs.resolve import EnvChoice, check_env_config, env_spec, resolve_env
@@ -77,6 +78,7 @@ class Episode:
     response_mask: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    routing: RoutedExpertsTrace = field(default_factory=RoutedExpertsTrace)  # routing replay
     assistant_turns: int = 0
     observation_turns: int = 0
     status: RolloutStatus = RolloutStatus.STOP
@@ -259,12 +261,14 @@ class EnvAgentLoop(AgentLoopBase):
 
     async def _generate(self, ep: Episode) -> Any:
         budget = self.response_length - len(ep.response_mask)
-        start = time.perf_counter()
+        start, prompt = time.perf_counter(), ep.prompt_ids + ep.response_ids
         out = await self.server_manager.generate(
-            request_id=self.request_id, prompt_ids=ep.prompt_ids + ep.response_ids,
-            sampling_params={**self.sampling_params, "max_tokens": budget},
+            request_id=self.request_id, prompt_ids=prompt,
+            sampling_params={**self.sampling_params, "max_tokens": budget,
+                             **ep.routing.request(prompt)},
         )
         ep.metrics.generate_sequences += time.perf_counter() - start
+        ep.routing.add(prompt, out)
         for key, pick in (("min_global_steps", min), ("max_global_steps", max)):
             value, old = out.extra_fields.get(key), ep.counters[key]
             if value is not None:
@@ -382,6 +386,7 @@ class EnvAgentLoop(AgentLoopBase):
                                if self.sampling_params.get("logprobs") else None),
             response_weight_versions=(ep.weight_versions[:n]
                                       if any(v >= 0 for v in ep.weight_versions) else None),
+            routed_experts=ep.routing.rows_for(ep.prompt_ids + ep.response_ids[:n]),
             num_turns=ep.assistant_turns + ep.observation_turns - ep.segment_start + 1,
             metrics=ep.metrics,
             extra_fields=fields,

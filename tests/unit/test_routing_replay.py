@@ -243,3 +243,45 @@ def test_sglang_routing_replay_is_refused_before_ray_starts(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="SGLang routing replay is not supported yet"):
         AgentLoopManager(manager_cfg(moe, name="sglang"))
     assert not ray.is_initialized()
+
+
+class TwoGuesses:
+    """An environment that says 'again' once, then ends the episode."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def reset(self, sample: dict[str, Any]) -> Any:
+        from agentloop.envs import EnvReset
+
+        return EnvReset([{"role": "user", "content": "Guess a number."}])
+
+    def step(self, turn: Any) -> Any:
+        from agentloop.envs import EnvStep
+
+        self.steps += 1
+        return EnvStep([{"role": "user", "content": "again"}], reward=0.0, done=self.steps >= 2)
+
+
+def test_env_agent_rows_cover_observation_turns() -> None:
+    from agentloop.envs import register_env
+    from agentloop.loops.env_agent import EnvAgentLoop
+
+    register_env("rr_two_guesses")(TwoGuesses)
+    cfg = default_config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 256, 400
+    OmegaConf.resolve(cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+    server = ScriptedServer([say("3"), say("5")], eos_token_id=IM_END, routed_experts=SHAPE)
+
+    async def go() -> Any:
+        EnvAgentLoop.init_class(rollout, TOK)
+        loop = EnvAgentLoop(rollout, AsyncLLMServerManager([server]), TOK)
+        return await loop.run({}, raw_prompt=[], extra_info={"env": "rr_two_guesses"})
+
+    out = asyncio.run(go())
+    ids = out.prompt_ids + out.response_ids
+    assert out.status == "stop" and len(server.calls) == 2
+    # the observation after turn 1 ran in turn 2's prefill; the episode ends on turn 2's last token
+    assert np.array_equal(np.asarray(out.routed_experts), expected(ids)[:-1])
+    assert server.calls[1]["sampling_params"][PROMPT_START_KEY] == len(out.prompt_ids) + 1
