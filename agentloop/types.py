@@ -145,6 +145,11 @@ class TokenDelta(BaseModel):
     """Set on the last chunk: ``stop``, ``length`` or ``aborted``."""
     stop_sequence: str | None = None
     """On the last chunk: see :attr:`TokenOutput.stop_sequence`."""
+    routed_experts: Any | None = None
+    """On the last chunk, with routing replay: the whole generation's, see
+    :attr:`TokenOutput.routed_experts`."""
+    routed_experts_start: int = 0
+    """On the last chunk: see :attr:`TokenOutput.routed_experts_start`."""
     extra_fields: dict[str, Any] = Field(default_factory=dict)
     """Backend extras on the last chunk (e.g. ``server_index``)."""
     preempted_by_pause: bool = False

@@ -133,5 +133,6 @@ async def collect_stream(deltas: AsyncIterator[TokenDelta], want_logprobs: bool)
         token_ids=ids, log_probs=log_probs, stop_reason=last.stop_reason or StopReason.STOP,
         stop_sequence=last.stop_sequence, extra_fields=last.extra_fields,
         preempted_by_pause=last.preempted_by_pause, cut_by_update=last.cut_by_update,
-        max_tokens=last.max_tokens,
+        max_tokens=last.max_tokens, routed_experts=last.routed_experts,
+        routed_experts_start=last.routed_experts_start,
     )

@@ -259,6 +259,8 @@ class VLLMServer(WeightUpdateMethods):
                             token_ids=ids, log_probs=log_probs, finished=finished, stop_reason=stop,
                             stop_sequence=stop_sequence(completion) if finished else None,
                             extra_fields=extra,
+                            routed_experts=getattr(completion, "routed_experts", None),
+                            routed_experts_start=getattr(params, "routed_experts_prompt_start", 0),
                             **self.gate.signals(stop, request_id, params.max_tokens),
                         )
                 except BaseException as e:
