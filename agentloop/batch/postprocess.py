@@ -63,6 +63,41 @@ def _row_array(row: Sequence[Any], dtype: np.dtype) -> Any:
     return np.asarray(row, dtype=dtype)
 
 
+def _fill_flat(out: np.ndarray, rows: Sequence[Sequence[Any]], left: bool) -> list[int] | None:
+    """:func:`fill_rows` in one copy: the kept items of every row joined into one ``array.array``
+    and scattered through a mask of the row-data cells (row-major, so each row's items land in
+    order).  None (nothing written) when a row is not a list or tuple or an item does not fit
+    ``out``'s ``array`` type: the per-row path handles those."""
+    code = _ARRAY_CODES.get(out.dtype)
+    if code is None or not all(type(row) is list or type(row) is tuple for row in rows):
+        return None
+    width = out.shape[1]
+    lengths = _lengths(rows)
+    kept = np.minimum(lengths, width)
+    flat: list[Any] = []
+    if (lengths > width).any():
+        for row, n in zip(rows, lengths.tolist(), strict=True):
+            if n <= width:
+                flat += row
+            elif left:
+                flat += row[n - width:]
+            else:
+                flat += row[:width]
+    else:
+        for row in rows:
+            flat += row
+    try:
+        values = np.frombuffer(array.array(code, flat), dtype=out.dtype)
+    except (TypeError, OverflowError):
+        return None
+    cols = np.arange(width)
+    if left:
+        out[cols[None, :] >= (width - kept)[:, None]] = values
+    else:
+        out[cols[None, :] < kept[:, None]] = values
+    return kept.tolist()
+
+
 def fill_rows(out: np.ndarray, rows: Sequence[Sequence[Any]], *, left: bool = False) -> list[int]:
     """Copy ragged ``rows`` into ``out`` [len(rows), width], already holding the padding value, in
     place.
@@ -71,6 +106,9 @@ def fill_rows(out: np.ndarray, rows: Sequence[Sequence[Any]], *, left: bool = Fa
     right-padded (a longer row keeps its first ``width``).  Each row is converted once; padding
     cells are not touched. Returns each row's kept length."""
     width = out.shape[1]
+    flat = _fill_flat(out, rows, left)
+    if flat is not None:
+        return flat
     kept: list[int] = []
     for b, row in enumerate(rows):
         n = len(row)
