@@ -3,6 +3,7 @@ timing metrics."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -62,6 +63,16 @@ def align_keys(parts: list[DataProto]) -> list[DataProto]:
         for p in parts:
             p.meta_info.pop("timing", None)
     return parts
+
+
+def after_last_sample(done_at: list[float]) -> dict[str, float]:
+    """``agent_loop/serial/after_last_sample``: seconds from the moment the batch's last sample
+    finished (``done_at``: each part's ``time.time()`` then; 0.0 for rows no worker rolled out) to
+    now (padding, transfer, concat and checks); empty when no part says."""
+    last = max(done_at, default=0.0)
+    if not last:
+        return {}
+    return {"agent_loop/serial/after_last_sample": max(0.0, time.time() - last)}
 
 
 def performance_metrics(output: DataProto, wall: float) -> dict[str, float]:

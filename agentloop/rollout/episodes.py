@@ -48,18 +48,20 @@ def task_outputs(task: asyncio.Task, timeout: float | None) -> list[AgentLoopOut
 
 
 def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, engine: EngineConfig,
-                calculate_log_probs: bool, pad_token_id: int, default_agent: str) -> DataProto:
+                calculate_log_probs: bool, pad_token_id: int, default_agent: str,
+                routed_experts_shape: tuple[int, int] | None = None) -> DataProto:
     """The rows of ``chunk`` when no worker could roll them out (its worker died and retries ran
     out, or it hung past the batch deadline): one ``status`` row per sample with ``message``, in
-    verl's padded layout (the ``engine`` section's lengths), keeping each sample's non-tensor fields
-    (uid, index...)."""
+    verl's padded layout (the ``engine`` section's lengths; ``routed_experts`` all fill with
+    routing replay's ``routed_experts_shape``), keeping each sample's non-tensor fields (uid,
+    index...)."""
     fields = {k: v for k, v in chunk.non_tensor_batch.items()}
     fields["agent_name"] = agent_names(chunk, default_agent)
     output = postprocess(
         [failed_output(status, message) for _ in range(len(chunk))],
         prompt_length=engine.prompt_length, response_length=engine.response_length,
         pad_token_id=pad_token_id, sample_fields=fields, calculate_log_probs=calculate_log_probs,
-        rewards_configured=False,
+        rewards_configured=False, routed_experts_shape=routed_experts_shape,
     )
     return output
 

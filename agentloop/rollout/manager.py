@@ -27,7 +27,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
-from agentloop.batch.metrics import align_keys, performance_metrics
+from agentloop.batch.metrics import after_last_sample, align_keys, performance_metrics
 from agentloop.batch.protocol import DataProto
 from agentloop.cluster.placement import ServerGroup, sleep_support, stop_servers
 from agentloop.cluster.supervisor import ServerSupervisor
@@ -106,7 +106,7 @@ class AgentLoopManager:
         self.registry = resolve_registry(self.config.agent.agent_loop_config_path)
         check_env_config(self.config.env)  # env.default / env.config_path, before servers start
         check_tool_config(self.config.multi_turn.tool_config_path)  # MCP servers, likewise
-        check_routing_replay(self.config.engine, self.config.model_config)  # R3: an MoE model
+        self.routed_shape = check_routing_replay(self.config.engine, self.config.model_config)
         for name, entry in self.registry.items():  # a loop entry's own check (verifiers' venv)
             check_entry = getattr(entry.cls, "check_entry", None)
             if check_entry is not None:
@@ -183,6 +183,7 @@ class AgentLoopManager:
             calculate_log_probs=self.config.sampling.calculate_log_probs,
             pad_token_id=int(pad if pad is not None else self.tokenizer.eos_token_id),
             default_agent=self.config.agent.default_agent_loop,
+            routed_experts_shape=self.routed_shape,
         )
 
     def _watch(self) -> None:
@@ -244,6 +245,7 @@ class AgentLoopManager:
         output.meta_info["metrics"] = metrics
         timing = performance_metrics(output, time.perf_counter() - t0)
         timing.update(self.faults.take(failovers))
+        timing.update(after_last_sample([p.stats.done_at for p in parts]))
         output.meta_info = {**output.meta_info, "timing": timing}
         return output
 

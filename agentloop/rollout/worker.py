@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -77,12 +78,15 @@ class WorkerStats:
     """Requests its router moved to another server (a server died) since the previous group."""
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """Per row, in row order: the loop's timing metrics (verl's ``meta_info["metrics"]``)."""
+    done_at: float = 0.0
+    """When the group's last sample finished (``time.time()``, before its rows were padded); 0.0
+    for rows no worker rolled out."""
 
     @classmethod
-    def take(cls, rows: DataProto, server_failovers: int = 0) -> WorkerStats:
+    def take(cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0) -> WorkerStats:
         """The stats of freshly padded ``rows``: their per-row metrics move out of ``meta_info`` (a
         list per part, which ``DataProto.concat`` would fold into a dict) into the stats."""
-        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [])
+        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [], done_at)
 
 
 class AgentLoopWorker:
@@ -296,7 +300,7 @@ class AgentLoopWorker:
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
         # groups whose samples are all done, in that order
-        finished: asyncio.Queue[int] = asyncio.Queue()
+        finished: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
         waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for g, wait in enumerate(waits):
@@ -308,7 +312,7 @@ class AgentLoopWorker:
         )
         try:
             for _ in waits:
-                g = await finished.get()
+                g, done_at = await finished.get()
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
@@ -318,7 +322,7 @@ class AgentLoopWorker:
                     results, {k: v[a:b] for k, v in fields.items()}, names[a:b]
                 )
                 before, failovers = failovers, self.server_manager.num_failovers
-                yield g, rows, WorkerStats.take(rows, failovers - before)
+                yield g, rows, WorkerStats.take(rows, failovers - before, done_at)
         finally:
             if deadline is not None:
                 deadline.cancel()
@@ -390,11 +394,15 @@ class AgentLoopWorker:
         try:
             loop = entry.cls(*self._loop_args, **{**self._loop_kwargs, **entry.kwargs})
             coro = loop.run(dict(sampling_params), trajectory_info=info, **sample)
-            with rollout_trace_attr(
-                step=info["step"], sample_index=info["sample_index"], rollout_n=info["rollout_n"],
-                validate=info["validate"], name="agent_loop", trace=bool(info.get("trace")),
-            ):
+            if not trace_enabled():  # the hot path: rollout_trace_attr would do nothing
                 output = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+            else:
+                with rollout_trace_attr(
+                    step=info["step"], sample_index=info["sample_index"],
+                    rollout_n=info["rollout_n"], validate=info["validate"], name="agent_loop",
+                    trace=bool(info.get("trace")),
+                ):
+                    output = await (asyncio.wait_for(coro, timeout) if timeout else coro)
         except asyncio.TimeoutError:
             logger.warning(
                 "sample %s (%s) timed out after %ss", info["sample_index"], name, timeout
@@ -435,6 +443,6 @@ def _cancel(tasks: list[asyncio.Task]) -> None:
             task.cancel()
 
 
-def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
-    """Done-callback of a group's gather: queue the group as finished."""
-    finished.put_nowait(group)
+def _put_group(finished: asyncio.Queue[tuple[int, float]], group: int, _: Any) -> None:
+    """Done-callback of a group's gather: queue the group as finished, with the time."""
+    finished.put_nowait((group, time.time()))

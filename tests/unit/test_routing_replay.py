@@ -285,3 +285,21 @@ def test_env_agent_rows_cover_observation_turns() -> None:
     # the observation after turn 1 ran in turn 2's prefill; the episode ends on turn 2's last token
     assert np.array_equal(np.asarray(out.routed_experts), expected(ids)[:-1])
     assert server.calls[1]["sampling_params"][PROMPT_START_KEY] == len(out.prompt_ids) + 1
+
+
+def test_error_rows_no_worker_rolled_out_carry_the_column() -> None:
+    from agentloop.batch.protocol import DataProto
+    from agentloop.config import EngineConfig
+    from agentloop.rollout.episodes import error_batch
+    from agentloop.types import RolloutStatus
+
+    cfg = default_config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 8, 4
+    OmegaConf.resolve(cfg)
+    chunk = DataProto(batch=None, non_tensor_batch={"uid": np.array(["a", "b"], dtype=object)},
+                      meta_info={})
+    out = error_batch(chunk, RolloutStatus.ERROR, "worker died", engine=EngineConfig.from_root(cfg),
+                      calculate_log_probs=False, pad_token_id=0, default_agent="single_turn_agent",
+                      routed_experts_shape=SHAPE)
+    assert out.batch["routed_experts"].shape == (2, 12, *SHAPE)
+    assert (out.batch["routed_experts"] == FILL).all()
