@@ -158,6 +158,10 @@ class AgentLoopPath:
     def __init__(self, manager, num_prompts: int, group: int) -> None:
         self.manager, self.num_prompts, self.group = manager, num_prompts, group
         self.serial_ms: list[float] = []
+        self.after_ms: list[float] = []
+        """Per pass: the part of the serial time after the batch's last sample finished (its rows
+        padded, sent to the driver, concatenated, checked: ``agent_loop/serial/after_last_sample``).
+        """
         self.step = 0
 
     def rate(self) -> float:
@@ -166,8 +170,14 @@ class AgentLoopPath:
         t0 = time.perf_counter()
         out = self.manager.generate_sequences(batch)
         wall = time.perf_counter() - t0
-        self.serial_ms.append(
-            1000 * (wall - out.meta_info["timing"]["agent_loop/generate_sequences/max"])
+        timing = out.meta_info["timing"]
+        self.serial_ms.append(1000 * (wall - timing["agent_loop/generate_sequences/max"]))
+        after = timing.get("agent_loop/serial/after_last_sample")
+        self.after_ms.append(float("nan") if after is None else 1000 * after)
+        print(
+            f"  agentloop pass {self.step}: serial {self.serial_ms[-1]:.1f} ms = before the first "
+            f"request and per-sample work {self.serial_ms[-1] - self.after_ms[-1]:.1f} ms + after "
+            f"the last sample {self.after_ms[-1]:.1f} ms", flush=True,
         )
         return float(out.batch["response_mask"].sum()) / wall
 
@@ -273,6 +283,12 @@ def main() -> None:
         f"agentloop serial time per batch (wall - slowest sample's engine wait): median "
         f"{np.median(serial):.0f} ms "
         f"(interquartile {np.percentile(serial, 25):.0f}-{np.percentile(serial, 75):.0f} ms)"
+    )
+    after = np.array(ours_path.after_ms[-args.repeats:])
+    print(
+        f"agentloop serial time after the last sample (padding, transfer, concat, checks): median "
+        f"{np.median(after):.1f} ms (max {after.max():.1f} ms); before the first request and "
+        f"per-sample work: median {np.median(serial - after):.1f} ms"
     )
     pairs = ours / raw_rates
     q25, q50, q75 = np.percentile(pairs, [25, 50, 75])
