@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import time
 from typing import Any
-from uuid import uuid4
 
 from agentloop.batch.multimodal import decode_images, encode_images, sample_media
 from agentloop.batch.routed_experts import RoutedExpertsTrace
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
+from agentloop.utils.ids import fresh_hex
 
 
 @register("single_turn_agent")
@@ -54,7 +54,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
 
         start, routing = time.perf_counter(), RoutedExpertsTrace()
         output = await self.server_manager.generate(
-            request_id=uuid4().hex, prompt_ids=prompt_ids, sampling_params=sampling_params, **media
+            request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params, **media
         )
         routing.add(prompt_ids, output)
         metrics = AgentLoopMetrics(
@@ -69,7 +69,10 @@ class SingleTurnAgentLoop(AgentLoopBase):
         }.get(output.stop_reason, RolloutStatus.STOP)
         if len(output.token_ids) > self.response_length:
             status = RolloutStatus.LENGTH
-        return AgentLoopOutput(
+        # text only: built from values already checked (the server's TokenOutput, the rendered
+        # ids), so no second validation of every id (~5 µs per sample)
+        build = AgentLoopOutput if media else AgentLoopOutput.model_construct
+        return build(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             response_mask=[1] * len(response_ids),

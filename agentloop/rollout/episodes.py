@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from agentloop.batch.postprocess import postprocess
@@ -17,6 +16,7 @@ from agentloop.batch.protocol import DataProto
 from agentloop.config import EngineConfig
 from agentloop.rollout.samples import agent_names
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
+from agentloop.utils.ids import fresh_hex
 
 # the worker's logger: these records are the worker's, as before the split
 logger = logging.getLogger("agentloop.rollout.worker")
@@ -66,11 +66,15 @@ def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, engine
     return output
 
 
-def to_episode(output: Any, name: str) -> MultiTrajectoryAgentLoopOutput:
+def to_episode(
+    output: Any, name: str
+) -> MultiTrajectoryAgentLoopOutput | list[AgentLoopOutput]:
     """What loop ``name`` returned (an AgentLoopOutput, a list of them or a
     MultiTrajectoryAgentLoopOutput) as one episode of checked trajectories; anything else is one
     error row.  Every trajectory gets the episode's ``session_id`` in ``extra_fields``: the
-    episode's own, else one a trajectory carries (the first), else a fresh one."""
+    episode's own, else one a trajectory carries (the first), else a fresh one.  Returns the
+    loop's episode (its trajectories checked), else the list of trajectories (an episode with the
+    config's reward rule: what the scorer does with a list)."""
     episode = output if isinstance(output, MultiTrajectoryAgentLoopOutput) else None
     if episode is not None:
         outputs = episode.trajectories
@@ -95,11 +99,11 @@ def to_episode(output: Any, name: str) -> MultiTrajectoryAgentLoopOutput:
     elif given:
         session_id = str(given[0])
     else:
-        session_id = uuid.uuid4().hex
+        session_id = fresh_hex()
     for o in outputs:
         o.extra_fields = {**o.extra_fields, "session_id": session_id}
     if episode is None:
-        return MultiTrajectoryAgentLoopOutput(trajectories=outputs, session_id=session_id)
+        return outputs
     return episode.model_copy(update={"trajectories": outputs, "session_id": session_id})
 
 
