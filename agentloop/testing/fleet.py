@@ -195,9 +195,9 @@ def _timed_acquire(router: Any) -> None:
         return
     inner = router._acquire
 
-    async def acquire(request_id: str, prompt_len: int) -> int:
+    async def acquire(request_id: str, prompt_len: int, *args: Any, **kwargs: Any) -> int:
         start = time.perf_counter()
-        server = await inner(request_id, prompt_len)
+        server = await inner(request_id, prompt_len, *args, **kwargs)
         _ACQUIRE_S.append(time.perf_counter() - start)
         return server
 
