@@ -17,6 +17,7 @@ from typing import Any
 
 from agentloop.errors import AgentLoopError
 from agentloop.tokenization.fast import encode_text
+from agentloop.tokenization.turn_cache import recall, remember, turn_key
 
 _STUB = "AGENTLOOP_STUB"
 # Reasoning keeps Qwen3-style templates rendering the stub's <think> block whether or not it is
@@ -176,6 +177,15 @@ def encode_new_turns(
         follow.
     """
     kwargs = dict(chat_template_kwargs or {})
+    # remembered per tokenizer: rows of one GRPO prompt often append the same turn
+    key = turn_key(
+        tokenizer, [new_messages, system, add_generation_prompt, tools, previous, end_of_turn,
+                    getattr(tokenizer, "eos_token", None)],
+        kwargs,
+    )
+    known = None if key is None else recall(tokenizer, key)
+    if known is not None:
+        return known
     stub = _stub_history(system, previous)
     base = _render(tokenizer, stub, tools=tools, **kwargs)
     full = _render(
@@ -187,7 +197,10 @@ def encode_new_turns(
             _explain_rerender(base, full, "the assistant turn before the new messages")
         )
     delta = turn_separator(tokenizer, end_of_turn) + full[len(base):]
-    return _encode(tokenizer, delta)
+    ids = _encode(tokenizer, delta)
+    if key is not None:
+        remember(tokenizer, key, ids)
+    return ids
 
 
 def _stop_tokens(tokenizer: Any, end_of_turn: str | Sequence[str] | None) -> tuple[str, ...]:

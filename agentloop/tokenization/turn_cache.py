@@ -1,0 +1,85 @@
+"""A per-tokenizer memory of encoded turns, for
+:func:`agentloop.tokenization.incremental.encode_new_turns`.
+
+A tool or user turn costs two chat-template renders and an encode (~100 µs); GRPO batches hold each
+prompt ``rollout.n`` times, and rows of one prompt often make the same call and get the same result,
+so the same turn is encoded again and again.  An entry is keyed by the template, the vocabulary
+size and a 128-bit BLAKE2 digest of the JSON of every input of the encoding; inputs that are not
+plain JSON data, and templates that read the clock (``strftime``), are not remembered.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+TURN_CACHE_SIZE = 1024
+"""Distinct encoded turns remembered per tokenizer (0 turns the memory off)."""
+_Key = tuple[Any, int | None, bytes]
+_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def turn_key(tokenizer: Any, inputs: list[Any], template_kwargs: dict[str, Any]) -> _Key | None:
+    """The key of one encoding of ``inputs`` (JSON data) with ``template_kwargs``; None: do not
+    remember (not JSON, a template that is not one string or reads the clock, or the memory is
+    off)."""
+    if TURN_CACHE_SIZE <= 0:
+        return None
+    template = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "strftime" in template:
+        return None
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = None
+    try:
+        text = json.dumps([inputs, template_kwargs], ensure_ascii=False, default=_refuse)
+    except (TypeError, ValueError):
+        return None
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return template, size, digest
+
+
+def recall(tokenizer: Any, key: _Key) -> list[int] | None:
+    """The ids remembered under ``key`` (a fresh list), or None."""
+    with _lock:
+        cache = _caches.get(tokenizer)
+        hit = None if cache is None else cache.get(key)
+        if hit is None:
+            return None
+        cache.move_to_end(key)
+    return hit.tolist()
+
+
+def remember(tokenizer: Any, key: _Key, ids: list[int]) -> None:
+    """Remember ``ids`` under ``key`` (the oldest entry goes past :data:`TURN_CACHE_SIZE`); a
+    tokenizer that cannot be weakly referenced is not remembered."""
+    with _lock:
+        try:
+            cache = _caches.setdefault(tokenizer, OrderedDict())
+        except TypeError:
+            return
+        cache[key] = array.array("q", ids)
+        while len(cache) > TURN_CACHE_SIZE:
+            cache.popitem(last=False)
+
+
+def clear_turn_cache() -> None:
+    """Forget every remembered turn (all tokenizers)."""
+    with _lock:
+        _caches.clear()
+
+
+__all__ = ["TURN_CACHE_SIZE", "clear_turn_cache", "recall", "remember", "turn_key"]
