@@ -27,6 +27,8 @@ default; ``local``: worker-local routers), run one after the other per server co
 tiny model's tokenizer and chat template) instead of ``fleet_agent``; each server replies with a
 tool call, then with the answer once the call is in the context, so a trajectory makes 2 generate
 calls and 1 tool call (the balancer wait is not recorded: ``tool_agent`` is not instrumented).
+``--placement``: no Ray; the busiest server's in-flight count once a step's ``--trajectories`` are
+placed, by one shared balancer vs ``--workers`` worker-local ones (the balance ``local`` gives up).
 
 Results and the 128-GPU arithmetic: docs/benchmarks.md, "Fleet rehearsal".
 """
@@ -53,6 +55,7 @@ from agentloop.batch.protocol import DataProto  # noqa: E402
 from agentloop.cluster.placement import ServerGroup  # noqa: E402
 from agentloop.config import default_config  # noqa: E402
 from agentloop.rollout.manager import AgentLoopManager  # noqa: E402
+from agentloop.routing.strategies import make_balancer  # noqa: E402
 from agentloop.testing.fleet import (  # noqa: E402
     process_report,
     start_fleet_hosts,
@@ -243,6 +246,28 @@ def saturation(rows: list[dict[str, Any]]) -> None:
               "per core they are given (they scale out)")
 
 
+def placement_peak(servers: int, trajectories: int, workers: int) -> tuple[int, int]:
+    """The busiest server's in-flight count once every trajectory of a step is placed: one shared
+    balancer, and ``workers`` worker-local ones each given every ``workers``-th trajectory (the
+    real ``Balancer``, no Ray; fake servers hide this, their latency ignores load)."""
+    shared = make_balancer(servers, max_cache_size=2 * trajectories)
+    local = [make_balancer(servers, max_cache_size=2 * trajectories) for _ in range(workers)]
+    load = [0] * servers
+    for t in range(trajectories):
+        shared.acquire(f"t{t}")
+        load[local[t % workers].acquire(f"t{t}")] += 1
+    return max(shared.stats()["in_flight"]), max(load)
+
+
+def print_placement(args: argparse.Namespace) -> None:
+    """``--placement``: the busiest server, shared vs worker-local, per server count."""
+    for servers in [int(s) for s in args.servers.split(",")]:
+        shared, local = placement_peak(servers, args.trajectories, args.workers)
+        print(f"servers={servers:5d}  trajectories={args.trajectories}  workers={args.workers}  "
+              f"mean {args.trajectories / servers:.1f}  busiest server: shared {shared}  "
+              f"local {local}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", default="64,256,1024")
@@ -262,7 +287,13 @@ def main() -> None:
                         "alternated per setting")
     parser.add_argument("--agent", default="fleet_agent", choices=["fleet_agent", "tool_agent"])
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--placement", action="store_true",
+                        help="only print the busiest server's load after placing a step's "
+                        "trajectories, shared vs worker-local balancers (no Ray)")
     args = parser.parse_args()
+    if args.placement:
+        print_placement(args)
+        return
 
     t0 = time.perf_counter()
     cluster, node_ids = start_cluster(args.nodes, args.cpus_per_node)
