@@ -19,11 +19,11 @@ trajectories handed out (their tokens at full batch, their prompts and tool resu
 the update's pause); "decode" = against their tokens alone (the bound before prefill was counted).
 
 ``--kv`` prints instead the KV-cache-aware routing comparison
-(docs/routing.md#kv-cache-aware-routing): verl's sticky least-in-flight (binding cache 10,000),
-the shipped policy (the same, cache grown to twice the batch), prefix affinity
-(``server.routing: prefix``) with and without moves, on three workloads (no shared prefixes;
-GRPO groups of 8 sharing a prompt under a shared system prompt; sub-agents forked from their
-parent's context), synchronous batch and Rollouter (``abort``).
+(docs/routing.md#kv-cache-aware-routing-serverrouting-prefix): verl's sticky least-in-flight
+(binding cache 10,000), the shipped policy (the same, cache grown to twice the batch), prefix
+affinity (``server.routing: prefix``) with and without moves, on three workloads (no shared
+prefixes; GRPO groups of 8 sharing a prompt under a shared system prompt; sub-agents forked from
+their parent's context), synchronous batch and Rollouter (``abort``).
 """
 
 from __future__ import annotations

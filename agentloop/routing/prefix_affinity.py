@@ -1,14 +1,14 @@
 """KV-cache-aware routing: prefix affinity balanced against load, with a move policy.
 
-``server.routing: prefix`` (docs/routing.md#kv-cache-aware-routing).  On top of verl's sticky
-request-id binding (a trajectory's turns go back to the server holding its context), a request
-with no binding yet (a trajectory's first turn, a sub-agent, a GRPO sibling) goes to a server that
-recently served the longest prefix it shares with earlier requests, if that server is not much
-busier than the least-loaded one; a bound request whose server is overloaded is moved when the
-imbalance outweighs the re-prefill of its context.
+``server.routing: prefix`` (docs/routing.md#kv-cache-aware-routing-serverrouting-prefix). On top of
+verl's sticky request-id binding (a trajectory's turns go back to the server holding its context),
+a request with no binding yet (a trajectory's first turn, a sub-agent, a GRPO sibling) goes to a
+server that recently served the longest prefix it shares with earlier requests, if that server is
+not much busier than the least-loaded one; a bound request whose server is overloaded is moved when
+the imbalance outweighs the re-prefill of its context.
 
 The prefix is known by keys (:attr:`~agentloop.routing.strategies.RouteContext.prefix`): the
-router hashes the prompt's first 32, 64, 128, ... tokens (:func:`prefix_keys`, chained, up to
+router hashes the prompt's first 32, 64, 128, ... tokens and all of it (:func:`prefix_keys`, up to
 ``max_tokens``), so requests sharing a system prompt share the short keys and GRPO siblings (one
 prompt, ``rollout.n`` samples) share them all.  The strategy keeps, per key, the few servers that
 served it last (an LRU of keys): an estimate of what each server's prefix cache holds, never asked
