@@ -145,10 +145,12 @@ def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
 
 
 def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
-               after_get: Any = None, per_sample: bool = True) -> tuple[float, int, float]:
+               after_get: Any = None, per_sample: bool = True,
+               metrics: dict[str, Any] | None = None) -> tuple[float, int, float]:
     """Returns (wall, rows, engine busy fraction while the in-flight budget was full).
     ``after_get()`` runs after each hand-out (a trainer step, e.g. a weight update);
-    ``per_sample``: the Rollouter's (False: a group holds its places until its last sample ends)."""
+    ``per_sample``: the Rollouter's (False: a group holds its places until its last sample ends);
+    ``metrics``: filled with the Rollouter's final :meth:`~Rollouter.metrics`."""
     import threading
 
     from agentloop.rollout.rollouter import Rollouter
@@ -177,6 +179,8 @@ def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
     wall = time.perf_counter() - t0
     done.set()
     watcher.join()
+    if metrics is not None:
+        metrics.update(rollouter.metrics())
     rollouter.stop()
     full = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(samples, samples[1:], strict=False)
             if min(a[2], b[2]) >= 0.9 * inflight]

@@ -26,7 +26,8 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
   ``per_sample=False`` (``rollout-g``, ``abort-g``: a group holds its places in the in-flight budget
   until its last sample ends; the only way before 2026-11-27).
 
-Prints seconds per step (median, range) of each and the ratio verl / each.
+Prints seconds per step (median, range) of each and the ratio verl / each; for Rollouter passes,
+the groups handed out per staleness (weight versions behind when handed out).
 
     python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
     [--updates] [--per-group] [--routing sticky|prefix]
@@ -139,22 +140,27 @@ def main() -> None:
                 manager.set_weight_update(mode if mode in ("drain", "keep") else "abort")
                 time.sleep(1.5)  # let idle engine threads settle
                 per_sample = not mode.endswith("-g")
+                metrics: dict = {}
                 if mode in ("drain", "abort", "keep", "abort-g"):
                     # under the mode set above
                     step = functools.partial(manager.update_weights, weights)
                     wall, rows, _ = bench_async.async_pass(
-                        manager, batches, args.groups, rows_per_step, step, per_sample
+                        manager, batches, args.groups, rows_per_step, step, per_sample, metrics
                     )
                 elif mode in ("rollouter", "rollout-g"):
                     wall, rows, _ = bench_async.async_pass(
-                        manager, batches, args.groups, rows_per_step, per_sample=per_sample
+                        manager, batches, args.groups, rows_per_step, per_sample=per_sample,
+                        metrics=metrics,
                     )
                 else:
                     wall, rows = bench_async.sync_pass(manager, batches)
                 per_step[mode].append(wall / (rows / rows_per_step))
+                # groups handed out per staleness (weight versions behind)
+                stale = metrics.get("rollouter/staleness")
                 print(
                     f"round {r} {mode:9s}: {rows} trajectories in {wall:.1f}s = "
-                    f"{per_step[mode][-1]:.2f}s per step",
+                    f"{per_step[mode][-1]:.2f}s per step"
+                    + (f"; staleness {stale}" if stale is not None else ""),
                     flush=True,
                 )
         med = {m: statistics.median(v) for m, v in per_step.items()}
