@@ -13,7 +13,6 @@ precedence when names collide): docs/concepts.md#the-output-layout.
 from __future__ import annotations
 
 import array
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +24,8 @@ from agentloop.batch.protocol import DataProto, object_array
 from agentloop.batch.routed_experts import ROUTED_EXPERTS_KEY, pad_routed_experts
 from agentloop.errors import DatasetError
 from agentloop.rewards.columns import reward_columns, reward_extra_columns
-from agentloop.types import AgentLoopOutput
+from agentloop.types import AgentLoopMetrics, AgentLoopOutput
+from agentloop.utils.ids import fresh_hex
 
 _BUILTIN_COLUMNS = (
     "__num_turns__", "status", "error", "multi_modal_data", "trajectory_index", "num_trajectories",
@@ -289,11 +289,14 @@ def episode_columns(
         )
     starts = np.cumsum(counts) - counts
     index = np.arange(len(outputs)) - np.repeat(starts, counts)
-    ids = []
+    ids: list[str] = []
     for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
-        given = [o.extra_fields["session_id"] for o in outputs[start:start + count]
-                 if o.extra_fields.get("session_id") is not None]
-        ids.extend([str(given[0]) if given else uuid.uuid4().hex] * count)
+        given = None
+        for o in outputs[start:start + count]:
+            given = o.extra_fields.get("session_id")
+            if given is not None:
+                break
+        ids.extend([fresh_hex() if given is None else str(given)] * count)
     return {
         "trajectory_index": index.astype(np.int32),
         "num_trajectories": np.repeat(counts, counts).astype(np.int32),
@@ -321,6 +324,14 @@ def _non_tensor_columns(
     if any(o.multi_modal_data is not None for o in outputs):
         columns["multi_modal_data"] = object_array([o.multi_modal_data for o in outputs])
     return columns, extra_keys
+
+
+def _metrics_dict(metrics: Any) -> dict[str, Any]:
+    """``metrics.model_dump()``; a plain :class:`AgentLoopMetrics` (fields only, all scalars) as a
+    copy of its ``__dict__``, the same dict without pydantic's serializer (~0.6 µs a row)."""
+    if type(metrics) is AgentLoopMetrics:
+        return dict(metrics.__dict__)
+    return metrics.model_dump()
 
 
 def postprocess(
@@ -363,7 +374,7 @@ def postprocess(
     )
     batch = TensorDict(tensors, batch_size=[len(outputs)])
     non_tensor, extra_keys = _non_tensor_columns(outputs, sample_fields, reward, trajectory_counts)
-    meta_info: dict[str, Any] = {"metrics": [o.metrics.model_dump() for o in outputs]}
+    meta_info: dict[str, Any] = {"metrics": [_metrics_dict(o.metrics) for o in outputs]}
     if reward:
         meta_info["reward_extra_keys"] = extra_keys
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
