@@ -1,16 +1,19 @@
-"""One rank of test_trl_multiprocess.py: TRL 1.16's GRPOTrainer under ``accelerate launch
---num_processes 2 --cpu`` (DDP, gloo) with ``AgentLoopRollout`` on this rank's own agentloop
-manager (an in-process worker on a scripted engine: no Ray, no vLLM).
+"""One rank of test_trl_multiprocess.py: TRL 1.16's GRPOTrainer on 2 CPU processes (DDP on gloo)
+with ``AgentLoopRollout`` on a scripted engine (no vLLM).
 
     torchrun --standalone --nproc_per_node 2 tests/integration/trl_ddp_rank.py OUT SYNC GROUP
 
-(``accelerate launch --cpu`` starts several CPU processes only through mpirun; torchrun's
-environment is what accelerate reads, and ``use_cpu`` makes the group gloo.) ``SYNC`` is
-``AgentLoopRollout``'s ``sync_ranks`` (``all`` or ``main``), ``GROUP`` TRL's ``num_generations``
-(4: each rank rolls out its own problem; 8: one group split between the ranks). Each rank writes
-``OUT_DIR/rank<R>.json``: the prompts and uids its rollouts got, the weight updates its manager
-received (step and a checksum of the weights), the trainer's final step and the checksum of its
-final weights.
+(``accelerate launch --cpu`` starts several CPU processes only through mpirun; torchrun sets the
+environment accelerate reads, and ``use_cpu`` makes the group gloo.) ``SYNC`` is
+``AgentLoopRollout``'s ``sync_ranks``: ``all``: each rank has a manager of its own (an in-process
+worker on its own scripted engine, no Ray); ``main``: the ranks share one server (rank 0 starts
+Ray and a ScriptedServer actor and broadcasts the cluster's address, then the server's handle;
+rank 1 joins the cluster; each rank opens an ``AgentLoopManager`` over the server as
+``llm_client``) and only rank 0 streams the weights.
+``GROUP`` is TRL's ``num_generations`` (4: each rank rolls out its own problem; 8: one group split
+between the ranks). Each rank writes ``OUT/rank<R>.json``: the prompts, uids and weight versions
+its rollouts got, the weight updates its manager made (step and the weights' checksum), the
+trainer's final step and its final weights' checksum.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
+import torch.distributed as dist
+from accelerate import PartialState
 from datasets import Dataset
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -30,7 +37,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from agentloop.config import default_config
 from agentloop.integrations.trl import AgentLoopRollout, agentloop_reward
+from agentloop.rollout.manager import AgentLoopManager
 from agentloop.rollout.worker import AgentLoopWorker
+from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import ScriptedServer
 from agentloop.testing.tiny_model import ensure_tiny_model
 
@@ -43,29 +52,32 @@ def checksum(weights: dict[str, torch.Tensor]) -> float:
     return float(sum(t.detach().double().sum().item() for t in weights.values()))
 
 
-class RankManager:
-    """The manager surface AgentLoopRollout uses, on an in-process worker and a scripted engine
-    that answers right and wrong in turn (so that each group's rewards differ)."""
+def agentloop_config(model_path: str) -> Any:
+    """The rollout config: single_turn, the calculator reward, short lengths, one worker."""
+    cfg = default_config()
+    cfg.actor_rollout_ref.model.path = model_path
+    cfg.data.max_prompt_length = 64
+    cfg.data.max_response_length = 16
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = True
+    cfg.actor_rollout_ref.rollout.agent.num_workers = 1
+    cfg.custom_reward_function.path = "agentloop.rewards.calculator"
+    cfg.custom_reward_function.name = "compute_score"
+    OmegaConf.resolve(cfg)
+    return cfg
 
-    def __init__(self, tokenizer: Any) -> None:
-        cfg = default_config()
-        cfg.data.max_prompt_length = 64
-        cfg.data.max_response_length = 16
-        cfg.actor_rollout_ref.rollout.calculate_log_probs = True
-        cfg.custom_reward_function.path = "agentloop.rewards.calculator"
-        cfg.custom_reward_function.name = "compute_score"
-        OmegaConf.resolve(cfg)
-        self.tokenizer = tokenizer
+
+class Replier:
+    """The scripted engine's replies, "The answer is N." right and wrong in turn (so that each
+    group's rewards differ); the tokenizer is loaded where it runs (a Ray actor or this rank)."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.tokenizer: Any = None
         self.calls = 0
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        server = ScriptedServer(self._reply, eos_token_id=end)
-        self.worker = AgentLoopWorker.from_slices(
-            cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
-            tokenizer=tokenizer, trainer_config=cfg)
-        self.rollouts: list[dict[str, Any]] = []
-        self.updates: list[dict[str, Any]] = []
 
-    def _reply(self, ids: list[int], params: dict[str, Any], rid: str) -> list[int]:
+    def __call__(self, ids: list[int], params: dict[str, Any], rid: str) -> list[int]:
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.calls += 1
         text = self.tokenizer.decode(ids)
         a = next(a for a in range(8, 0, -1) if f"what is {a} plus" in text)
@@ -73,25 +85,91 @@ class RankManager:
         return [*self.tokenizer.encode(f"The answer is {answer}.", add_special_tokens=False),
                 self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
+
+class LocalManager:
+    """The manager surface AgentLoopRollout uses, on an in-process worker and this rank's own
+    scripted engine (``sync_ranks="all"``)."""
+
+    def __init__(self, model_path: str) -> None:
+        cfg = agentloop_config(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.server = ScriptedServer(Replier(model_path), eos_token_id=end)
+        self.worker = AgentLoopWorker.from_slices(
+            cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, [self.server],
+            tokenizer=self.tokenizer, trainer_config=cfg)
+
     def generate_sequences(self, batch: Any) -> Any:
-        """Roll out on the worker, recording which prompts and uids this rank got."""
-        self.rollouts.append({
-            "prompts": [m[-1]["content"] for m in batch.non_tensor_batch["raw_prompt"]],
-            "uids": [str(u) for u in batch.non_tensor_batch["uid"]],
-        })
         return asyncio.run(self.worker.generate_sequences(batch))
 
     def update_weights(self, weights: Any, *, global_steps: int | None = None) -> int:
-        """Record the update (its step and the weights' checksum)."""
-        self.updates.append({"step": global_steps, "checksum": checksum(dict(weights))})
-        return int(global_steps or len(self.updates))
+        asyncio.run(self.server.update_weights(list(weights.items()), global_steps=global_steps))
+        return self.server.global_steps
+
+
+class Recorder:
+    """Wraps a manager: records each rollout's prompts, uids and weight versions, and each weight
+    update (its step and the weights' checksum)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.tokenizer = manager.tokenizer
+        self.rollouts: list[dict[str, Any]] = []
+        self.updates: list[dict[str, Any]] = []
+
+    def generate_sequences(self, batch: Any) -> Any:
+        out = self.manager.generate_sequences(batch)
+        versions = out.non_tensor_batch["min_global_steps"]
+        self.rollouts.append({
+            "prompts": [m[-1]["content"] for m in batch.non_tensor_batch["raw_prompt"]],
+            "uids": [str(u) for u in batch.non_tensor_batch["uid"]],
+            "versions": [None if v is None else int(v) for v in versions],
+        })
+        return out
+
+    def update_weights(self, weights: Any, *, global_steps: int | None = None) -> int:
+        weights = dict(weights)
+        self.updates.append({"step": global_steps, "checksum": checksum(weights)})
+        return int(self.manager.update_weights(weights, global_steps=global_steps))
+
+
+def shared_manager(model_path: str) -> tuple[Any, Callable[[], None]]:
+    """Rank 0 starts Ray and the server; rank 1 joins the cluster and gets the server's handle
+    (broadcast, pickled); each rank opens a manager over it. Returns the manager and the function
+    that ends this rank's part."""
+    dist.init_process_group("gloo")  # accelerate takes this group over
+    address: list[Any] = [None]
+    handles: list[Any] = [None]
+    if dist.get_rank() == 0:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        end = AutoTokenizer.from_pretrained(model_path).convert_tokens_to_ids("<|im_end|>")
+        server = ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=100).remote(
+            Replier(model_path), eos_token_id=end)
+        ray.get(server.start.remote())
+        address, handles = [ray.get_runtime_context().gcs_address], [server]
+    dist.broadcast_object_list(address, src=0)
+    if dist.get_rank():
+        ray.init(address=address[0], logging_level="ERROR")  # before the handle is unpickled
+    dist.broadcast_object_list(handles, src=0)
+    manager = AgentLoopManager(agentloop_config(model_path),
+                               llm_client=AsyncLLMServerManager(handles))
+
+    def close() -> None:
+        PartialState().wait_for_everyone()  # rank 0 keeps the server until rank 1 is done
+        manager.shutdown()
+        ray.shutdown()
+
+    return manager, close
 
 
 def main(out: Path, sync_ranks: str, group: int) -> None:
     """Two GRPO steps on this rank's slice; writes ``out/rank<R>.json``."""
     model_path = str(ensure_tiny_model())
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    manager = RankManager(tokenizer)
+    if sync_ranks == "main":
+        inner, close = shared_manager(model_path)
+    else:
+        inner, close = LocalManager(model_path), lambda: None
+    manager = Recorder(inner)
     rollout = AgentLoopRollout(manager, sync_ranks=sync_ranks)
     data = Dataset.from_list([
         {"prompt": [{"role": "user", "content": q}], "data_source": "calculator",
@@ -104,9 +182,9 @@ def main(out: Path, sync_ranks: str, group: int) -> None:
         max_completion_length=16, ddp_backend="gloo")
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     start = checksum(policy.state_dict())
-    trainer = GRPOTrainer(model=policy, args=args, train_dataset=data, processing_class=tokenizer,
-                          reward_funcs=[agentloop_reward], rollout_func=rollout,
-                          callbacks=[rollout])
+    trainer = GRPOTrainer(model=policy, args=args, train_dataset=data,
+                          processing_class=manager.tokenizer, reward_funcs=[agentloop_reward],
+                          rollout_func=rollout, callbacks=[rollout])
     trainer.train()
     rank = trainer.accelerator.process_index
     final = trainer.accelerator.unwrap_model(trainer.model).state_dict()
@@ -118,6 +196,7 @@ def main(out: Path, sync_ranks: str, group: int) -> None:
         "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=2) + "\n")
+    close()
 
 
 if __name__ == "__main__":
