@@ -178,13 +178,13 @@ class AgentLoopRollout(TrainerCallback):  # type: ignore[misc]
             ValueError: a PEFT or FSDP-sharded model.
         """
         policy = self._full_model(model)
-        state = PartialState()
+        ranks = PartialState() if self.sync_ranks == "main" else None
         version = None
-        if self.sync_ranks == "all" or state.is_main_process:
+        if ranks is None or ranks.is_main_process:
             version = int(self.manager.update_weights(policy.state_dict(), global_steps=step))
             self.syncs += 1
-        if self.sync_ranks == "main":
-            state.wait_for_everyone()  # no rank rolls out before the servers hold the new weights
+        if ranks is not None:
+            ranks.wait_for_everyone()  # no rank rolls out before the servers hold the new weights
         self.last_synced_step = step
         return version
 
