@@ -11,13 +11,14 @@ docs/tokenization.md#incremental-encoding.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from agentloop.errors import AgentLoopError
 from agentloop.tokenization.fast import encode_text
-from agentloop.tokenization.turn_cache import recall, remember, turn_key
+from agentloop.tokenization.turn_cache import recall, remember, turn_key, without_call_ids
 
 _STUB = "AGENTLOOP_STUB"
 # Reasoning keeps Qwen3-style templates rendering the stub's <think> block whether or not it is
@@ -152,6 +153,46 @@ def find_separator(tokenizer: Any, eos: str) -> str:
     raise TemplateMismatchError(f"the chat template does not close assistant turns with {eos!r}")
 
 
+_ID_WORDS = re.compile(r"\bid\b|tool_call_id")
+_call_ids_rendered: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool, str], bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _call_id_probe(call_id: str) -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": _STUB, "arguments": {}}}
+    return [
+        {"role": "user", "content": _STUB},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": _STUB, "tool_call_id": call_id, "name": _STUB},
+    ]
+
+
+def _renders_call_ids(
+    tokenizer: Any, tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+) -> bool:
+    """Whether the chat template may write tool-call ids into a render: its text names ``id`` or
+    ``tool_call_id``, or a stub tool call renders differently under two ids (a dict dumped whole).
+    True when unsure (a template of several names, a probe the template rejects)."""
+    template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or _ID_WORDS.search(template):
+        return True
+    key = (template, tools is None, repr(sorted(kwargs.items())))
+    try:
+        known = _call_ids_rendered.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: not remembered
+        known = {}
+    if key not in known:
+        try:
+            first = _render(tokenizer, _call_id_probe("call_A1"), tools=tools, **kwargs)
+            known[key] = first != _render(
+                tokenizer, _call_id_probe("call_B2"), tools=tools, **kwargs
+            )
+        except Exception:  # noqa: BLE001 - a template that rejects the probe: keep the ids
+            known[key] = True
+    return known[key]
+
+
 def encode_new_turns(
     tokenizer: Any, new_messages: list[dict[str, Any]], *, system: dict[str, Any] | None = None,
     add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
@@ -177,9 +218,13 @@ def encode_new_turns(
         follow.
     """
     kwargs = dict(chat_template_kwargs or {})
-    # remembered per tokenizer: rows of one GRPO prompt often append the same turn
+    # remembered per tokenizer: rows of one GRPO prompt often append the same turn (tool-call ids
+    # differ per row, so they are left out of the key when the template does not render them)
+    keyed_new, keyed_previous = new_messages, previous
+    if not _renders_call_ids(tokenizer, tools, kwargs):
+        keyed_new, keyed_previous = without_call_ids(new_messages, previous)
     key = turn_key(
-        tokenizer, [new_messages, system, add_generation_prompt, tools, previous, end_of_turn,
+        tokenizer, [keyed_new, system, add_generation_prompt, tools, keyed_previous, end_of_turn,
                     getattr(tokenizer, "eos_token", None)],
         kwargs,
     )

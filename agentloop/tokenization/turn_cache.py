@@ -52,6 +52,21 @@ def turn_key(tokenizer: Any, inputs: list[Any], template_kwargs: dict[str, Any])
     return template, size, digest
 
 
+def without_call_ids(
+    new_messages: list[dict[str, Any]], previous: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Copies of a turn's inputs for its key, with tool-call ids (``tool_calls[].id``,
+    ``tool_call_id``) set to None: for templates that do not render them."""
+    new = [{**m, "tool_call_id": None} if "tool_call_id" in m else m for m in new_messages]
+    calls = None if previous is None else previous.get("tool_calls")
+    if isinstance(calls, list):
+        previous = {
+            **previous,
+            "tool_calls": [{**c, "id": None} if isinstance(c, dict) else c for c in calls],
+        }
+    return new, previous
+
+
 def recall(tokenizer: Any, key: _Key) -> list[int] | None:
     """The ids remembered under ``key`` (a fresh list), or None."""
     with _lock:
@@ -82,4 +97,6 @@ def clear_turn_cache() -> None:
         _caches.clear()
 
 
-__all__ = ["TURN_CACHE_SIZE", "clear_turn_cache", "recall", "remember", "turn_key"]
+__all__ = [
+    "TURN_CACHE_SIZE", "clear_turn_cache", "recall", "remember", "turn_key", "without_call_ids",
+]

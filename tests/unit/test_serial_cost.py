@@ -17,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
+from transformers import AutoTokenizer
 
 from agentloop.batch.metrics import after_last_sample
 from agentloop.batch.postprocess import fill_rows
@@ -26,6 +27,7 @@ from agentloop.rollout.episodes import to_episode
 from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
+from agentloop.testing.tiny_model import ensure_tiny_model
 from agentloop.tokenization import turn_cache
 from agentloop.tokenization.incremental import encode_new_turns
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
@@ -150,3 +152,28 @@ def test_worker_groups_say_when_their_samples_finished():
     timing = after_last_sample([stats.done_at for _, _, stats in parts])
     assert 0.0 <= timing["agent_loop/serial/after_last_sample"] < 60
     assert after_last_sample([0.0, 0.0]) == {}
+
+
+def _tool_turn(tok: Any, call_id: str) -> list[int]:
+    call = {"id": call_id, "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}
+    result = {"role": "tool", "content": "5", "tool_call_id": call_id, "name": "calculator"}
+    previous = {"role": "assistant", "content": "", "tool_calls": [call]}
+    return encode_new_turns(tok, [result], previous=previous)
+
+
+def test_turn_memory_ignores_call_ids_only_where_the_template_drops_them(monkeypatch):
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))  # Qwen-style: ids not rendered
+    turn_cache.clear_turn_cache()
+    monkeypatch.setattr(turn_cache, "TURN_CACHE_SIZE", 0)
+    fresh = _tool_turn(tok, "call_x")
+    monkeypatch.setattr(turn_cache, "TURN_CACHE_SIZE", 8)
+    assert [_tool_turn(tok, f"call_{i}") for i in range(3)] == [fresh] * 3
+    assert sum(len(c) for c in turn_cache._caches.values()) == 1
+    # a template that writes the ids keeps them in the key (and in the ids)
+    written = "(message.content or '') ~ (message.tool_call_id or '')"
+    tok.chat_template = tok.chat_template.replace("(message.content or '')", written)
+    assert written in tok.chat_template
+    turn_cache.clear_turn_cache()
+    a, b = _tool_turn(tok, "call_1"), _tool_turn(tok, "call_2")
+    assert a != b and sum(len(c) for c in turn_cache._caches.values()) == 2
