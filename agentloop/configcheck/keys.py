@@ -232,7 +232,7 @@ _add(
     "extra outputs/hooks not implemented (custom server or manager classes)",
     {"agent.custom_async_server.path": None, "agent.custom_async_server.name": None},
 )
-_add(ROLLOUT, HONOURED, "routed experts per token in routed_experts (MoE models, vLLM)",
+_add(ROLLOUT, HONOURED, "routed experts per token in routed_experts (MoE models, vLLM on GPUs)",
      {"enable_rollout_routing_replay": False})
 _add(ROLLOUT, HONOURED, "function tools loaded once per worker (load_all_tools)",
      {"multi_turn.function_tool_path": None})

@@ -15,6 +15,7 @@ from typing import Any
 
 from agentloop.batch.routed_experts import PROMPT_START_KEY
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig
+from agentloop.errors import ConfigError
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import WORKER_EXTENSION
 from agentloop.types import StopReason, TokenOutput
@@ -23,6 +24,12 @@ SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos",
 )
 """Sampling keys passed to vLLM's ``SamplingParams`` under their own names."""
+ROUTING_REPLAY_ON_CPU = (
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay: vLLM returns routed experts only "
+    "from its Model Runner V2, which needs Triton with a GPU backend; vLLM CPU cannot (vLLM 0.32: "
+    "'AuxOutput Connector requires Model Runner V2'). Run the servers on GPUs or set it to false"
+)
+"""The error of a vLLM CPU server started with routing replay on."""
 FINISH_TO_STOP = {
     "stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED,
 }
@@ -33,7 +40,10 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
                 server_index: int = 0) -> dict[str, Any]:
     """vLLM ``AsyncEngineArgs`` from the typed config (verl's key names; ``engine_kwargs.vllm``
     last, so it overrides anything).  Each server is seeded ``seed + server_index``, as verl seeds
-    its replicas, so servers given the same requests do not sample the same tokens."""
+    its replicas, so servers given the same requests do not sample the same tokens.
+
+    Raises:
+        ConfigError: routing replay on a CPU server (:data:`ROUTING_REPLAY_ON_CPU`)."""
     args: dict[str, Any] = {
         "model": model.local_path,
         "trust_remote_code": model.trust_remote_code,
@@ -68,6 +78,8 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
         args["scheduling_policy"] = "priority"
     args["worker_extension_cls"] = WORKER_EXTENSION  # weight updates without files (weight_sync.py)
     if engine.enable_rollout_routing_replay:  # R3: routed experts in every output
+        if on_cpu:
+            raise ConfigError(ROUTING_REPLAY_ON_CPU)
         args["enable_return_routed_experts"] = True
     # Qwen2-VL without torchvision: no videos (vllm_plugin.py)
     args.update(engine_arg_defaults(args["model"]))

@@ -1,10 +1,13 @@
-"""Routing replay (R3) through the real engine: the tiny Qwen3-MoE model on vLLM CPU.
+"""Routing replay (R3) through the real engine: the tiny Qwen3-MoE model on vLLM.
 
-One manager (1 server, 1 worker, fp32, greedy, ``enable_rollout_routing_replay``) is shared by the
-module.  Each row's ``routed_experts`` must equal the router top-k of a transformers forward
-(``Qwen3MoeForCausalLM``, same weights, fp32) over the row's tokens: prompt, sampled and tool tokens
-(a tool turn's routing comes from the next turn's prefill, which asks vLLM only for the positions it
-does not know yet), with the fill value on the last sampled token (it never ran) and on padding.
+vLLM 0.32 returns routed experts only from its Model Runner V2, which needs Triton with a GPU
+backend: on CPU the server refuses the key with a clear error (checked here without starting an
+engine).  On a GPU, one manager (1 server, 1 worker, fp32, greedy, routing replay on) is shared
+by the module and each row's ``routed_experts`` must equal the router top-k of a
+transformers forward (``Qwen3MoeForCausalLM``, same weights, fp32) over the row's tokens: prompt,
+sampled and tool tokens (a tool turn's routing comes from the next turn's prefill, which asks vLLM
+only for the positions it does not know yet), with the fill value on the last sampled token (it
+never ran) and on padding.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from agentloop.loops.tool_agent import ToolAgentLoop
 from agentloop.parsers.base import FunctionCall
 
 pytestmark = pytest.mark.integration
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                            reason="vLLM returns routed experts on GPUs only (Model Runner V2)")
 
 PROMPT_LEN, RESPONSE_LEN = 128, 96
 
@@ -71,20 +76,7 @@ def hf_model(model_path):
     return Qwen3MoeForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def manager(model_path, tmp_path_factory):
-    import ray
-    import ray.cloudpickle
-
-    from agentloop.loops.base import _agent_loop_registry
-    from agentloop.rollout.manager import AgentLoopManager
-
-    tools = tmp_path_factory.mktemp("tools") / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n")
-    register("it_calc_agent")(CalcAgent)  # only while this module's manager lives
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+def config(model_path: str, tools: Any, device: str) -> Any:
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": model_path, "data.max_prompt_length": PROMPT_LEN,
@@ -96,12 +88,52 @@ def manager(model_path, tmp_path_factory):
         "actor_rollout_ref.rollout.max_num_seqs": 8,
         "actor_rollout_ref.rollout.agent.num_workers": 1,
         "actor_rollout_ref.rollout.server.num_servers": 1,
-        "actor_rollout_ref.rollout.server.device": "cpu",
+        "actor_rollout_ref.rollout.server.device": device,
         "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(tools),
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 3,
     }.items():
         OmegaConf.update(cfg, k, v)
-    m = AgentLoopManager(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory) -> Any:
+    path = tmp_path_factory.mktemp("tools") / "tools.yaml"
+    path.write_text("tools:\n  - class_name: agentloop.tools.calculator.CalculatorTool\n")
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_a_cpu_server_refuses_routing_replay_with_a_clear_error(model_path, tools):
+    import ray
+
+    from agentloop.errors import ServerError
+    from agentloop.rollout.manager import AgentLoopManager
+    from agentloop.servers.vllm_io import ROUTING_REPLAY_ON_CPU
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        with pytest.raises(ServerError) as err:
+            AgentLoopManager(config(model_path, tools, "cpu"))
+        assert ROUTING_REPLAY_ON_CPU in str(err.value)
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def manager(model_path, tools):
+    import ray
+    import ray.cloudpickle
+
+    from agentloop.loops.base import _agent_loop_registry
+    from agentloop.rollout.manager import AgentLoopManager
+
+    register("it_calc_agent")(CalcAgent)  # only while this module's manager lives
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    m = AgentLoopManager(config(model_path, tools, "auto"))
     yield m
     m.shutdown()
     ray.shutdown()
@@ -140,6 +172,7 @@ def check_rows(out: Any, hf_model: Any) -> int:
     return checked
 
 
+@on_gpu
 def test_single_turn_rows_equal_hf_router_choices(manager, hf_model):
     prompts = [[{"role": "user", "content": q}] for q in ("What is 2 + 3?", "Say hello.")]
     out = manager.generate_sequences(rows_to_batch([{"prompt": p} for p in prompts]))
@@ -149,6 +182,7 @@ def test_single_turn_rows_equal_hf_router_choices(manager, hf_model):
     print(f"\nsingle_turn: {check_rows(out, hf_model)} positions equal HF's router top-k")
 
 
+@on_gpu
 def test_tool_turns_get_their_routing_from_the_next_prefill(manager, hf_model):
     prompt = [{"role": "user", "content": "What is 2 + 3?"}]
     out = manager.generate_sequences(

@@ -303,3 +303,29 @@ def test_error_rows_no_worker_rolled_out_carry_the_column() -> None:
                       routed_experts_shape=SHAPE)
     assert out.batch["routed_experts"].shape == (2, 12, *SHAPE)
     assert (out.batch["routed_experts"] == FILL).all()
+
+
+def test_engine_args_ask_vllm_for_routed_experts_on_gpu_and_refuse_cpu(tmp_path: Path) -> None:
+    from agentloop.config import resolve_config
+    from agentloop.servers.vllm_io import ROUTING_REPLAY_ON_CPU, engine_args
+
+    cfg = manager_cfg(moe_dir(tmp_path, num_experts=8, num_experts_per_tok=2))
+    on = resolve_config(cfg)
+    args = engine_args(on.engine, on.server, on.model_config, on_cpu=False)
+    assert args["enable_return_routed_experts"] is True
+    with pytest.raises(ConfigError, match="vLLM CPU cannot") as err:
+        engine_args(on.engine, on.server, on.model_config, on_cpu=True)
+    assert str(err.value) == ROUTING_REPLAY_ON_CPU
+    OmegaConf.update(cfg, "actor_rollout_ref.rollout.enable_rollout_routing_replay", False)
+    off = resolve_config(cfg)
+    assert "enable_return_routed_experts" not in engine_args(
+        off.engine, off.server, off.model_config, on_cpu=False
+    )
+
+
+def test_vllm_sampling_params_skip_the_known_prefix() -> None:
+    from agentloop.servers.vllm_io import sampling_params
+
+    params = sampling_params({PROMPT_START_KEY: 5}, 8, 16, 16)
+    assert params.routed_experts_prompt_start == 5
+    assert sampling_params({}, 8, 16, 16).routed_experts_prompt_start == 0
