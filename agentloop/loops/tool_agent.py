@@ -431,7 +431,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_mask=data.response_mask[:n],
             response_logprobs=data.response_logprobs[:n] if want_logprobs else None,
             response_weight_versions=(
-                data.weight_versions[:n] if any(v >= 0 for v in data.weight_versions) else None
+                data.weight_versions[:n] if max(data.weight_versions, default=-1) >= 0 else None
             ),
             routed_experts=data.routing.rows_for(data.prompt_ids + data.response_ids[:n]),
             num_turns=data.user_turns + data.assistant_turns - data.segment_start + 1,

@@ -175,14 +175,16 @@ def _renders_call_ids(
     ``tool_call_id``, or a stub tool call renders differently under two ids (a dict dumped whole).
     True when unsure (a template of several names, a probe the template rejects)."""
     template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or _ID_WORDS.search(template):
+    if not isinstance(template, str):
         return True
     key = (template, tools is None, repr(sorted(kwargs.items())))
     try:
         known = _call_ids_rendered.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: not remembered
         known = {}
-    if key not in known:
+    if key not in known and _ID_WORDS.search(template):
+        known[key] = True
+    elif key not in known:
         try:
             first = _render(tokenizer, _call_id_probe("call_A1"), tools=tools, **kwargs)
             known[key] = first != _render(
