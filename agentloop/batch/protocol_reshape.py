@@ -48,7 +48,7 @@ def _cat_batches(batches: list[TensorDict]) -> TensorDict:
                 for k in keys
             }
             return TensorDict(tensors, batch_size=[sum(b.batch_size[0] for b in batches)])
-    return cast(TensorDict, torch.cat(batches, dim=0))  # type: ignore[call-overload]
+    return cast(TensorDict, torch.cat(batches, dim=0))  # type: ignore[arg-type]
 
 
 class _Reshapeable(DataProtoLike, Protocol):

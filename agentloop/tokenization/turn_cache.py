@@ -59,7 +59,7 @@ def without_call_ids(
     ``tool_call_id``) set to None: for templates that do not render them."""
     new = [{**m, "tool_call_id": None} if "tool_call_id" in m else m for m in new_messages]
     calls = None if previous is None else previous.get("tool_calls")
-    if isinstance(calls, list):
+    if previous is not None and isinstance(calls, list):
         previous = {
             **previous,
             "tool_calls": [{**c, "id": None} if isinstance(c, dict) else c for c in calls],
@@ -71,7 +71,9 @@ def recall(tokenizer: Any, key: _Key) -> list[int] | None:
     """The ids remembered under ``key`` (a fresh list), or None."""
     with _lock:
         cache = _caches.get(tokenizer)
-        hit = None if cache is None else cache.get(key)
+        if cache is None:
+            return None
+        hit = cache.get(key)
         if hit is None:
             return None
         cache.move_to_end(key)
