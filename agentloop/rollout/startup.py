@@ -5,7 +5,8 @@ trainer, or standalone); :func:`shared_balancer` starts the one balancer actor w
 something to balance and ``rollout.server.balancer`` is ``shared`` (``local``: none, each worker's
 router balances its own trajectories, its sticky cache sized by :func:`sticky_share`);
 :func:`spawn_worker` starts one AgentLoopWorker actor pinned to a node, round-robin over the nodes
-alive now.  Spec: docs/concepts.md#placement, docs/routing.md#worker-local-routing.
+alive now.  Spec: docs/concepts.md#placement,
+docs/routing.md#worker-local-routing-serverbalancer-local.
 """
 
 from __future__ import annotations
