@@ -146,11 +146,13 @@ def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
 
 def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
                after_get: Any = None, per_sample: bool = True,
-               metrics: dict[str, Any] | None = None) -> tuple[float, int, float]:
+               metrics: dict[str, Any] | None = None,
+               max_staleness: int | None = None) -> tuple[float, int, float]:
     """Returns (wall, rows, engine busy fraction while the in-flight budget was full).
     ``after_get()`` runs after each hand-out (a trainer step, e.g. a weight update);
     ``per_sample``: the Rollouter's (False: a group holds its places until its last sample ends);
-    ``metrics``: filled with the Rollouter's final :meth:`~Rollouter.metrics`."""
+    ``metrics``: filled with the Rollouter's final :meth:`~Rollouter.metrics`; ``max_staleness``:
+    the Rollouter's."""
     import threading
 
     from agentloop.rollout.rollouter import Rollouter
@@ -158,7 +160,7 @@ def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
     t0 = time.perf_counter()
     rollouter = Rollouter(
         manager, iter(batches), max_inflight=inflight, groups_per_dispatch=1,
-        per_sample=per_sample,
+        per_sample=per_sample, max_staleness=max_staleness,
     ).start()
     samples: list[tuple[float, float, int]] = []  # (time, busy seconds, samples in flight)
     done = threading.Event()

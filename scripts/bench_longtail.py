@@ -30,7 +30,7 @@ Prints seconds per step (median, range) of each and the ratio verl / each; for R
 the groups handed out per staleness (weight versions behind when handed out).
 
     python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
-    [--updates] [--per-group] [--routing sticky|prefix]
+    [--updates] [--per-group] [--max-staleness K] [--routing sticky|prefix]
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ def main() -> None:
     parser.add_argument(
         "--per-group", action="store_true",
         help="also the rollouter (and abort) passes with per_sample=False: rollout-g, abort-g",
+    )
+    parser.add_argument(
+        "--max-staleness", type=int, default=None,
+        help="the Rollouter passes' max_staleness (default: unbounded)",
     )
     args = parser.parse_args()
     print(
@@ -145,22 +149,24 @@ def main() -> None:
                     # under the mode set above
                     step = functools.partial(manager.update_weights, weights)
                     wall, rows, _ = bench_async.async_pass(
-                        manager, batches, args.groups, rows_per_step, step, per_sample, metrics
+                        manager, batches, args.groups, rows_per_step, step, per_sample, metrics,
+                        args.max_staleness,
                     )
                 elif mode in ("rollouter", "rollout-g"):
                     wall, rows, _ = bench_async.async_pass(
                         manager, batches, args.groups, rows_per_step, per_sample=per_sample,
-                        metrics=metrics,
+                        metrics=metrics, max_staleness=args.max_staleness,
                     )
                 else:
                     wall, rows = bench_async.sync_pass(manager, batches)
                 per_step[mode].append(wall / (rows / rows_per_step))
                 # groups handed out per staleness (weight versions behind)
                 stale = metrics.get("rollouter/staleness")
+                rerun = metrics.get("rollouter/groups_rerun_stale")
                 print(
                     f"round {r} {mode:9s}: {rows} trajectories in {wall:.1f}s = "
                     f"{per_step[mode][-1]:.2f}s per step"
-                    + (f"; staleness {stale}" if stale is not None else ""),
+                    + (f"; staleness {stale}, re-run {rerun}" if stale is not None else ""),
                     flush=True,
                 )
         med = {m: statistics.median(v) for m, v in per_step.items()}
