@@ -78,7 +78,11 @@ class Gathering:
         parts = [self.done[i] for i in range(len(self.units))]
         if len(parts) == 1:
             return parts[0]
-        metrics = [m for p in parts for m in p.meta_info.pop("metrics", None) or []]
+        metrics = [m for p in parts for m in p.meta_info.get("metrics") or []]
+        # kept as they are: a stale unit's siblings are handed out again with its re-run
+        parts = [DataProto(p.batch, p.non_tensor_batch,
+                           {k: v for k, v in p.meta_info.items() if k != "metrics"})
+                 for p in parts]
         out = DataProto.concat(align_keys(parts))
         out.meta_info["metrics"] = metrics
         return out
@@ -191,8 +195,8 @@ class Rollouter:
                 # went stale while queued
                 if self.max_staleness is not None and staleness > self.max_staleness:
                     self.counts["groups_rerun_stale"] += 1
-                    # the thread dispatches it again (it waits for this decision)
-                    self._enqueue(gathering, front=True)
+                    # the thread dispatches its stale samples again (it waits for this decision)
+                    self._requeue_stale(gathering, self.max_staleness)
                     continue
             self.staleness[staleness] += 1
             self.counts["groups_handed_out"] += 1
@@ -275,6 +279,20 @@ class Rollouter:
             self._todo.extendleft(reversed(gathering.units))
         else:
             self._todo.extend(gathering.units)
+
+    def _requeue_stale(self, gathering: Gathering, max_staleness: int) -> None:
+        """Queue again, first, the units of the finished ``gathering`` whose rows lag more than
+        ``max_staleness`` versions behind (every unit when none does by itself); the rows of the
+        others are kept for its next hand-out."""
+        current = self.manager.weight_version
+        stale = [i for i, rows in sorted(gathering.done.items())
+                 if self._staleness(rows, current) > max_staleness]
+        for i in stale or range(len(gathering.units)):
+            gathering.done.pop(i, None)
+            self._owner[gathering.units[i]] = (gathering, i)
+        if not gathering.done:
+            gathering.failed = False
+        self._todo.extendleft(reversed([u for u in gathering.units if u in self._owner]))
 
     def _read_prompts(self) -> None:
         """The next prompt batch, split into groups (and those into samples) and queued."""
