@@ -19,7 +19,8 @@ out finished groups as one DataProto.  With ``per_sample`` (the default) a group
 dispatched and counted one by one: a sample that ended frees its place in the budget at once (the
 next samples start), while its group waits for its siblings; a group is handed out only once all of
 its samples are in.  With ``max_staleness`` set, samples (and dispatches) that lag the weights by
-more than that many versions are re-run, and so are groups that went stale while queued; a dead or
+more than that many versions are re-run, and so are the stale samples of groups that went stale
+while queued; a dead or
 hung worker is replaced and its samples re-run, at most ``agent.max_sample_retries`` times, then
 handed out as ``error`` rows. :meth:`Rollouter.metrics` reports queues, staleness and the
 engine-busy fraction.
