@@ -30,7 +30,7 @@ from agentloop.testing.tiny_model import (
     tiny_model_path,
 )
 
-MOE_BUILDER_VERSION = "1"
+MOE_BUILDER_VERSION = "2"  # 2: head_dim 32 (vLLM CPU attention has no head_dim 16)
 MOE_NAME = "tiny-qwen3-moe"
 NUM_EXPERTS = 8
 TOP_K = 2
@@ -39,7 +39,7 @@ ROUTER_STD = 1.0
 MOE_SHAPE: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
     "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "num_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
+    "head_dim": 32, "num_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
     "max_position_embeddings": 4096, "tie_word_embeddings": True,
 }
