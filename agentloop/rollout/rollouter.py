@@ -15,13 +15,13 @@ RL).
 
 One background thread splits the prompt batches into groups (rows sharing ``group_by``) and keeps up
 to ``max_inflight`` samples running through the manager's dispatcher; :meth:`Rollouter.get` hands
-out finished groups as one DataProto.  With ``per_sample`` (the default) a group's samples are
-dispatched and counted one by one: a sample that ended frees its place in the budget at once (the
-next samples start), while its group waits for its siblings; a group is handed out only once all of
-its samples are in.  With ``max_staleness`` set, samples (and dispatches) that lag the weights by
-more than that many versions are re-run, and so are the stale samples of groups that went stale
-while queued; a dead or
-hung worker is replaced and its samples re-run, at most ``agent.max_sample_retries`` times, then
+out finished groups as one DataProto.  With ``per_sample`` (the default without ``max_staleness``)
+a group's samples are dispatched and counted one by one: a sample that ended frees its place in the
+budget at once (the next samples start), while its group waits for its siblings; a group is handed
+out only once all of its samples are in.  With ``max_staleness`` set, samples (and dispatches)
+that lag the weights by more than that many versions are re-run, and so are the stale samples of
+groups that went stale while queued; a dead or hung worker is replaced and its samples re-run, at
+most ``agent.max_sample_retries`` times, then
 handed out as ``error`` rows. :meth:`Rollouter.metrics` reports queues, staleness and the
 engine-busy fraction.
 
@@ -108,13 +108,14 @@ class Rollouter:
             worker in one streaming call.
         per_sample: dispatch and count a group's samples one by one (a finished sample frees its
             place in ``max_inflight`` at once); False: a group is one unit whose places are held
-            until its last sample ends.
+            until its last sample ends; None (default): per sample when ``max_staleness`` is None,
+            per group when it is set.
     """
 
     def __init__(
         self, manager: Any, prompts: Iterable[DataProto], *, max_inflight: int | None = None,
         max_staleness: int | None = None, group_by: str | None = "uid", max_queue: int = 1024,
-        groups_per_dispatch: int = 4, per_sample: bool = True,
+        groups_per_dispatch: int = 4, per_sample: bool | None = None,
     ) -> None:
         if max_inflight is None:
             max_inflight = engine_capacity(manager)
@@ -129,7 +130,8 @@ class Rollouter:
         self.group_by = group_by
         self.max_queue = max_queue
         self.groups_per_dispatch = max(1, groups_per_dispatch)
-        self.per_sample = per_sample
+        # measured (docs/benchmarks.md): per sample wins unbounded, loses under max_staleness=1
+        self.per_sample = max_staleness is None if per_sample is None else per_sample
         # units waiting to be dispatched
         self._todo: collections.deque[Group] = collections.deque()
         self._owner: dict[Group, tuple[Gathering, int]] = {}

@@ -200,10 +200,19 @@ def test_a_group_stale_when_handed_out_reruns_only_its_stale_samples() -> None:
     # is re-run alone; at hand-out (version 2) samples 0-2 are too stale: only they run again
     durations = {0: 1.0, 1: 1.0, 2: 1.0, 3: 10.0}
     run = SimRun(durations, [(5.0, 1), (6.0, 2)])
-    rollouter = Rollouter(SimManager(run), batches(1, 1, 4), max_inflight=4, max_staleness=1)
+    rollouter = Rollouter(
+        SimManager(run), batches(1, 1, 4), max_inflight=4, max_staleness=1, per_sample=True
+    )
     part = rollouter.get(num_groups=1, timeout=30)
     rollouter.stop()
     assert sorted(run.dispatched) == [0, 0, 1, 1, 2, 2, 3, 3]  # sample 3 not a third time
     assert part.non_tensor_batch["index"].tolist() == [0, 1, 2, 3]
     assert part.non_tensor_batch["min_global_steps"].tolist() == [2, 2, 2, 2]
     assert rollouter.staleness == {0: 1} and len(part.meta_info["metrics"]) == 4
+
+
+def test_per_sample_is_the_default_only_without_a_staleness_bound() -> None:
+    manager = SimManager(SimRun({}, []))
+    assert Rollouter(manager, [], max_inflight=4).per_sample
+    assert not Rollouter(manager, [], max_inflight=4, max_staleness=1).per_sample
+    assert Rollouter(manager, [], max_inflight=4, max_staleness=1, per_sample=True).per_sample
