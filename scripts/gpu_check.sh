@@ -39,6 +39,10 @@ for m in ('vllm', 'sglang', 'ray', 'transformers'):
         print(m, 'missing:', type(e).__name__, e)
 "
 [ "${SKIP_TESTS:-0}" = 1 ] || step tests_gpu "${TESTS_LIMIT:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -rs
+# Routing replay (R3): vLLM returns routed experts only from its GPU model runner; this compares them with an HF
+# forward's router top-k on a tiny Qwen3-MoE built on the spot (skipped on CPU, where the server refuses the key).
+[ "${SKIP_TESTS:-0}" = 1 ] || step routing_replay 300 "$PY" -m pytest tests/integration/test_vllm_routing_replay.py \
+  -v -p no:cacheprovider -rs
 # BENCH_WORKERS="1 4 8": one benchmark per worker count (each ~2.5 min on an H100, engine start-up included);
 # BENCH_N=8: GRPO-shaped batches (each prompt 8 times; the stack renders it once)
 for w in ${BENCH_WORKERS:-1}; do
@@ -48,6 +52,7 @@ done
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 grep -E "passed|failed|skipped" "$LOGS/tests_gpu.log" 2>/dev/null | tail -n 1
+grep -E "passed|failed|skipped" "$LOGS/routing_replay.log" 2>/dev/null | tail -n 1
 for w in ${BENCH_WORKERS:-1}; do
   echo "workers=$w"; grep -E "^(raw AsyncLLM|AgentLoopManager|ratio|agentloop serial)" "$LOGS/bench_overhead_w$w.log"
 done
