@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -276,6 +276,42 @@ def _swap_in(new: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def build_in_place(
+    target: Path, fill: Callable[[Path], None], is_current: Callable[[Path], bool], *,
+    force: bool = False, label: str = "build",
+) -> Path:
+    """Make ``target`` a current model directory: unless ``is_current(target)`` (and not
+    ``force``), ``fill`` writes a fresh one into a temporary directory beside it, swapped in by
+    atomic renames under a file lock (parallel callers build once).
+
+    Returns:
+        ``target``.
+
+    Raises:
+        FileExistsError: ``target`` is a non-empty directory that holds no tiny model (no
+            :data:`MARKER`); it is not replaced.
+    """
+    if not force and is_current(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(target):
+        # another caller built it while we waited
+        if not force and is_current(target):
+            return target
+        if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
+            raise FileExistsError(
+                f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
+            )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{label}-", dir=target.parent))
+        try:
+            fill(tmp)
+            tmp.chmod(0o755)
+            _swap_in(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets"
 """The trained models shipped in the package (``agentloop/assets/tiny-qwen2`` and its step-400
 snapshot), built by this module (``scripts/make_tiny_model.py --force`` rebuilds and compares the
@@ -311,37 +347,16 @@ def ensure_tiny_model(
     _check_snapshot(steps, snapshot)
     default = tiny_model_path() if snapshot is None else tiny_model_path(snapshot_name(snapshot))
     target = Path(path).expanduser().absolute() if path is not None else default
-    if not force and _is_current(target, steps, snapshot):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(target):
-        # another caller built it while we waited
-        if not force and _is_current(target, steps, snapshot):
-            return target
-        shipped = shipped_model(steps, snapshot)
-        # the trained copy in the package: copied, never retrained
-        if not force and shipped is not None:
-            if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-                raise FileExistsError(
-                    f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
-                )
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-copy-", dir=target.parent))
-            try:
-                shutil.copytree(shipped, tmp, dirs_exist_ok=True)
-                tmp.chmod(0o755)
-                _swap_in(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            return target
-        if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-            raise FileExistsError(
-                f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
-            )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
-        try:
-            build_into(tmp, steps, snapshot)
-            tmp.chmod(0o755)
-            _swap_in(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    # the trained copy in the package: copied, never retrained
+    shipped = None if force else shipped_model(steps, snapshot)
+
+    def fill(out_dir: Path) -> None:
+        if shipped is not None:
+            shutil.copytree(shipped, out_dir, dirs_exist_ok=True)
+        else:
+            build_into(out_dir, steps, snapshot)
+
+    return build_in_place(
+        target, fill, lambda p: _is_current(p, steps, snapshot), force=force,
+        label="build" if shipped is None else "copy",
+    )

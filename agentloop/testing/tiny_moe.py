@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,7 @@ from agentloop.testing.tiny_model import (
     MARKER,
     PAD_TOKEN,
     SHIPPED_DIR,
-    _build_lock,
-    _swap_in,
+    build_in_place,
     content_hash,
     tiny_model_path,
 )
@@ -144,21 +142,4 @@ def ensure_tiny_moe_model(path: str | Path | None = None, *, force: bool = False
         FileExistsError: ``path`` is a non-empty directory that holds no tiny model.
     """
     target = Path(path).expanduser().absolute() if path is not None else tiny_moe_model_path()
-    if not force and _is_current(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(target):
-        if not force and _is_current(target):
-            return target
-        if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-            raise FileExistsError(
-                f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
-            )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
-        try:
-            build_moe_into(tmp)
-            tmp.chmod(0o755)
-            _swap_in(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_in_place(target, build_moe_into, _is_current, force=force)

@@ -14,8 +14,6 @@ docs/multimodal.md#the-tiny-vision-language-model.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +26,7 @@ from agentloop.testing.tiny_model import (
     MODEL_SHAPE,
     PAD_TOKEN,
     SHIPPED_DIR,
-    _build_lock,
-    _swap_in,
+    build_in_place,
     build_tokenizer,
     content_hash,
     tiny_model_path,
@@ -229,21 +226,4 @@ def ensure_tiny_vl_model(path: str | Path | None = None, *, force: bool = False)
     a non-empty directory that holds no tiny model.
     """
     target = Path(path).expanduser().absolute() if path is not None else tiny_vl_model_path()
-    if not force and _is_current(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(target):
-        if not force and _is_current(target):
-            return target
-        if target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir()):
-            raise FileExistsError(
-                f"{target} is not empty and holds no tiny model ({MARKER}); not replacing it"
-            )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
-        try:
-            build_vl_into(tmp)
-            tmp.chmod(0o755)
-            _swap_in(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_in_place(target, build_vl_into, _is_current, force=force)
