@@ -126,6 +126,45 @@ class RoutedExpertsTrace:
         return self.rows[:n]
 
 
+def call_rows(
+    output: Any, known: int, end: int
+) -> tuple[int, np.ndarray] | None:
+    """One generation call's rows as ``(start, rows)``, kept to the positions ``known .. end``
+    (earlier rows win; ``end``: the length of the call's kept ``prompt_ids + token_ids``).
+
+    Args:
+        output: a :class:`~agentloop.types.TokenOutput` or last stream chunk
+            (:class:`~agentloop.types.TokenDelta`).
+        known: positions already known from earlier calls of the trajectory.
+        end: positions past it are dropped (tokens a caller cut).
+
+    Returns:
+        None when the output has no routing (the key off, a dense engine) or nothing is left.
+    """
+    if getattr(output, "routed_experts", None) is None:
+        return None
+    rows, start = as_rows(output.routed_experts), int(output.routed_experts_start)
+    skip = max(known - start, 0)
+    rows = rows[skip:max(end - start, skip)]
+    return (start + skip, rows) if len(rows) else None
+
+
+def path_rows(pieces: Sequence[tuple[int, np.ndarray] | None]) -> np.ndarray | None:
+    """The rows by position of a trajectory's calls, in order (each ``(start, rows)`` from
+    :func:`call_rows`, None where a call had none); None when no call had routing."""
+    joined: np.ndarray | None = None
+    for piece in pieces:
+        if piece is not None:
+            joined = merge_rows(joined, piece[0], piece[1])
+    return joined
+
+
+def prompt_start(known: np.ndarray | None) -> dict[str, int]:
+    """The sampling params that skip ``known`` rows (:data:`PROMPT_START_KEY`); ``{}`` when none
+    are known."""
+    return {PROMPT_START_KEY: len(known)} if known is not None and len(known) else {}
+
+
 def routed_experts_rows(outputs: Sequence[AgentLoopOutput]) -> list[np.ndarray | None]:
     """Each output's ``routed_experts`` as rows (None where it has none)."""
     return [None if o.routed_experts is None else as_rows(o.routed_experts) for o in outputs]
@@ -177,5 +216,6 @@ def pad_routed_experts(
 
 __all__ = [
     "DTYPE", "FILL", "PROMPT_START_KEY", "ROUTED_EXPERTS_KEY", "RoutedExpertsTrace", "as_rows",
-    "join_routed_experts", "merge_rows", "pad_routed_experts", "routed_experts_rows",
+    "call_rows", "join_routed_experts", "merge_rows", "pad_routed_experts", "path_rows",
+    "prompt_start", "routed_experts_rows",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 from jinja2 import TemplateError
 from ray.exceptions import RayActorError, RayError
 
+from agentloop.batch.routed_experts import PROMPT_START_KEY, call_rows, prompt_start
 from agentloop.errors import RoutingError
 from agentloop.gateway import constraints
 from agentloop.gateway.decode import StreamDecoder, decode_turn
@@ -130,7 +131,8 @@ class TurnServer:
         constrained = constraints.apply(request, self.parser, grammar, self.reasoning)
         reservation = self.reserve_prompt(session, request, http_id)
         session.num_requests += 1
-        params = {**session.sampling_params, **request.sampling, **grammar}
+        params = {**session.sampling_params, **request.sampling, **grammar,
+                  **prompt_start(session.store.known_routing(reservation))}  # routing replay
         params["logprobs"] = bool(self.calculate_log_probs or request.want_logprobs)
         remaining = self._budget(reservation)
         params["max_tokens"] = min(int(params.get("max_tokens") or remaining), remaining)
@@ -176,7 +178,7 @@ class TurnServer:
         finally:
             turn.session.in_flight.pop(turn.request_id, None)
         result = await self._commit(
-            turn, out.token_ids, out.log_probs, out.stop_reason, out.stop_sequence
+            turn, out.token_ids, out.log_probs, out.stop_reason, out.stop_sequence, routed=out
         )
         if turn.request.want_logprobs:
             result.logprobs = self._openai_logprobs(out.token_ids, out.log_probs)
@@ -185,9 +187,10 @@ class TurnServer:
     async def _commit(
         self, turn: Turn, ids: list[int], log_probs: list[float] | None, stop: StopReason | None,
         stop_sequence: str | None, settle: Callable[[dict[str, Any]], None] | None = None,
+        routed: Any = None,
     ) -> TurnResult:
         """Decode and store one generation; an aborted one (or one of an aborted session) is not
-        kept."""
+        kept.  ``routed``: the output (or last stream chunk) carrying its routed experts."""
         if stop == StopReason.ABORTED or turn.session.state == "aborted":
             turn.session.store.release(turn.reservation)
             raise GatewayHTTPError(
@@ -210,9 +213,11 @@ class TurnServer:
             settle(decoded.message)
         turn.session.num_parse_errors += decoded.num_parse_errors
         lps = list(log_probs) if log_probs is not None and len(log_probs) == len(ids) else None
+        prompt_ids = turn.reservation.prompt_ids
         turn.session.store.commit(
             turn.reservation, list(ids), lps, decoded.message, decoded.finish_reason,
-            constrained=turn.constrained,
+            constrained=turn.constrained, routed=call_rows(
+                routed, int(turn.params.get(PROMPT_START_KEY, 0)), len(prompt_ids) + len(ids)),
         )
         return TurnResult(
             message=decoded.message, finish_reason=decoded.finish_reason,
@@ -250,6 +255,7 @@ class TurnServer:
         lps: list[float] | None = [] if turn.params["logprobs"] else None
         stop: StopReason | None = None
         stop_sequence: str | None = None
+        last: Any = None  # the last chunk: routing replay's rows
         committed = False
         turn.session.in_flight[turn.request_id] = turn.sticky_key
         try:
@@ -266,12 +272,13 @@ class TurnServer:
                         yield event
                     if delta.finished:
                         stop, stop_sequence = delta.stop_reason, delta.stop_sequence
+                        last = delta
             except Exception as e:
                 raise _engine_error(e, turn) from None
             tails: list[TurnEvent] = []
             result = await self._commit(
                 turn, ids, lps, stop, stop_sequence,
-                settle=lambda message: tails.extend(decoder.settle(message)),
+                settle=lambda message: tails.extend(decoder.settle(message)), routed=last,
             )
             committed = True
             for tail in tails:

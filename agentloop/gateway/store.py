@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentloop.batch.routed_experts import path_rows
 from agentloop.errors import AgentLoopError
 from agentloop.gateway.canonical import Canon, canonical_message, canonical_tools
 from agentloop.gateway.images import ImageEncoder
@@ -86,6 +87,7 @@ class SampledNode:
     constrained: bool = False
     """Sampled under a grammar (tool_choice / response_format,
     docs/gateway.md#tool-choice-and-structured-output)."""
+    routed: tuple[int, Any] | None = None  # routing replay: (start, rows) by path position
 
 
 @dataclass
@@ -132,6 +134,7 @@ class Trajectory:
     multi_modal_data: dict[str, list[bytes]] | None = None
     # a sampled turn of it was sampled under a grammar (tool_choice / response_format)
     constrained: bool = False
+    routed_experts: Any | None = None  # routing replay: rows of prompt_ids + response_ids
 
 
 # ---- the store
@@ -143,8 +146,7 @@ class SessionStore:
         tokenizer: the served model's tokenizer (``apply_chat_template``, ``encode``).
         max_length: per-trajectory token budget, ``prompt_length + response_length``.
         end_of_turn: the token(s) the engine ends a turn with (default ``tokenizer.eos_token``); the
-        first
-            one is inserted after a sample that ended without any of them.
+            first one is inserted after a sample that ended without any of them.
         chat_template_kwargs: extra template variables passed to every render.
         images: decodes and places image parts (default: a text-only model, which refuses them).
     """
@@ -227,9 +229,11 @@ class SessionStore:
     def commit(
         self, reservation: Reservation, token_ids: Sequence[int], log_probs: Sequence[float] | None,
         message: dict[str, Any], finish_reason: str, constrained: bool = False,
+        routed: tuple[int, Any] | None = None,
     ) -> SampledNode:
         """Record a generation as a new sampled child (always a new sibling) of the reservation's
-        node; ``constrained``: the engine sampled it under a grammar.
+        node; ``constrained``: the engine sampled it under a grammar; ``routed``: its routed
+        experts (:func:`~agentloop.batch.routed_experts.call_rows`).
 
         Raises:
             StoreError: the reservation was already committed or released, or ``log_probs`` is not
@@ -246,10 +250,15 @@ class SessionStore:
             parent=reservation.node, ids=[int(t) for t in token_ids],
             log_probs=None if log_probs is None else [float(x) for x in log_probs], message=message,
             finish_reason=finish_reason, canon=canonical_message(message), seq=next(self._seq),
-            constrained=constrained,
+            constrained=constrained, routed=routed,
         )
         reservation.node.samples.append(node)
         return node
+
+    def known_routing(self, reservation: Reservation) -> Any | None:
+        """The routed-experts rows the reservation's path already has (None: none)."""
+        return path_rows([p.routed for p in self._path(reservation.node)
+                          if isinstance(p, SampledNode)])
 
     def release(self, reservation: Reservation) -> None:
         """Give up a reservation (failed request): nothing is recorded; a context node nothing
@@ -310,11 +319,8 @@ class SessionStore:
                 end = start + len(run)
                 if key_tools != tools_key or end >= len(canon) or tuple(canon[start:end]) != run:
                     continue
-                found += [
-                    (s, end + 1)
-                    for s in ctx.samples
-                    if self._same_turn(s, canon, end, messages, tools)
-                ]
+                found += [(s, end + 1) for s in ctx.samples
+                          if self._same_turn(s, canon, end, messages, tools)]
             stack.extend(reversed(found))
         return best, best_end
 
@@ -357,12 +363,8 @@ class SessionStore:
             try:
                 ids = self._encode_after(parent, messages, start, tool_list)
             except TemplateMismatchError as e:
-                logger.warning(
-                    "incremental encoding is not exact for this request, "
-                    "starting a new tree with a "
-                    "full render: %s",
-                    e,
-                )
+                logger.warning("incremental encoding is not exact for this request, starting a "
+                               "new tree with a full render: %s", e)
                 self._num_fallbacks += 1
                 return self._context(None, messages, canon, 0, tools, tools_key)
         node = ContextNode(
@@ -470,9 +472,9 @@ class SessionStore:
                 messages += part.messages
         # drop context after the last sampled id
         end = max((k + 1 for k, m in enumerate(mask) if m), default=0)
-        images = [
-            i for part in [first, *rest] if isinstance(part, ContextNode) for i in part.images
-        ]
+        images = [i for part in [first, *rest] if isinstance(part, ContextNode)
+                  for i in part.images]
+        routed = path_rows([p.routed for p in rest if isinstance(p, SampledNode)])
         return Trajectory(
             prompt_ids=list(first.ids), response_ids=response[:end], response_mask=mask[:end],
             response_logprobs=logprobs[:end] if has_logprobs else None,
@@ -480,6 +482,7 @@ class SessionStore:
             finish_reason="length" if leaf.budget_spent else leaf.finish_reason,
             multi_modal_data={"image": images} if images else None,
             constrained=any(p.constrained for p in rest if isinstance(p, SampledNode)),
+            routed_experts=None if routed is None else routed[:len(first.ids) + end],
         )
 
     def stats(self) -> dict[str, int]:

@@ -238,6 +238,7 @@ class OpenAIAgentLoop(AgentLoopBase):
                     response_ids=list(traj.response_ids),
                     response_mask=list(traj.response_mask),
                     response_logprobs=traj.response_logprobs,
+                    routed_experts=getattr(traj, "routed_experts", None),  # routing replay
                     num_turns=int(traj.num_turns),
                     reward_score=score,
                     status=st,

@@ -26,6 +26,7 @@ from uuid import uuid4
 
 from omegaconf import DictConfig
 
+from agentloop.batch.routed_experts import RoutedExpertsTrace
 from agentloop.config import EnvConfig, MultiTurnConfig
 from agentloop.envs.base import Message
 from agentloop.envs.textarena import (
@@ -73,6 +74,7 @@ class Seat:
     """The weight versions that sampled the seat's moves (verl's min/max_global_steps)."""
     status: RolloutStatus = RolloutStatus.STOP
     metrics: AgentLoopMetrics = field(default_factory=AgentLoopMetrics)
+    routing: RoutedExpertsTrace = field(default_factory=RoutedExpertsTrace)  # routing replay
 
     @property
     def started(self) -> bool:
@@ -189,13 +191,14 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
     async def _move(self, seat: Seat) -> str | None:
         """Sample the seat's move; its text, or None when the generation was cut (status
         ``length`` / ``aborted``: the game stops there)."""
-        start = time.perf_counter()
+        start, prompt = time.perf_counter(), seat.prompt_ids + seat.response_ids
         out = await self.server_manager.generate(
-            request_id=seat.request_id, prompt_ids=seat.prompt_ids + seat.response_ids,
-            sampling_params={**self.sampling_params,
+            request_id=seat.request_id, prompt_ids=prompt,
+            sampling_params={**self.sampling_params, **seat.routing.request(prompt),
                              "max_tokens": self.response_length - len(seat.response_mask)},
         )
         seat.metrics.generate_sequences += time.perf_counter() - start
+        seat.routing.add(prompt, out)
         for key, pick in (("min_global_steps", min), ("max_global_steps", max)):
             value, old = out.extra_fields.get(key), seat.steps[key]
             if value is not None:
@@ -233,6 +236,7 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             response_logprobs=seat.logprobs[:n] if self.sampling_params.get("logprobs") else None,
             response_weight_versions=(seat.versions[:n] if any(v >= 0 for v in seat.versions)
                                       else None),
+            routed_experts=seat.routing.rows_for(seat.prompt_ids + seat.response_ids[:n]),
             num_turns=1 + seat.moves + seat.observations,
             metrics=seat.metrics,
             reward_score=None if rewards is None else rewards.get(seat.player_id),

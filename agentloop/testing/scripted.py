@@ -223,7 +223,7 @@ class ScriptedServer:
         image_data: list[Any] | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """The reply of :meth:`generate`, one token per chunk, then a final chunk with the stop
-        reason."""
+        reason (and the routed experts, as vLLM's last chunk)."""
         out = await self.generate(prompt_ids, sampling_params, request_id, image_data)
         for i, token in enumerate(out.token_ids):
             await asyncio.sleep(0)
@@ -234,7 +234,8 @@ class ScriptedServer:
             token_ids=[], log_probs=None if out.log_probs is None else [], finished=True,
             stop_reason=out.stop_reason, extra_fields=dict(out.extra_fields),
             preempted_by_pause=out.preempted_by_pause, cut_by_update=out.cut_by_update,
-            max_tokens=out.max_tokens,
+            max_tokens=out.max_tokens, routed_experts=out.routed_experts,
+            routed_experts_start=out.routed_experts_start,
         )
 
     def _shape(self, ids: list[int], params: dict[str, Any]) -> TokenOutput:

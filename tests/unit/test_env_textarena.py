@@ -9,6 +9,7 @@ import random
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -29,6 +30,7 @@ from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.routing import AsyncLLMServerManager
 from agentloop.testing import FakeTokenizer, ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END
+from agentloop.testing.scripted import fake_routed_experts
 
 ta = pytest.importorskip("textarena")
 
@@ -76,12 +78,13 @@ def rollout_cfg(response_length: int = 2048, **env: Any):
 
 
 def selfplay(moves: list[str], env: Any, response_length: int = 2048, tok: Any = TOK,
-             loop_kwargs: dict[str, Any] | None = None, **env_cfg: Any):
+             loop_kwargs: dict[str, Any] | None = None, routed: tuple[int, int] | None = None,
+             **env_cfg: Any):
     """Play ``moves`` through the loop; ``env`` is the sample's ``extra_info.env`` (a dict gets
     ``name: textarena``)."""
     cfg = rollout_cfg(response_length, **env_cfg)
     replies = [tok.encode(m, add_special_tokens=False) + [tok.eos_token_id] for m in moves]
-    server = ScriptedServer(replies, eos_token_id=tok.eos_token_id)
+    server = ScriptedServer(replies, eos_token_id=tok.eos_token_id, routed_experts=routed)
     if isinstance(env, dict):
         env = {"name": "textarena", **env}
 
@@ -155,6 +158,20 @@ def test_selfplay_tokens_are_exact_with_the_tiny_models_chat_template(tokenizer)
         assert ids + tokenizer.encode("\n", add_special_tokens=False) == tokenizer.encode(
             text, add_special_tokens=False)
     assert [t.reward_score for t in out.trajectories] == [1.0, -1.0]
+
+
+def test_selfplay_rows_carry_the_engines_routing_for_every_token_it_ran():
+    """Routing replay: each seat's row is the scripted engine's routing at every position but a
+    trailing observation and the last sampled token (never run), which stay unset (filled)."""
+    moves = ["[4]", "[0]", "[1]", "[3]", "[7]"]
+    out, server = selfplay(moves, {"env_id": "TicTacToe-v0", "seed": 1}, routed=(2, 2))
+    for row in out.trajectories:
+        ids = row.prompt_ids + row.response_ids
+        last = max(i for i, m in enumerate(row.response_mask) if m) + len(row.prompt_ids)
+        assert row.routed_experts is not None and len(row.routed_experts) == last
+        np.testing.assert_array_equal(row.routed_experts, fake_routed_experts(ids[:last], 0,
+                                                                              (2, 2)))
+    assert any("routed_experts_prompt_start" in c["sampling_params"] for c in server.calls)
 
 
 def test_selfplay_rewards_survive_the_worker_scoring_rule():
