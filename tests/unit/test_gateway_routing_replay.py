@@ -11,11 +11,17 @@ import pytest
 from gateway_helpers import FakePolicy, LiveGateway, client_for, run_calculator_agent
 from omegaconf import OmegaConf
 
-from agentloop.batch.routed_experts import PROMPT_START_KEY, pad_routed_experts
+from agentloop.batch.routed_experts import (
+    PROMPT_START_KEY,
+    call_rows,
+    pad_routed_experts,
+    path_rows,
+    prompt_start,
+)
 from agentloop.gateway.framework import OpenAIAgentLoop
 from agentloop.testing import ScriptedServer
 from agentloop.testing.scripted import fake_routed_experts
-from agentloop.types import AgentLoopOutput
+from agentloop.types import AgentLoopOutput, TokenOutput
 
 SHAPE = (3, 2)  # (layers, top_k)
 
@@ -117,3 +123,38 @@ def test_an_openai_agent_row_carries_the_routing(tokenizer: Any) -> None:
     ids = row.prompt_ids + row.response_ids
     np.testing.assert_array_equal(np.asarray(row.routed_experts),
                                   fake_routed_experts(ids[:-1], 0, SHAPE))
+
+
+def test_call_rows_keep_earlier_rows_and_drop_cut_tokens() -> None:
+    rows = fake_routed_experts(list(range(10)), 0, SHAPE)
+    out = TokenOutput(token_ids=[7, 8], routed_experts=rows, routed_experts_start=0)
+    # an engine that ignored the known prefix: the known rows are not stored twice
+    start, kept = call_rows(out, known=4, end=8)
+    assert start == 4
+    np.testing.assert_array_equal(kept, rows[4:8])
+    assert call_rows(out, known=12, end=14) is None  # nothing new
+    assert call_rows(TokenOutput(token_ids=[1]), known=0, end=3) is None  # the key off
+    joined = path_rows([(0, rows[:3]), None, (5, rows[5:7])])
+    assert joined is not None and len(joined) == 7 and not joined[3:5].any()  # a gap is fill
+    assert path_rows([None, None]) is None
+    assert prompt_start(None) == {} and prompt_start(rows[:3]) == {PROMPT_START_KEY: 3}
+
+
+def test_sibling_branches_keep_the_routing_of_their_own_call(tokenizer: Any) -> None:
+    server = ScriptedServer(FakePolicy(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                            routed_experts=SHAPE)
+    gw = LiveGateway(tokenizer, server)
+    try:
+        handle = gw.session()
+        client = client_for(handle)
+        messages = [{"role": "user", "content": "Say a word."}]
+        for _ in range(2):  # two samples of the same context: two branches
+            client.chat.completions.create(model="m", messages=messages)
+        trajectories = gw.finalize(handle.session_id)["trajectories"]
+    finally:
+        gw.close()
+    assert len(trajectories) == 2
+    for traj in trajectories:
+        ids = list(traj.prompt_ids) + list(traj.response_ids)
+        np.testing.assert_array_equal(np.asarray(traj.routed_experts),
+                                      fake_routed_experts(ids[:-1], 0, SHAPE))
