@@ -1,7 +1,7 @@
 """Routing replay (R3) at start-up: refuse the key where it cannot work, and the routing's shape.
 
 :func:`check_routing_replay` is called by the manager before any actor starts (a dense model or
-the SGLang backend with ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` on is a
+another backend with ``actor_rollout_ref.rollout.enable_rollout_routing_replay`` on is a
 :class:`~agentloop.errors.ConfigError`) and by each worker for the ``(layers, top_k)`` of the
 ``routed_experts`` column.  Spec: docs/porting-from-verl.md#routing-replay-r3.
 """
@@ -62,16 +62,16 @@ def check_routing_replay(engine: EngineConfig, model: ModelConfig) -> tuple[int,
     """The ``(layers, top_k)`` of the ``routed_experts`` column, or None when the key is off.
 
     Raises:
-        ConfigError: the key is on with the SGLang backend, or with a dense model (its
-            config.json names no routed experts), or the config cannot be read.
+        ConfigError: the key is on with a backend other than vLLM or SGLang, or with a dense
+            model (its config.json names no routed experts), or the config cannot be read.
     """
     if not engine.enable_rollout_routing_replay:
         return None
-    if engine.name != "vllm":
+    if engine.name not in ("vllm", "sglang"):
         raise ConfigError(
-            f"{KEY}: routing replay is supported on vLLM only; SGLang routing replay is not "
-            f"supported yet (actor_rollout_ref.rollout.name is {engine.name!r}); use vllm or "
-            "set it to false"
+            f"{KEY}: routing replay needs the vllm or sglang backend "
+            f"(actor_rollout_ref.rollout.name is {engine.name!r}); use one of them or set it "
+            "to false"
         )
     shape = moe_shape(read_model_config(model))
     if shape is None:

@@ -23,8 +23,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from agentloop.batch.routed_experts import PROMPT_START_KEY
 from agentloop.config import ServerSections
 from agentloop.errors import ConfigError, ServerError
+from agentloop.rollout.routing_replay import check_routing_replay
 from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.sglang_engine import (  # noqa: F401 (re-exports)
     INSTALL_HINT,
@@ -35,6 +37,7 @@ from agentloop.servers.sglang_io import (  # noqa: F401 (re-exports)
     FINISH_TO_STOP,
     engine_kwargs,
     request_sampling,
+    routed_experts,
     server_args,
     structured_sampling,
     to_token_output,
@@ -79,6 +82,8 @@ class SGLangServer(WeightUpdateMethods):
             )
         self.prompt_length = self.engine_cfg.prompt_length
         self.response_length = self.engine_cfg.response_length
+        # routing replay: the model's (layers, top_k), None when off
+        self.routed_shape = check_routing_replay(self.engine_cfg, self.model_cfg)
         self.api: SGLangEngineAPI | None = None
         self.gate = PauseGate()
         self.batcher = GenerateBatcher(self.generate)
@@ -174,12 +179,14 @@ class SGLangServer(WeightUpdateMethods):
                         prompt_ids, sampling, request_id, logprobs=want_logprobs,
                         image_data=image_data, priority=sampling_params.get("priority"),
                         stream=False, video_data=video_data,
+                        routed_experts_start=self._routed_start(sampling_params),
                     )
                 except Exception as e:
                     self._raise_if_dead(e)
                     raise
             output = (
-                to_token_output(result, want_logprobs, self._extra_fields())
+                to_token_output(result, want_logprobs, self._extra_fields(),
+                                self._routing(sampling_params))
                 if result is not None
                 else TokenOutput(
                     token_ids=[], log_probs=[] if want_logprobs else None,
@@ -197,6 +204,26 @@ class SGLangServer(WeightUpdateMethods):
         :class:`~agentloop.servers.base.GenerateBatcher`)."""
         async for group in self.batcher.run(requests):
             yield group
+
+    def _routed_start(self, sampling_params: dict[str, Any]) -> int | None:
+        """Routing replay: the first position whose routing this request asks for (the router's
+        ``routed_experts_prompt_start``; earlier turns' rows are known); None when off."""
+        if self.routed_shape is None:
+            return None
+        return int(sampling_params.get(PROMPT_START_KEY) or 0)
+
+    def _routing(self, sampling_params: dict[str, Any]) -> tuple[tuple[int, int], int] | None:
+        start = self._routed_start(sampling_params)
+        return None if start is None or self.routed_shape is None else (self.routed_shape, start)
+
+    def _stream_routing(self, meta: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk's routed experts as TokenDelta fields (SGLang sends them once, at the
+        end); empty when routing replay is off."""
+        routing = self._routing(params)
+        if routing is None:
+            return {}
+        return {"routed_experts": routed_experts(meta, routing[0]),
+                "routed_experts_start": routing[1]}
 
     def busy_seconds(self) -> float:
         """Seconds with at least one request in the engine (:meth:`PauseGate.busy_seconds`)."""
@@ -225,7 +252,7 @@ class SGLangServer(WeightUpdateMethods):
                         await api.generate(
                             prompt_ids, sampling, request_id, logprobs=want_logprobs,
                             image_data=image_data, priority=sampling_params.get("priority"),
-                            stream=True,
+                            stream=True, routed_experts_start=self._routed_start(sampling_params),
                         )
                     )
                     if admitted
@@ -249,6 +276,7 @@ class SGLangServer(WeightUpdateMethods):
                         finished=stop is not None, stop_reason=stop,
                         extra_fields=self._extra_fields() if stop else {},
                         **(self.gate.signals(stop, request_id, max_tokens) if stop else {}),
+                        **(self._stream_routing(meta, sampling_params) if stop else {}),
                     )
             except Exception as e:
                 self._raise_if_dead(e)

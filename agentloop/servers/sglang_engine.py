@@ -43,12 +43,15 @@ class SGLangEngineAPI:
     async def generate(
         self, input_ids: list[int], sampling: dict[str, Any], rid: str, *, logprobs: bool,
         image_data: list[Any] | None, priority: int | None, stream: bool,
-        video_data: list[Any] | None = None,
+        video_data: list[Any] | None = None, routed_experts_start: int | None = None,
     ) -> Any:
         kwargs: dict[str, Any] = {
             "input_ids": list(input_ids), "sampling_params": sampling, "rid": rid,
             "return_logprob": logprobs, "stream": stream,
         }
+        if routed_experts_start is not None:  # routing replay: rows from this position on
+            kwargs["return_routed_experts"] = True
+            kwargs["routed_experts_start_len"] = int(routed_experts_start)
         if image_data:
             kwargs["image_data"] = image_data
         if video_data:

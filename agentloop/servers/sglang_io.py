@@ -4,13 +4,17 @@ In: :func:`server_args` / :func:`engine_kwargs` (SGLang ``ServerArgs`` from verl
 ``engine_kwargs.sglang`` last, overriding anything), :func:`request_sampling` (one request's
 sampling keys and ``max_new_tokens``) and :func:`structured_sampling` (a ``structured_outputs``
 grammar).  Out: :func:`to_token_output` (an ``async_generate`` result as a
-:class:`~agentloop.types.TokenOutput`) and :data:`FINISH_TO_STOP`.  Spec: docs/sglang.md.
+:class:`~agentloop.types.TokenOutput`), :func:`routed_experts` (routing replay's rows) and
+:data:`FINISH_TO_STOP`.  Spec: docs/sglang.md.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
+
+import numpy as np
 
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig, ServerSections
 from agentloop.errors import ServerError
@@ -82,6 +86,8 @@ def server_args(
         kwargs["tokenizer_path"] = model.local_tokenizer_path
     if server.priority not in (None, "", "fcfs"):
         kwargs["enable_priority_scheduling"] = True
+    if engine.enable_rollout_routing_replay:  # R3: routed experts captured for every request
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(dict(engine.engine_kwargs.get("sglang") or {}))
     return kwargs
 
@@ -118,11 +124,30 @@ def request_sampling(
     return out, max_tokens
 
 
+def routed_experts(
+    meta: dict[str, Any], shape: tuple[int, int] | None
+) -> np.ndarray | None:
+    """``meta_info["routed_experts"]`` (SGLang sends base64 of int32 expert ids, rows
+    ``routed_experts_start_len .. seqlen - 1``) as an ``[n, layers, top_k]`` array; None when
+    ``shape`` is None (routing replay off) or the engine sent none."""
+    value = meta.get("routed_experts")
+    if shape is None or value is None:
+        return None
+    flat = (
+        np.frombuffer(base64.b64decode(value), dtype=np.int32)
+        if isinstance(value, (str, bytes))
+        else np.asarray(value, dtype=np.int32)
+    )
+    return flat.reshape(-1, *shape)
+
+
 def to_token_output(
-    result: dict[str, Any], want_logprobs: bool, extra_fields: dict[str, Any]
+    result: dict[str, Any], want_logprobs: bool, extra_fields: dict[str, Any],
+    routing: tuple[tuple[int, int], int] | None = None,
 ) -> TokenOutput:
     """An ``async_generate`` result (``output_ids``, ``meta_info``) as a TokenOutput carrying
-    ``extra_fields``."""
+    ``extra_fields``; ``routing`` (routing replay on): the model's ``(layers, top_k)`` and the
+    request's ``routed_experts_start_len``."""
     meta = result.get("meta_info") or {}
     ids = [int(t) for t in result.get("output_ids") or []]
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
@@ -135,4 +160,6 @@ def to_token_output(
         token_ids=ids, log_probs=log_probs,
         stop_reason=FINISH_TO_STOP.get(finish, StopReason.STOP),
         extra_fields=extra_fields,
+        routed_experts=routed_experts(meta, routing[0]) if routing else None,
+        routed_experts_start=routing[1] if routing else 0,
     )

@@ -1,6 +1,6 @@
 """Routing replay (R3) on the scripted engine: routed experts aligned with ``input_ids`` across
 tool turns, resumed generations and context re-renders; verl's padding layout; the key off adds
-nothing; a dense model or SGLang is refused at start-up."""
+nothing; a dense model is refused at start-up (SGLang's server: test_sglang_routing_replay)."""
 
 from __future__ import annotations
 
@@ -234,15 +234,13 @@ def test_a_dense_model_is_refused_before_ray_starts(tmp_path: Path) -> None:
     assert not ray.is_initialized()
 
 
-def test_sglang_routing_replay_is_refused_before_ray_starts(tmp_path: Path) -> None:
-    import ray
-
-    from agentloop.rollout.manager import AgentLoopManager
+def test_sglang_takes_the_key_like_vllm(tmp_path: Path) -> None:
+    from agentloop.config import ServerSections
+    from agentloop.rollout.routing_replay import check_routing_replay
 
     moe = moe_dir(tmp_path, num_local_experts=8, num_experts_per_tok=2)
-    with pytest.raises(ConfigError, match="SGLang routing replay is not supported yet"):
-        AgentLoopManager(manager_cfg(moe, name="sglang"))
-    assert not ray.is_initialized()
+    sections = ServerSections.from_root(manager_cfg(moe, name="sglang"))
+    assert check_routing_replay(sections.engine, sections.model_config) == (3, 2)
 
 
 class TwoGuesses:
