@@ -33,13 +33,13 @@ from agentloop.cluster.placement import ServerGroup, sleep_support, stop_servers
 from agentloop.cluster.supervisor import ServerSupervisor
 from agentloop.compat.manager_args import check_verl_arguments
 from agentloop.config import AgentLoopConfig, GatewaySections, resolve_config
+from agentloop.config.routing_replay import check_routing_replay
 from agentloop.envs.resolve import ENV_AGENT, batch_rows, check_env_config, check_env_samples
 from agentloop.envs.textarena import SELFPLAY_LOOP, check_selfplay_samples
 from agentloop.loops.base import resolve_registry
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.fault_metrics import FaultMetrics
 from agentloop.rollout.gateway_pool import GatewayPool
-from agentloop.rollout.routing_replay import check_routing_replay
 from agentloop.rollout.server_sleep import ServerSleep
 from agentloop.rollout.startup import (
     alive_nodes,

@@ -40,12 +40,12 @@ from agentloop.compat.rollout_trace import (
     select_traced_rows,
 )
 from agentloop.config import ModelConfig, WorkerSections
+from agentloop.config.routing_replay import check_routing_replay
 from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, resolve_registry
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
-from agentloop.rollout.routing_replay import check_routing_replay
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router

@@ -25,8 +25,8 @@ from typing import Any
 
 from agentloop.batch.routed_experts import PROMPT_START_KEY
 from agentloop.config import ServerSections
+from agentloop.config.routing_replay import check_routing_replay
 from agentloop.errors import ConfigError, ServerError
-from agentloop.rollout.routing_replay import check_routing_replay
 from agentloop.servers.base import GOES_ON_WITHOUT, GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.sglang_engine import (  # noqa: F401 (re-exports)
     INSTALL_HINT,
