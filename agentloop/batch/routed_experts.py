@@ -83,9 +83,10 @@ class RoutedExpertsTrace:
     """One trajectory's routed experts by token position, over its generation calls.
 
     ``request(prompt_ids)`` before a call gives the sampling params that skip the known prefix;
-    ``add(prompt_ids, output)`` after it records the call's rows; ``rows_for(ids)`` gives the rows
-    of a final ``prompt_ids + response_ids``.  Without routing in the outputs (the key off, a dense
-    engine) it holds nothing and costs one ``None`` check per call.
+    ``add(prompt_ids, output)`` after it records the call's rows; ``rows_for(prompt_ids,
+    response_ids)`` gives the rows of a final ``prompt_ids + response_ids``.  Without routing in
+    the outputs (the key off, a dense engine) it holds nothing and costs one ``None`` check per
+    call.
     """
 
     def __init__(self) -> None:
@@ -114,12 +115,16 @@ class RoutedExpertsTrace:
         self.rows = merge_rows(self.rows, output.routed_experts_start, rows)
         self.tokens = [*prompt_ids, *output.token_ids]
 
-    def rows_for(self, ids: Sequence[int]) -> np.ndarray | None:
-        """The known rows of ``ids`` (a trajectory's ``prompt_ids + response_ids``): those of the
-        longest prefix ``ids`` shares with the recorded tokens; None when nothing was recorded.
-        Tokens past them (e.g. a trailing tool turn no call ran) get :data:`FILL` when padded."""
+    def rows_for(
+        self, prompt_ids: Sequence[int], response_ids: Sequence[int] = ()
+    ) -> np.ndarray | None:
+        """The known rows of ``prompt_ids + response_ids`` (a trajectory's tokens): those of the
+        longest prefix they share with the recorded tokens; None when nothing was recorded (the
+        key off: nothing is joined).  Tokens past them (e.g. a trailing tool turn no call ran) get
+        :data:`FILL` when padded."""
         if self.rows is None:
             return None
+        ids = [*prompt_ids, *response_ids]
         n = min(len(self.rows), len(ids))
         if list(ids[:n]) != self.tokens[:n]:
             n = next(i for i, (a, b) in enumerate(zip(ids, self.tokens, strict=False)) if a != b)

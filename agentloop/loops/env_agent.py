@@ -386,7 +386,7 @@ class EnvAgentLoop(AgentLoopBase):
                                if self.sampling_params.get("logprobs") else None),
             response_weight_versions=(ep.weight_versions[:n]
                                       if any(v >= 0 for v in ep.weight_versions) else None),
-            routed_experts=ep.routing.rows_for(ep.prompt_ids + ep.response_ids[:n]),
+            routed_experts=ep.routing.rows_for(ep.prompt_ids, ep.response_ids[:n]),
             num_turns=ep.assistant_turns + ep.observation_turns - ep.segment_start + 1,
             metrics=ep.metrics,
             extra_fields=fields,

@@ -79,7 +79,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_weight_versions=list(versions[: self.response_length])
             if versions is not None
             else None,
-            routed_experts=routing.rows_for(prompt_ids + response_ids),
+            routed_experts=routing.rows_for(prompt_ids, response_ids),
             num_turns=2,
             metrics=metrics,
             multi_modal_data={"image": images} if images else None,

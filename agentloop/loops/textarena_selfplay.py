@@ -236,7 +236,7 @@ class TextArenaSelfPlayLoop(AgentLoopBase):
             response_logprobs=seat.logprobs[:n] if self.sampling_params.get("logprobs") else None,
             response_weight_versions=(seat.versions[:n] if any(v >= 0 for v in seat.versions)
                                       else None),
-            routed_experts=seat.routing.rows_for(seat.prompt_ids + seat.response_ids[:n]),
+            routed_experts=seat.routing.rows_for(seat.prompt_ids, seat.response_ids[:n]),
             num_turns=1 + seat.moves + seat.observations,
             metrics=seat.metrics,
             reward_score=None if rewards is None else rewards.get(seat.player_id),

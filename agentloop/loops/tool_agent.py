@@ -433,7 +433,7 @@ class ToolAgentLoop(AgentLoopBase):
             response_weight_versions=(
                 data.weight_versions[:n] if max(data.weight_versions, default=-1) >= 0 else None
             ),
-            routed_experts=data.routing.rows_for(data.prompt_ids + data.response_ids[:n]),
+            routed_experts=data.routing.rows_for(data.prompt_ids, data.response_ids[:n]),
             num_turns=data.user_turns + data.assistant_turns - data.segment_start + 1,
             metrics=data.metrics,
             extra_fields={
