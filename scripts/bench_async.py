@@ -46,11 +46,14 @@ TOOL_TOKENS = [11, 12, 13, 14, 15]
 
 class TailLoop(AgentLoopBase):
     """``extra_info["turn_tokens"]`` generations (ignore_eos), ``extra_info["tool_latency"][k]``
-    s after turn k."""
+    s after turn k; ``extra_info["system_ids"]`` (optional) before the rendered prompt.  Extra
+    fields: ``prompt_tokens_sent`` (the prompt tokens of every generate call) and
+    ``cached_tokens`` (the engine's prefix-cache hits among them; None when an output lacks
+    ``num_cached_tokens``)."""
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         info = kwargs["extra_info"]
-        ids = [
+        ids = [int(t) for t in info.get("system_ids") or []] + [
             int(t)
             for t in self.tokenizer.apply_chat_template(
                 list(kwargs["raw_prompt"]), add_generation_prompt=True, tokenize=True,
@@ -61,8 +64,10 @@ class TailLoop(AgentLoopBase):
         turns = list(info["turn_tokens"])
         versions: list[int] = []
         decode: list[float] = []
+        sent, cached = 0, []
         for k, max_tokens in enumerate(turns):
             t0 = time.perf_counter()
+            sent += len(ids)
             out = await self.server_manager.generate(
                 request_id=rid,
                 prompt_ids=ids,
@@ -74,6 +79,7 @@ class TailLoop(AgentLoopBase):
             ids += out.token_ids
             mask += [1] * len(out.token_ids)
             versions.append(int(out.extra_fields.get("global_steps", 0)))
+            cached.append(out.extra_fields.get("num_cached_tokens"))
             if k < len(turns) - 1:
                 await asyncio.sleep(float(info["tool_latency"][k]))
                 ids += TOOL_TOKENS
@@ -85,7 +91,8 @@ class TailLoop(AgentLoopBase):
             num_turns=2 * len(turns),
             extra_fields={
                 "min_global_steps": min(versions), "max_global_steps": max(versions),
-                "decode_s": float(np.mean(decode)),
+                "decode_s": float(np.mean(decode)), "prompt_tokens_sent": sent,
+                "cached_tokens": None if None in cached else sum(cached),
             },
         )
 
@@ -138,21 +145,30 @@ def engine_busy_seconds(manager: Any) -> float:
     return float(np.mean(manager.engine_busy_seconds()))
 
 
-def sync_pass(manager: Any, batches: list[Any]) -> tuple[float, int]:
+def sync_pass(
+    manager: Any, batches: list[Any], outputs: list[Any] | None = None
+) -> tuple[float, int]:
+    """Returns (wall, rows); ``outputs`` (optional) gets each batch's output."""
     t0 = time.perf_counter()
-    rows = sum(len(manager.generate_sequences(b)) for b in batches)
+    rows = 0
+    for b in batches:
+        out = manager.generate_sequences(b)
+        rows += len(out)
+        if outputs is not None:
+            outputs.append(out)
     return time.perf_counter() - t0, rows
 
 
 def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
                after_get: Any = None, per_sample: bool = True,
                metrics: dict[str, Any] | None = None,
-               max_staleness: int | None = None) -> tuple[float, int, float]:
+               max_staleness: int | None = None,
+               outputs: list[Any] | None = None) -> tuple[float, int, float]:
     """Returns (wall, rows, engine busy fraction while the in-flight budget was full).
     ``after_get()`` runs after each hand-out (a trainer step, e.g. a weight update);
     ``per_sample``: the Rollouter's (False: a group holds its places until its last sample ends);
     ``metrics``: filled with the Rollouter's final :meth:`~Rollouter.metrics`; ``max_staleness``:
-    the Rollouter's."""
+    the Rollouter's; ``outputs``: gets each hand-out."""
     import threading
 
     from agentloop.rollout.rollouter import Rollouter
@@ -176,6 +192,8 @@ def async_pass(manager: Any, batches: list[Any], groups: int, inflight: int,
     rows = 0
     while (part := rollouter.get(num_groups=groups)) is not None:
         rows += len(part)
+        if outputs is not None:
+            outputs.append(part)
         if after_get is not None:
             after_get()
     wall = time.perf_counter() - t0

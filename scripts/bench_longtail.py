@@ -27,10 +27,15 @@ Passes (alternating, ``--repeats`` rounds, the same batches each time):
   until its last sample ends; the only way before 2026-11-27).
 
 Prints seconds per step (median, range) of each and the ratio verl / each; for Rollouter passes,
-the groups handed out per staleness (weight versions behind when handed out).
+the groups handed out per staleness (weight versions behind when handed out); per pass kind the
+engines' own prefix-cache hit rate: the prompt tokens vLLM found in its prefix cache
+(``RequestOutput.num_cached_tokens``, in each output's ``extra_fields``) / the prompt tokens sent,
+summed over every generate call of the timed passes.  ``--system-tokens K`` puts the same K token
+ids before every prompt (a shared system prompt, so GRPO siblings and groups share real
+prefixes; vLLM CPU caches whole blocks of 128 tokens).
 
     python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
-    [--updates] [--per-group] [--max-staleness K] [--routing sticky|prefix]
+    [--updates] [--per-group] [--max-staleness K] [--routing sticky|prefix] [--system-tokens K]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -55,6 +61,38 @@ def tiny_weights(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def system_ids(k: int) -> list[int]:
+    """``k`` fixed token ids of the tiny model's vocabulary (2,048): the shared system prompt."""
+    return [100 + (7 * i) % 1800 for i in range(k)]
+
+
+def cache_tally(parts: list[Any]) -> tuple[int, int] | None:
+    """(cached, sent): the engine's prefix-cache hits and the prompt tokens sent, summed over the
+    rows of ``parts`` (outputs of ``bench_async.TailLoop``: its ``cached_tokens`` and
+    ``prompt_tokens_sent`` columns); None when a row has no cached count (the engine did not say).
+    """
+    cached = sent = 0
+    for part in parts:
+        cols = part.non_tensor_batch
+        if "cached_tokens" not in cols:
+            return None
+        for c, n in zip(cols["cached_tokens"], cols["prompt_tokens_sent"], strict=True):
+            if c is None:
+                return None
+            cached, sent = cached + int(c), sent + int(n)
+    return cached, sent
+
+
+def hit_rate(tallies: list[tuple[int, int] | None]) -> str:
+    """sum(cached) / sum(sent) over ``tallies`` as a percentage ("n/a" if one is None or nothing
+    was sent)."""
+    if not tallies or any(t is None for t in tallies):
+        return "n/a"
+    sent = sum(t[1] for t in tallies if t is not None)
+    cached = sum(t[0] for t in tallies if t is not None)
+    return f"{100.0 * cached / sent:.1f}%" if sent else "n/a"
 
 
 def main() -> None:
@@ -76,6 +114,10 @@ def main() -> None:
     parser.add_argument(
         "--routing", choices=["sticky", "prefix"], default="sticky",
         help="rollout.server.routing for every pass (prefix: KV-cache-aware, docs/routing.md)",
+    )
+    parser.add_argument(
+        "--system-tokens", type=int, default=0,
+        help="the same K token ids before every prompt (a shared system prompt)",
     )
     parser.add_argument(
         "--updates", action="store_true",
@@ -111,7 +153,7 @@ def main() -> None:
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-        "data.max_prompt_length": 128,
+        "data.max_prompt_length": 128 + args.system_tokens,
         "data.max_response_length": args.max_turns
         * (args.max_tokens + len(bench_async.TOOL_TOKENS)),
         "actor_rollout_ref.rollout.dtype": "float32",
@@ -128,6 +170,10 @@ def main() -> None:
     manager = AgentLoopManager(cfg)
     try:
         batches = bench_async.make_batches(args, seed=0)
+        shared = system_ids(args.system_tokens)
+        for batch in batches:
+            for info in batch.non_tensor_batch["extra_info"]:
+                info["system_ids"] = shared
         rows_per_step = args.groups * args.n
         bench_async.sync_pass(manager, batches[:1])  # warm-up
         per_step: dict[str, list[float]] = {"verl": [], "priority": [], "rollouter": []}
@@ -138,6 +184,7 @@ def main() -> None:
             if args.per_group:
                 per_step["abort-g"] = []
             weights = tiny_weights(str(cfg.actor_rollout_ref.model.path))
+        tallies: dict[str, list[tuple[int, int] | None]] = {m: [] for m in per_step}
         for r in range(args.repeats):
             for mode in per_step:
                 manager.workers.broadcast("set_priority", None if mode == "verl" else "context")
@@ -145,27 +192,30 @@ def main() -> None:
                 time.sleep(1.5)  # let idle engine threads settle
                 per_sample = not mode.endswith("-g")
                 metrics: dict = {}
+                parts: list[Any] = []
                 if mode in ("drain", "abort", "keep", "abort-g"):
                     # under the mode set above
                     step = functools.partial(manager.update_weights, weights)
                     wall, rows, _ = bench_async.async_pass(
                         manager, batches, args.groups, rows_per_step, step, per_sample, metrics,
-                        args.max_staleness,
+                        args.max_staleness, parts,
                     )
                 elif mode in ("rollouter", "rollout-g"):
                     wall, rows, _ = bench_async.async_pass(
                         manager, batches, args.groups, rows_per_step, per_sample=per_sample,
-                        metrics=metrics, max_staleness=args.max_staleness,
+                        metrics=metrics, max_staleness=args.max_staleness, outputs=parts,
                     )
                 else:
-                    wall, rows = bench_async.sync_pass(manager, batches)
+                    wall, rows = bench_async.sync_pass(manager, batches, parts)
                 per_step[mode].append(wall / (rows / rows_per_step))
+                tallies[mode].append(cache_tally(parts))
                 # groups handed out per staleness (weight versions behind)
                 stale = metrics.get("rollouter/staleness")
                 rerun = metrics.get("rollouter/groups_rerun_stale")
                 print(
                     f"round {r} {mode:9s}: {rows} trajectories in {wall:.1f}s = "
-                    f"{per_step[mode][-1]:.2f}s per step"
+                    f"{per_step[mode][-1]:.2f}s per step; engine prefix-cache hits "
+                    f"{hit_rate(tallies[mode][-1:])}"
                     + (f"; staleness {stale}, re-run {rerun}" if stale is not None else ""),
                     flush=True,
                 )
@@ -174,7 +224,8 @@ def main() -> None:
             print(
                 f"{mode:9s}: {med[mode]:.2f}s per step (range "
                 f"{min(values):.2f}-{max(values):.2f}); "
-                f"verl / {mode} = {med['verl'] / med[mode]:.2f}x"
+                f"verl / {mode} = {med['verl'] / med[mode]:.2f}x; "
+                f"engine prefix-cache hits {hit_rate(tallies[mode])}"
             )
     finally:
         manager.shutdown()

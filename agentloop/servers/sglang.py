@@ -41,6 +41,7 @@ from agentloop.servers.sglang_io import (  # noqa: F401 (re-exports)
     server_args,
     structured_sampling,
     to_token_output,
+    with_cached_tokens,
 )
 from agentloop.servers.sglang_weights import SGLangWeights
 from agentloop.servers.weight_methods import WeightUpdateMethods
@@ -274,7 +275,9 @@ class SGLangServer(WeightUpdateMethods):
                     yield TokenDelta(
                         token_ids=ids, log_probs=lps[: len(ids)] if want_logprobs else None,
                         finished=stop is not None, stop_reason=stop,
-                        extra_fields=self._extra_fields() if stop else {},
+                        extra_fields=(
+                            with_cached_tokens(self._extra_fields(), meta) if stop else {}
+                        ),
                         **(self.gate.signals(stop, request_id, max_tokens) if stop else {}),
                         **(self._stream_routing(meta, sampling_params) if stop else {}),
                     )

@@ -18,6 +18,7 @@ import numpy as np
 
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig, ServerSections
 from agentloop.errors import ServerError
+from agentloop.servers.vllm_io import CACHED_TOKENS_KEY
 from agentloop.types import StopReason, TokenOutput
 
 FINISH_TO_STOP = {
@@ -141,13 +142,24 @@ def routed_experts(
     return flat.reshape(-1, *shape)
 
 
+def with_cached_tokens(extra_fields: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """``extra_fields`` plus :data:`~agentloop.servers.vllm_io.CACHED_TOKENS_KEY`: the prompt
+    tokens SGLang found in its radix cache (``meta_info["cached_tokens"]``); ``extra_fields``
+    itself where ``meta`` has none."""
+    cached = meta.get("cached_tokens")
+    if cached is None:
+        return extra_fields
+    return {**extra_fields, CACHED_TOKENS_KEY: int(cached)}
+
+
 def to_token_output(
     result: dict[str, Any], want_logprobs: bool, extra_fields: dict[str, Any],
     routing: tuple[tuple[int, int], int] | None = None,
 ) -> TokenOutput:
     """An ``async_generate`` result (``output_ids``, ``meta_info``) as a TokenOutput carrying
-    ``extra_fields``; ``routing`` (routing replay on): the model's ``(layers, top_k)`` and the
-    request's ``routed_experts_start_len``."""
+    ``extra_fields`` and the cached prompt tokens (:func:`with_cached_tokens`); ``routing``
+    (routing replay on): the model's ``(layers, top_k)`` and the request's
+    ``routed_experts_start_len``."""
     meta = result.get("meta_info") or {}
     ids = [int(t) for t in result.get("output_ids") or []]
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
@@ -159,7 +171,7 @@ def to_token_output(
     return TokenOutput(
         token_ids=ids, log_probs=log_probs,
         stop_reason=FINISH_TO_STOP.get(finish, StopReason.STOP),
-        extra_fields=extra_fields,
+        extra_fields=with_cached_tokens(extra_fields, meta),
         routed_experts=routed_experts(meta, routing[0]) if routing else None,
         routed_experts_start=routing[1] if routing else 0,
     )

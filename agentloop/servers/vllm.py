@@ -32,6 +32,7 @@ from agentloop.servers.vllm_io import (
     sampling_params,
     stop_sequence,
     to_token_output,
+    with_cached_tokens,
 )
 from agentloop.servers.vllm_weights import VLLMWeights
 from agentloop.servers.weight_methods import WeightUpdateMethods
@@ -251,7 +252,9 @@ class VLLMServer(WeightUpdateMethods):
                         stop = FINISH_TO_STOP.get(reason, StopReason.STOP) if finished else None
                         versions += [self.global_steps] * len(ids)
                         extra = (
-                            self.inflight.versioned(self._extra_fields(), versions)
+                            with_cached_tokens(
+                                self.inflight.versioned(self._extra_fields(), versions), out
+                            )
                             if finished
                             else {}
                         )

@@ -3,8 +3,9 @@
 In: :func:`engine_args` (``AsyncEngineArgs`` from the typed config, verl's key names) and
 :func:`sampling_params` (one request's ``SamplingParams``).  Out: :func:`to_token_output` (a final
 ``RequestOutput`` as a :class:`~agentloop.types.TokenOutput`), :data:`FINISH_TO_STOP`,
-:func:`stop_sequence` and :func:`sampled_logprobs` (the fields of a completion).  vLLM itself is
-imported only where an engine runs.  Keys: docs/concepts.md ("The vLLM server").
+:func:`stop_sequence`, :func:`sampled_logprobs` (the fields of a completion) and
+:func:`with_cached_tokens` (the engine's prefix-cache hits, ``extra_fields["num_cached_tokens"]``).
+vLLM itself is imported only where an engine runs.  Keys: docs/concepts.md ("The vLLM server").
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ ROUTING_REPLAY_ON_CPU = (
     "'AuxOutput Connector requires Model Runner V2'). Run the servers on GPUs or set it to false"
 )
 """The error of a vLLM CPU server started with routing replay on."""
+CACHED_TOKENS_KEY = "num_cached_tokens"
+"""The ``extra_fields`` key of the prompt tokens the engine found in its prefix cache (int; absent
+when the engine does not say)."""
 FINISH_TO_STOP = {
     "stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED,
 }
@@ -142,12 +146,23 @@ def sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
     ]
 
 
+def with_cached_tokens(extra_fields: dict[str, Any], output: Any) -> dict[str, Any]:
+    """``extra_fields`` plus :data:`CACHED_TOKENS_KEY`: a ``RequestOutput``'s
+    ``num_cached_tokens`` (the prompt tokens vLLM found in its prefix cache); ``extra_fields``
+    itself where the output has none (None or no such attribute)."""
+    cached = getattr(output, "num_cached_tokens", None)
+    if cached is None:
+        return extra_fields
+    return {**extra_fields, CACHED_TOKENS_KEY: int(cached)}
+
+
 def to_token_output(
     final: Any, want_logprobs: bool, extra_fields: dict[str, Any], routed_experts_start: int = 0
 ) -> TokenOutput:
-    """A final ``RequestOutput`` as a TokenOutput carrying ``extra_fields``
-    (``num_preempted`` -1 where vLLM does not report it) and, with routing replay on, the
-    completion's ``routed_experts`` from position ``routed_experts_start``."""
+    """A final ``RequestOutput`` as a TokenOutput carrying ``extra_fields`` and the engine's
+    cached prompt tokens (:func:`with_cached_tokens`), ``num_preempted`` -1 where vLLM does not
+    report it and, with routing replay on, the completion's ``routed_experts`` from position
+    ``routed_experts_start``."""
     completion = final.outputs[0]
     token_ids = list(completion.token_ids)
     log_probs = sampled_logprobs(completion, token_ids) if want_logprobs else None
@@ -157,7 +172,8 @@ def to_token_output(
         stop_reason=FINISH_TO_STOP.get(completion.finish_reason or "abort", StopReason.STOP),
         stop_sequence=stop_sequence(completion),
         num_preempted=int(preempted) if preempted is not None else -1,
-        extra_fields=extra_fields, routed_experts=getattr(completion, "routed_experts", None),
+        extra_fields=with_cached_tokens(extra_fields, final),
+        routed_experts=getattr(completion, "routed_experts", None),
         routed_experts_start=routed_experts_start,
     )
 
