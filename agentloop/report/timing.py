@@ -6,7 +6,9 @@ The router calls :func:`record_generate` after every engine call; it records onl
 tasks the loop spawns land in the same list; elsewhere recording is one context-variable read), and
 :func:`attach_generate_calls` puts the list on the sample's first trajectory as
 ``extra_fields["generate_calls"]``.  One call is
-``{"server", "start", "end", "prompt_tokens", "response_tokens", "stop_reason"}`` (epoch seconds).
+``{"server", "start", "end", "prompt_tokens", "response_tokens", "stop_reason"}`` (epoch seconds),
+plus ``"cached_tokens"`` (the prompt tokens the engine found in its prefix cache) where the engine
+reports them (vLLM, SGLang).
 Spec: docs/report.md#per-request-timing.
 """
 
@@ -41,14 +43,16 @@ def record_generate(server: int, start: float, prompt_tokens: int, output: Any) 
     if calls is None:
         return
     stop = getattr(output, "stop_reason", None)
-    calls.append(
-        {
-            "server": int(server), "start": start, "end": time.time(),
-            "prompt_tokens": int(prompt_tokens),
-            "response_tokens": len(getattr(output, "token_ids", ()) or ()),
-            "stop_reason": getattr(stop, "value", stop),
-        }
-    )
+    call = {
+        "server": int(server), "start": start, "end": time.time(),
+        "prompt_tokens": int(prompt_tokens),
+        "response_tokens": len(getattr(output, "token_ids", ()) or ()),
+        "stop_reason": getattr(stop, "value", stop),
+    }
+    cached = (getattr(output, "extra_fields", None) or {}).get("num_cached_tokens")
+    if cached is not None:  # the engine's prefix-cache hits, where it reports them
+        call["cached_tokens"] = int(cached)
+    calls.append(call)
 
 
 @contextlib.contextmanager

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.report.timing import collect_generate_calls, record_generate
 from agentloop.servers.sglang_io import to_token_output as sglang_output
 from agentloop.servers.vllm import VLLMServer
 from agentloop.servers.vllm_io import CACHED_TOKENS_KEY, to_token_output, with_cached_tokens
+from agentloop.types import StopReason, TokenOutput
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -93,6 +95,17 @@ def test_sglang_output_carries_meta_info_cached_tokens():
     }
     del result["meta_info"]["cached_tokens"]
     assert sglang_output(result, False, {"server_index": 2}).extra_fields == {"server_index": 2}
+
+
+def test_report_timing_keeps_each_calls_cached_tokens_where_the_engine_said():
+    def output(**extra: Any) -> TokenOutput:
+        return TokenOutput(token_ids=[1, 2], stop_reason=StopReason.LENGTH, extra_fields=extra)
+
+    with collect_generate_calls() as calls:
+        record_generate(1, 0.0, 300, output(num_cached_tokens=256, server_index=1))
+        record_generate(0, 0.0, 20, output(server_index=0))
+    assert calls[0]["cached_tokens"] == 256 and calls[0]["prompt_tokens"] == 300
+    assert "cached_tokens" not in calls[1]
 
 
 def bench_longtail() -> ModuleType:
