@@ -358,6 +358,10 @@ class DispatchRun:
             del self.open[dispatch.ref]
             return self._lost(dispatch, dispatch.slot.hung or first_line(e))
         dispatch.finished.add(local)
+        if len(dispatch.finished) == len(dispatch.groups):
+            # every group is in: no round trip to learn that the stream ended (its end is left to
+            # Ray; nothing is cancelled)
+            del self.open[dispatch.ref]
         group = dispatch.groups[local]
         group.retries = 0
         return [Finished(group, rows, stats, dispatch.version)]

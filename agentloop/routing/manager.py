@@ -253,12 +253,25 @@ class AsyncLLMServerManager:
         while True:
             try:
                 prefix = prefix_keys(prompt_ids) if self._prefix else ()
-                async with self._slot(key, len(prompt_ids), request_id, prefix) as server:
+                # _slot's work, inline (one generator-based context manager less per call)
+                server = await self._acquire(key, len(prompt_ids), prefix)
+                cancelled = False
+                try:
                     start = timing.now()
                     output = await self._call(
                         server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
                         request_id=request_id, **media,
                     )
+                except asyncio.CancelledError:
+                    cancelled = True
+                    raise
+                except SERVER_CALL_ERRORS as e:
+                    raised = translated(e, server, request_id)
+                    if raised is e:
+                        raise
+                    raise raised from e
+                finally:
+                    self._release_nowait(server, cancelled=cancelled)
                 # for `agentloop report`
                 timing.record_generate(server, start, len(prompt_ids), output)
                 if trace_enabled():

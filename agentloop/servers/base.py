@@ -8,7 +8,6 @@ router talks to it only through this Protocol, so vLLM, SGLang and the test fake
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypedDict, runtime_checkable
@@ -288,11 +287,14 @@ class PauseGate:
         """Whether new requests are held."""
         return not self._open.is_set()
 
-    @contextlib.asynccontextmanager
-    async def admitted(self, request_id: str) -> AsyncIterator[bool]:
-        """Wait while paused, then count ``request_id`` in flight until the block ends.  Yields
-        False when the caller aborted the request while it was held (it must not reach the engine
-        then)."""
+    def admitted(self, request_id: str) -> _Admission:
+        """``async with gate.admitted(request_id) as admitted``: wait while paused, then count
+        ``request_id`` in flight until the block ends.  ``admitted`` is False when the caller
+        aborted the request while it was held (it must not reach the engine then).  A plain class,
+        not a generator-based context manager: it runs once per engine call."""
+        return _Admission(self, request_id)
+
+    async def _enter(self, request_id: str) -> bool:
         _count(self._waiting, request_id, +1)
         try:
             while not self._open.is_set():
@@ -305,15 +307,15 @@ class PauseGate:
         if not self.in_flight:
             self._busy_since = time.monotonic()
         _count(self.in_flight, request_id, +1)
-        try:
-            yield admitted
-        finally:
-            _count(self.in_flight, request_id, -1)
-            if request_id not in self.in_flight:
-                self._preempted.pop(request_id, None)
-            if not self.in_flight and self._busy_since is not None:
-                self._busy_total += time.monotonic() - self._busy_since
-                self._busy_since = None
+        return admitted
+
+    def _exit(self, request_id: str) -> None:
+        _count(self.in_flight, request_id, -1)
+        if request_id not in self.in_flight:
+            self._preempted.pop(request_id, None)
+        if not self.in_flight and self._busy_since is not None:
+            self._busy_total += time.monotonic() - self._busy_since
+            self._busy_since = None
 
     def close(self, for_update: bool = False) -> int:
         """Hold new requests and mark the in-flight ones preempted (``for_update``: by a weight
@@ -348,6 +350,21 @@ class PauseGate:
         if max_tokens is not None:
             signals["max_tokens"] = int(max_tokens)
         return signals
+
+
+class _Admission:
+    """The context manager :meth:`PauseGate.admitted` returns."""
+
+    __slots__ = ("gate", "request_id")
+
+    def __init__(self, gate: PauseGate, request_id: str) -> None:
+        self.gate, self.request_id = gate, request_id
+
+    async def __aenter__(self) -> bool:
+        return await self.gate._enter(self.request_id)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.gate._exit(self.request_id)
 
 
 def _count(counts: dict[str, int], key: str, step: int) -> None:

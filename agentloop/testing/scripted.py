@@ -47,9 +47,14 @@ def fake_routed_experts(
     return (grid % num_experts).astype(np.uint8)
 
 
+_LOG_PROB_CYCLE = tuple(-0.1 * (i + 1) for i in range(10))
+
+
 def fake_log_probs(n: int) -> list[float]:
     """Deterministic, finite, negative log-probabilities: -0.1, -0.2, … -1.0, then repeating."""
-    return [-0.1 * ((i % 10) + 1) for i in range(n)]
+    # built from the ten values (not one expression per token): the fake answers every call
+    whole, rest = divmod(n, 10)
+    return list(_LOG_PROB_CYCLE * whole + _LOG_PROB_CYCLE[:rest])
 
 
 class ScriptedServer:
