@@ -30,12 +30,15 @@ Prints seconds per step (median, range) of each and the ratio verl / each; for R
 the groups handed out per staleness (weight versions behind when handed out); per pass kind the
 engines' own prefix-cache hit rate: the prompt tokens vLLM found in its prefix cache
 (``RequestOutput.num_cached_tokens``, in each output's ``extra_fields``) / the prompt tokens sent,
-summed over every generate call of the timed passes.  ``--system-tokens K`` puts the same K token
-ids before every prompt (a shared system prompt, so GRPO siblings and groups share real
-prefixes; vLLM CPU caches whole blocks of 128 tokens).
+summed over every generate call of the timed passes (every pass starts with the engines' prefix
+caches cleared, so no pass reuses what an earlier one left).  ``--system-tokens K`` puts the same K
+token ids before every prompt (a shared system prompt); ``--prompt-tokens K`` K more ids of each
+group's own (its question and context, shared by its ``--n`` samples only: the GRPO siblings'
+prefix).  vLLM CPU caches whole blocks of 128 tokens.
 
     python scripts/bench_longtail.py [--servers 2] [--groups 8] [--n 4] [--steps 3] [--repeats 2]
     [--updates] [--per-group] [--max-staleness K] [--routing sticky|prefix] [--system-tokens K]
+    [--prompt-tokens K]
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,6 +70,22 @@ def tiny_weights(path: str) -> dict:
 def system_ids(k: int) -> list[int]:
     """``k`` fixed token ids of the tiny model's vocabulary (2,048): the shared system prompt."""
     return [100 + (7 * i) % 1800 for i in range(k)]
+
+
+def group_ids(k: int, key: int) -> list[int]:
+    """``k`` token ids of one group's own (drawn with seed ``key``; distinct per group)."""
+    return [int(t) for t in np.random.default_rng(key).integers(100, 1900, k)]
+
+
+def add_prefixes(batches: list[Any], n: int, system_tokens: int, prompt_tokens: int) -> None:
+    """Put ``system_tokens`` shared ids and ``prompt_tokens`` ids of its group's own in every row's
+    ``extra_info["system_ids"]`` (rows: groups of ``n`` adjacent samples)."""
+    shared = system_ids(system_tokens)
+    key = 0
+    for batch in batches:
+        for i, info in enumerate(batch.non_tensor_batch["extra_info"]):
+            info["system_ids"] = shared + group_ids(prompt_tokens, key + i // n)
+        key += len(batch) // n
 
 
 def cache_tally(parts: list[Any]) -> tuple[int, int] | None:
@@ -120,6 +140,10 @@ def main() -> None:
         help="the same K token ids before every prompt (a shared system prompt)",
     )
     parser.add_argument(
+        "--prompt-tokens", type=int, default=0,
+        help="K token ids of each group's own after them (shared by its n samples only)",
+    )
+    parser.add_argument(
         "--updates", action="store_true",
         help="also Rollouter passes with a weight update per step: drain, abort, keep",
     )
@@ -153,7 +177,7 @@ def main() -> None:
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
-        "data.max_prompt_length": 128 + args.system_tokens,
+        "data.max_prompt_length": 128 + args.system_tokens + args.prompt_tokens,
         "data.max_response_length": args.max_turns
         * (args.max_tokens + len(bench_async.TOOL_TOKENS)),
         "actor_rollout_ref.rollout.dtype": "float32",
@@ -170,10 +194,7 @@ def main() -> None:
     manager = AgentLoopManager(cfg)
     try:
         batches = bench_async.make_batches(args, seed=0)
-        shared = system_ids(args.system_tokens)
-        for batch in batches:
-            for info in batch.non_tensor_batch["extra_info"]:
-                info["system_ids"] = shared
+        add_prefixes(batches, args.n, args.system_tokens, args.prompt_tokens)
         rows_per_step = args.groups * args.n
         bench_async.sync_pass(manager, batches[:1])  # warm-up
         per_step: dict[str, list[float]] = {"verl": [], "priority": [], "rollouter": []}
@@ -189,6 +210,7 @@ def main() -> None:
             for mode in per_step:
                 manager.workers.broadcast("set_priority", None if mode == "verl" else "context")
                 manager.set_weight_update(mode if mode in ("drain", "keep") else "abort")
+                manager.clear_kv_cache()  # each pass starts cold: hits are its own
                 time.sleep(1.5)  # let idle engine threads settle
                 per_sample = not mode.endswith("-g")
                 metrics: dict = {}

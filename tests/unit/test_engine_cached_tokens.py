@@ -137,3 +137,23 @@ def test_bench_hit_rate_sums_tokens_over_every_row_and_pass():
     assert bench.cache_tally([no_count]) is None
     assert bench.hit_rate([(1, 2), None]) == "n/a" and bench.hit_rate([]) == "n/a"
     assert bench.system_ids(3) == [100, 107, 114] and len(set(bench.system_ids(256))) == 256
+
+
+class Rows:
+    """A batch of ``n`` rows with empty ``extra_info``."""
+
+    def __init__(self, n: int) -> None:
+        self.non_tensor_batch = {"extra_info": [{} for _ in range(n)]}
+
+    def __len__(self) -> int:
+        return len(self.non_tensor_batch["extra_info"])
+
+
+def test_bench_prefixes_are_shared_by_all_and_by_a_groups_samples_only():
+    bench = bench_longtail()
+    batches = [Rows(4), Rows(4)]
+    bench.add_prefixes(batches, 2, 3, 5)
+    ids = [info["system_ids"] for b in batches for info in b.non_tensor_batch["extra_info"]]
+    assert all(len(x) == 8 and x[:3] == bench.system_ids(3) for x in ids)
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[4] == ids[5] and ids[6] == ids[7]
+    assert len({tuple(x) for x in ids}) == 4  # four groups, four prompts
