@@ -106,13 +106,13 @@ def cache_tally(parts: list[Any]) -> tuple[int, int] | None:
 
 
 def hit_rate(tallies: list[tuple[int, int] | None]) -> str:
-    """sum(cached) / sum(sent) over ``tallies`` as a percentage ("n/a" if one is None or nothing
-    was sent)."""
+    """sum(cached) / sum(sent) over ``tallies`` as a percentage with the sums ("n/a" if one is
+    None or nothing was sent)."""
     if not tallies or any(t is None for t in tallies):
         return "n/a"
     sent = sum(t[1] for t in tallies if t is not None)
     cached = sum(t[0] for t in tallies if t is not None)
-    return f"{100.0 * cached / sent:.1f}%" if sent else "n/a"
+    return f"{100.0 * cached / sent:.1f}% ({cached}/{sent})" if sent else "n/a"
 
 
 def main() -> None:

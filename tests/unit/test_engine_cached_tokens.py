@@ -131,7 +131,7 @@ def rows(cached: list[Any], sent: list[int]) -> Any:
 def test_bench_hit_rate_sums_tokens_over_every_row_and_pass():
     bench = bench_longtail()
     assert bench.cache_tally([rows([0, 128], [150, 300]), rows([256], [550])]) == (384, 1000)
-    assert bench.hit_rate([(384, 1000), (116, 0)]) == "50.0%"
+    assert bench.hit_rate([(384, 1000), (116, 0)]) == "50.0% (500/1000)"
     assert bench.cache_tally([rows([0, None], [150, 300])]) is None
     no_count = SimpleNamespace(non_tensor_batch={"prompt_tokens_sent": [1]})
     assert bench.cache_tally([no_count]) is None
