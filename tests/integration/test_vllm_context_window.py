@@ -18,8 +18,6 @@ own conversation, token for token, with the engine's log-probs on exactly the sa
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -70,22 +68,11 @@ def tokenizer(model_path, source):
 
 
 @pytest.fixture(scope="module")
-def engine(model_path):
-    """One vLLM engine for the three sources: each source's manager routes to its servers (none
-    started, none stopped by it), since only the agent loop's config differs."""
-    import ray
-
-    from agentloop.rollout.manager import AgentLoopManager
-    from examples.context_window.run import rollout_config
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    manager = AgentLoopManager(rollout_config(model_path, window=None, questions=QUESTIONS))
-    try:
-        yield manager
-    finally:
-        manager.shutdown()
-        ray.shutdown()
+def engine(shared_tiny_engine):
+    """One vLLM engine for the three sources (conftest's, shared with test_vllm_envs): each
+    source's manager routes to its servers (none started, none stopped by it), since only the agent
+    loop's config differs."""
+    return shared_tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +93,7 @@ def rollout(engine, model_path, source, tokenizer):
             cfg, "actor_rollout_ref.model.custom_chat_template", tokenizer.chat_template,
             force_add=True,
         )
-    manager = AgentLoopManager(cfg, LLMServerClient(engine.server_handles))
+    manager = AgentLoopManager(cfg, LLMServerClient(engine))
     try:
         batch = rows_to_batch(make_rows(PROBLEMS, QUESTIONS))
         batch.meta_info["validate"] = True  # greedy: the same trajectories every run

@@ -2,11 +2,13 @@
 
 Each config is loaded as ``agentloop rollout --config`` loads it (``build_config`` with only the
 model path and ``data.max_samples`` added, then ``load_dataset``) and rolled out by an
-``AgentLoopManager`` of its own; all of them share ONE vLLM server, started by the module's first
-manager and handed to the others as ``llm_client`` (verl's shared-server form). Checked per
+``AgentLoopManager`` of its own; all of them share ONE vLLM server (conftest's
+``shared_tiny_engine``, also test_vllm_context_window's), handed to each as ``llm_client`` (verl's
+shared-server form). Checked per
 environment: the tool / observation turns are the chat template's render (``agentloop verify``'s
 template check), rewards equal the package's own scorer on the same text, statuses, and self-play's
-two trajectories per game. One more test runs the real CLI in a subprocess (its own engine).
+two trajectories per game. One more test, last (the shared server is stopped by then), runs the
+real CLI in a subprocess (its own engine).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ SAMPLES = 2
 MAX_MODEL_LEN = 2560
 """The shared server's context: the largest example's prompt + response (self-play: 512 + 2048)."""
 STATUSES = {"stop", "length", "max_turns"}
+# eager: ~10 s less per CPU engine start (compiled, the default: the CLI test below)
+EAGER = "actor_rollout_ref.rollout.enforce_eager=true"
 
 
 @pytest.fixture(scope="module")
@@ -59,46 +63,34 @@ def example_config(name: str, model_path: str, *extra: str) -> Any:
     """``examples/environments/<name>.yaml`` as ``agentloop rollout --config`` builds it."""
     overrides = [f"actor_rollout_ref.model.path={model_path}", f"data.max_samples={SAMPLES}",
                  f"actor_rollout_ref.rollout.max_model_len={MAX_MODEL_LEN}",
-                 "actor_rollout_ref.rollout.calculate_log_probs=true", *extra]
+                 "actor_rollout_ref.rollout.calculate_log_probs=true", EAGER, *extra]
     return build_config(str(EXAMPLES / f"{name}.yaml"), overrides)
 
 
 @pytest.fixture(scope="module")
-def rollout(model_path: str) -> Any:
-    """``rollout(name)``: the example's first rows rolled out, as (DataProto, dataset rows)."""
-    import ray
-
+def rollout(model_path: str, shared_tiny_engine: list[Any]) -> Any:
+    """``rollout(name)``: the example's first rows rolled out, as (DataProto, dataset rows), each
+    example by a manager of its own over ONE vLLM server (conftest's, shared with
+    test_vllm_context_window)."""
     from agentloop.rollout.manager import AgentLoopManager
 
     cwd = os.getcwd()
     os.chdir(REPO)  # the examples name their files relative to the repository
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    first: list[Any] = []
 
     def run(name: str) -> tuple[Any, list[dict[str, Any]]]:
         cfg = example_config(name, model_path)
         resolved = resolve_config(cfg)
         batch = load_dataset(str(resolved.data.train_files), prompt_key=resolved.data.prompt_key,
                              n=1, max_samples=SAMPLES)
-        if first:
-            manager = AgentLoopManager(
-                cfg, llm_client=AsyncLLMServerManager(list(first[0].server_handles)))
-        else:
-            manager = AgentLoopManager(cfg)
-            first.append(manager)
+        manager = AgentLoopManager(cfg, llm_client=AsyncLLMServerManager(shared_tiny_engine))
         try:
             out = manager.generate_sequences(batch)
         finally:
-            if manager is not first[0]:
-                manager.shutdown()
+            manager.shutdown()
         lines = Path(resolved.data.train_files).read_text().splitlines()
         return out, [json.loads(line) for line in lines[:SAMPLES]]
 
     yield run
-    if first:
-        first[0].shutdown()
-    ray.shutdown()
     os.chdir(cwd)
 
 
@@ -155,26 +147,6 @@ def assert_prompt(tokenizer: Any, out: Any, row: int, messages: list[dict[str, A
     ids = b["prompts"][row].numpy()[b["attention_mask"][row].numpy().astype(bool)[:p_len]]
     expected = apply_chat_template(tokenizer, list(messages), add_generation_prompt=True)
     assert ids.tolist() == expected
-
-
-def test_cli_rollout_of_the_skyrl_gym_example(model_path: str, tmp_path: Path) -> None:
-    """The real command line, one engine: summary.json's reward_by_env and trajectories.jsonl."""
-    out_dir = tmp_path / "skyrl"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "agentloop"), "rollout", "--config",
-         "examples/environments/skyrl_gym.yaml", f"actor_rollout_ref.model.path={model_path}",
-         f"output_dir={out_dir}", "data.max_samples=4"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["num_trajectories"] == 4 and summary["failed_rows"] == 0
-    by_env = summary["reward_by_env"]
-    assert list(by_env) == ["skyrl_gym"] and by_env["skyrl_gym"]["rows_scored"] == 4
-    assert by_env["skyrl_gym"]["mean"] == pytest.approx(summary["reward"]["mean"])
-    lines = [json.loads(line) for line in (out_dir / "trajectories.jsonl").read_text().splitlines()]
-    assert len(lines) == 4 and all(line["status"] in STATUSES for line in lines)
 
 
 def test_skyrl_gym(rollout: Any, tokenizer: Any) -> None:
@@ -273,3 +245,25 @@ def test_mcp(rollout: Any, tokenizer: Any) -> None:
         expected = calculator_score(row["data_source"], text,
                                     row["reward_model"]["ground_truth"], row["extra_info"])
         assert rewards(out)[i] == pytest.approx(float(expected))
+
+
+def test_cli_rollout_of_the_skyrl_gym_example(
+    model_path: str, tmp_path: Path, shared_engine_stopped: None
+) -> None:
+    """The real command line, one engine: summary.json's reward_by_env and trajectories.jsonl."""
+    out_dir = tmp_path / "skyrl"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "agentloop"), "rollout", "--config",
+         "examples/environments/skyrl_gym.yaml", f"actor_rollout_ref.model.path={model_path}",
+         f"output_dir={out_dir}", "data.max_samples=4"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["num_trajectories"] == 4 and summary["failed_rows"] == 0
+    by_env = summary["reward_by_env"]
+    assert list(by_env) == ["skyrl_gym"] and by_env["skyrl_gym"]["rows_scored"] == 4
+    assert by_env["skyrl_gym"]["mean"] == pytest.approx(summary["reward"]["mean"])
+    lines = [json.loads(line) for line in (out_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(line["status"] in STATUSES for line in lines)
