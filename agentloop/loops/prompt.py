@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from agentloop.errors import DatasetError, PromptTooLongError
+from agentloop.tokenization.fast import encode_with_backend
 from agentloop.tokenization.fast import fast_backend as _fast_backend
 
 
@@ -167,7 +168,7 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, An
     if backend is not None:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         if isinstance(text, str):
-            return list(backend.encode(text, add_special_tokens=False).ids)
+            return encode_with_backend(backend, text)
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]

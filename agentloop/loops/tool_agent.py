@@ -49,6 +49,7 @@ from agentloop.types import (
     RolloutStatus,
     StopReason,
 )
+from agentloop.utils.ids import fresh_hex
 
 
 class AgentState(str, Enum):
@@ -157,7 +158,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.max_user_turns: int | None = values["max_user_turns"]
         self.return_messages: bool = values["return_messages"]
         self.context: ContextSettings = values["context"]
-        self.request_id = uuid4().hex
+        self.request_id = fresh_hex()
 
     async def run(
         self, sampling_params: dict[str, Any], **kwargs: Any

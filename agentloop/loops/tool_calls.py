@@ -25,6 +25,7 @@ from agentloop.tools.base import BaseTool
 from agentloop.tools.executor import tool_executor
 from agentloop.tools.function_tool import FunctionTool
 from agentloop.trace import span as trace_span
+from agentloop.utils.deadline import within
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ async def _bounded(
     tool thread pool."""
     sync = not inspect.iscoroutinefunction(method)
     call = _in_thread(method, *args, **kwargs) if sync else method(*args, **kwargs)
-    return await (asyncio.wait_for(call, timeout) if timeout else call)
+    return await within(call, timeout)
 
 
 async def _in_thread(method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

@@ -55,6 +55,7 @@ from agentloop.trace import enabled as trace_enabled
 from agentloop.trace import flush as trace_flush
 from agentloop.trace import set_token_decoder
 from agentloop.types import AgentLoopOutput, RolloutStatus
+from agentloop.utils.deadline import within
 from agentloop.utils.gcheap import freeze_startup_heap
 from agentloop.utils.process import restore_normal_priority
 
@@ -395,14 +396,14 @@ class AgentLoopWorker:
             loop = entry.cls(*self._loop_args, **{**self._loop_kwargs, **entry.kwargs})
             coro = loop.run(dict(sampling_params), trajectory_info=info, **sample)
             if not trace_enabled():  # the hot path: rollout_trace_attr would do nothing
-                output = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+                output = await within(coro, timeout)
             else:
                 with rollout_trace_attr(
                     step=info["step"], sample_index=info["sample_index"],
                     rollout_n=info["rollout_n"], validate=info["validate"], name="agent_loop",
                     trace=bool(info.get("trace")),
                 ):
-                    output = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+                    output = await within(coro, timeout)
         except asyncio.TimeoutError:
             logger.warning(
                 "sample %s (%s) timed out after %ss", info["sample_index"], name, timeout

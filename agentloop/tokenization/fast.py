@@ -3,13 +3,16 @@
 ``tokenizer.encode(text, add_special_tokens=False)`` on a fast HF tokenizer ends in the Rust
 backend's ``encode``; around it HF spends ~20-40 µs of Python per call (argument handling, a batch
 of one, a ``BatchEncoding``).  Agent loops encode a prompt per sample and a delta per tool turn, so
-they call the backend directly whenever it is safe.  ``tests/unit/test_tokenization_families.py``
-checks the ids are identical.
+they call the backend directly whenever it is safe, and encode rendered text piece by piece between
+added tokens, remembering the pieces (:mod:`agentloop.tokenization.segments`).
+``tests/unit/test_tokenization_families.py`` checks the ids are identical.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from agentloop.tokenization.segments import segment_encoder
 
 
 def fast_backend(tokenizer: Any) -> Any | None:
@@ -38,5 +41,14 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     safe."""
     backend = fast_backend(tokenizer)
     if backend is not None:
-        return list(backend.encode(text, add_special_tokens=False).ids)
+        return encode_with_backend(backend, text)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_with_backend(backend: Any, text: str) -> list[int]:
+    """``backend.encode(text, add_special_tokens=False).ids`` as a list, piece by piece with the
+    pieces remembered where that is exact (:mod:`agentloop.tokenization.segments`)."""
+    pieces = segment_encoder(backend)
+    if pieces is not None:
+        return pieces.encode(text)
+    return list(backend.encode(text, add_special_tokens=False).ids)

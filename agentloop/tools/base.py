@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-from uuid import uuid4
 
 from agentloop.errors import ConfigError
 from agentloop.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from agentloop.utils.ids import fresh_hex
 
 
 class BaseTool:
@@ -72,7 +72,7 @@ class BaseTool:
         self, instance_id: str | None = None, **kwargs: Any
     ) -> tuple[str, ToolResponse]:
         """Start an instance for one trajectory; ``kwargs``: see :meth:`create_kwargs`."""
-        return instance_id or uuid4().hex, ToolResponse()
+        return instance_id or fresh_hex(), ToolResponse()
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
