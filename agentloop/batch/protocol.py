@@ -55,6 +55,7 @@ from agentloop.batch.protocol_utils import (
     union_two_dict,  # noqa: F401 - re-exported (agentloop.protocol)
     unpack_tensor,
 )
+from agentloop.batch.protocol_wire import join_derived, split_derived, trim, untrim
 from agentloop.errors import DatasetError
 
 __all__ = [
@@ -64,6 +65,11 @@ __all__ = [
     "pad_dataproto_to_divisor", "serialize_single_tensor", "serialize_tensordict", "split_rows",
     "unfold_batch_dim", "union_numpy_dict", "union_tensor_dict", "unpad_dataproto",
 ]
+
+
+def _trimmed(packed: tuple[np.ndarray, torch.dtype]) -> tuple[Any, torch.dtype]:
+    """A packed column without its padding runs (:func:`~agentloop.batch.protocol_wire.trim`)."""
+    return trim(packed[0]), packed[1]
 
 
 @dataclass
@@ -132,13 +138,23 @@ class DataProto(DataProtoColumnsMixin, DataProtoReshapeMixin):
         own dtype on load.  A 256 × 320 rollout batch shrinks from 2.8 MB to ~0.9 MB, which Ray
         moves ~3× faster (measured in scripts/bench_overhead.py); values and dtypes come back
         bit-identical.
+        In verl's rollout layout, ``input_ids``, ``attention_mask`` and 2-D ``position_ids`` are
+        left out when an exact check proves them rebuilt from ``prompts`` / ``responses`` and each
+        row's span, and rebuilt on load; padded 2-D columns travel without their padding runs
+        (:mod:`agentloop.batch.protocol_wire`).
         """
         batch: Any = self.batch
         if batch is not None and all(packable(v) for v in batch.values()):
+            tensors = dict(batch.items())
+            left_out, recipe = split_derived({k: v.detach().numpy() for k, v in tensors.items()})
             batch = {
                 "batch_size": list(batch.batch_size),
-                "tensors": {k: pack_tensor(v) for k, v in batch.items()},
+                "tensors": {
+                    k: _trimmed(pack_tensor(v)) for k, v in tensors.items() if k not in left_out
+                },
             }
+            if left_out:
+                batch["derived"] = recipe
         return {
             "batch": batch, "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info,
         }
@@ -146,7 +162,12 @@ class DataProto(DataProtoColumnsMixin, DataProtoReshapeMixin):
     def __setstate__(self, state: dict[str, Any]) -> None:
         batch = state["batch"]
         if isinstance(batch, dict):
-            tensors = {k: unpack_tensor(*v) for k, v in batch["tensors"].items()}
+            tensors = {k: unpack_tensor(untrim(a), t) for k, (a, t) in batch["tensors"].items()}
+            if "derived" in batch:
+                cols = join_derived({k: v.numpy() for k, v in tensors.items()}, batch["derived"])
+                tensors = {
+                    k: tensors[k] if k in tensors else torch.from_numpy(v) for k, v in cols.items()
+                }
             batch = TensorDict(tensors, batch_size=batch["batch_size"])
         self.batch = batch
         self.non_tensor_batch = state["non_tensor_batch"]

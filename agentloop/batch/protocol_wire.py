@@ -1,0 +1,210 @@
+"""Columns of verl's rollout layout left out of a pickled DataProto when they follow from others.
+
+In the padded rollout layout (docs/concepts.md#the-output-layout) ``input_ids`` is
+``concat(prompts, responses)`` and the 2-D ``attention_mask`` / ``position_ids`` follow from each
+row's real-token span ``[start, start + total)``: the mask is 1 inside it, the position is
+``column - start`` clipped to ``[0, max(total - 1, 0)]``. Together they are ~70% of a rollout
+batch's cells. :func:`split_derived` proves each of them equal to its rebuild (every cell, integer
+dtypes only) before leaving it out, so anything else (a 3-D multimodal ``position_ids``, a row that
+does not match, a float or bool column) travels as it is; :func:`join_derived` rebuilds them on load
+with their own dtype, bit-identical, in the batch's key order. Used by ``DataProto.__getstate__`` /
+``__setstate__``.
+
+:func:`trim` / :func:`untrim` carry a padded 2-D column as its rows' cells between a leading run of
+one value and a trailing run of another (left-padded ``prompts``, right-padded ``responses``,
+masks and log-probs), compared and rebuilt bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DERIVED", "join_derived", "split_derived", "trim", "untrim"]
+
+DERIVED = ("input_ids", "attention_mask", "position_ids")
+"""The columns that may be left out, in the order they are tried."""
+
+elide: bool = True
+"""Module switch: False sends every column as is (``scripts/bench_after_last.py`` alternates it)."""
+
+
+def _integer_2d(arr: Any) -> bool:
+    """Whether ``arr`` is a 2-D numpy array of a signed or unsigned integer dtype."""
+    return isinstance(arr, np.ndarray) and arr.ndim == 2 and arr.dtype.kind in "iu"
+
+
+def _span_of(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, total)`` per row: the first nonzero column (0 for an empty row) and the count of
+    nonzero cells. Only a guess: the caller rebuilds the mask from it and compares."""
+    nonzero = mask != 0
+    return nonzero.argmax(axis=1), nonzero.sum(axis=1)
+
+
+def _relative(start: np.ndarray, width: int) -> np.ndarray:
+    """``column - start`` per row, int64, shape ``(rows, width)``."""
+    return np.arange(width, dtype=np.int64)[None, :] - start.astype(np.int64)[:, None]
+
+
+def _mask(rel: np.ndarray, total: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The attention mask of spans ``rel`` / ``total`` in ``dtype``."""
+    inside = (rel >= 0) & (rel < total.astype(np.int64)[:, None])
+    return inside.astype(dtype)
+
+
+def _positions(rel: np.ndarray, total: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The position ids of spans ``rel`` / ``total`` in ``dtype``."""
+    top = np.maximum(total.astype(np.int64) - 1, 0)[:, None]
+    return np.clip(rel, 0, top).astype(dtype)
+
+
+def _narrow(values: np.ndarray, width: int) -> np.ndarray:
+    """A span column as int16 when the row width allows it, else int32."""
+    return values.astype(np.int16 if width < 2**15 else np.int32)
+
+
+def _input_ids_derived(cols: dict[str, np.ndarray]) -> bool:
+    """Whether ``input_ids`` equals ``concat(prompts, responses)`` cell for cell."""
+    ids, prompts, responses = (cols.get(k) for k in ("input_ids", "prompts", "responses"))
+    if not (_integer_2d(ids) and _integer_2d(prompts) and _integer_2d(responses)):
+        return False
+    assert ids is not None and prompts is not None and responses is not None
+    p = prompts.shape[1]
+    return (
+        ids.shape == (prompts.shape[0], p + responses.shape[1])
+        and np.array_equal(ids[:, :p], prompts)
+        and np.array_equal(ids[:, p:], responses)
+    )
+
+
+def split_derived(cols: dict[str, np.ndarray]) -> tuple[list[str], dict[str, Any]]:
+    """Which of :data:`DERIVED` can be left out of ``cols`` (numpy arrays, one per tensor column).
+
+    Args:
+        cols: the batch's columns as numpy arrays, in its key order.
+    Returns:
+        ``(left_out, recipe)``: the names proven equal to their rebuild, and what
+        :func:`join_derived` needs (each one's dtype, the row spans when the mask is left out, the
+        key order); ``([], {})`` when nothing can be left out or :data:`elide` is False.
+    """
+    if not elide:
+        return [], {}
+    out: list[str] = []
+    recipe: dict[str, Any] = {"dtypes": {}}
+    if _input_ids_derived(cols):
+        out.append("input_ids")
+    mask, pos = cols.get("attention_mask"), cols.get("position_ids")
+    if _integer_2d(mask) and mask is not None and mask.shape[1] > 0:
+        start, total = _span_of(mask)
+        rel = _relative(start, mask.shape[1])
+        if np.array_equal(_mask(rel, total, mask.dtype), mask):
+            out.append("attention_mask")
+            recipe["span"] = (_narrow(start, mask.shape[1]), _narrow(total, mask.shape[1] + 1))
+            recipe["width"] = mask.shape[1]
+            if (
+                _integer_2d(pos) and pos is not None and pos.shape == mask.shape
+                and np.array_equal(_positions(rel, total, pos.dtype), pos)
+            ):
+                out.append("position_ids")
+    if not out:
+        return [], {}
+    recipe["dtypes"] = {k: cols[k].dtype.str for k in out}
+    recipe["order"] = list(cols)
+    return out, recipe
+
+
+def join_derived(cols: dict[str, np.ndarray], recipe: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Inverse of :func:`split_derived`: ``cols`` (the columns that travelled) with the left-out
+    ones rebuilt, in the original key order.
+
+    Args:
+        cols: the columns that travelled, restored to their own dtypes.
+        recipe: the second value :func:`split_derived` returned.
+    Returns:
+        Every column, fresh writable arrays for the rebuilt ones.
+    """
+    dtypes = {k: np.dtype(v) for k, v in recipe["dtypes"].items()}
+    built: dict[str, np.ndarray] = {}
+    if "input_ids" in dtypes:
+        built["input_ids"] = np.concatenate(
+            [cols["prompts"], cols["responses"]], axis=1
+        ).astype(dtypes["input_ids"])
+    if "attention_mask" in dtypes:
+        start, total = recipe["span"]
+        rel = _relative(np.asarray(start), int(recipe["width"]))
+        built["attention_mask"] = _mask(rel, np.asarray(total), dtypes["attention_mask"])
+        if "position_ids" in dtypes:
+            built["position_ids"] = _positions(rel, np.asarray(total), dtypes["position_ids"])
+    return {k: cols[k] if k in cols else built[k] for k in recipe["order"]}
+
+
+
+TRIM_KEEP = 0.75
+""":func:`trim` applies when at most this share of the cells remains."""
+
+
+def _runs(bits: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """Per row, the length of the leading run of ``value`` in ``bits`` (the row's width when the
+    whole row is that value)."""
+    other = bits != value
+    return np.where(other.any(axis=1), other.argmax(axis=1), bits.shape[1])
+
+
+def _mode(column: np.ndarray) -> np.ndarray:
+    """The most frequent value of a 1-D array (a 0-d array of its dtype)."""
+    values, counts = np.unique(column, return_counts=True)
+    return values[counts.argmax()]
+
+
+def _keep_mask(lead: np.ndarray, trail: np.ndarray, width: int) -> np.ndarray:
+    """Cells of each row between its leading and trailing runs."""
+    col = np.arange(width)[None, :]
+    return (col >= lead.astype(np.int64)[:, None]) & (col < width - trail.astype(np.int64)[:, None])
+
+
+def trim(arr: np.ndarray) -> np.ndarray | tuple[Any, ...]:
+    """``arr`` without each row's leading run of one value and trailing run of another, when that
+    leaves at most :data:`TRIM_KEEP` of its cells; else ``arr`` itself.
+
+    Args:
+        arr: any numpy array; only 2-D ones with cells are trimmed (values compared as raw bits,
+            so floats' signed zeros and NaNs come back exactly).
+    Returns:
+        ``arr`` or the tuple :func:`untrim` takes.
+    """
+    if (
+        not elide or arr.ndim != 2 or arr.size == 0 or arr.dtype.itemsize not in (1, 2, 4, 8)
+        or arr.dtype.hasobject
+    ):
+        return arr
+    bits = np.ascontiguousarray(arr).view(f"u{arr.dtype.itemsize}")
+    left, right = _mode(bits[:, 0]), _mode(bits[:, -1])
+    lead = _runs(bits, left)
+    trail = np.minimum(_runs(bits[:, ::-1], right), bits.shape[1] - lead)
+    if bits.size - int(lead.sum()) - int(trail.sum()) > TRIM_KEEP * bits.size:
+        return arr
+    width = bits.shape[1]
+    narrow = np.int16 if width < 2**15 else np.int32
+    kept = bits[_keep_mask(lead, trail, width)]
+    return ("trim", arr.dtype.str, arr.shape, left, right, lead.astype(narrow),
+            trail.astype(narrow), kept)
+
+
+def untrim(packed: np.ndarray | tuple[Any, ...]) -> np.ndarray:
+    """Inverse of :func:`trim` (an array passes through).
+
+    Raises:
+        ValueError: ``packed`` is neither an array nor :func:`trim`'s tuple.
+    """
+    if isinstance(packed, np.ndarray):
+        return packed
+    if not (isinstance(packed, tuple) and len(packed) == 8 and packed[0] == "trim"):
+        raise ValueError(f"untrim: not an array nor a trimmed column: {type(packed).__name__}")
+    _, dtype, shape, left, right, lead, trail, kept = packed
+    bits = np.empty(shape, dtype=kept.dtype)
+    col = np.arange(shape[1])[None, :]
+    bits[col < lead.astype(np.int64)[:, None]] = left
+    bits[col >= shape[1] - trail.astype(np.int64)[:, None]] = right
+    bits[_keep_mask(lead, trail, shape[1])] = kept
+    return bits.view(np.dtype(dtype))
