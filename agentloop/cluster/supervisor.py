@@ -92,12 +92,19 @@ class ServerSupervisor:
     def can_restart(self) -> bool:
         return self.restart and self.group.restartable
 
-    def check(self) -> list[int]:
-        """Probe every serving server; newly dead ones are marked down (and restarts begun).
-        Returns them."""
+    def probe(self) -> dict[int, Any]:
+        """Send a ``check_health`` probe to every serving server without waiting (the first half of
+        :meth:`check`; the caller overlaps the round trip with other work). Returns ``{server
+        index: pending reply}`` for :meth:`check`."""
         with self._lock:
-            probe = {i: h.check_health.remote() for i, h in enumerate(self.group.handles)
-                     if i not in self.down and i not in self.restarting}
+            return {i: h.check_health.remote() for i, h in enumerate(self.group.handles)
+                    if i not in self.down and i not in self.restarting}
+
+    def check(self, probe: dict[int, Any] | None = None) -> list[int]:
+        """Probe every serving server (or collect the replies of :meth:`probe`'s ``probe``); newly
+        dead ones are marked down (and restarts begun). Returns them."""
+        if probe is None:
+            probe = self.probe()
         if not probe:
             return []
         refs = list(probe.values())

@@ -237,9 +237,10 @@ class AgentLoopManager:
         # per-row metrics stay a list in row order (verl's concat would fold the workers' lists into
         # a dict)
         metrics = [m for p in parts for m in p.stats.metrics]
+        probe = self.supervisor.probe() if self._owns_servers else None  # overlaps the concat
         output = DataProto.concat(align_keys([p.rows for p in parts]))
-        if self._owns_servers:
-            self.supervisor.check()
+        if probe is not None:
+            self.supervisor.check(probe)
         if self.config.engine.free_cache_engine:
             self.sleep()
         output.meta_info["metrics"] = metrics
