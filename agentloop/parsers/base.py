@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, Field, model_validator
 
 from agentloop.errors import ConfigError
+from agentloop.tokenization.fast import decode_ids
 from agentloop.utils.registry import Registry
 
 
@@ -223,7 +224,7 @@ class ToolParser:
     ) -> tuple[str, list[FunctionCall]]:
         """Split a response into its text content and its tool calls (``tools``: see
         :func:`as_tool_dicts`)."""
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=self.skip_special_tokens)
+        text = decode_ids(self.tokenizer, response_ids, self.skip_special_tokens)
         return self.parse_text(text, as_tool_dicts(tools))
 
     def parse_text(

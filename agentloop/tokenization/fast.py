@@ -52,3 +52,36 @@ def encode_with_backend(backend: Any, text: str) -> list[int]:
     if pieces is not None:
         return pieces.encode(text)
     return list(backend.encode(text, add_special_tokens=False).ids)
+
+
+_PLAIN_DECODE: dict[type, bool] = {}
+
+
+def _decodes_plainly(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode(ids, skip_special_tokens=s)`` is exactly its Rust backend's
+    ``decode``: transformers' own ``decode`` / ``_decode`` (not overridden) and no clean-up of
+    tokenization spaces."""
+    cls = type(tokenizer)
+    plain = _PLAIN_DECODE.get(cls)
+    if plain is None:
+        try:
+            # heavy (~1 s); loaded by the tokenizer's owner anyway
+            from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+        except ImportError:  # pragma: no cover - transformers is a dependency
+            plain = False
+        else:
+            plain = (
+                getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode
+                and getattr(cls, "_decode", None) is PreTrainedTokenizerFast._decode
+            )
+        _PLAIN_DECODE[cls] = plain
+    return plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+
+
+def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool = False) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``, through the Rust backend when that is
+    exactly the same (~10 µs less per call)."""
+    backend = fast_backend(tokenizer) if _decodes_plainly(tokenizer) else None
+    if backend is not None:
+        return str(backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))

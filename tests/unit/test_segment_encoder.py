@@ -8,6 +8,7 @@ caller still gets the whole-text ids).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 
@@ -19,7 +20,7 @@ from agentloop.loops.prompt import apply_chat_template, clear_render_cache
 from agentloop.testing.templates import FAMILIES, make_template_tokenizer
 from agentloop.testing.tiny_model import ensure_tiny_model
 from agentloop.tokenization import segments
-from agentloop.tokenization.fast import encode_text, fast_backend
+from agentloop.tokenization.fast import decode_ids, encode_text, fast_backend
 from agentloop.tokenization.loader import load_tokenizer
 from agentloop.tokenization.segments import SegmentEncoder, segment_encoder
 
@@ -46,6 +47,7 @@ def conversation(rng: random.Random) -> list[dict[str, str]]:
     return messages
 
 
+@functools.cache
 def tokenizers_under_test() -> list[object]:
     tiny = load_tokenizer(ModelConfig.from_root(
         {"actor_rollout_ref": {"model": {"path": str(ensure_tiny_model())}}}))
@@ -106,3 +108,25 @@ def test_a_wrong_piece_is_caught_and_the_whole_text_ids_returned(caplog):
         assert encoder.encode("a<s>b") == [1, 4, 2]
     assert not encoder.enabled and "encoded whole" in caplog.text
     assert encoder.encode("a<s>b") == [1, 4, 2]
+
+
+@pytest.mark.parametrize("index", range(1 + len(FAMILIES)))
+def test_backend_decode_equals_hf_decode(index):
+    tok = tokenizers_under_test()[index]
+    rng = random.Random(index)
+    for _ in range(50):
+        text = tok.apply_chat_template(conversation(rng), tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        for skip in (False, True):
+            assert decode_ids(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it():
+    base = type(tokenizers_under_test()[0])
+    own = type("OwnDecode", (base,), {"decode": lambda self, ids, **kw: "mine"})
+    tok = tokenizers_under_test()[0]
+    tok.__class__ = own
+    try:
+        assert decode_ids(tok, [5, 6]) == "mine"
+    finally:
+        tok.__class__ = base
