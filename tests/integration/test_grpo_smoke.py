@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +61,10 @@ def test_three_grpo_steps_keep_engine_and_trainer_in_sync(grpo) -> None:  # type
     cfg = grpo.GRPOConfig(steps=3, prompts_per_step=4, n=4, mini_batches=2)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    manager = AgentLoopManager(grpo.rollout_config(model_path, response_length=96))
+    rollout_cfg = grpo.rollout_config(model_path, response_length=96)
+    # eager: ~10 s less per CPU engine start (compiled, the default: test_vllm_envs CLI test)
+    OmegaConf.update(rollout_cfg, "actor_rollout_ref.rollout.enforce_eager", True)
+    manager = AgentLoopManager(rollout_cfg)
     try:
         policy = grpo.load_policy(model_path)
         original = grpo.load_policy(model_path).eval()
