@@ -2,10 +2,12 @@
 
 A module that only reads from the engine (no kill, pause or weight update) asks for
 ``shared_tiny_engine`` and builds its own managers over the handles
-(``AgentLoopManager(cfg, LLMServerClient(handles))``: none started, none stopped by them).  The
-engine and its Ray session stay up while the next module pytest runs asks for the fixture too, so
-adjacent modules (``test_vllm_context_window``, ``test_vllm_envs``) pay for one start instead of
-one each; otherwise both are stopped when the module ends, as a module-scoped engine would be.
+(``AgentLoopManager(cfg, LLMServerClient(handles))``: none started, none stopped by them).  Those
+modules run one after the other (``pytest_collection_modifyitems``, at the first one's place), and
+the engine and its Ray session stay up while the next test asks for the fixture too, so
+``test_gateway_clients``, ``test_vllm_context_window`` and ``test_vllm_envs`` pay for one engine
+start instead of one each; otherwise both are stopped when the module ends, as a module-scoped
+engine would be.
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _state["next"] = nextitem
     yield
     _state["next"] = None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the modules that use the shared engine one after the other, where the first of them
+    would run (each module's tests keep their order; the other modules keep theirs)."""
+    users = {item.path for item in items if SHARED_ENGINE in getattr(item, "fixturenames", ())}
+    if len(users) < 2:
+        return
+    moved = [item for item in items if item.path in users]
+    first = next(i for i, item in enumerate(items) if item.path in users)
+    rest = [item for item in items if item.path not in users]
+    items[:] = rest[:first] + moved + rest[first:]
 
 
 def _next_test_uses(fixture: str) -> bool:

@@ -2,7 +2,8 @@
 
 Each client library talks to its own session exactly as it would talk to its provider (only the base
 URL and key set); the tests check that the recorded trajectory is token for token what the client
-received.  One manager (1 vLLM server, 1 worker) is shared by the module; a test's agent is an
+received.  One manager (1 worker, over conftest's shared vLLM server) is shared by the module; a
+test's agent is an
 in-process runner registered (with :func:`runner`) only while the module's manager lives; it runs
 in the worker's process, so it hands what its client received back through a JSON file whose path
 the test puts in ``extra_info`` (see :func:`run_agents`).
@@ -11,7 +12,6 @@ the test puts in ``extra_info`` (see :func:`run_agents`).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import sys
@@ -44,20 +44,20 @@ def runner(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 @pytest.fixture(scope="module")
-def manager():
-    import ray
+def manager(shared_tiny_engine):
+    """The module's manager (1 worker, hermes tool calls) over conftest's shared tiny-model engine
+    (none started, none stopped by it)."""
     import ray.cloudpickle
 
     from agentloop.gateway.framework import register_agent_runner
     from agentloop.loops.base import _agent_loop_registry
     from agentloop.rollout.manager import AgentLoopManager
+    from agentloop.routing import LLMServerClient
     from agentloop.testing.tiny_model import ensure_tiny_model
 
     for name, fn in RUNNERS.items():
         register_agent_runner(name)(fn)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR")
     cfg = default_config()
     for k, v in {
         "actor_rollout_ref.model.path": str(ensure_tiny_model()),
@@ -65,19 +65,15 @@ def manager():
         "actor_rollout_ref.rollout.dtype": "float32",
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.rollout.free_cache_engine": False,
-        # eager: ~10 s less per CPU engine start (compiled, the default: test_vllm_envs CLI test)
-        "actor_rollout_ref.rollout.enforce_eager": True,
-        "actor_rollout_ref.rollout.max_num_seqs": 32,
         "actor_rollout_ref.rollout.agent.num_workers": 1,
         "actor_rollout_ref.rollout.server.num_servers": 1,
         "actor_rollout_ref.rollout.server.device": "cpu",
         "actor_rollout_ref.rollout.multi_turn.format": "hermes",
     }.items():
         OmegaConf.update(cfg, k, v)
-    m = AgentLoopManager(cfg)
+    m = AgentLoopManager(cfg, LLMServerClient(shared_tiny_engine))
     yield m
     m.shutdown()
-    ray.shutdown()
     for name in RUNNERS:
         _agent_loop_registry.pop(name, None)
 
