@@ -28,6 +28,8 @@ DERIVED = ("input_ids", "attention_mask", "position_ids")
 
 elide: bool = True
 """Module switch: False sends every column as is (``scripts/bench_after_last.py`` alternates it)."""
+trim_runs: bool = True
+"""Module switch for :func:`trim` alone (with :data:`elide` True)."""
 
 
 def _integer_2d(arr: Any) -> bool:
@@ -176,8 +178,8 @@ def trim(arr: np.ndarray) -> np.ndarray | tuple[Any, ...]:
         ``arr`` or the tuple :func:`untrim` takes.
     """
     if (
-        not elide or arr.ndim != 2 or arr.size == 0 or arr.dtype.itemsize not in (1, 2, 4, 8)
-        or arr.dtype.hasobject
+        not (elide and trim_runs) or arr.ndim != 2 or arr.size == 0
+        or arr.dtype.itemsize not in (1, 2, 4, 8) or arr.dtype.hasobject
     ):
         return arr
     bits = np.ascontiguousarray(arr).view(f"u{arr.dtype.itemsize}")

@@ -1,0 +1,237 @@
+"""Serial time after the batch's last sample (``agent_loop/serial/after_last_sample``), in parts.
+
+The real ``AgentLoopManager`` with one worker actor (chunks of ``--chunk`` rows) and one
+``ScriptedServer`` actor answering every request after ``--delay`` seconds with ``--tokens`` tokens
+(log-probs on), so every sample of a ``--rows`` batch finishes in one wave and the time after the
+last one is the stack's own: padding, pickling and shipping each chunk, the driver's concat, the
+servers' health check, the metrics. Passes take turns between the code before (every column sent
+as it is, in the driver and the worker alike; the health probes sent after the concat), the derived
+columns left out (``agentloop.batch.protocol_wire.elide``) with the probes sent before the concat,
+and the shipped code (their padding runs trimmed too, ``protocol_wire.trim_runs``); per kind it
+prints medians of:
+
+* ``after``: ``agent_loop/serial/after_last_sample``;
+* ``recv_last``: from the last sample's end to the driver holding the last chunk (worker padding,
+  pickling, Ray's transfer, unpickling);
+* ``concat``, ``check``: ``DataProto.concat`` and ``supervisor.check`` in the driver;
+* ``w_pad``, ``w_pickle``: the worker's padding and pickling of the chunks still to come when the
+  last sample finished; ``w_last_out``: from that moment to the end of the last chunk's pickling;
+* ``ray_gap``: ``recv_last - w_last_out`` (Ray's hand-over of the last chunk, the driver's
+  unpickling);
+* ``wire``: the pickled size of one chunk's rows (KB) and its parts (tensors, non-tensor columns,
+  per-row metrics).
+
+    RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \\
+        python scripts/bench_after_last.py [--passes 30] [--warmup 3] [--rows 256] [--chunk 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import ray
+from omegaconf import OmegaConf
+
+from agentloop.batch import protocol_wire
+from agentloop.batch.data import rows_to_batch
+from agentloop.batch.protocol import DataProto
+from agentloop.cluster.placement import ServerGroup
+from agentloop.config import default_config
+from agentloop.rollout import dispatcher
+from agentloop.rollout.manager import AgentLoopManager
+from agentloop.testing import ScriptedServer
+from agentloop.testing.tiny_model import ensure_tiny_model
+
+EOS = 2
+
+
+KINDS = {
+    "old (every column, late probe)": (False, False),
+    "derived left out, early probe": (True, False),
+    "new (+ padding runs trimmed)": (True, True),
+}
+"""Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``)."""
+
+
+def _set_switches(_actor: Any, elide: bool, trim_runs: bool) -> None:
+    """Run in a worker actor (``__ray_call__``; cloudpickle imports the module there by name), or
+    here with None: the pickling's switches."""
+    protocol_wire.elide, protocol_wire.trim_runs = elide, trim_runs
+
+
+def _trace_worker(actor: Any) -> None:
+    """Run in a worker actor (``__ray_call__``): record ``time.time()`` around each group's padding
+    (``_postprocess``) and each DataProto pickling, in ``actor._bench_marks``."""
+    from agentloop.batch.protocol import DataProto as Proto  # the worker process's own class
+
+    marks: list[tuple[str, float, float]] = []
+    actor._bench_marks = marks
+    pad, getstate = actor._postprocess, Proto.__getstate__
+
+    def timed_pad(*a: Any, **k: Any) -> Any:
+        t = time.time()
+        out = pad(*a, **k)
+        marks.append(("pad", t, time.time()))
+        return out
+
+    def timed_getstate(self: Any) -> Any:
+        t = time.time()
+        out = getstate(self)
+        marks.append(("pickle", t, time.time()))
+        return out
+
+    actor._postprocess = timed_pad
+    Proto.__getstate__ = timed_getstate
+
+
+def _take_marks(actor: Any) -> list[tuple[str, float, float]]:
+    """Run in a worker actor: the marks recorded since the last call."""
+    marks = list(actor._bench_marks)
+    actor._bench_marks.clear()
+    return marks
+
+
+def build(args: argparse.Namespace) -> AgentLoopManager:
+    """The manager over one ScriptedServer actor and ``ceil(rows / chunk)`` chunks on one worker."""
+    tokens = [5] * (args.tokens - 1) + [EOS]
+    server = ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=4 * args.rows)
+    handle = server.remote(lambda ids, p, r: tokens, eos_token_id=EOS, delay=args.delay)
+    group = ServerGroup(
+        handles=[handle], placement_group=None, device="cpu", info=[{}], placement="standalone"
+    )
+    cfg = default_config()
+    cfg.actor_rollout_ref.model.path = str(ensure_tiny_model())
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 128, args.tokens
+    rollout = cfg.actor_rollout_ref.rollout
+    for key, value in {
+        "agent.num_workers": 1, "free_cache_engine": False, "calculate_log_probs": True,
+    }.items():
+        OmegaConf.update(rollout, key, value)
+    manager = AgentLoopManager(cfg, servers=group)
+    manager.workers.chunks_per_worker = max(1, -(-args.rows // args.chunk))
+    return manager
+
+
+def instrument(
+    manager: AgentLoopManager, times: dict[str, float], got: list[Any], mode: dict[str, bool]
+) -> None:
+    """Timers around the driver's concat, health check and receipt of each chunk; while
+    ``mode["late_probe"]`` the health probes leave only after the concat (the code before)."""
+    concat, check, take = DataProto.concat, manager.supervisor.check, dispatcher.DispatchRun._take
+    probe = manager.supervisor.probe
+
+    def timed_concat(parts: list[DataProto]) -> DataProto:
+        t = time.perf_counter()
+        out = concat(parts)
+        times["concat"] = time.perf_counter() - t
+        return out
+
+    def early_probe() -> dict[int, Any]:
+        return {} if mode["late_probe"] else probe()
+
+    def timed_check(*args: Any) -> list[int]:
+        t = time.perf_counter()
+        out = check(probe()) if mode["late_probe"] else check(*args)
+        times["check"] = time.perf_counter() - t
+        return out
+
+    def timed_take(run: Any, dispatch: Any) -> list[Any]:
+        out = take(run, dispatch)
+        got.extend((time.time(), f) for f in out)
+        return out
+
+    DataProto.concat = staticmethod(timed_concat)  # type: ignore[method-assign]
+    manager.supervisor.check = timed_check  # type: ignore[method-assign]
+    manager.supervisor.probe = early_probe  # type: ignore[method-assign]
+    dispatcher.DispatchRun._take = timed_take  # type: ignore[method-assign]
+
+
+def wire_sizes(part: Any) -> dict[str, float]:
+    """Pickled KB of one received chunk: its rows, their tensors, non-tensor columns, metrics."""
+    rows: DataProto = part.rows
+    state = rows.__getstate__()
+    return {
+        "wire": len(pickle.dumps((0, rows, part.stats), protocol=5)) / 1e3,
+        "wire_tensors": len(pickle.dumps(state["batch"], protocol=5)) / 1e3,
+        "wire_non_tensor": len(pickle.dumps(rows.non_tensor_batch, protocol=5)) / 1e3,
+        "wire_metrics": len(pickle.dumps(part.stats.metrics, protocol=5)) / 1e3,
+    }
+
+
+def one_pass(manager: AgentLoopManager, step: int, rows: int, times: dict[str, float],
+             got: list[Any]) -> dict[str, float]:
+    """One batch of fresh prompts; its after-last time and parts (ms; sizes KB)."""
+    got.clear()
+    batch = rows_to_batch(
+        [{"prompt": [{"role": "user", "content": f"s{step} q{i}"}]} for i in range(rows)]
+    )
+    out = manager.generate_sequences(batch)
+    last = max(f.stats.done_at for _, f in got)
+    handles = manager.workers.handles
+    marks = [m for h in handles for m in ray.get(h.__ray_call__.remote(_take_marks))]
+    pads = [(a, b) for kind, a, b in marks if kind == "pad" and b >= last]
+    pickles = [(a, b) for kind, a, b in marks if kind == "pickle" and b >= last]
+    worker = {
+        "w_pad": sum(b - a for a, b in pads) * 1e3,
+        "w_pickle": sum(b - a for a, b in pickles) * 1e3,
+        "w_last_out": (max((b for _, b in pickles), default=last) - last) * 1e3,
+    }
+    recv_last = (max(t for t, _ in got) - last) * 1e3
+    return {
+        "after": out.meta_info["timing"]["agent_loop/serial/after_last_sample"] * 1e3,
+        "recv_last": recv_last,
+        "ray_gap": recv_last - worker["w_last_out"],
+        "concat": times.get("concat", 0.0) * 1e3,
+        "check": times.get("check", 0.0) * 1e3,
+        **worker,
+        **wire_sizes(got[-1][1]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=30, help="timed passes (kinds take turns)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=128, help="rows per worker chunk")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--delay", type=float, default=0.3, help="server seconds per request")
+    args = ap.parse_args()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    manager = build(args)
+    times: dict[str, float] = {}
+    got: list[Any] = []
+    mode = {"late_probe": False}
+    instrument(manager, times, got, mode)
+    ray.get([h.__ray_call__.remote(_trace_worker) for h in manager.workers.handles])
+    results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for step in range(args.warmup + args.passes):
+        kind = list(KINDS)[step % len(KINDS)]
+        elide, trim_runs = KINDS[kind]
+        _set_switches(None, elide, trim_runs)
+        mode["late_probe"] = not elide
+        ray.get([h.__ray_call__.remote(_set_switches, elide, trim_runs)
+                 for h in manager.workers.handles])
+        sample = one_pass(manager, step, args.rows, times, got)
+        if step >= args.warmup:
+            for key, value in sample.items():
+                results[kind][key].append(value)
+    print(f"{args.rows} rows in chunks of {args.chunk}, {args.tokens} tokens, "
+          f"{args.passes} passes, kinds in turn; medians (min-max)")
+    for kind, columns in results.items():
+        print(f"{kind}:")
+        for key, values in columns.items():
+            unit = "KB" if key.startswith("wire") else "ms"
+            print(f"  {key:16s} {statistics.median(values):7.2f} {unit}  "
+                  f"({min(values):.2f}-{max(values):.2f})")
+    manager.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
