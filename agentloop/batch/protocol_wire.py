@@ -206,9 +206,8 @@ def untrim(packed: np.ndarray | tuple[Any, ...]) -> np.ndarray:
     if not (isinstance(packed, tuple) and len(packed) == 8 and packed[0] == "trim"):
         raise ValueError(f"untrim: not an array nor a trimmed column: {type(packed).__name__}")
     _, dtype, shape, left, right, lead, trail, kept = packed
-    bits = np.empty(shape, dtype=kept.dtype)
     col = np.arange(shape[1], dtype=np.int32)[None, :]
-    bits[col < lead.astype(np.int32)[:, None]] = left
-    bits[col >= shape[1] - trail.astype(np.int32)[:, None]] = right
-    bits[_keep_mask(lead, trail, shape[1])] = kept
+    before = col < lead.astype(np.int32)[:, None]
+    bits = np.where(before, left, right).astype(kept.dtype, copy=False)
+    bits[~before & (col < shape[1] - trail.astype(np.int32)[:, None])] = kept
     return bits.view(np.dtype(dtype))

@@ -148,3 +148,14 @@ def test_a_rollout_chunk_travels_in_well_under_half_its_bytes(
     small = len(pickle.dumps(data, protocol=5))
     monkeypatch.setattr(protocol_wire, "elide", False)
     assert small < 0.45 * len(pickle.dumps(data, protocol=5))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int64, np.uint8, np.float32, np.bool_])
+def test_trim_round_trips_random_padded_arrays(dtype: type) -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        rows, width = int(rng.integers(1, 30)), int(rng.integers(1, 50))
+        arr = (rng.integers(0, 3, (rows, width)) * (rng.random((rows, width)) < 0.3)).astype(dtype)
+        back = protocol_wire.untrim(protocol_wire.trim(arr))
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+        assert back.tobytes() == arr.tobytes()
