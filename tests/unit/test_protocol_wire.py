@@ -13,6 +13,12 @@ from agentloop.batch import protocol_wire
 from agentloop.batch.protocol import DataProto
 
 
+@pytest.fixture(autouse=True)
+def _shrink_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small batches below are shrunk too (the shipped threshold is 64 KB of tensors)."""
+    monkeypatch.setattr(protocol_wire, "SHRINK_ABOVE", 0)
+
+
 def _rollout(rows: int = 32, prompt: int = 24, response: int = 12, seed: int = 0) -> dict:
     """verl's padded rollout layout as postprocess builds it (rows of every length, 0 too)."""
     rng = np.random.default_rng(seed)
@@ -159,3 +165,15 @@ def test_trim_round_trips_random_padded_arrays(dtype: type) -> None:
         back = protocol_wire.untrim(protocol_wire.trim(arr))
         assert back.dtype == arr.dtype and back.shape == arr.shape
         assert back.tobytes() == arr.tobytes()
+
+
+def test_a_batch_below_the_threshold_travels_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``SHRINK_ABOVE`` bytes of packed tensors the checks' fixed cost is not worth it."""
+    monkeypatch.setattr(protocol_wire, "SHRINK_ABOVE", 64 * 1024)
+    data, back, state = _round_trip(_rollout(rows=8, prompt=24, response=12))
+    assert "derived" not in state["batch"] and len(state["batch"]["tensors"]) == 7
+    assert all(isinstance(a, np.ndarray) for a, _ in state["batch"]["tensors"].values())
+    _assert_identical(data, back)
+    data, back, state = _round_trip(_rollout(rows=128, prompt=128, response=64))
+    assert "derived" in state["batch"]
+    _assert_identical(data, back)
