@@ -207,17 +207,22 @@ class Dispatcher:
         rows = self.error_rows(group.rows, status, message)
         return Finished(group, rows, WorkerStats.take(rows), version, fault=message)
 
-    def open(self, deadline: float | None = None) -> DispatchRun:
+    def open(
+        self, deadline: float | None = None, on_last: Callable[[], Any] | None = None
+    ) -> DispatchRun:
         """A new set of dispatches (``deadline``: ``time.monotonic()`` by which their samples
-        must be done)."""
-        return DispatchRun(self, deadline)
+        must be done; ``on_last``: see :meth:`run`)."""
+        return DispatchRun(self, deadline, on_last)
 
-    def stream(self, groups: list[Group], global_steps: int | None = None) -> Iterator[Finished]:
+    def stream(
+        self, groups: list[Group], global_steps: int | None = None,
+        on_last: Callable[[], Any] | None = None,
+    ) -> Iterator[Finished]:
         """Roll ``groups`` out over the live workers; yields each as soon as all its samples are
         done, in completion order, exactly once whatever dies.  Closing the iterator cancels what is
-        still running."""
+        still running. ``on_last``: see :meth:`run`."""
         deadline = time.monotonic() + self.batch_timeout if self.batch_timeout else None
-        run = self.open(deadline)
+        run = self.open(deadline, on_last)
         try:
             run.spread(groups, global_steps)
             while run.dispatches or run.retry:
@@ -227,22 +232,41 @@ class Dispatcher:
         finally:
             run.close()
 
-    def run(self, batch: DataProto) -> list[Finished]:
+    def run(self, batch: DataProto, on_last: Callable[[], Any] | None = None) -> list[Finished]:
         """Roll ``batch`` out in ``chunks_per_worker`` row ranges per live worker; returns the
-        ranges in row order (the fault handling is :meth:`stream`'s)."""
+        ranges in row order (the fault handling is :meth:`stream`'s).
+
+        ``on_last()`` is called once the last group's rows are ready, before they are fetched
+        (the manager sends its servers' health probes then, so their round trip overlaps the
+        transfer); called again at the end if a fault made groups run again after it.
+        """
         n = max(1, min(len(self.live_workers()) * self.chunks_per_worker, len(batch)))
         bounds = [round(i * len(batch) / n) for i in range(n)] + [len(batch)]
         groups = [Group(batch.slice(bounds[i], bounds[i + 1]), key=i) for i in range(n)]
-        parts = {f.group.key: f for f in self.stream(groups)}
+        fired: list[dict[str, int]] = []
+
+        def last() -> None:
+            fired.append(dict(self.fault_counts))
+            if on_last is not None:
+                on_last()
+
+        parts = {f.group.key: f for f in self.stream(groups, on_last=last)}
+        if on_last is not None and (not fired or fired[-1] != self.fault_counts):
+            on_last()  # never fired, or faults after it: the servers are probed again now
         return [parts[k] for k in sorted(parts)]
 
 
 class DispatchRun:
     """Dispatches in flight, polled by one thread (a batch of the manager's, or the Rollouter's)."""
 
-    def __init__(self, dispatcher: Dispatcher, deadline: float | None = None) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, deadline: float | None = None,
+        on_last: Callable[[], Any] | None = None,
+    ) -> None:
         self.dispatcher = dispatcher
         self.deadline = deadline
+        self.on_last = on_last
+        """Called once, when the only group left is ready and before it is fetched."""
         self.open: dict[Any, Dispatch] = {}  # streaming generator -> its dispatch
         self.retry: list[Group] = []
         """Groups of dead workers to roll out again (:meth:`take_retries`)."""
@@ -252,6 +276,10 @@ class DispatchRun:
     def dispatches(self) -> list[Dispatch]:
         """The dispatches still streaming."""
         return list(self.open.values())
+
+    def _left(self) -> int:
+        """Groups sent and not yet returned."""
+        return sum(len(d.groups) - len(d.finished) for d in self.open.values())
 
     def inflight(self) -> int:
         """Samples sent and not yet returned."""
@@ -349,6 +377,9 @@ class DispatchRun:
         return []
 
     def _take(self, dispatch: Dispatch) -> list[Finished]:
+        if self.on_last is not None and not self.retry and self._left() == 1:
+            self.on_last, on_last = None, self.on_last
+            on_last()
         try:
             local, rows, stats = ray.get(next(dispatch.ref))
         except StopIteration:

@@ -232,15 +232,14 @@ class AgentLoopManager:
         """
         t0 = time.perf_counter()
         prompts = self.prepare(prompts)
-        parts = self.workers.run(prompts)
+        probes: list[Any] = []  # health probes sent as the last rows arrive: overlap the transfer
+        parts = self.workers.run(prompts, on_last=(
+            (lambda: probes.append(self.supervisor.probe())) if self._owns_servers else None))
         failovers = sum(p.stats.server_failovers for p in parts)
-        # per-row metrics stay a list in row order (verl's concat would fold the workers' lists into
-        # a dict)
-        metrics = [m for p in parts for m in p.stats.metrics]
-        probe = self.supervisor.probe() if self._owns_servers else None  # overlaps the concat
+        metrics = [m for p in parts for m in p.stats.metrics]  # a list in row order, not folded
         output = DataProto.concat(align_keys([p.rows for p in parts]))
-        if probe is not None:
-            self.supervisor.check(probe)
+        if probes:
+            self.supervisor.check(probes[-1])
         if self.config.engine.free_cache_engine:
             self.sleep()
         output.meta_info["metrics"] = metrics

@@ -207,3 +207,34 @@ def test_a_group_survives_only_max_sample_retries_deaths(fake_ray):
     )
     # each dead worker replaced once
     assert dispatcher.fault_counts["worker_restarts"] == len(spawned) - 2 >= 2
+
+
+def test_on_last_fires_once_before_the_last_group_is_fetched(fake_ray, monkeypatch):
+    """generate_sequences sends its servers' health probes through ``on_last``: once the only group
+    left is ready, before its rows are fetched (no worker dies here)."""
+    spawned: list[FakeWorker] = []
+    dispatcher = Dispatcher(spawn=lambda i, w: spawned.append(FakeWorker(False)) or spawned[-1],
+                            num_workers=2, error_rows=error_rows)
+    dispatcher.start()
+    fetched: list[int] = []
+    get = ray.get
+
+    def counting_get(refs: Any, timeout: float | None = None) -> Any:
+        out = get(refs, timeout)
+        if isinstance(out, tuple):
+            fetched.append(out[0])
+        return out
+
+    monkeypatch.setattr(ray, "get", counting_get)
+    fired: list[int] = []
+    parts = dispatcher.run(prompts(8), on_last=lambda: fired.append(len(fetched)))
+    groups = dispatcher.chunks_per_worker * 2
+    assert len(parts) == groups and fired == [groups - 1]
+
+
+def test_on_last_fires_again_when_a_fault_reran_groups_after_it(fake_ray):
+    dispatcher, _ = make_dispatcher(retries=1)
+    fired: list[dict[str, int]] = []
+    out = dispatcher.run(prompts(8), on_last=lambda: fired.append(dict(dispatcher.fault_counts)))
+    assert sum(len(p.rows) for p in out) == 8
+    assert fired and fired[-1] == dispatcher.fault_counts  # the last probe saw every fault
