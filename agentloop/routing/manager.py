@@ -27,6 +27,7 @@ from agentloop.routing.outputs import UNCUT, join_pieces, trace_generate, with_v
 from agentloop.routing.prefix_affinity import build_balancer, prefix_keys
 from agentloop.routing.server_errors import (  # noqa: F401 (server_cause, server_errors: re-export)
     SERVER_CALL_ERRORS,
+    reraise_translated,
     server_cause,
     server_errors,
     translated,
@@ -266,10 +267,7 @@ class AsyncLLMServerManager:
                     cancelled = True
                     raise
                 except SERVER_CALL_ERRORS as e:
-                    raised = translated(e, server, request_id)
-                    if raised is e:
-                        raise
-                    raise raised from e
+                    reraise_translated(e, server, request_id)
                 finally:
                     self._release_nowait(server, cancelled=cancelled)
                 # for `agentloop report`
@@ -432,12 +430,8 @@ class AsyncLLMServerManager:
         except (asyncio.CancelledError, GeneratorExit):
             cancelled = True
             raise
-        # server_errors' translation, inline: one context manager less per call (the hot path)
         except SERVER_CALL_ERRORS as e:
-            raised = translated(e, server, request_id)
-            if raised is e:
-                raise
-            raise raised from e
+            reraise_translated(e, server, request_id)
         finally:
             self._release_nowait(server, cancelled=cancelled)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from typing import NoReturn
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -79,7 +80,13 @@ def server_errors(server: int, request_id: str) -> Iterator[None]:
     try:
         yield
     except SERVER_CALL_ERRORS as e:
-        raised = translated(e, server, request_id)
-        if raised is e:
-            raise
-        raise raised from e
+        reraise_translated(e, server, request_id)
+
+
+def reraise_translated(error: BaseException, server: int, request_id: str) -> NoReturn:
+    """Raise what a call to server ``server`` for ``request_id`` raised, translated
+    (:func:`translated`): the error itself, or its translation chained to it."""
+    raised = translated(error, server, request_id)
+    if raised is error:
+        raise error
+    raise raised from error
