@@ -38,6 +38,10 @@ def _normalise_stop_reason(value: Any) -> Any:
     return value
 
 
+CACHED_TOKENS_KEY = "num_cached_tokens"
+"""The ``extra_fields`` key of the prompt tokens an engine found in its prefix cache (int; absent
+when the engine does not say): vLLM's ``num_cached_tokens``, SGLang's ``cached_tokens``."""
+
 CONTROL_KEYS = ("preempted_by_pause", "cut_by_update", "max_tokens")
 """The control signals a server's pause puts on a cut output for the router: typed fields of
 :class:`TokenOutput` and :class:`TokenDelta`.  Servers written against the older protocol put them

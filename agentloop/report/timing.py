@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+from agentloop.types import CACHED_TOKENS_KEY
+
 GENERATE_CALLS = "generate_calls"
 """The ``extra_fields`` key (and DataProto column) that holds a trajectory's generate calls."""
 
@@ -49,7 +51,7 @@ def record_generate(server: int, start: float, prompt_tokens: int, output: Any) 
         "response_tokens": len(getattr(output, "token_ids", ()) or ()),
         "stop_reason": getattr(stop, "value", stop),
     }
-    cached = (getattr(output, "extra_fields", None) or {}).get("num_cached_tokens")
+    cached = (getattr(output, "extra_fields", None) or {}).get(CACHED_TOKENS_KEY)
     if cached is not None:  # the engine's prefix-cache hits, where it reports them
         call["cached_tokens"] = int(cached)
     calls.append(call)

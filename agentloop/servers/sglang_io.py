@@ -18,8 +18,7 @@ import numpy as np
 
 from agentloop.config import EngineConfig, ModelConfig, ServerConfig, ServerSections
 from agentloop.errors import ServerError
-from agentloop.servers.vllm_io import CACHED_TOKENS_KEY
-from agentloop.types import StopReason, TokenOutput
+from agentloop.types import CACHED_TOKENS_KEY, StopReason, TokenOutput
 
 FINISH_TO_STOP = {
     "stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED,
@@ -143,7 +142,7 @@ def routed_experts(
 
 
 def with_cached_tokens(extra_fields: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """``extra_fields`` plus :data:`~agentloop.servers.vllm_io.CACHED_TOKENS_KEY`: the prompt
+    """``extra_fields`` plus :data:`~agentloop.types.CACHED_TOKENS_KEY`: the prompt
     tokens SGLang found in its radix cache (``meta_info["cached_tokens"]``); ``extra_fields``
     itself where ``meta`` has none."""
     cached = meta.get("cached_tokens")

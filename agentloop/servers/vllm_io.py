@@ -19,7 +19,7 @@ from agentloop.config import EngineConfig, ModelConfig, ServerConfig
 from agentloop.errors import ConfigError
 from agentloop.servers.vllm_plugin import engine_arg_defaults
 from agentloop.servers.weight_sync import WORKER_EXTENSION
-from agentloop.types import StopReason, TokenOutput
+from agentloop.types import CACHED_TOKENS_KEY, StopReason, TokenOutput
 
 SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos",
@@ -31,9 +31,6 @@ ROUTING_REPLAY_ON_CPU = (
     "'AuxOutput Connector requires Model Runner V2'). Run the servers on GPUs or set it to false"
 )
 """The error of a vLLM CPU server started with routing replay on."""
-CACHED_TOKENS_KEY = "num_cached_tokens"
-"""The ``extra_fields`` key of the prompt tokens the engine found in its prefix cache (int; absent
-when the engine does not say)."""
 FINISH_TO_STOP = {
     "stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORTED,
 }
