@@ -20,9 +20,11 @@ made of several trajectories; see docs/context.md.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_M = TypeVar("_M", bound=BaseModel)
 
 _VERL_STOP_REASONS = {"completed": "stop", "finished": "stop", "eos": "stop", "abort": "aborted",
                       "max_tokens": "length"}
@@ -59,6 +61,46 @@ def _lift_control_keys(data: Any) -> Any:
     lifted = {k: v for k, v in extra.items() if k in CONTROL_KEYS}
     rest = {k: v for k, v in extra.items() if k not in CONTROL_KEYS}
     return {**lifted, **data, "extra_fields": rest}
+
+
+_Spec = tuple[dict[str, Any], tuple[tuple[str, Any], ...], tuple[str, ...]]
+_UNCHECKED_SPECS: dict[type, _Spec] = {}
+
+
+def unchecked(cls: type[_M], /, **values: Any) -> _M:
+    """An instance of the model ``cls`` from ``values`` that already have its field types, built
+    without validation: for agentloop's own hot paths (a server's reply from engine ids, a built-in
+    loop's output from a validated :class:`TokenOutput`), where pydantic's checks cost a few µs a
+    call and change nothing.  Callers pass normalised values (enum members, lists of ``int``);
+    fields left out get their defaults (factories called).  The result equals, dumps, copies and
+    pickles like the validated instance.  Code outside agentloop uses the constructor.
+
+    Raises:
+        TypeError: a key is not a field of ``cls``, or a required field is missing.
+    """
+    spec = _UNCHECKED_SPECS.get(cls)
+    if spec is None:  # every field in declaration order (dumps and reprs keep it), its default
+        fields = cls.model_fields
+        spec = _UNCHECKED_SPECS[cls] = (
+            {name: field.default for name, field in fields.items()},
+            tuple((n, f.default_factory) for n, f in fields.items() if f.default_factory),
+            tuple(name for name, field in fields.items() if field.is_required()),
+        )
+    template, factories, required = spec
+    state = {**template, **values}
+    for name, factory in factories:
+        if name not in values:
+            state[name] = factory()
+    if len(state) != len(template) or not all(name in values for name in required):
+        unknown = sorted(set(values) - set(template))
+        missing = [name for name in required if name not in values]
+        raise TypeError(f"{cls.__name__}: no field(s) {unknown}; required field(s) {missing}")
+    model = cls.__new__(cls)
+    object.__setattr__(model, "__dict__", state)
+    object.__setattr__(model, "__pydantic_fields_set__", set(values))
+    object.__setattr__(model, "__pydantic_extra__", None)
+    object.__setattr__(model, "__pydantic_private__", None)
+    return model
 
 
 class StopReason(str, Enum):

@@ -25,7 +25,13 @@ from agentloop.batch.multimodal import decode_images, encode_images, sample_medi
 from agentloop.batch.routed_experts import RoutedExpertsTrace
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.loops.prompt import apply_chat_template, as_messages, fit_prompt
-from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus, StopReason
+from agentloop.types import (
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    RolloutStatus,
+    StopReason,
+    unchecked,
+)
 from agentloop.utils.ids import fresh_hex
 
 
@@ -57,8 +63,10 @@ class SingleTurnAgentLoop(AgentLoopBase):
             request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params, **media
         )
         routing.add(prompt_ids, output)
-        metrics = AgentLoopMetrics(
-            generate_sequences=time.perf_counter() - start, num_preempted=output.num_preempted
+        # built unchecked: every value comes from a validated TokenOutput (types.unchecked)
+        metrics = unchecked(
+            AgentLoopMetrics, generate_sequences=time.perf_counter() - start,
+            num_preempted=output.num_preempted,
         )
 
         response_ids = output.token_ids[: self.response_length]
@@ -69,7 +77,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
         }.get(output.stop_reason, RolloutStatus.STOP)
         if len(output.token_ids) > self.response_length:
             status = RolloutStatus.LENGTH
-        return AgentLoopOutput(
+        return unchecked(
+            AgentLoopOutput,
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             response_mask=[1] * len(response_ids),

@@ -48,6 +48,7 @@ from agentloop.types import (
     MultiTrajectoryAgentLoopOutput,
     RolloutStatus,
     StopReason,
+    unchecked,
 )
 from agentloop.utils.ids import fresh_hex
 
@@ -360,7 +361,7 @@ class ToolAgentLoop(AgentLoopBase):
             prompt, [], [], [],
         )
         data.weight_versions = []
-        data.counters, data.metrics = _new_counters(), AgentLoopMetrics()
+        data.counters, data.metrics = _new_counters(), unchecked(AgentLoopMetrics)
         data.messages = conversation
         data.image_data += images or []
         state = self._count_user_turn(data)
@@ -426,7 +427,9 @@ class ToolAgentLoop(AgentLoopBase):
     def _output(self, data: AgentData) -> AgentLoopOutput:
         n = self.response_length
         want_logprobs = bool(self.sampling_params.get("logprobs"))
-        return AgentLoopOutput(
+        # the loop's own values skip validation (types.unchecked); an interaction's score is the
+        # user's: checked by the constructor
+        return (AgentLoopOutput if data.reward_score is not None else _unchecked_output)(
             prompt_ids=data.prompt_ids,
             response_ids=data.response_ids[:n],
             response_mask=data.response_mask[:n],
@@ -445,6 +448,10 @@ class ToolAgentLoop(AgentLoopBase):
             multi_modal_data={"image": list(data.image_data)} if data.image_data else None,
             status=data.status,
         )
+
+
+def _unchecked_output(**values: Any) -> AgentLoopOutput:
+    return unchecked(AgentLoopOutput, **values)
 
 
 def _tool_agent_values(rollout: DictConfig) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import numpy as np
 from agentloop.errors import ServerError
 from agentloop.servers.base import GenerateBatcher, PauseGate, ServerDeadError
 from agentloop.servers.weight_sync import WeightBucket
-from agentloop.types import StopReason, TokenDelta, TokenOutput
+from agentloop.types import StopReason, TokenDelta, TokenOutput, unchecked
 
 Script = list[int] | TokenOutput | Exception
 """One scripted reply: token ids, a ready TokenOutput, or an exception to raise."""
@@ -254,8 +254,10 @@ class ScriptedServer:
         filled = self.eos_token_id is not None and len(ids) == max_tokens
         stop = StopReason.STOP if ends_with_eos or not (truncated or filled) else StopReason.LENGTH
         log_probs = fake_log_probs(len(ids)) if params.get("logprobs") else None
-        return TokenOutput(token_ids=ids, log_probs=log_probs, stop_reason=stop, num_preempted=0,
-                           extra_fields={"global_steps": self.global_steps})
+        # an engine's reply, built as a real server's is in its own process: not on the worker's
+        # clock there, so not on it here (types.unchecked: the values have the field types)
+        return unchecked(TokenOutput, token_ids=ids, log_probs=log_probs, stop_reason=stop,
+                         num_preempted=0, extra_fields={"global_steps": self.global_steps})
 
     async def start(self) -> dict[str, Any]:
         """Nothing to start (servers the manager launches, or restarts, are started with this)."""
