@@ -63,7 +63,7 @@ def _lift_control_keys(data: Any) -> Any:
     return {**lifted, **data, "extra_fields": rest}
 
 
-_Spec = tuple[dict[str, Any], tuple[tuple[str, Any], ...], tuple[str, ...]]
+_Spec = tuple[dict[str, Any], tuple[tuple[str, Any], ...], frozenset[str]]
 _UNCHECKED_SPECS: dict[type, _Spec] = {}
 
 
@@ -84,16 +84,16 @@ def unchecked(cls: type[_M], /, **values: Any) -> _M:
         spec = _UNCHECKED_SPECS[cls] = (
             {name: field.default for name, field in fields.items()},
             tuple((n, f.default_factory) for n, f in fields.items() if f.default_factory),
-            tuple(name for name, field in fields.items() if field.is_required()),
+            frozenset(name for name, field in fields.items() if field.is_required()),
         )
     template, factories, required = spec
     state = {**template, **values}
     for name, factory in factories:
         if name not in values:
             state[name] = factory()
-    if len(state) != len(template) or not all(name in values for name in required):
+    if len(state) != len(template) or not required <= values.keys():
         unknown = sorted(set(values) - set(template))
-        missing = [name for name in required if name not in values]
+        missing = sorted(required - values.keys())
         raise TypeError(f"{cls.__name__}: no field(s) {unknown}; required field(s) {missing}")
     model = cls.__new__(cls)
     object.__setattr__(model, "__dict__", state)
@@ -101,6 +101,26 @@ def unchecked(cls: type[_M], /, **values: Any) -> _M:
     object.__setattr__(model, "__pydantic_extra__", None)
     object.__setattr__(model, "__pydantic_private__", None)
     return model
+
+
+def replaced(model: _M, /, **changes: Any) -> _M:
+    """``model.model_copy(update=changes)`` (a shallow copy with these fields replaced, counted as
+    set) at a fraction of its cost, for the router's per-call copy; ``changes`` must be fields of
+    the model with their types, as :func:`unchecked` takes them.
+
+    Raises:
+        TypeError: a key is not a field of the model.
+    """
+    state = model.__dict__
+    if not changes.keys() <= state.keys():
+        raise TypeError(f"{type(model).__name__}: no field(s) {sorted(changes.keys() - state)}")
+    copy = type(model).__new__(type(model))
+    object.__setattr__(copy, "__dict__", {**state, **changes})
+    fields_set = model.__pydantic_fields_set__ | changes.keys()
+    object.__setattr__(copy, "__pydantic_fields_set__", fields_set)
+    object.__setattr__(copy, "__pydantic_extra__", model.__pydantic_extra__)
+    object.__setattr__(copy, "__pydantic_private__", model.__pydantic_private__)
+    return copy
 
 
 class StopReason(str, Enum):

@@ -35,7 +35,7 @@ from agentloop.routing.server_errors import (  # noqa: F401 (server_cause, serve
 from agentloop.routing.strategies import Balancer
 from agentloop.servers.base import ServerDeadError
 from agentloop.trace import enabled as trace_enabled
-from agentloop.types import StopReason, TokenDelta, TokenOutput
+from agentloop.types import StopReason, TokenDelta, TokenOutput, replaced
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +203,7 @@ class AsyncLLMServerManager:
                 request_id, key, prompt_ids, sampling_params, media, output, server
             )
         output = join_pieces(pieces) if self.partial_rollout or len(pieces) > 1 else pieces[0]
-        return output.model_copy(
-            update={"extra_fields": with_versions(output.extra_fields, server)}
-        )
+        return replaced(output, extra_fields=with_versions(output.extra_fields, server))
 
     async def _resume(
         self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -439,7 +437,7 @@ class AsyncLLMServerManager:
     def _tag(delta: TokenDelta, server: int) -> TokenDelta:
         if not delta.finished:
             return delta
-        return delta.model_copy(update={"extra_fields": with_versions(delta.extra_fields, server)})
+        return replaced(delta, extra_fields=with_versions(delta.extra_fields, server))
 
     async def abort(self, request_id: str, sticky_key: str | None = None) -> None:
         """Abort ``request_id`` on the server it is bound to (no-op if unknown); pass the

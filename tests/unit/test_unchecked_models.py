@@ -1,4 +1,4 @@
-"""types.unchecked: the built-in hot paths' models equal the validated ones in every way a caller sees."""
+"""types.unchecked and replaced: hot-path models equal the validated ones as callers see them."""
 
 from __future__ import annotations
 
@@ -54,3 +54,18 @@ def test_unknown_or_missing_fields_raise():
         unchecked(TokenOutput, token_ids=[1], bogus=1)
     with pytest.raises(TypeError, match=r"required field\(s\) \['token_ids'\]"):
         unchecked(TokenOutput, log_probs=None)
+
+
+@pytest.mark.parametrize("cls,values", CASES)
+def test_replaced_is_model_copy(cls, values):
+    from agentloop.types import replaced
+
+    original = cls(**values)
+    change = {"extra_fields": {"server_index": 2}} if "extra_fields" in cls.model_fields else {
+        "tool_calls": 1.5}
+    fast, slow = replaced(original, **change), original.model_copy(update=change)
+    assert fast == slow and repr(fast) == repr(slow)
+    assert fast.model_fields_set == slow.model_fields_set
+    assert original == cls(**values)  # the original is untouched
+    with pytest.raises(TypeError, match="bogus"):
+        replaced(original, bogus=1)
