@@ -12,7 +12,6 @@ Spec (built-in formats, verl's calling conventions): docs/tools.md#tool-call-par
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 from typing import Any, ClassVar
@@ -21,6 +20,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from agentloop.errors import ConfigError
 from agentloop.tokenization.fast import decode_ids
+from agentloop.utils.ids import fresh_hex
 from agentloop.utils.registry import Registry
 
 
@@ -36,7 +36,7 @@ class FunctionCall(BaseModel):
     """Function name ("" when it could not be parsed)."""
     arguments: str
     """Arguments as a JSON object string (the raw text when it was not valid JSON)."""
-    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = Field(default_factory=lambda: f"call_{fresh_hex()[:24]}")
     """Call id, echoed in the tool message (``tool_call_id``)."""
     error: str | None = None
     """Why the call is malformed; None for a well-formed call."""

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from agentloop.parsers.base import FunctionCall, ToolParser, tool_names, unknown_tool_error
+from agentloop.types import unchecked
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -40,7 +41,8 @@ def _parse_block(body: str, allowed: set[str] | None) -> FunctionCall:
         return FunctionCall(
             name=obj["name"], arguments=json.dumps(args), error="'arguments' must be an object"
         )
-    call = FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+    # both strings: built unchecked (types.unchecked), the id from the field's factory
+    call = unchecked(FunctionCall, name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
     if allowed is not None and call.name not in allowed:
         call.error = unknown_tool_error(call.name, allowed)
     return call
