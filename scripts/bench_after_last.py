@@ -7,8 +7,9 @@ last one is the stack's own: padding, pickling and shipping each chunk, the driv
 servers' health check, the metrics. Passes take turns between the code before (every column sent
 as it is, in the driver and the worker alike; the health probes sent after the concat), the derived
 columns left out (``agentloop.batch.protocol_wire.elide``) with the probes sent before the concat,
-and the shipped code (their padding runs trimmed too, ``protocol_wire.trim_runs``); per kind it
-prints medians of:
+the padding runs trimmed too (``protocol_wire.trim_runs``), and the shipped code (runs of finished
+samples padded while the rest run, ``agentloop.rollout.group_padding``); per kind it prints
+medians of:
 
 * ``after``: ``agent_loop/serial/after_last_sample``;
 * ``recv_last``: from the last sample's end to the driver holding the last chunk (worker padding,
@@ -42,7 +43,7 @@ from agentloop.batch.data import rows_to_batch
 from agentloop.batch.protocol import DataProto
 from agentloop.cluster.placement import ServerGroup
 from agentloop.config import default_config
-from agentloop.rollout import dispatcher
+from agentloop.rollout import dispatcher, group_padding
 from agentloop.rollout.manager import AgentLoopManager
 from agentloop.testing import ScriptedServer
 from agentloop.testing.tiny_model import ensure_tiny_model
@@ -50,18 +51,22 @@ from agentloop.testing.tiny_model import ensure_tiny_model
 EOS = 2
 
 
+NEVER = 1 << 30
 KINDS = {
-    "old (every column, late probe)": (False, False),
-    "derived left out, early probe": (True, False),
-    "new (+ padding runs trimmed)": (True, True),
+    "old (every column, late probe)": (False, False, NEVER),
+    "derived left out, early probe": (True, False, NEVER),
+    "new (+ padding runs trimmed)": (True, True, NEVER),
+    "+ padded as they finish (shipped)": (True, True, group_padding.MIN_RUN),
 }
-"""Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``)."""
+"""Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``,
+``group_padding.MIN_RUN``: NEVER pads each group only when it is done)."""
 
 
-def _set_switches(_actor: Any, elide: bool, trim_runs: bool) -> None:
+def _set_switches(_actor: Any, elide: bool, trim_runs: bool, min_run: int) -> None:
     """Run in a worker actor (``__ray_call__``; cloudpickle imports the module there by name), or
-    here with None: the pickling's switches."""
+    here with None: the pickling's and the early padding's switches."""
     protocol_wire.elide, protocol_wire.trim_runs = elide, trim_runs
+    group_padding.MIN_RUN = min_run
 
 
 def _trace_worker(actor: Any) -> None:
@@ -212,10 +217,10 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for step in range(args.warmup + args.passes):
         kind = list(KINDS)[step % len(KINDS)]
-        elide, trim_runs = KINDS[kind]
-        _set_switches(None, elide, trim_runs)
+        elide, trim_runs, min_run = KINDS[kind]
+        _set_switches(None, elide, trim_runs, min_run)
         mode["late_probe"] = not elide
-        ray.get([h.__ray_call__.remote(_set_switches, elide, trim_runs)
+        ray.get([h.__ray_call__.remote(_set_switches, elide, trim_runs, min_run)
                  for h in manager.workers.handles])
         sample = one_pass(manager, step, args.rows, times, got)
         if step >= args.warmup:

@@ -380,4 +380,40 @@ def postprocess(
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
 
 
-__all__ = ["EPISODE_COLUMNS", "episode_columns", "fill_rows", "pad_rows", "postprocess"]
+def _layout(part: DataProto) -> tuple[Any, ...]:
+    """What must agree for padded parts to join into what one :func:`postprocess` call gives:
+    each column's name (in order), dtype and row shape, the meta_info keys and the reward extras."""
+    tensors = part.batch.items() if part.batch is not None else ()
+    return (
+        tuple((k, v.dtype, tuple(v.shape[1:])) for k, v in tensors),
+        tuple((k, v.dtype, v.shape[1:]) for k, v in part.non_tensor_batch.items()),
+        tuple(part.meta_info), tuple(part.meta_info.get("reward_extra_keys") or ()),
+    )
+
+
+def join_padded(parts: Sequence[DataProto]) -> DataProto | None:
+    """Consecutive runs of rows, each padded by :func:`postprocess` with the same arguments, as one
+    DataProto equal to padding all the rows in one call (rows are padded each on its own; only
+    which columns exist and their order depend on the rows together).
+
+    Returns:
+        The joined rows (``meta_info["metrics"]``: every part's, in row order), or None when the
+        parts' layouts differ (e.g. an ``extra_fields`` key only some runs have): pad the rows
+        again in one call then.
+    """
+    if len({_layout(p) for p in parts}) != 1:
+        return None
+    metrics = [m for p in parts for m in p.meta_info.get("metrics", [])]
+    bare = [
+        DataProto(p.batch, p.non_tensor_batch, {k: v for k, v in p.meta_info.items()
+                                                  if k != "metrics"})
+        for p in parts
+    ]
+    joined = DataProto.concat(bare)
+    joined.meta_info = {"metrics": metrics, **joined.meta_info}
+    return joined
+
+
+__all__ = [
+    "EPISODE_COLUMNS", "episode_columns", "fill_rows", "join_padded", "pad_rows", "postprocess",
+]

@@ -46,6 +46,7 @@ from agentloop.report.timing import attach_generate_calls, collect_generate_call
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
+from agentloop.rollout.group_padding import GroupPadder
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router
@@ -311,17 +312,21 @@ class AgentLoopWorker:
         deadline = (
             asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
         )
+        def pad(a: int, b: int) -> DataProto:
+            results = [task_outputs(task, timeout) for task in tasks[a:b]]
+            return self._postprocess(results, {k: v[a:b] for k, v in fields.items()}, names[a:b])
+
+        # runs of finished samples padded while the rest run (not with tracing, which flushes
+        # before a group is padded, nor with a processor, which adds columns per group)
+        early = not trace_enabled() and self.processor is None
+        padder = GroupPadder(tasks, bounds, pad, early=early)
         try:
             for _ in waits:
-                g, done_at = await finished.get()
+                g, _ = await finished.get()
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
-                a, b = bounds[g], bounds[g + 1]
-                results = [task_outputs(task, timeout) for task in tasks[a:b]]
-                rows = self._postprocess(
-                    results, {k: v[a:b] for k, v in fields.items()}, names[a:b]
-                )
+                rows, done_at = padder.take(g)
                 before, failovers = failovers, self.server_manager.num_failovers
                 yield g, rows, WorkerStats.take(rows, failovers - before, done_at)
         finally:
