@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,7 +135,8 @@ class ToolRunner:
                 )
             else:
                 jobs.append(self._execute(call, (tools_kwargs or {}).get(call.name) or {}, result))
-        outputs = await asyncio.gather(*jobs)
+        # one call (the common turn): awaited here, without gather's task and future
+        outputs = [await jobs[0]] if len(jobs) == 1 else await asyncio.gather(*jobs)
         for call, (text, images) in zip(calls, outputs, strict=True):
             result.texts.append(text)
             content: Any = truncate(text, self.max_response_length, self.truncate_side)
@@ -191,9 +193,24 @@ async def _bounded(
 ) -> Any:
     """Await ``method(*args, **kwargs)`` within ``timeout`` seconds; a plain ``def`` runs in the
     tool thread pool."""
-    sync = not inspect.iscoroutinefunction(method)
+    sync = not _is_async(method)
     call = _in_thread(method, *args, **kwargs) if sync else method(*args, **kwargs)
     return await within(call, timeout)
+
+
+_ASYNC: weakref.WeakKeyDictionary[Callable[..., Any], bool] = weakref.WeakKeyDictionary()
+
+
+def _is_async(method: Callable[..., Any]) -> bool:
+    """``inspect.iscoroutinefunction(method)``, remembered per function for bound methods (a tool's
+    ``create`` / ``execute`` / ``release``: three checks per call otherwise)."""
+    func = getattr(method, "__func__", None)
+    if func is None or getattr(method, "__self__", None) is None:
+        return inspect.iscoroutinefunction(method)
+    known = _ASYNC.get(func)
+    if known is None:
+        known = _ASYNC[func] = inspect.iscoroutinefunction(method)
+    return known
 
 
 async def _in_thread(method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
