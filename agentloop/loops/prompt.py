@@ -21,6 +21,7 @@ import numpy as np
 from agentloop.errors import DatasetError, PromptTooLongError
 from agentloop.tokenization.fast import encode_with_backend
 from agentloop.tokenization.fast import fast_backend as _fast_backend
+from agentloop.tokenization.schema_json import tools_json
 
 
 def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
@@ -42,7 +43,7 @@ def as_messages(raw_prompt: Any) -> list[dict[str, Any]]:
 
 RENDER_CACHE_SIZE = 1024
 """Distinct renders remembered per tokenizer (0 turns the cache off)."""
-_Key = tuple[Any, int | None, Any]
+_Key = tuple[Any, ...]
 _render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] = (
     weakref.WeakKeyDictionary()
 )
@@ -117,13 +118,21 @@ def _render_key(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> _Key |
         size = len(tokenizer)
     except TypeError:
         size = None
-    plain = _plain_key(messages, kwargs)
-    if plain is not None:
-        return template, size, plain
-    try:
-        text = json.dumps([messages, kwargs], ensure_ascii=False, default=_refuse)
+    tools = kwargs.get("tools")
+    rest = kwargs if tools is None else {k: v for k, v in kwargs.items() if k != "tools"}
+    try:  # a loop's tool schemas: their JSON remembered per list (schema_json)
+        tools_text = None if tools is None else tools_json(tools)
     except (TypeError, ValueError):
         return None
+    plain = _plain_key(messages, rest)
+    if plain is not None:
+        return template, size, plain, tools_text
+    try:
+        text = json.dumps([messages, rest], ensure_ascii=False, default=_refuse)
+    except (TypeError, ValueError):
+        return None
+    if tools_text is not None:
+        text = f"{text}\ntools={tools_text}"
     return (
         template, size,
         hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest(),

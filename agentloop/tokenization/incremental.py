@@ -226,9 +226,9 @@ def encode_new_turns(
     if not _renders_call_ids(tokenizer, tools, kwargs):
         keyed_new, keyed_previous = without_call_ids(new_messages, previous)
     key = turn_key(
-        tokenizer, [keyed_new, system, add_generation_prompt, tools, keyed_previous, end_of_turn,
+        tokenizer, [keyed_new, system, add_generation_prompt, keyed_previous, end_of_turn,
                     getattr(tokenizer, "eos_token", None)],
-        kwargs,
+        kwargs, tools,
     )
     known = None if key is None else recall(tokenizer, key)
     if known is not None:

@@ -18,6 +18,8 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from agentloop.tokenization.schema_json import tools_json
+
 TURN_CACHE_SIZE = 1024
 """Distinct encoded turns remembered per tokenizer (0 turns the memory off)."""
 _Key = tuple[Any, int | None, bytes]
@@ -31,10 +33,12 @@ def _refuse(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def turn_key(tokenizer: Any, inputs: list[Any], template_kwargs: dict[str, Any]) -> _Key | None:
-    """The key of one encoding of ``inputs`` (JSON data) with ``template_kwargs``; None: do not
-    remember (not JSON, a template that is not one string or reads the clock, or the memory is
-    off)."""
+def turn_key(
+    tokenizer: Any, inputs: list[Any], template_kwargs: dict[str, Any], tools: Any = None
+) -> _Key | None:
+    """The key of one encoding of ``inputs`` (JSON data) with ``template_kwargs`` and the tool
+    schemas ``tools`` (their JSON remembered per list: :mod:`.schema_json`); None: do not remember
+    (not JSON, a template that is not one string or reads the clock, or the memory is off)."""
     if TURN_CACHE_SIZE <= 0:
         return None
     template = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
@@ -46,6 +50,8 @@ def turn_key(tokenizer: Any, inputs: list[Any], template_kwargs: dict[str, Any])
         size = None
     try:
         text = json.dumps([inputs, template_kwargs], ensure_ascii=False, default=_refuse)
+        if tools is not None:  # no JSON text has a raw newline: the two parts stay apart
+            text = f"{text}\ntools={tools_json(tools)}"
     except (TypeError, ValueError):
         return None
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
