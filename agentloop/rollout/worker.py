@@ -81,8 +81,9 @@ class WorkerStats:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     """Per row, in row order: the loop's timing metrics (verl's ``meta_info["metrics"]``)."""
     done_at: float = 0.0
-    """When the group's last sample finished (``time.time()``, before its rows were padded); 0.0
-    for rows no worker rolled out."""
+    """When the group's last sample finished (``time.time()``, its task's end; runs of its rows
+    may be padded before that, :mod:`agentloop.rollout.group_padding`); 0.0 for rows no worker
+    rolled out."""
 
     @classmethod
     def take(cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0) -> WorkerStats:
