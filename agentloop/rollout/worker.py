@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -303,7 +302,7 @@ class AgentLoopWorker:
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
         # groups whose samples are all done, in that order
-        finished: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+        finished: asyncio.Queue[int] = asyncio.Queue()
         waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for g, wait in enumerate(waits):
@@ -313,6 +312,7 @@ class AgentLoopWorker:
         deadline = (
             asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
         )
+
         def pad(a: int, b: int) -> DataProto:
             results = [task_outputs(task, timeout) for task in tasks[a:b]]
             return self._postprocess(results, {k: v[a:b] for k, v in fields.items()}, names[a:b])
@@ -323,7 +323,7 @@ class AgentLoopWorker:
         padder = GroupPadder(tasks, bounds, pad, early=early)
         try:
             for _ in waits:
-                g, _ = await finished.get()
+                g = await finished.get()
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
@@ -450,6 +450,7 @@ def _cancel(tasks: list[asyncio.Task]) -> None:
             task.cancel()
 
 
-def _put_group(finished: asyncio.Queue[tuple[int, float]], group: int, _: Any) -> None:
-    """Done-callback of a group's gather: queue the group as finished, with the time."""
-    finished.put_nowait((group, time.time()))
+def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
+    """Done-callback of a group's gather: queue the group as finished (its last sample's time:
+    :class:`~agentloop.rollout.group_padding.GroupPadder`)."""
+    finished.put_nowait(group)

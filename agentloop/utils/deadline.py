@@ -43,7 +43,8 @@ class _Watchdog:
     """The deadlines of one event loop, checked at the earliest of them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # weak: a strong one would keep every finished loop alive as the weak map's value
+        self.loop = weakref.ref(loop)
         self.deadlines: set[_Deadline] = set()
         self.handle: asyncio.TimerHandle | None = None
         self.wake_at = float("inf")
@@ -53,15 +54,26 @@ class _Watchdog:
         if deadline.when < self.wake_at - WATCH_SLACK:
             self._wake(deadline.when)
 
+    def remove(self, deadline: _Deadline) -> None:
+        self.deadlines.discard(deadline)
+        if not self.deadlines and self.handle is not None:
+            # nothing to watch: drop the timer (it holds the loop, which holds this watchdog)
+            self.handle.cancel()
+            self.handle, self.wake_at = None, float("inf")
+
     def _wake(self, when: float) -> None:
         if self.handle is not None:
             self.handle.cancel()
+        loop = self.loop()
         self.wake_at = when
-        self.handle = self.loop.call_at(when, self._check)
+        self.handle = None if loop is None else loop.call_at(when, self._check)
 
     def _check(self) -> None:
         self.handle, self.wake_at = None, float("inf")
-        now = self.loop.time()
+        loop = self.loop()
+        if loop is None:
+            return
+        now = loop.time()
         earliest = float("inf")
         for deadline in self.deadlines:
             if deadline.fired:
@@ -95,9 +107,13 @@ async def within(awaitable: Awaitable[T], timeout: float | None) -> T:
         async with _timeout(timeout):
             return await awaitable
     loop = asyncio.get_running_loop()
-    watchdog = _watchdogs.get(loop)
-    if watchdog is None:
-        watchdog = _watchdogs[loop] = _Watchdog(loop)
+    try:
+        watchdog = _watchdogs.get(loop)
+        if watchdog is None:
+            watchdog = _watchdogs[loop] = _Watchdog(loop)
+    except TypeError:  # a loop that takes no weak reference: one timer per call
+        async with _timeout(timeout):
+            return await awaitable
     deadline = _Deadline(task, loop.time() + timeout)
     cancelling = task.cancelling()
     watchdog.add(deadline)
@@ -109,7 +125,7 @@ async def within(awaitable: Awaitable[T], timeout: float | None) -> T:
             raise asyncio.TimeoutError() from e
         raise
     finally:
-        watchdog.deadlines.discard(deadline)
+        watchdog.remove(deadline)
     if deadline.fired:  # fired as the work returned: our cancel request is withdrawn
         task.uncancel()
     return result

@@ -72,3 +72,18 @@ def test_short_limits_use_asyncio_timeout():
         )
 
     asyncio.run(main())
+
+
+def test_a_finished_loop_is_not_kept_alive(coarse):
+    import gc
+    import weakref
+
+    loops = []
+
+    async def main():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        await within(asyncio.sleep(0.01), 1.0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert loops[0]() is None
