@@ -7,6 +7,12 @@ after the last one. :class:`GroupPadder` pads each run of consecutive finished s
 group is done pads only what is left and joins the runs
 (:func:`agentloop.batch.postprocess.join_padded`); the result equals padding the group in one
 call, and when the runs' layouts differ the group is padded again in one call.
+
+With ``ship`` (the worker's stream) each run leaves as soon as it is padded, as a piece of its group
+(:data:`PIECE_RUN`), and :meth:`GroupPadder.finish` gives only what is left (:data:`PIECE_REST`,
+joined after the runs by :func:`join_pieces`), so when a group's last sample finishes only its own
+rows are padded, pickled and sent; when the rest's layout differs from the runs' the whole group is
+padded again in one call and replaces them (:data:`PIECE_WHOLE`).
 """
 
 from __future__ import annotations
@@ -17,11 +23,21 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
+from agentloop.batch.postprocess import _layout as padded_layout
 from agentloop.batch.postprocess import join_padded
 from agentloop.batch.protocol import DataProto
 
 Pad = Callable[[int, int], DataProto]
 """``pad(a, b)``: the padded rows of samples ``a`` to ``b`` (exclusive), all done."""
+Ship = Callable[[int, DataProto], None]
+"""``ship(group, rows)``: a run of the group's rows padded ahead, to send now."""
+
+PIECE_WHOLE = "whole"
+"""A stream item holding all of its group's rows (any pieces sent before it are dropped)."""
+PIECE_RUN = "run"
+"""A stream item holding a run of its group's rows; more of the group follows."""
+PIECE_REST = "rest"
+"""A stream item holding the rest of its group's rows: the group is its runs, then these rows."""
 
 MIN_RUN = 64
 """Fewest consecutive finished samples padded ahead of their group's end: each run costs a padding
@@ -41,11 +57,13 @@ class GroupPadder:
             :meth:`take`'s one call to raise.
         early: pad runs ahead (off: only :meth:`take` pads, as before).
         min_run: the fewest samples of a run padded ahead (default :data:`MIN_RUN`).
+        ship: send each run as soon as it is padded (:data:`Ship`); then call :meth:`finish`,
+            not :meth:`take`, when a group is done.
     """
 
     def __init__(
         self, tasks: Sequence[asyncio.Task], bounds: Sequence[int], pad: Pad, early: bool = True,
-        min_run: int | None = None,
+        min_run: int | None = None, ship: Ship | None = None,
     ) -> None:
         min_run = MIN_RUN if min_run is None else min_run
         self.tasks, self.bounds, self.pad, self.min_run = tasks, list(bounds), pad, min_run
@@ -56,6 +74,8 @@ class GroupPadder:
         self.done_at = [0.0] * groups
         self.early = [early and bounds[g + 1] - bounds[g] > min_run for g in range(groups)]
         self.dirty: set[int] = set()
+        self.ship = ship
+        self.shipped: list[tuple[object, ...] | None] = [None] * groups  # the runs' layout
         self.loop = asyncio.get_running_loop()
         for i, task in enumerate(tasks):
             task.add_done_callback(functools.partial(self._finished, i))
@@ -88,8 +108,17 @@ class GroupPadder:
             except Exception:  # noqa: BLE001 - take() pads the group in one call and raises it
                 self.early[g], self.parts[g] = False, []
                 continue
-            self.parts[g].append(part)
             self.padded[g] = b
+            if self.ship is None:
+                self.parts[g].append(part)
+                continue
+            layout = padded_layout(part)
+            if self.shipped[g] is None:
+                self.shipped[g] = layout
+            elif layout != self.shipped[g]:  # cannot join the runs sent: finish() sends it whole
+                self.early[g] = False
+                continue
+            self.ship(g, part)
 
     def take(self, g: int) -> tuple[DataProto, float]:
         """Group ``g``'s padded rows (all its samples done) and when its last sample finished
@@ -105,3 +134,29 @@ class GroupPadder:
         except Exception:  # noqa: BLE001 - the one call below raises it, rows numbered as before
             joined = None
         return (self.pad(start, end) if joined is None else joined), done_at
+
+    def finish(self, g: int) -> tuple[DataProto, float, str]:
+        """With ``ship``: group ``g``'s rows not sent yet (all its samples done), when its last
+        sample finished, and the piece kind: :data:`PIECE_REST` (join after the runs sent), else
+        :data:`PIECE_WHOLE` (no run was sent, or the rest's layout differs from theirs: the whole
+        group padded in one call)."""
+        start, end = self.bounds[g], self.bounds[g + 1]
+        done_at = self.done_at[g] or time.time()
+        a, layout = self.padded[g], self.shipped[g]
+        if layout is None or a == start:
+            return self.pad(start, end), done_at, PIECE_WHOLE
+        if self.early[g] and a < end:
+            try:
+                rest = self.pad(a, end)
+            except Exception:  # noqa: BLE001 - the one call below raises it, rows numbered as before
+                rest = None
+            if rest is not None and padded_layout(rest) == layout:
+                return rest, done_at, PIECE_REST
+        return self.pad(start, end), done_at, PIECE_WHOLE
+
+
+def join_pieces(pieces: Sequence[DataProto]) -> DataProto:
+    """A group's runs and rest (:data:`PIECE_RUN` pieces, then the :data:`PIECE_REST` one), each
+    already without its per-row metrics, as one DataProto: what padding the group in one call
+    gives, less the metrics."""
+    return pieces[0] if len(pieces) == 1 else DataProto.concat(list(pieces))

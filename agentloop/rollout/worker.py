@@ -45,7 +45,12 @@ from agentloop.report.timing import attach_generate_calls, collect_generate_call
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
-from agentloop.rollout.group_padding import GroupPadder
+from agentloop.rollout.group_padding import (
+    PIECE_RUN,
+    PIECE_WHOLE,
+    GroupPadder,
+    join_pieces,
+)
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router
@@ -82,13 +87,33 @@ class WorkerStats:
     done_at: float = 0.0
     """When the group's last sample finished (``time.time()``, its task's end; runs of its rows
     may be padded before that, :mod:`agentloop.rollout.group_padding`); 0.0 for rows no worker
-    rolled out."""
+    rolled out, and for a run sent ahead."""
+    piece: str = PIECE_WHOLE
+    """What part of its group a stream item holds: all of it (``whole``), a run sent ahead while
+    the rest runs (``run``), or the rest after the runs (``rest``)
+    (:mod:`agentloop.rollout.group_padding`); :meth:`joined` makes the group of them."""
 
     @classmethod
-    def take(cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0) -> WorkerStats:
+    def take(
+        cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0,
+        piece: str = PIECE_WHOLE,
+    ) -> WorkerStats:
         """The stats of freshly padded ``rows``: their per-row metrics move out of ``meta_info`` (a
         list per part, which ``DataProto.concat`` would fold into a dict) into the stats."""
-        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [], done_at)
+        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [], done_at, piece)
+
+    @staticmethod
+    def joined(pieces: list[tuple[DataProto, WorkerStats]]) -> tuple[DataProto, WorkerStats]:
+        """A group's stream items (its runs, then its rest) as its rows and stats (one ``whole``
+        item is returned as it is)."""
+        if len(pieces) == 1:
+            return pieces[0]
+        rows = join_pieces([r for r, _ in pieces])
+        stats = WorkerStats(
+            sum(s.server_failovers for _, s in pieces), [m for _, s in pieces for m in s.metrics],
+            pieces[-1][1].done_at,
+        )
+        return rows, stats
 
 
 class AgentLoopWorker:
@@ -280,11 +305,10 @@ class AgentLoopWorker:
             ran.
         """
         check_batch(batch, self.registry, self.agent.default_agent_loop)
-        parts = [
-            (rows, stats)
-            async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout)
-        ]
-        rows, stats = parts[0]
+        pieces: list[tuple[DataProto, WorkerStats]] = []
+        async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout):
+            pieces = [(rows, stats)] if stats.piece == PIECE_WHOLE else [*pieces, (rows, stats)]
+        rows, stats = WorkerStats.joined(pieces)
         rows.meta_info["metrics"] = stats.metrics
         return rows
 
@@ -293,7 +317,9 @@ class AgentLoopWorker:
     ) -> AsyncIterator[tuple[int, DataProto, WorkerStats]]:
         """Roll out ``batch`` (already checked: the dispatcher's caller checks a batch once) and
         yield ``(group, rows, stats)`` for each group as soon as all of its samples are done (a Ray
-        streaming generator in the actor).  Groups are contiguous row ranges starting at
+        streaming generator in the actor); a group larger than ``group_padding.MIN_RUN`` rows may
+        come in pieces, runs of it sent while the rest runs (``stats.piece``;
+        :meth:`WorkerStats.joined` makes the group).  Groups are contiguous row ranges starting at
         ``group_starts`` (ascending, first 0); an empty group is yielded at once.  Samples still
         running at ``timeout`` seconds are cancelled (``timeout`` rows); closing the stream cancels
         every sample still running (engine requests aborted). ``stats``: the group's per-row metrics
@@ -302,11 +328,12 @@ class AgentLoopWorker:
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
         # groups whose samples are all done, in that order
-        finished: asyncio.Queue[int] = asyncio.Queue()
+        # (group, None) when all of its samples are done, (group, rows) for a run sent ahead
+        events: asyncio.Queue[tuple[int, DataProto | None]] = asyncio.Queue()
         waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for g, wait in enumerate(waits):
-            wait.add_done_callback(functools.partial(_put_group, finished, g))
+            wait.add_done_callback(functools.partial(_put_group, events, g))
         # at the deadline every sample still running is cancelled: each then finishes as a timeout
         # row
         deadline = (
@@ -320,16 +347,22 @@ class AgentLoopWorker:
         # runs of finished samples padded while the rest run (not with tracing, which flushes
         # before a group is padded, nor with a processor, which adds columns per group)
         early = not trace_enabled() and self.processor is None
-        padder = GroupPadder(tasks, bounds, pad, early=early)
+        padder = GroupPadder(tasks, bounds, pad, early=early,
+                             ship=lambda g, rows: events.put_nowait((g, rows)))
         try:
-            for _ in waits:
-                g = await finished.get()
+            left = len(waits)
+            while left:
+                g, run = await events.get()
+                before, failovers = failovers, self.server_manager.num_failovers
+                if run is not None:
+                    yield g, run, WorkerStats.take(run, failovers - before, piece=PIECE_RUN)
+                    continue
+                left -= 1
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
-                rows, done_at = padder.take(g)
-                before, failovers = failovers, self.server_manager.num_failovers
-                yield g, rows, WorkerStats.take(rows, failovers - before, done_at)
+                rows, done_at, piece = padder.finish(g)
+                yield g, rows, WorkerStats.take(rows, failovers - before, done_at, piece)
         finally:
             if deadline is not None:
                 deadline.cancel()
@@ -450,7 +483,7 @@ def _cancel(tasks: list[asyncio.Task]) -> None:
             task.cancel()
 
 
-def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
+def _put_group(events: asyncio.Queue[tuple[int, DataProto | None]], group: int, _: Any) -> None:
     """Done-callback of a group's gather: queue the group as finished (its last sample's time:
     :class:`~agentloop.rollout.group_padding.GroupPadder`)."""
-    finished.put_nowait(group)
+    events.put_nowait((group, None))

@@ -14,7 +14,8 @@ import torch
 from agentloop.batch.postprocess import join_padded, postprocess
 from agentloop.batch.protocol import DataProto
 from agentloop.errors import DatasetError
-from agentloop.rollout.group_padding import GroupPadder
+from agentloop.rollout.group_padding import PIECE_RUN, PIECE_WHOLE, GroupPadder
+from agentloop.rollout.worker import WorkerStats
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
 
 
@@ -135,3 +136,75 @@ def test_padder_error_is_raised_by_one_call() -> None:
     outputs[3] = outputs[3].model_copy(update={"response_mask": [1] * 20})
     with pytest.raises(DatasetError, match="output 3:"):
         asyncio.run(_stream(outputs, [0, 30], [list(range(10)), list(range(10, 30))], 5))
+
+
+async def _ship_stream(
+    outputs: list[AgentLoopOutput], bounds: list[int], waves: list[list[int]], min_run: int,
+) -> tuple[list[tuple[DataProto, WorkerStats]], list[tuple[int, int]]]:
+    """As :func:`_stream`, with the runs shipped as they are padded (the worker's stream): returns
+    each group's rows and stats joined from its items, and the ranges padded."""
+    gates = [asyncio.get_running_loop().create_future() for _ in outputs]
+
+    async def sample(i: int) -> int:
+        await gates[i]
+        return i
+
+    tasks = [asyncio.create_task(sample(i)) for i in range(len(outputs))]
+    padded: list[tuple[int, int]] = []
+    items: list[list[tuple[DataProto, WorkerStats]]] = [[] for _ in bounds[:-1]]
+
+    def pad(a: int, b: int) -> DataProto:
+        padded.append((a, b))
+        return _pad(outputs, a, b)
+
+    def ship(g: int, rows: DataProto) -> None:
+        items[g].append((rows, WorkerStats.take(rows, piece=PIECE_RUN)))
+
+    padder = GroupPadder(tasks, bounds, pad, min_run=min_run, ship=ship)
+    for wave in waves:
+        for i in wave:
+            gates[i].set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    await asyncio.sleep(0)
+    for g in range(len(bounds) - 1):
+        rows, done_at, piece = padder.finish(g)
+        assert done_at > 0
+        stats = WorkerStats.take(rows, done_at=done_at, piece=piece)
+        items[g] = [(rows, stats)] if piece == PIECE_WHOLE else [*items[g], (rows, stats)]
+    return [WorkerStats.joined(group) for group in items], padded
+
+
+def _assert_same_group(got: tuple[DataProto, WorkerStats], want: DataProto) -> None:
+    rows, stats = got
+    metrics = want.meta_info.pop("metrics")
+    assert stats.metrics == metrics
+    _assert_same(rows, want)
+
+
+def test_shipped_runs_and_rest_join_exactly() -> None:
+    outputs = [_output(i) for i in range(60)]
+    waves = [list(range(0, 12)), list(range(30, 45)), list(range(12, 25)), list(range(45, 58)),
+             [25, 26, 27, 28, 29, 58, 59]]
+    groups, padded = asyncio.run(_ship_stream(outputs, [0, 30, 60], waves, min_run=10))
+    # only each group's rest is padded at its end
+    assert padded == [(0, 12), (30, 45), (12, 25), (45, 58), (25, 30), (58, 60)]
+    _assert_same_group(groups[0], _pad(outputs, 0, 30))
+    _assert_same_group(groups[1], _pad(outputs, 30, 60))
+
+
+def test_a_rest_of_another_layout_is_sent_whole() -> None:
+    outputs = [_output(i, {"late": 1} if i >= 15 else None) for i in range(30)]
+    groups, padded = asyncio.run(
+        _ship_stream(outputs, [0, 30], [list(range(15)), list(range(15, 30))], min_run=10)
+    )
+    assert padded == [(0, 15), (15, 30), (0, 30)]  # the rest could not join the run sent: whole
+    _assert_same_group(groups[0], _pad(outputs, 0, 30))
+
+
+def test_a_group_with_no_run_sent_is_sent_whole() -> None:
+    outputs = [_output(i) for i in range(20)]
+    groups, padded = asyncio.run(_ship_stream(outputs, [0, 20], [list(range(20))], min_run=10))
+    assert padded == [(0, 20)]
+    _assert_same_group(groups[0], _pad(outputs, 0, 20))
