@@ -10,9 +10,9 @@ call, and when the runs' layouts differ the group is padded again in one call.
 
 With ``ship`` (the worker's stream) each run leaves as soon as it is padded, as a piece of its group
 (:data:`PIECE_RUN`), and :meth:`GroupPadder.finish` gives only what is left (:data:`PIECE_REST`,
-joined after the runs by :func:`join_pieces`), so when a group's last sample finishes only its own
-rows are padded, pickled and sent; when the rest's layout differs from the runs' the whole group is
-padded again in one call and replaces them (:data:`PIECE_WHOLE`).
+joined after the runs by :func:`join_group_pieces`), so when a group's last sample finishes only the
+rows not sent yet are padded, pickled and sent; when the rest's layout differs from the runs' the
+whole group is padded again in one call and replaces them (:data:`PIECE_WHOLE`).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class GroupPadder:
         return self.pad(start, end), done_at, PIECE_WHOLE
 
 
-def join_pieces(pieces: Sequence[DataProto]) -> DataProto:
+def join_group_pieces(pieces: Sequence[DataProto]) -> DataProto:
     """A group's runs and rest (:data:`PIECE_RUN` pieces, then the :data:`PIECE_REST` one), each
     already without its per-row metrics, as one DataProto: what padding the group in one call
     gives, less the metrics."""

@@ -49,7 +49,7 @@ from agentloop.rollout.group_padding import (
     PIECE_RUN,
     PIECE_WHOLE,
     GroupPadder,
-    join_pieces,
+    join_group_pieces,
 )
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
@@ -108,7 +108,7 @@ class WorkerStats:
         item is returned as it is)."""
         if len(pieces) == 1:
             return pieces[0]
-        rows = join_pieces([r for r, _ in pieces])
+        rows = join_group_pieces([r for r, _ in pieces])
         stats = WorkerStats(
             sum(s.server_failovers for _, s in pieces), [m for _, s in pieces for m in s.metrics],
             pieces[-1][1].done_at,
