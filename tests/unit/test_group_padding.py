@@ -10,12 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from agentloop.batch.postprocess import join_padded, postprocess
 from agentloop.batch.protocol import DataProto
+from agentloop.config import default_config
 from agentloop.errors import DatasetError
-from agentloop.rollout.group_padding import PIECE_RUN, PIECE_WHOLE, GroupPadder
-from agentloop.rollout.worker import WorkerStats
+from agentloop.rollout import group_padding
+from agentloop.rollout.group_padding import PIECE_REST, PIECE_RUN, PIECE_WHOLE, GroupPadder
+from agentloop.rollout.worker import AgentLoopWorker, WorkerStats
+from agentloop.testing import ScriptedServer
+from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
 
 
@@ -208,3 +213,47 @@ def test_a_group_with_no_run_sent_is_sent_whole() -> None:
     groups, padded = asyncio.run(_ship_stream(outputs, [0, 20], [list(range(20))], min_run=10))
     assert padded == [(0, 20)]
     _assert_same_group(groups[0], _pad(outputs, 0, 20))
+
+
+def _worker_and_batch(rows: int) -> tuple[AgentLoopWorker, DataProto, ScriptedServer]:
+    """A worker on a scripted engine whose replies take longer for later rows (sample ``i``
+    answers ``1 + i // 25`` tokens, one every 2 ms), so runs of samples finish while others run."""
+    cfg = default_config()
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 64, 16
+    OmegaConf.resolve(cfg)
+
+    def reply(ids: list[int], params: dict[str, Any], rid: str) -> list[int]:
+        row = int(FakeTokenizer().decode(ids).split("q")[-1].split("<")[0])
+        return [70] * (row // 25) + [IM_END]
+
+    server = ScriptedServer(reply, eos_token_id=IM_END, token_delay=0.002)
+    worker = AgentLoopWorker.from_slices(
+        cfg.actor_rollout_ref.rollout, OmegaConf.create({"path": "unused"}), [server],
+        tokenizer=FakeTokenizer(),
+    )
+    prompts = np.empty(rows, dtype=object)
+    prompts[:] = [[{"role": "user", "content": f"q{i}"}] for i in range(rows)]
+    batch = DataProto(batch=None, non_tensor_batch={"raw_prompt": prompts,
+                                                     "index": np.arange(rows)}, meta_info={})
+    return worker, batch, server
+
+
+def test_the_worker_sends_runs_ahead_and_its_rows_equal_one_call(monkeypatch):
+    """A 200-row group whose samples finish in waves comes as runs then its rest; joined, they
+    equal the rows padded in one call (runs off), column for column."""
+    worker, batch, _ = _worker_and_batch(200)
+
+    async def items() -> list[tuple[int, DataProto, WorkerStats]]:
+        return [item async for item in worker.generate_sequences_stream(batch, [0])]
+
+    got = asyncio.run(items())
+    pieces = [stats.piece for _, _, stats in got]
+    assert pieces[0] == PIECE_RUN and pieces[-1] == PIECE_REST, pieces
+    rows, stats = WorkerStats.joined([(r, s) for _, r, s in got])
+    monkeypatch.setattr(group_padding, "MIN_RUN", 1 << 30)
+    whole = asyncio.run(worker.generate_sequences(batch))
+    assert len(stats.metrics) == 200 == len(whole.meta_info.pop("metrics"))
+    # a fresh id per sample: one each, not the same ones
+    assert len(set(rows.non_tensor_batch.pop("session_id"))) == 200
+    whole.non_tensor_batch.pop("session_id")
+    _assert_same(rows, whole)
