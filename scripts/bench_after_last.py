@@ -7,9 +7,10 @@ last one is the stack's own: padding, pickling and shipping each chunk, the driv
 servers' health check, the metrics. Passes take turns between the code before (every column sent
 as it is, in the driver and the worker alike; the health probes sent after the concat), the derived
 columns left out (``agentloop.batch.protocol_wire.elide``) with the probes sent before the concat,
-the padding runs trimmed too (``protocol_wire.trim_runs``), and the shipped code (runs of finished
-samples padded while the rest run, ``agentloop.rollout.group_padding``); per kind it prints
-medians of:
+the padding runs trimmed too (``protocol_wire.trim_runs``), runs of finished samples padded while
+the rest run and joined in the worker (``agentloop.rollout.group_padding``), and the shipped code
+(each run sent to the driver as soon as it is padded, ``group_padding.SHIP_RUNS``); per kind it
+prints medians of:
 
 * ``after``: ``agent_loop/serial/after_last_sample``;
 * ``recv_last``: from the last sample's end to the driver holding the last chunk (worker padding,
@@ -24,12 +25,14 @@ medians of:
 
     RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \\
         python scripts/bench_after_last.py [--passes 30] [--warmup 3] [--rows 256] [--chunk 128]
+        [--spread 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
 import pickle
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -56,17 +59,19 @@ KINDS = {
     "old (every column, late probe)": (False, False, NEVER),
     "derived left out, early probe": (True, False, NEVER),
     "new (+ padding runs trimmed)": (True, True, NEVER),
-    "+ padded as they finish (shipped)": (True, True, group_padding.MIN_RUN),
+    "+ padded as they finish, joined in the worker": (True, True, -group_padding.MIN_RUN),
+    "+ runs sent as they are padded (shipped)": (True, True, group_padding.MIN_RUN),
 }
 """Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``,
-``group_padding.MIN_RUN``: NEVER pads each group only when it is done)."""
+``group_padding.MIN_RUN``: NEVER pads each group only when it is done; negative: runs joined in the
+worker, ``SHIP_RUNS`` off)."""
 
 
 def _set_switches(_actor: Any, elide: bool, trim_runs: bool, min_run: int) -> None:
     """Run in a worker actor (``__ray_call__``; cloudpickle imports the module there by name), or
     here with None: the pickling's and the early padding's switches."""
     protocol_wire.elide, protocol_wire.trim_runs = elide, trim_runs
-    group_padding.MIN_RUN = min_run
+    group_padding.MIN_RUN, group_padding.SHIP_RUNS = abs(min_run), min_run > 0
 
 
 def _trace_worker(actor: Any) -> None:
@@ -105,7 +110,13 @@ def build(args: argparse.Namespace) -> AgentLoopManager:
     """The manager over one ScriptedServer actor and ``ceil(rows / chunk)`` chunks on one worker."""
     tokens = [5] * (args.tokens - 1) + [EOS]
     server = ray.remote(num_cpus=0)(ScriptedServer).options(max_concurrency=4 * args.rows)
-    handle = server.remote(lambda ids, p, r: tokens, eos_token_id=EOS, delay=args.delay)
+    if args.spread:  # 1 to --tokens tokens at random, one per spread / tokens seconds
+        handle = server.remote(
+            lambda ids, p, r: tokens[-random.randint(1, len(tokens)):], eos_token_id=EOS,
+            delay=args.delay, token_delay=args.spread / args.tokens,
+        )
+    else:
+        handle = server.remote(lambda ids, p, r: tokens, eos_token_id=EOS, delay=args.delay)
     group = ServerGroup(
         handles=[handle], placement_group=None, device="cpu", info=[{}], placement="standalone"
     )
@@ -206,6 +217,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=128, help="rows per worker chunk")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--delay", type=float, default=0.3, help="server seconds per request")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="seconds over which the samples finish (each answers 1 to --tokens "
+                    "tokens at random, one per spread / tokens seconds); 0: all in one wave")
     args = ap.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     manager = build(args)

@@ -24,7 +24,6 @@ import ray.exceptions
 
 from agentloop.batch.protocol import DataProto
 from agentloop.errors import first_line
-from agentloop.rollout import group_padding
 from agentloop.rollout.group_padding import PIECE_REST, PIECE_RUN
 from agentloop.rollout.worker import WorkerStats
 from agentloop.rollout.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
@@ -271,8 +270,8 @@ class DispatchRun:
         self.dispatcher = dispatcher
         self.deadline = deadline
         self.on_last = on_last
-        """Called once, when the only group left is ready: before it is fetched, or (a group sent
-        in pieces) once its last piece is in."""
+        """Called once the only group left is ready, before it is fetched (again before each of its
+        pieces when it comes in pieces: the last call is at its end)."""
         self.open: dict[Any, Dispatch] = {}  # streaming generator -> its dispatch
         self.retry: list[Group] = []
         """Groups of dead workers to roll out again (:meth:`take_retries`)."""
@@ -382,21 +381,17 @@ class DispatchRun:
             return self._hung_past_deadline()
         return []
 
-    def _fire_on_last(self, before_fetch: bool) -> None:
-        """Call ``on_last`` when one group is left: before its item is fetched only when it cannot
-        come in pieces (a run sent ahead is not the end), else once its last piece is in."""
+    def _fire_on_last(self) -> Callable[[], Any] | None:
+        """Call ``on_last`` when one group is left; returns it when it was called."""
         on_last = self.on_last
         if on_last is None or self.retry or self._left() != 1:
-            return
-        if before_fetch:
-            last = next(g for d in self.open.values() for g in d.unfinished())
-            if len(last.rows) > group_padding.MIN_RUN:
-                return
+            return None
         self.on_last = None
         on_last()
+        return on_last
 
     def _take(self, dispatch: Dispatch) -> list[Finished]:
-        self._fire_on_last(before_fetch=True)
+        fired = self._fire_on_last()
         try:
             local, rows, stats = ray.get(next(dispatch.ref))
         except StopIteration:
@@ -407,8 +402,9 @@ class DispatchRun:
             return self._lost(dispatch, dispatch.slot.hung or first_line(e))
         if stats.piece == PIECE_RUN:  # a run sent ahead: held until its group's last piece
             dispatch.pieces.setdefault(local, []).append((rows, stats))
+            if fired is not None:  # not the end of the last group: called again at its last piece
+                self.on_last = fired
             return []
-        self._fire_on_last(before_fetch=False)
         held = dispatch.pieces.pop(local, [])
         if held and stats.piece == PIECE_REST:
             rows, stats = WorkerStats.joined([*held, (rows, stats)])

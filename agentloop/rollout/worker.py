@@ -22,8 +22,7 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,12 +43,15 @@ from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
+from agentloop.rollout import group_padding
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
 from agentloop.rollout.group_padding import (
     PIECE_RUN,
     PIECE_WHOLE,
+    ROW_POSITIONS,
     GroupPadder,
-    join_group_pieces,
+    StreamingPadder,
+    WorkerStats,
 )
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
@@ -74,46 +76,6 @@ __all__ = [
     "AgentLoopWorker", "WorkerStats", "agent_names", "check_batch", "error_batch",
     "load_rollout_tools", "trajectory_info",
 ]
-
-
-@dataclass
-class WorkerStats:
-    """What a worker reports with a group's rows, besides the rows."""
-
-    server_failovers: int = 0
-    """Requests its router moved to another server (a server died) since the previous group."""
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    """Per row, in row order: the loop's timing metrics (verl's ``meta_info["metrics"]``)."""
-    done_at: float = 0.0
-    """When the group's last sample finished (``time.time()``, its task's end; runs of its rows
-    may be padded before that, :mod:`agentloop.rollout.group_padding`); 0.0 for rows no worker
-    rolled out, and for a run sent ahead."""
-    piece: str = PIECE_WHOLE
-    """What part of its group a stream item holds: all of it (``whole``), a run sent ahead while
-    the rest runs (``run``), or the rest after the runs (``rest``)
-    (:mod:`agentloop.rollout.group_padding`); :meth:`joined` makes the group of them."""
-
-    @classmethod
-    def take(
-        cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0,
-        piece: str = PIECE_WHOLE,
-    ) -> WorkerStats:
-        """The stats of freshly padded ``rows``: their per-row metrics move out of ``meta_info`` (a
-        list per part, which ``DataProto.concat`` would fold into a dict) into the stats."""
-        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [], done_at, piece)
-
-    @staticmethod
-    def joined(pieces: list[tuple[DataProto, WorkerStats]]) -> tuple[DataProto, WorkerStats]:
-        """A group's stream items (its runs, then its rest) as its rows and stats (one ``whole``
-        item is returned as it is)."""
-        if len(pieces) == 1:
-            return pieces[0]
-        rows = join_group_pieces([r for r, _ in pieces])
-        stats = WorkerStats(
-            sum(s.server_failovers for _, s in pieces), [m for _, s in pieces for m in s.metrics],
-            pieces[-1][1].done_at,
-        )
-        return rows, stats
 
 
 class AgentLoopWorker:
@@ -327,8 +289,7 @@ class AgentLoopWorker:
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
-        # groups whose samples are all done, in that order
-        # (group, None) when all of its samples are done, (group, rows) for a run sent ahead
+        # (group, None) when all of its samples are done, (group, rows) for a piece sent ahead
         events: asyncio.Queue[tuple[int, DataProto | None]] = asyncio.Queue()
         waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -339,16 +300,7 @@ class AgentLoopWorker:
         deadline = (
             asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
         )
-
-        def pad(a: int, b: int) -> DataProto:
-            results = [task_outputs(task, timeout) for task in tasks[a:b]]
-            return self._postprocess(results, {k: v[a:b] for k, v in fields.items()}, names[a:b])
-
-        # runs of finished samples padded while the rest run (not with tracing, which flushes
-        # before a group is padded, nor with a processor, which adds columns per group)
-        early = not trace_enabled() and self.processor is None
-        padder = GroupPadder(tasks, bounds, pad, early=early,
-                             ship=lambda g, rows: events.put_nowait((g, rows)))
+        finish = self._padder(tasks, fields, names, bounds, timeout, events)
         try:
             left = len(waits)
             while left:
@@ -361,12 +313,47 @@ class AgentLoopWorker:
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
-                rows, done_at, piece = padder.finish(g)
+                rows, done_at, piece = finish(g)
                 yield g, rows, WorkerStats.take(rows, failovers - before, done_at, piece)
         finally:
             if deadline is not None:
                 deadline.cancel()
             _cancel(tasks)
+
+    def _padder(
+        self, tasks: list[asyncio.Task], fields: dict[str, np.ndarray], names: np.ndarray,
+        bounds: list[int], timeout: float | None,
+        events: asyncio.Queue[tuple[int, DataProto | None]],
+    ) -> Callable[[int], tuple[DataProto, float, str]]:
+        """What pads a stream's groups (:mod:`agentloop.rollout.group_padding`): pieces of finished
+        samples sent ahead through ``events`` (not with tracing, which flushes before a group is
+        padded, nor with a processor, which adds columns per group); returns ``finish(group)``: the
+        group's rows not sent yet, when its last sample finished, and the piece kind."""
+
+        def pad_rows(rows: Sequence[int], mark: bool = True) -> DataProto:
+            pick: Any = (
+                slice(rows.start, rows.stop) if isinstance(rows, range) else np.asarray(rows)
+            )
+            results = [task_outputs(tasks[i], timeout) for i in rows]
+            part = self._postprocess(results, {k: v[pick] for k, v in fields.items()}, names[pick])
+            if mark:  # a piece sent ahead: which samples its rows are
+                part.meta_info[ROW_POSITIONS] = [
+                    i for i, outs in zip(rows, results, strict=True) for _ in outs
+                ]
+            return part
+
+        def pad(a: int, b: int) -> DataProto:
+            return pad_rows(range(a, b), mark=False)
+
+        if trace_enabled() or self.processor is not None:
+            padder = GroupPadder(tasks, bounds, pad, early=False)
+        elif not group_padding.SHIP_RUNS:
+            padder = GroupPadder(tasks, bounds, pad)
+        else:
+            return StreamingPadder(
+                tasks, bounds, pad_rows, lambda g, rows: events.put_nowait((g, rows))
+            ).finish
+        return lambda g: (*padder.take(g), PIECE_WHOLE)
 
     def _start_samples(
         self, batch: DataProto

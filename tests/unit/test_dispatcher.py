@@ -12,7 +12,6 @@ import ray
 import ray.exceptions
 
 from agentloop.batch.protocol import DataProto
-from agentloop.rollout import group_padding
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
 from agentloop.rollout.group_padding import PIECE_REST, PIECE_RUN, PIECE_WHOLE
 from agentloop.rollout.rollouter import Rollouter
@@ -292,15 +291,25 @@ def pieces_dispatcher(monkeypatch, dies_after: int | None) -> Dispatcher:
 def test_a_group_sent_in_pieces_comes_back_whole_once(fake_ray, monkeypatch, dies_after):
     """A group whose runs were sent ahead comes back as one Finished with every row and metric in
     order; a worker dying after a run was sent has its group rolled out again, the run dropped."""
-    monkeypatch.setattr(group_padding, "MIN_RUN", 1)
     dispatcher = pieces_dispatcher(monkeypatch, dies_after)
+    fetched: list[str] = []
+    get = ray.get
+
+    def counting_get(refs: Any, timeout: float | None = None) -> Any:
+        out = get(refs, timeout)
+        if isinstance(out, tuple):
+            fetched.append(out[2].piece)
+        return out
+
+    monkeypatch.setattr(ray, "get", counting_get)
     fired: list[int] = []
-    parts = dispatcher.run(prompts(16), on_last=lambda: fired.append(1))
+    parts = dispatcher.run(prompts(16), on_last=lambda: fired.append(len(fetched)))
     rows = [i for p in parts for i in p.rows.non_tensor_batch["index"].tolist()]
     assert rows == list(range(16))
     for part in parts:
         index = part.rows.non_tensor_batch["index"].tolist()
         assert [m["row"] for m in part.stats.metrics] == index
         assert part.stats.server_failovers == 2 and part.stats.piece == PIECE_WHOLE
-    assert fired == [1]
+    # before each piece of the last group: the last call just before its last piece is fetched
+    assert fired and fired[-1] == len(fetched) - 1 and fetched[-1] == PIECE_REST
     assert dispatcher.fault_counts["sample_retries"] == (0 if dies_after is None else 8)

@@ -17,7 +17,14 @@ from agentloop.batch.protocol import DataProto
 from agentloop.config import default_config
 from agentloop.errors import DatasetError
 from agentloop.rollout import group_padding
-from agentloop.rollout.group_padding import PIECE_REST, PIECE_RUN, PIECE_WHOLE, GroupPadder
+from agentloop.rollout.group_padding import (
+    PIECE_REST,
+    PIECE_RUN,
+    PIECE_WHOLE,
+    ROW_POSITIONS,
+    GroupPadder,
+    StreamingPadder,
+)
 from agentloop.rollout.worker import AgentLoopWorker, WorkerStats
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
@@ -143,11 +150,25 @@ def test_padder_error_is_raised_by_one_call() -> None:
         asyncio.run(_stream(outputs, [0, 30], [list(range(10)), list(range(10, 30))], 5))
 
 
+def _pad_rows(outputs: list[AgentLoopOutput], rows: Any) -> DataProto:
+    """What the worker's ``pad_rows`` gives: the samples' rows padded, their positions in
+    ``meta_info``."""
+    rows = list(rows)
+    part = postprocess(
+        [outputs[i] for i in rows], prompt_length=6, response_length=7, pad_token_id=0,
+        sample_fields={"uid": np.asarray([f"u{i}" for i in rows], dtype=object)},
+        calculate_log_probs=True,
+    )
+    part.meta_info[ROW_POSITIONS] = rows
+    return part
+
+
 async def _ship_stream(
     outputs: list[AgentLoopOutput], bounds: list[int], waves: list[list[int]], min_run: int,
-) -> tuple[list[tuple[DataProto, WorkerStats]], list[tuple[int, int]]]:
-    """As :func:`_stream`, with the runs shipped as they are padded (the worker's stream): returns
-    each group's rows and stats joined from its items, and the ranges padded."""
+) -> tuple[list[tuple[DataProto, WorkerStats]], list[list[int]]]:
+    """Samples finishing in ``waves`` (row lists, one event-loop turn each) under a
+    StreamingPadder (the worker's stream): returns each group's rows and stats joined from the
+    pieces sent ahead and its rest, and the rows of each padding call."""
     gates = [asyncio.get_running_loop().create_future() for _ in outputs]
 
     async def sample(i: int) -> int:
@@ -155,17 +176,18 @@ async def _ship_stream(
         return i
 
     tasks = [asyncio.create_task(sample(i)) for i in range(len(outputs))]
-    padded: list[tuple[int, int]] = []
+    padded: list[list[int]] = []
     items: list[list[tuple[DataProto, WorkerStats]]] = [[] for _ in bounds[:-1]]
 
-    def pad(a: int, b: int) -> DataProto:
-        padded.append((a, b))
-        return _pad(outputs, a, b)
+    def pad_rows(rows: Any) -> DataProto:
+        assert all(tasks[i].done() for i in rows)
+        padded.append(list(rows))
+        return _pad_rows(outputs, rows)
 
     def ship(g: int, rows: DataProto) -> None:
         items[g].append((rows, WorkerStats.take(rows, piece=PIECE_RUN)))
 
-    padder = GroupPadder(tasks, bounds, pad, min_run=min_run, ship=ship)
+    padder = StreamingPadder(tasks, bounds, pad_rows, ship, min_run=min_run)
     for wave in waves:
         for i in wave:
             gates[i].set_result(None)
@@ -183,20 +205,23 @@ async def _ship_stream(
 
 def _assert_same_group(got: tuple[DataProto, WorkerStats], want: DataProto) -> None:
     rows, stats = got
-    metrics = want.meta_info.pop("metrics")
-    assert stats.metrics == metrics
+    assert stats.metrics == want.meta_info.pop("metrics")
+    assert stats.positions == want.meta_info.pop(ROW_POSITIONS)
     _assert_same(rows, want)
 
 
-def test_shipped_runs_and_rest_join_exactly() -> None:
+def test_pieces_in_finish_order_join_into_row_order_exactly() -> None:
     outputs = [_output(i) for i in range(60)]
-    waves = [list(range(0, 12)), list(range(30, 45)), list(range(12, 25)), list(range(45, 58)),
-             [25, 26, 27, 28, 29, 58, 59]]
+    waves = [[3, 17, 5, 29, 0, 11, 8, 22, 14, 2, 26, 9], [40, 33, 58, 31, 47, 55, 36, 44, 50, 39],
+             [1, 4, 6, 7, 10, 12, 13], [15, 16, 18, 19, 20, 21, 23, 24, 25, 27, 28],
+             [30, 32, 34, 35, 37, 38, 41, 42, 43, 45, 46, 48, 49, 51, 52, 53, 54, 56, 57, 59]]
     groups, padded = asyncio.run(_ship_stream(outputs, [0, 30, 60], waves, min_run=10))
-    # only each group's rest is padded at its end
-    assert padded == [(0, 12), (30, 45), (12, 25), (45, 58), (25, 30), (58, 60)]
-    _assert_same_group(groups[0], _pad(outputs, 0, 30))
-    _assert_same_group(groups[1], _pad(outputs, 30, 60))
+    # at least 10 waiting samples of a group still running are sent at once, sorted; what waits
+    # when a group is done is its rest
+    rests = [sorted(waves[2] + waves[3]), sorted(waves[4])]
+    assert padded == [sorted(waves[0]), sorted(waves[1]), *rests]
+    _assert_same_group(groups[0], _pad_rows(outputs, range(0, 30)))
+    _assert_same_group(groups[1], _pad_rows(outputs, range(30, 60)))
 
 
 def test_a_rest_of_another_layout_is_sent_whole() -> None:
@@ -204,15 +229,16 @@ def test_a_rest_of_another_layout_is_sent_whole() -> None:
     groups, padded = asyncio.run(
         _ship_stream(outputs, [0, 30], [list(range(15)), list(range(15, 30))], min_run=10)
     )
-    assert padded == [(0, 15), (15, 30), (0, 30)]  # the rest could not join the run sent: whole
-    _assert_same_group(groups[0], _pad(outputs, 0, 30))
+    # the rest could not join the piece sent: the whole group again
+    assert padded == [list(range(15)), list(range(15, 30)), list(range(30))]
+    _assert_same_group(groups[0], _pad_rows(outputs, range(30)))
 
 
-def test_a_group_with_no_run_sent_is_sent_whole() -> None:
+def test_a_group_with_no_piece_sent_is_sent_whole() -> None:
     outputs = [_output(i) for i in range(20)]
     groups, padded = asyncio.run(_ship_stream(outputs, [0, 20], [list(range(20))], min_run=10))
-    assert padded == [(0, 20)]
-    _assert_same_group(groups[0], _pad(outputs, 0, 20))
+    assert padded == [list(range(20))]
+    _assert_same_group(groups[0], _pad_rows(outputs, range(20)))
 
 
 def _worker_and_batch(rows: int) -> tuple[AgentLoopWorker, DataProto, ScriptedServer]:
@@ -238,22 +264,30 @@ def _worker_and_batch(rows: int) -> tuple[AgentLoopWorker, DataProto, ScriptedSe
     return worker, batch, server
 
 
-def test_the_worker_sends_runs_ahead_and_its_rows_equal_one_call(monkeypatch):
-    """A 200-row group whose samples finish in waves comes as runs then its rest; joined, they
-    equal the rows padded in one call (runs off), column for column."""
+def test_the_worker_sends_pieces_ahead_and_its_rows_equal_one_call(monkeypatch):
+    """A 200-row group whose samples finish in waves comes as pieces then its rest; joined, they
+    equal the rows padded in one call, column for column; with ``SHIP_RUNS`` off the runs are
+    joined in the worker into one item, the same rows."""
     worker, batch, _ = _worker_and_batch(200)
 
     async def items() -> list[tuple[int, DataProto, WorkerStats]]:
         return [item async for item in worker.generate_sequences_stream(batch, [0])]
 
+    def without_ids(rows: DataProto) -> DataProto:
+        # a fresh id per sample: one each, not the same ones
+        assert len(set(rows.non_tensor_batch.pop("session_id"))) == 200
+        return rows
+
     got = asyncio.run(items())
     pieces = [stats.piece for _, _, stats in got]
     assert pieces[0] == PIECE_RUN and pieces[-1] == PIECE_REST, pieces
     rows, stats = WorkerStats.joined([(r, s) for _, r, s in got])
+    assert stats.positions == list(range(200))
+    monkeypatch.setattr(group_padding, "SHIP_RUNS", False)
+    joined = asyncio.run(items())
+    assert [s.piece for _, _, s in joined] == [PIECE_WHOLE] and joined[0][2].positions is None
     monkeypatch.setattr(group_padding, "MIN_RUN", 1 << 30)
     whole = asyncio.run(worker.generate_sequences(batch))
     assert len(stats.metrics) == 200 == len(whole.meta_info.pop("metrics"))
-    # a fresh id per sample: one each, not the same ones
-    assert len(set(rows.non_tensor_batch.pop("session_id"))) == 200
-    whole.non_tensor_batch.pop("session_id")
-    _assert_same(rows, whole)
+    _assert_same(without_ids(rows), without_ids(whole))
+    _assert_same(without_ids(joined[0][1]), whole)
