@@ -7,10 +7,9 @@ last one is the stack's own: padding, pickling and shipping each chunk, the driv
 servers' health check, the metrics. Passes take turns between the code before (every column sent
 as it is, in the driver and the worker alike; the health probes sent after the concat), the derived
 columns left out (``agentloop.batch.protocol_wire.elide``) with the probes sent before the concat,
-the padding runs trimmed too (``protocol_wire.trim_runs``), runs of finished samples padded while
-the rest run and joined in the worker (``agentloop.rollout.group_padding``), and the shipped code
-(each run sent to the driver as soon as it is padded, ``group_padding.SHIP_RUNS``); per kind it
-prints medians of:
+the padding runs trimmed too (``protocol_wire.trim_runs``), and the shipped code (runs of finished
+samples padded while the rest run, ``agentloop.rollout.group_padding``); per kind it prints
+medians of:
 
 * ``after``: ``agent_loop/serial/after_last_sample``;
 * ``recv_last``: from the last sample's end to the driver holding the last chunk (worker padding,
@@ -59,19 +58,17 @@ KINDS = {
     "old (every column, late probe)": (False, False, NEVER),
     "derived left out, early probe": (True, False, NEVER),
     "new (+ padding runs trimmed)": (True, True, NEVER),
-    "+ padded as they finish, joined in the worker": (True, True, -group_padding.MIN_RUN),
-    "+ runs sent as they are padded (shipped)": (True, True, group_padding.MIN_RUN),
+    "+ padded as they finish (shipped)": (True, True, group_padding.MIN_RUN),
 }
 """Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``,
-``group_padding.MIN_RUN``: NEVER pads each group only when it is done; negative: runs joined in the
-worker, ``SHIP_RUNS`` off)."""
+``group_padding.MIN_RUN``: NEVER pads each group only when it is done)."""
 
 
 def _set_switches(_actor: Any, elide: bool, trim_runs: bool, min_run: int) -> None:
     """Run in a worker actor (``__ray_call__``; cloudpickle imports the module there by name), or
     here with None: the pickling's and the early padding's switches."""
     protocol_wire.elide, protocol_wire.trim_runs = elide, trim_runs
-    group_padding.MIN_RUN, group_padding.SHIP_RUNS = abs(min_run), min_run > 0
+    group_padding.MIN_RUN = min_run
 
 
 def _trace_worker(actor: Any) -> None:

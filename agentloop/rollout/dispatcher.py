@@ -24,7 +24,6 @@ import ray.exceptions
 
 from agentloop.batch.protocol import DataProto
 from agentloop.errors import first_line
-from agentloop.rollout.group_padding import PIECE_REST, PIECE_RUN
 from agentloop.rollout.worker import WorkerStats
 from agentloop.rollout.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
 from agentloop.types import RolloutStatus
@@ -90,9 +89,6 @@ class Dispatch:
     """The Ray streaming generator."""
     version: int
     finished: set[int] = field(default_factory=set)
-    pieces: dict[int, list[tuple[DataProto, WorkerStats]]] = field(default_factory=dict)
-    """Runs of a group sent ahead of its end (:mod:`agentloop.rollout.group_padding`), held until
-    the group's last item."""
 
     def unfinished(self) -> list[Group]:
         """Its groups not yet returned."""
@@ -270,8 +266,7 @@ class DispatchRun:
         self.dispatcher = dispatcher
         self.deadline = deadline
         self.on_last = on_last
-        """Called once the only group left is ready, before it is fetched (again before each of its
-        pieces when it comes in pieces: the last call is at its end)."""
+        """Called once, when the only group left is ready and before it is fetched."""
         self.open: dict[Any, Dispatch] = {}  # streaming generator -> its dispatch
         self.retry: list[Group] = []
         """Groups of dead workers to roll out again (:meth:`take_retries`)."""
@@ -381,17 +376,10 @@ class DispatchRun:
             return self._hung_past_deadline()
         return []
 
-    def _fire_on_last(self) -> Callable[[], Any] | None:
-        """Call ``on_last`` when one group is left; returns it when it was called."""
-        on_last = self.on_last
-        if on_last is None or self.retry or self._left() != 1:
-            return None
-        self.on_last = None
-        on_last()
-        return on_last
-
     def _take(self, dispatch: Dispatch) -> list[Finished]:
-        fired = self._fire_on_last()
+        if self.on_last is not None and not self.retry and self._left() == 1:
+            self.on_last, on_last = None, self.on_last
+            on_last()
         try:
             local, rows, stats = ray.get(next(dispatch.ref))
         except StopIteration:
@@ -400,14 +388,6 @@ class DispatchRun:
         except ray.exceptions.RayActorError as e:
             del self.open[dispatch.ref]
             return self._lost(dispatch, dispatch.slot.hung or first_line(e))
-        if stats.piece == PIECE_RUN:  # a run sent ahead: held until its group's last piece
-            dispatch.pieces.setdefault(local, []).append((rows, stats))
-            if fired is not None:  # not the end of the last group: called again at its last piece
-                self.on_last = fired
-            return []
-        held = dispatch.pieces.pop(local, [])
-        if held and stats.piece == PIECE_REST:
-            rows, stats = WorkerStats.joined([*held, (rows, stats)])
         dispatch.finished.add(local)
         if len(dispatch.finished) == len(dispatch.groups):
             # every group is in: no round trip to learn that the stream ended (its end is left to

@@ -22,7 +22,8 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,16 +44,8 @@ from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
-from agentloop.rollout import group_padding
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
-from agentloop.rollout.group_padding import (
-    PIECE_RUN,
-    PIECE_WHOLE,
-    ROW_POSITIONS,
-    GroupPadder,
-    StreamingPadder,
-    WorkerStats,
-)
+from agentloop.rollout.group_padding import GroupPadder
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router
@@ -76,6 +69,26 @@ __all__ = [
     "AgentLoopWorker", "WorkerStats", "agent_names", "check_batch", "error_batch",
     "load_rollout_tools", "trajectory_info",
 ]
+
+
+@dataclass
+class WorkerStats:
+    """What a worker reports with a group's rows, besides the rows."""
+
+    server_failovers: int = 0
+    """Requests its router moved to another server (a server died) since the previous group."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """Per row, in row order: the loop's timing metrics (verl's ``meta_info["metrics"]``)."""
+    done_at: float = 0.0
+    """When the group's last sample finished (``time.time()``, its task's end; runs of its rows
+    may be padded before that, :mod:`agentloop.rollout.group_padding`); 0.0 for rows no worker
+    rolled out."""
+
+    @classmethod
+    def take(cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0) -> WorkerStats:
+        """The stats of freshly padded ``rows``: their per-row metrics move out of ``meta_info`` (a
+        list per part, which ``DataProto.concat`` would fold into a dict) into the stats."""
+        return cls(server_failovers, rows.meta_info.pop("metrics", None) or [], done_at)
 
 
 class AgentLoopWorker:
@@ -267,10 +280,11 @@ class AgentLoopWorker:
             ran.
         """
         check_batch(batch, self.registry, self.agent.default_agent_loop)
-        pieces: list[tuple[DataProto, WorkerStats]] = []
-        async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout):
-            pieces = [(rows, stats)] if stats.piece == PIECE_WHOLE else [*pieces, (rows, stats)]
-        rows, stats = WorkerStats.joined(pieces)
+        parts = [
+            (rows, stats)
+            async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout)
+        ]
+        rows, stats = parts[0]
         rows.meta_info["metrics"] = stats.metrics
         return rows
 
@@ -279,9 +293,7 @@ class AgentLoopWorker:
     ) -> AsyncIterator[tuple[int, DataProto, WorkerStats]]:
         """Roll out ``batch`` (already checked: the dispatcher's caller checks a batch once) and
         yield ``(group, rows, stats)`` for each group as soon as all of its samples are done (a Ray
-        streaming generator in the actor); a group larger than ``group_padding.MIN_RUN`` rows may
-        come in pieces, runs of it sent while the rest runs (``stats.piece``;
-        :meth:`WorkerStats.joined` makes the group).  Groups are contiguous row ranges starting at
+        streaming generator in the actor).  Groups are contiguous row ranges starting at
         ``group_starts`` (ascending, first 0); an empty group is yielded at once.  Samples still
         running at ``timeout`` seconds are cancelled (``timeout`` rows); closing the stream cancels
         every sample still running (engine requests aborted). ``stats``: the group's per-row metrics
@@ -289,71 +301,39 @@ class AgentLoopWorker:
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
-        # (group, None) when all of its samples are done, (group, rows) for a piece sent ahead
-        events: asyncio.Queue[tuple[int, DataProto | None]] = asyncio.Queue()
+        # groups whose samples are all done, in that order
+        finished: asyncio.Queue[int] = asyncio.Queue()
         waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for g, wait in enumerate(waits):
-            wait.add_done_callback(functools.partial(_put_group, events, g))
+            wait.add_done_callback(functools.partial(_put_group, finished, g))
         # at the deadline every sample still running is cancelled: each then finishes as a timeout
         # row
         deadline = (
             asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
         )
-        finish = self._padder(tasks, fields, names, bounds, timeout, events)
+
+        def pad(a: int, b: int) -> DataProto:
+            results = [task_outputs(task, timeout) for task in tasks[a:b]]
+            return self._postprocess(results, {k: v[a:b] for k, v in fields.items()}, names[a:b])
+
+        # runs of finished samples padded while the rest run (not with tracing, which flushes
+        # before a group is padded, nor with a processor, which adds columns per group)
+        early = not trace_enabled() and self.processor is None
+        padder = GroupPadder(tasks, bounds, pad, early=early)
         try:
-            left = len(waits)
-            while left:
-                g, run = await events.get()
-                before, failovers = failovers, self.server_manager.num_failovers
-                if run is not None:
-                    yield g, run, WorkerStats.take(run, failovers - before, piece=PIECE_RUN)
-                    continue
-                left -= 1
+            for _ in waits:
+                g = await finished.get()
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
                     await asyncio.to_thread(trace_flush)
-                rows, done_at, piece = finish(g)
-                yield g, rows, WorkerStats.take(rows, failovers - before, done_at, piece)
+                rows, done_at = padder.take(g)
+                before, failovers = failovers, self.server_manager.num_failovers
+                yield g, rows, WorkerStats.take(rows, failovers - before, done_at)
         finally:
             if deadline is not None:
                 deadline.cancel()
             _cancel(tasks)
-
-    def _padder(
-        self, tasks: list[asyncio.Task], fields: dict[str, np.ndarray], names: np.ndarray,
-        bounds: list[int], timeout: float | None,
-        events: asyncio.Queue[tuple[int, DataProto | None]],
-    ) -> Callable[[int], tuple[DataProto, float, str]]:
-        """What pads a stream's groups (:mod:`agentloop.rollout.group_padding`): pieces of finished
-        samples sent ahead through ``events`` (not with tracing, which flushes before a group is
-        padded, nor with a processor, which adds columns per group); returns ``finish(group)``: the
-        group's rows not sent yet, when its last sample finished, and the piece kind."""
-
-        def pad_rows(rows: Sequence[int], mark: bool = True) -> DataProto:
-            pick: Any = (
-                slice(rows.start, rows.stop) if isinstance(rows, range) else np.asarray(rows)
-            )
-            results = [task_outputs(tasks[i], timeout) for i in rows]
-            part = self._postprocess(results, {k: v[pick] for k, v in fields.items()}, names[pick])
-            if mark:  # a piece sent ahead: which samples its rows are
-                part.meta_info[ROW_POSITIONS] = [
-                    i for i, outs in zip(rows, results, strict=True) for _ in outs
-                ]
-            return part
-
-        def pad(a: int, b: int) -> DataProto:
-            return pad_rows(range(a, b), mark=False)
-
-        if trace_enabled() or self.processor is not None:
-            padder = GroupPadder(tasks, bounds, pad, early=False)
-        elif not group_padding.SHIP_RUNS:
-            padder = GroupPadder(tasks, bounds, pad)
-        else:
-            return StreamingPadder(
-                tasks, bounds, pad_rows, lambda g, rows: events.put_nowait((g, rows))
-            ).finish
-        return lambda g: (*padder.take(g), PIECE_WHOLE)
 
     def _start_samples(
         self, batch: DataProto
@@ -470,7 +450,7 @@ def _cancel(tasks: list[asyncio.Task]) -> None:
             task.cancel()
 
 
-def _put_group(events: asyncio.Queue[tuple[int, DataProto | None]], group: int, _: Any) -> None:
+def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
     """Done-callback of a group's gather: queue the group as finished (its last sample's time:
     :class:`~agentloop.rollout.group_padding.GroupPadder`)."""
-    events.put_nowait((group, None))
+    finished.put_nowait(group)

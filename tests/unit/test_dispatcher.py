@@ -13,7 +13,6 @@ import ray.exceptions
 
 from agentloop.batch.protocol import DataProto
 from agentloop.rollout.dispatcher import Dispatcher, Group, split_groups
-from agentloop.rollout.group_padding import PIECE_REST, PIECE_RUN, PIECE_WHOLE
 from agentloop.rollout.rollouter import Rollouter
 from agentloop.rollout.worker import WorkerStats
 from agentloop.types import RolloutStatus
@@ -239,77 +238,3 @@ def test_on_last_fires_again_when_a_fault_reran_groups_after_it(fake_ray):
     out = dispatcher.run(prompts(8), on_last=lambda: fired.append(dict(dispatcher.fault_counts)))
     assert sum(len(p.rows) for p in out) == 8
     assert fired and fired[-1] == dispatcher.fault_counts  # the last probe saw every fault
-
-
-class PiecesStream(Stream):
-    """A worker stream sending each group as a run of its first rows (sent ahead) and the rest, as
-    the worker does for groups larger than ``group_padding.MIN_RUN``; ``dies_after``: the worker
-    dies after that many items."""
-
-    def __init__(self, batch: DataProto, starts: list[int], dies_after: int | None) -> None:
-        bounds = [*starts, len(batch)]
-        self.items = []
-        for g in range(len(starts)):
-            a, b = bounds[g], bounds[g + 1]
-            cut = a + (b - a) // 2
-            for lo, hi, piece in ((a, cut, PIECE_RUN), (cut, b, PIECE_REST)):
-                metrics = [{"row": i} for i in batch.non_tensor_batch["index"][lo:hi].tolist()]
-                self.items.append(
-                    Value((g, rolled_out(batch.slice(lo, hi)), WorkerStats(1, metrics, hi, piece)))
-                )
-        if dies_after is not None:
-            self.items = [*self.items[:dies_after], Value(error=ray.exceptions.RayActorError())]
-
-
-def pieces_dispatcher(monkeypatch, dies_after: int | None) -> Dispatcher:
-    """Two workers sending groups in pieces; the first one spawned dies after ``dies_after``
-    items of its first stream."""
-    spawned: list[FakeWorker] = []
-
-    def spawn(index: int, worker_id: str) -> FakeWorker:
-        worker = FakeWorker(dies=False)
-        dies = dies_after if not spawned else None
-        spawned.append(worker)
-
-        class Method:
-            def options(self, **_: Any) -> Method:
-                return self
-
-            def remote(self, batch: DataProto, starts: list[int], **_: Any) -> PiecesStream:
-                return PiecesStream(batch, starts, dies)
-
-        monkeypatch.setattr(worker, "generate_sequences_stream", Method(), raising=False)
-        return worker
-
-    dispatcher = Dispatcher(spawn=spawn, num_workers=2, error_rows=error_rows,
-                            max_sample_retries=1)
-    dispatcher.start()
-    return dispatcher
-
-
-@pytest.mark.parametrize("dies_after", [None, 1])
-def test_a_group_sent_in_pieces_comes_back_whole_once(fake_ray, monkeypatch, dies_after):
-    """A group whose runs were sent ahead comes back as one Finished with every row and metric in
-    order; a worker dying after a run was sent has its group rolled out again, the run dropped."""
-    dispatcher = pieces_dispatcher(monkeypatch, dies_after)
-    fetched: list[str] = []
-    get = ray.get
-
-    def counting_get(refs: Any, timeout: float | None = None) -> Any:
-        out = get(refs, timeout)
-        if isinstance(out, tuple):
-            fetched.append(out[2].piece)
-        return out
-
-    monkeypatch.setattr(ray, "get", counting_get)
-    fired: list[int] = []
-    parts = dispatcher.run(prompts(16), on_last=lambda: fired.append(len(fetched)))
-    rows = [i for p in parts for i in p.rows.non_tensor_batch["index"].tolist()]
-    assert rows == list(range(16))
-    for part in parts:
-        index = part.rows.non_tensor_batch["index"].tolist()
-        assert [m["row"] for m in part.stats.metrics] == index
-        assert part.stats.server_failovers == 2 and part.stats.piece == PIECE_WHOLE
-    # before each piece of the last group: the last call just before its last piece is fetched
-    assert fired and fired[-1] == len(fetched) - 1 and fetched[-1] == PIECE_REST
-    assert dispatcher.fault_counts["sample_retries"] == (0 if dies_after is None else 8)
