@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from agentloop.batch.protocol import DataProto, object_array
 from agentloop.batch.routed_experts import ROUTED_EXPERTS_KEY, pad_routed_experts
 from agentloop.errors import DatasetError
 from agentloop.rewards.columns import reward_columns, reward_extra_columns
-from agentloop.types import AgentLoopMetrics, AgentLoopOutput
+from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
 from agentloop.utils.ids import fresh_hex
 
 _BUILTIN_COLUMNS = (
@@ -90,6 +92,9 @@ def _fill_flat(out: np.ndarray, rows: Sequence[Sequence[Any]], left: bool) -> li
         values = np.frombuffer(array.array(code, flat), dtype=out.dtype)
     except (TypeError, OverflowError):
         return None
+    if out.flags.c_contiguous and values.size == out.size:  # every row fills its width
+        out.reshape(-1)[:] = values
+        return kept.tolist()
     cols = np.arange(width)
     if left:
         out[cols[None, :] >= (width - kept)[:, None]] = values
@@ -159,22 +164,44 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
             f"output {i}: response_mask has {n_mask[i]} entries but response_ids has {n_ids[i]}; "
             "the agent loop must append one mask value per response token"
         )
-    for i, o in enumerate(outputs):
-        if o.response_weight_versions is not None and len(o.response_weight_versions) != n_ids[i]:
-            raise DatasetError(
-                f"output {i}: response_weight_versions has "
-                f"{len(o.response_weight_versions)} entries but "
-                f"response_ids has {n_ids[i]}; use -1 for tokens the policy did not sample"
-            )
+    versions = [o.response_weight_versions for o in outputs]
+    if any(v is not None for v in versions):
+        _check_versions(versions, n_ids)
     if not calculate_log_probs:
         return
-    for i, o in enumerate(outputs):
-        if o.response_logprobs is not None and len(o.response_logprobs) != n_ids[i]:
+    logprobs = [o.response_logprobs for o in outputs]
+    if all(v is not None for v in logprobs) and not (_lengths(logprobs) != n_ids).any():
+        return  # every row has log-probs of the right length: one vector compare
+    _check_logprobs(logprobs, n_ids)
+
+
+def _check_versions(versions: list[Any], n_ids: np.ndarray) -> None:
+    """Raise :class:`DatasetError` for the first row whose weight versions (None: none) do not
+    align with its ``n_ids`` response ids."""
+    for i, v in enumerate(versions):
+        if v is not None and len(v) != n_ids[i]:
             raise DatasetError(
-                f"output {i}: response_logprobs has {len(o.response_logprobs)} entries but "
+                f"output {i}: response_weight_versions has "
+                f"{len(v)} entries but "
+                f"response_ids has {n_ids[i]}; use -1 for tokens the policy did not sample"
+            )
+
+
+def _check_logprobs(logprobs: list[Any], n_ids: np.ndarray) -> None:
+    """Raise :class:`DatasetError` for the first row whose log-probs (None: none) do not align
+    with its ``n_ids`` response ids."""
+    for i, v in enumerate(logprobs):
+        if v is not None and len(v) != n_ids[i]:
+            raise DatasetError(
+                f"output {i}: response_logprobs has {len(v)} entries but "
                 f"response_ids has "
                 f"{n_ids[i]}; use 0.0 for tokens the policy did not sample"
             )
+
+
+def _all_ones(rows: list[Any]) -> bool:
+    """Whether every row is a list or tuple whose items all equal 1 (``count`` runs in C)."""
+    return all((type(r) is list or type(r) is tuple) and r.count(1) == len(r) for r in rows)
 
 
 def _tensor_columns(
@@ -193,8 +220,14 @@ def _tensor_columns(
     kept_response = np.asarray(
         fill_rows(responses, [o.response_ids for o in outputs]), dtype=np.int64
     )
-    response_mask = np.zeros((batch, response_length), dtype=np.int64)
-    fill_rows(response_mask, [o.response_mask for o in outputs])
+    masks = [o.response_mask for o in outputs]
+    if _all_ones(masks):  # the common mask: ones on each row's kept response cells
+        response_mask = np.empty((batch, response_length), dtype=np.int64)
+        np.less(np.arange(response_length), kept_response[:, None], out=response_mask,
+                casting="unsafe")
+    else:
+        response_mask = np.zeros((batch, response_length), dtype=np.int64)
+        fill_rows(response_mask, masks)
     # Real tokens are the contiguous span [start, start + total) of each row; position = column -
     # start,
     # clipped to [0, total - 1]; all three steps write straight into the outputs.
@@ -237,9 +270,17 @@ def _extra_columns(
     outputs: list[AgentLoopOutput], base: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """One object column per ``extra_fields`` key; rows lacking a key keep ``base[key]`` or None."""
-    keys = list(dict.fromkeys(k for o in outputs for k in o.extra_fields))
+    fields = [o.extra_fields for o in outputs]
+    keys = list(dict.fromkeys(chain.from_iterable(fields)))
+    plain = all(type(f) is dict for f in fields)
     columns: dict[str, np.ndarray] = {}
     for key in keys:
+        if plain:
+            try:  # every row has the key (the common case): one C-level pass
+                columns[key] = object_array(list(map(itemgetter(key), fields)))
+                continue
+            except KeyError:
+                pass
         fallback = base.get(key)
         values: list[Any] = []
         for i, o in enumerate(outputs):
@@ -287,6 +328,8 @@ def episode_columns(
             f"{len(outputs)} outputs (one count per sample, its trajectories "
             f"consecutive)"
         )
+    if trajectory_counts is None or (counts == 1).all():  # one row per sample
+        return _single_episode_columns(outputs)
     starts = np.cumsum(counts) - counts
     index = np.arange(len(outputs)) - np.repeat(starts, counts)
     ids: list[str] = []
@@ -304,6 +347,18 @@ def episode_columns(
     }
 
 
+def _single_episode_columns(outputs: Sequence[AgentLoopOutput]) -> dict[str, np.ndarray]:
+    """:func:`episode_columns` when each row is its own sample: index 0 of 1, the row's own
+    ``session_id`` (else a fresh one, drawn in row order)."""
+    n = len(outputs)
+    given = [o.extra_fields.get("session_id") for o in outputs]
+    return {
+        "trajectory_index": np.zeros(n, dtype=np.int32),
+        "num_trajectories": np.ones(n, dtype=np.int32),
+        "session_id": object_array([fresh_hex() if g is None else str(g) for g in given]),
+    }
+
+
 def _non_tensor_columns(
     outputs: list[AgentLoopOutput], sample_fields: dict[str, Any] | None,
     reward: dict[str, np.ndarray], trajectory_counts: Sequence[int] | None = None,
@@ -318,20 +373,15 @@ def _non_tensor_columns(
         columns.update(reward_extra)
         columns.update(reward)
     columns["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int32)
-    columns["status"] = object_array([getattr(o.status, "value", o.status) for o in outputs])
+    columns["status"] = object_array([
+        s._value_ if type(s) is RolloutStatus else getattr(s, "value", s)
+        for s in [o.status for o in outputs]
+    ])
     columns["error"] = object_array([o.error for o in outputs])
     columns.update(episode_columns(outputs, trajectory_counts))
     if any(o.multi_modal_data is not None for o in outputs):
         columns["multi_modal_data"] = object_array([o.multi_modal_data for o in outputs])
     return columns, extra_keys
-
-
-def _metrics_dict(metrics: Any) -> dict[str, Any]:
-    """``metrics.model_dump()``; a plain :class:`AgentLoopMetrics` (fields only, all scalars) as a
-    copy of its ``__dict__``, the same dict without pydantic's serializer (~0.6 µs a row)."""
-    if type(metrics) is AgentLoopMetrics:
-        return dict(metrics.__dict__)
-    return metrics.model_dump()
 
 
 def postprocess(
@@ -374,7 +424,12 @@ def postprocess(
     )
     batch = TensorDict(tensors, batch_size=[len(outputs)])
     non_tensor, extra_keys = _non_tensor_columns(outputs, sample_fields, reward, trajectory_counts)
-    meta_info: dict[str, Any] = {"metrics": [_metrics_dict(o.metrics) for o in outputs]}
+    # a plain AgentLoopMetrics (fields only, all scalars): a copy of its __dict__, the same dict as
+    # model_dump() without pydantic's serializer (~0.6 µs a row)
+    meta_info: dict[str, Any] = {"metrics": [
+        dict(m.__dict__) if type(m) is AgentLoopMetrics else m.model_dump()
+        for m in [o.metrics for o in outputs]
+    ]}
     if reward:
         meta_info["reward_extra_keys"] = extra_keys
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
