@@ -91,6 +91,14 @@ class TrajectoryScorer:
         ``metrics.compute_score``) on each of a sample's trajectories (one episode, final last), in
         place, by the reward rule; returns them.  An episode's own ``reward_to`` / ``reward_gamma``
         win over the config's. Never raises for a scorer's failure."""
+        if (
+            self.fn is None and not self.config.add_tool_rewards and type(outputs) is list
+            and len(outputs) == 1 and type(outputs[0]) is AgentLoopOutput
+        ):  # nothing to score: the one trajectory keeps its own score (recorded as set)
+            reward_shares(1, self.episode.reward_to, self.episode.reward_gamma)  # checks the mode
+            final = outputs[0]
+            final.reward_score = final.reward_score
+            return [final]
         episode = outputs if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else None
         trajectories = list(
             outputs.trajectories if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else outputs

@@ -75,6 +75,8 @@ def to_episode(
     episode's own, else one a trajectory carries (the first), else a fresh one.  Returns the
     loop's episode (its trajectories checked), else the list of trajectories (an episode with the
     config's reward rule: what the scorer does with a list)."""
+    if type(output) is AgentLoopOutput and _PLAIN_FIELDS:  # the common case, with less work
+        return [_single_trajectory(output, name)]
     episode = output if isinstance(output, MultiTrajectoryAgentLoopOutput) else None
     if episode is not None:
         outputs = episode.trajectories
@@ -105,6 +107,28 @@ def to_episode(
     if episode is None:
         return outputs
     return episode.model_copy(update={"trajectories": outputs, "session_id": session_id})
+
+
+# AgentLoopOutput's fields are set as BaseModel.__setattr__ sets a plain field (the value into
+# __dict__, the name into the fields set) unless assignments are validated or frozen
+_PLAIN_FIELDS = not (
+    AgentLoopOutput.model_config.get("validate_assignment")
+    or AgentLoopOutput.model_config.get("frozen")
+)
+
+
+def _single_trajectory(output: AgentLoopOutput, name: str) -> AgentLoopOutput:
+    """:func:`to_episode` of one AgentLoopOutput: the checked trajectory with its own
+    ``session_id`` (else a fresh one) in ``extra_fields``."""
+    checked = checked_output(output, name)
+    fields = checked.extra_fields
+    given = fields.get("session_id")
+    # what ``checked.extra_fields = ...`` does, without pydantic's __setattr__ dispatch
+    checked.__dict__["extra_fields"] = {
+        **fields, "session_id": fresh_hex() if given is None else str(given)
+    }
+    checked.__pydantic_fields_set__.add("extra_fields")
+    return checked
 
 
 def checked_output(output: AgentLoopOutput, name: str) -> AgentLoopOutput:

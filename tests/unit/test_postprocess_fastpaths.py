@@ -1,8 +1,10 @@
 """postprocess's fast paths (all-ones masks, full-width rows, extra_fields keys every row has, one
-row per sample, plain trajectories in to_episode) give what the general paths give."""
+row per sample), to_episode's and TrajectoryScorer.score's for one plain trajectory give what the
+general paths give."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -10,6 +12,8 @@ import pytest
 
 from agentloop.batch.postprocess import episode_columns, fill_rows, postprocess
 from agentloop.errors import DatasetError
+from agentloop.rewards.loader import RewardFunctionConfig
+from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.rollout.episodes import to_episode
 from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
 
@@ -108,3 +112,19 @@ def test_to_episode_plain_output_fields_set() -> None:
     episode = to_episode(multi, "loop")
     assert isinstance(episode, MultiTrajectoryAgentLoopOutput)
     assert [t.extra_fields["session_id"] for t in episode.trajectories] == ["abc", "abc"]
+
+
+def test_score_one_plain_trajectory_as_general_path() -> None:
+    scorer = TrajectoryScorer(RewardFunctionConfig(), tokenizer=None)
+
+    def trajectory(score: float | None) -> AgentLoopOutput:
+        return AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1],
+                               reward_score=score, extra_fields={"session_id": "s"})
+
+    for score in (None, 0.5):
+        (fast,) = asyncio.run(scorer.score([trajectory(score)], {}))
+        multi = MultiTrajectoryAgentLoopOutput(trajectories=[trajectory(score)])
+        (general,) = asyncio.run(scorer.score(multi, {}))
+        assert fast.model_dump() == general.model_dump()
+        assert fast.model_fields_set == general.model_fields_set
+        assert "reward_score" in fast.model_fields_set
