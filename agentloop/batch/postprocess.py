@@ -15,7 +15,7 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 from itertools import chain
-from operator import itemgetter
+from operator import itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,10 @@ _ARRAY_CODES = {np.dtype(code): code for code in ("q", "l", "i", "h", "b", "d", 
                 if np.dtype(code).itemsize == array.array(code).itemsize}
 
 
+_SEQUENCES = frozenset((list, tuple))
+_COUNT_ONES = methodcaller("count", 1)
+
+
 def _row_array(row: Sequence[Any], dtype: np.dtype) -> Any:
     """``row`` as something numpy copies from without per-item work: a numpy array as is, a list
     through an ``array.array`` of the same layout (falling back to ``np.asarray`` for items that
@@ -71,7 +75,7 @@ def _fill_flat(out: np.ndarray, rows: Sequence[Sequence[Any]], left: bool) -> li
     order).  None (nothing written) when a row is not a list or tuple or an item does not fit
     ``out``'s ``array`` type: the per-row path handles those."""
     code = _ARRAY_CODES.get(out.dtype)
-    if code is None or not all(type(row) is list or type(row) is tuple for row in rows):
+    if code is None or not set(map(type, rows)) <= _SEQUENCES:
         return None
     width = out.shape[1]
     lengths = _lengths(rows)
@@ -201,7 +205,9 @@ def _check_logprobs(logprobs: list[Any], n_ids: np.ndarray) -> None:
 
 def _all_ones(rows: list[Any]) -> bool:
     """Whether every row is a list or tuple whose items all equal 1 (``count`` runs in C)."""
-    return all((type(r) is list or type(r) is tuple) and r.count(1) == len(r) for r in rows)
+    return set(map(type, rows)) <= _SEQUENCES and list(map(_COUNT_ONES, rows)) == list(
+        map(len, rows)
+    )
 
 
 def _tensor_columns(
