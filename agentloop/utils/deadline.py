@@ -43,10 +43,11 @@ class _Watchdog:
     """The deadlines of one event loop, checked at the earliest of them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # weak: a strong one would keep every finished loop alive as the weak map's value
+        # the loop and the timer (which holds the loop) are held weakly: a strong reference would
+        # keep every finished loop alive as the weak map's value
         self.loop = weakref.ref(loop)
         self.deadlines: set[_Deadline] = set()
-        self.handle: asyncio.TimerHandle | None = None
+        self.handle: weakref.ref[asyncio.TimerHandle] | None = None
         self.wake_at = float("inf")
 
     def add(self, deadline: _Deadline) -> None:
@@ -55,18 +56,17 @@ class _Watchdog:
             self._wake(deadline.when)
 
     def remove(self, deadline: _Deadline) -> None:
+        # the timer stays when nothing is left to watch (it then fires once and stops): limits
+        # entered and left one after another would otherwise arm and cancel a timer each
         self.deadlines.discard(deadline)
-        if not self.deadlines and self.handle is not None:
-            # nothing to watch: drop the timer (it holds the loop, which holds this watchdog)
-            self.handle.cancel()
-            self.handle, self.wake_at = None, float("inf")
 
     def _wake(self, when: float) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
+        handle = self.handle() if self.handle is not None else None
+        if handle is not None:
+            handle.cancel()
         loop = self.loop()
         self.wake_at = when
-        self.handle = None if loop is None else loop.call_at(when, self._check)
+        self.handle = None if loop is None else weakref.ref(loop.call_at(when, self._check))
 
     def _check(self) -> None:
         self.handle, self.wake_at = None, float("inf")

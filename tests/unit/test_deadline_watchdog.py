@@ -87,3 +87,24 @@ def test_a_finished_loop_is_not_kept_alive(coarse):
     asyncio.run(main())
     gc.collect()
     assert loops[0]() is None
+
+
+def test_limits_one_after_another_share_one_timer(coarse):
+    """The watchdog's point: sequential limits (a tool turn's create, execute, release) do not arm
+    an event-loop timer each."""
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        armed = []
+        call_at = loop.call_at
+
+        def counting_call_at(*args, **kwargs):
+            armed.append(args[0])
+            return call_at(*args, **kwargs)
+
+        loop.call_at = counting_call_at  # type: ignore[method-assign]
+        for _ in range(100):
+            assert await within(asyncio.sleep(0, "ok"), 30.0) == "ok"
+        return len(armed)
+
+    assert asyncio.run(main()) == 1
