@@ -170,36 +170,23 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
         )
     versions = [o.response_weight_versions for o in outputs]
     if any(v is not None for v in versions):
-        _check_versions(versions, n_ids)
+        _check_aligned(versions, n_ids, "response_weight_versions", "-1")
     if not calculate_log_probs:
         return
     logprobs = [o.response_logprobs for o in outputs]
     if all(v is not None for v in logprobs) and not (_lengths(logprobs) != n_ids).any():
         return  # every row has log-probs of the right length: one vector compare
-    _check_logprobs(logprobs, n_ids)
+    _check_aligned(logprobs, n_ids, "response_logprobs", "0.0")
 
 
-def _check_versions(versions: list[Any], n_ids: np.ndarray) -> None:
-    """Raise :class:`DatasetError` for the first row whose weight versions (None: none) do not
-    align with its ``n_ids`` response ids."""
-    for i, v in enumerate(versions):
+def _check_aligned(rows: list[Any], n_ids: np.ndarray, name: str, filler: str) -> None:
+    """Raise :class:`DatasetError` for the first row of ``name`` (None: none) whose length differs
+    from its ``n_ids`` response ids; ``filler``: the value for tokens the policy did not sample."""
+    for i, v in enumerate(rows):
         if v is not None and len(v) != n_ids[i]:
             raise DatasetError(
-                f"output {i}: response_weight_versions has "
-                f"{len(v)} entries but "
-                f"response_ids has {n_ids[i]}; use -1 for tokens the policy did not sample"
-            )
-
-
-def _check_logprobs(logprobs: list[Any], n_ids: np.ndarray) -> None:
-    """Raise :class:`DatasetError` for the first row whose log-probs (None: none) do not align
-    with its ``n_ids`` response ids."""
-    for i, v in enumerate(logprobs):
-        if v is not None and len(v) != n_ids[i]:
-            raise DatasetError(
-                f"output {i}: response_logprobs has {len(v)} entries but "
-                f"response_ids has "
-                f"{n_ids[i]}; use 0.0 for tokens the policy did not sample"
+                f"output {i}: {name} has {len(v)} entries but response_ids has {n_ids[i]}; "
+                f"use {filler} for tokens the policy did not sample"
             )
 
 
@@ -334,7 +321,7 @@ def episode_columns(
             f"{len(outputs)} outputs (one count per sample, its trajectories "
             f"consecutive)"
         )
-    if trajectory_counts is None or (counts == 1).all():  # one row per sample
+    if (counts == 1).all():  # one row per sample
         return _single_episode_columns(outputs)
     starts = np.cumsum(counts) - counts
     index = np.arange(len(outputs)) - np.repeat(starts, counts)

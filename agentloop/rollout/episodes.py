@@ -75,8 +75,12 @@ def to_episode(
     episode's own, else one a trajectory carries (the first), else a fresh one.  Returns the
     loop's episode (its trajectories checked), else the list of trajectories (an episode with the
     config's reward rule: what the scorer does with a list)."""
-    if type(output) is AgentLoopOutput and _PLAIN_FIELDS:  # the common case, with less work
-        return [_single_trajectory(output, name)]
+    if type(output) is AgentLoopOutput:  # the usual return, without the general path's checks
+        checked = checked_output(output, name)
+        given = checked.extra_fields.get("session_id")
+        session = fresh_hex() if given is None else str(given)
+        _set_extra_fields(checked, {**checked.extra_fields, "session_id": session})
+        return [checked]
     episode = output if isinstance(output, MultiTrajectoryAgentLoopOutput) else None
     if episode is not None:
         outputs = episode.trajectories
@@ -91,11 +95,8 @@ def to_episode(
         )
         outputs, episode = [failed_output(RolloutStatus.ERROR, msg)], None
     outputs = [checked_output(o, name) for o in outputs]
-    given = [
-        o.extra_fields.get("session_id")
-        for o in outputs
-        if o.extra_fields.get("session_id") is not None
-    ]
+    given = [o.extra_fields.get("session_id") for o in outputs]
+    given = [g for g in given if g is not None]
     if episode is not None and episode.session_id is not None:
         session_id = str(episode.session_id)
     elif given:
@@ -103,7 +104,7 @@ def to_episode(
     else:
         session_id = fresh_hex()
     for o in outputs:
-        o.extra_fields = {**o.extra_fields, "session_id": session_id}
+        _set_extra_fields(o, {**o.extra_fields, "session_id": session_id})
     if episode is None:
         return outputs
     return episode.model_copy(update={"trajectories": outputs, "session_id": session_id})
@@ -117,18 +118,14 @@ _PLAIN_FIELDS = not (
 )
 
 
-def _single_trajectory(output: AgentLoopOutput, name: str) -> AgentLoopOutput:
-    """:func:`to_episode` of one AgentLoopOutput: the checked trajectory with its own
-    ``session_id`` (else a fresh one) in ``extra_fields``."""
-    checked = checked_output(output, name)
-    fields = checked.extra_fields
-    given = fields.get("session_id")
-    # what ``checked.extra_fields = ...`` does, without pydantic's __setattr__ dispatch
-    checked.__dict__["extra_fields"] = {
-        **fields, "session_id": fresh_hex() if given is None else str(given)
-    }
-    checked.__pydantic_fields_set__.add("extra_fields")
-    return checked
+def _set_extra_fields(output: AgentLoopOutput, fields: dict[str, Any]) -> None:
+    """``output.extra_fields = fields``; for a plain AgentLoopOutput what pydantic's ``__setattr__``
+    does (the value into ``__dict__``, the name into the fields set) without its dispatch."""
+    if type(output) is AgentLoopOutput and _PLAIN_FIELDS:
+        output.__dict__["extra_fields"] = fields
+        output.__pydantic_fields_set__.add("extra_fields")
+    else:
+        output.extra_fields = fields
 
 
 def checked_output(output: AgentLoopOutput, name: str) -> AgentLoopOutput:
