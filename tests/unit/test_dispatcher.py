@@ -232,6 +232,34 @@ def test_on_last_fires_once_before_the_last_group_is_fetched(fake_ray, monkeypat
     assert len(parts) == groups and fired == [groups - 1]
 
 
+def test_on_last_fires_again_when_the_early_call_is_stale(fake_ray, monkeypatch):
+    """The first ``on_last`` (one group left out) stands for the last one only while fresh: when
+    the last group comes later than ``ON_LAST_FRESH_S``, the servers are probed again before it is
+    fetched (a server dying meanwhile is seen in this batch's check)."""
+    from agentloop.rollout import dispatcher as dispatcher_module
+
+    monkeypatch.setattr(dispatcher_module, "ON_LAST_FRESH_S", -1.0)  # every early call is stale
+    spawned: list[FakeWorker] = []
+    dispatcher = Dispatcher(spawn=lambda i, w: spawned.append(FakeWorker(False)) or spawned[-1],
+                            num_workers=2, error_rows=error_rows)
+    dispatcher.start()
+    fetched: list[int] = []
+    get = ray.get
+
+    def counting_get(refs: Any, timeout: float | None = None) -> Any:
+        out = get(refs, timeout)
+        if isinstance(out, tuple):
+            fetched.append(out[0])
+        return out
+
+    monkeypatch.setattr(ray, "get", counting_get)
+    fired: list[int] = []
+    parts = dispatcher.run(prompts(8), on_last=lambda: fired.append(len(fetched)))
+    groups = dispatcher.chunks_per_worker * 2
+    # once when the last group is the only one out, again when it is ready (not fetched yet)
+    assert len(parts) == groups and fired == [groups - 1, groups - 1]
+
+
 def test_on_last_fires_again_when_a_fault_reran_groups_after_it(fake_ray):
     dispatcher, _ = make_dispatcher(retries=1)
     fired: list[dict[str, int]] = []
