@@ -221,9 +221,8 @@ def _tensor_columns(
     else:
         response_mask = np.zeros((batch, response_length), dtype=np.int64)
         fill_rows(response_mask, masks)
-    # Real tokens are the contiguous span [start, start + total) of each row; position = column -
-    # start,
-    # clipped to [0, total - 1]; all three steps write straight into the outputs.
+    # Real tokens are the contiguous span [start, start + total) of each row; position = column
+    # - start, clipped to [0, total - 1]; all three steps write straight into the outputs.
     start, total = prompt_length - kept_prompt, kept_prompt + kept_response
     position = np.empty((batch, width), dtype=np.int64)
     np.subtract(np.arange(width, dtype=np.int64), start[:, None], out=position)

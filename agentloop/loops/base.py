@@ -50,9 +50,9 @@ def register(agent_name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopB
     """
 
     def decorator(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
-        # agentloop's own loops register when first imported, which can be after a user's loop took
-        # the
-        # name (a ported verl `tool_agent`): a user's registration always wins over a built-in one.
+        # agentloop's own loops register when first imported, which can be after a user's loop
+        # took the name (a ported verl `tool_agent`): a user's registration always wins over a
+        # built-in one.
         builtin = isinstance(cls, type) and cls.__module__.startswith("agentloop.")
         (BUILTIN_AGENT_LOOPS if builtin else AGENT_LOOPS).add(agent_name, cls)
         return cls

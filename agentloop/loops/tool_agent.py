@@ -140,8 +140,7 @@ class ToolAgentLoop(AgentLoopBase):
         cls.interactions = initialize_interactions_from_config(path) if path else {}
         cls.interaction_config_path = str(path) if path else None
         # verl's tool_agent leaves the reward to custom_reward_function; the interaction's score is
-        # ours, for
-        # runs without one (a loop's own reward_score would win over the function:
+        # ours, for runs without one (a loop's own reward_score would win over the function:
         # agentloop.rewards.scoring)
         cls.reward_function_set = RewardFunctionConfig.from_config(config).path is not None
         configure_tool_executor(mt.tool_executor, mt.tool_max_workers)
@@ -174,8 +173,8 @@ class ToolAgentLoop(AgentLoopBase):
         await self._start_interaction(data, kwargs.get("extra_info"))
         state = AgentState.PENDING
         try:
-            # 1. pending → 2. generating → (3. processing tools | 4. interacting) → 2. … →
-            # terminated
+            # 1. pending → 2. generating → (3. processing tools | 4. interacting) → 2. …
+            # → terminated
             while state != AgentState.TERMINATED:
                 if state == AgentState.PENDING:
                     state = self._pending(data)
@@ -404,9 +403,8 @@ class ToolAgentLoop(AgentLoopBase):
         if best is None:
             return None
         # Binary search between 1 (fits) and ``hi`` (does not); a token rarely spans 64 characters,
-        # so the
-        # search starts there instead of rendering a huge text (when no max_tool_response_length
-        # caps it).
+        # so the search starts there instead of rendering a huge text (when no
+        # max_tool_response_length caps it).
         lo, hi = 1, min(tried, 64 * room + 1)
         if hi < tried and (top := attempt(hi)) is not None:
             return top

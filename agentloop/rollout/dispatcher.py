@@ -198,8 +198,7 @@ class Dispatcher:
         """Kill every worker."""
         self.pool.shutdown()
 
-    # ----------------------------------------------------------------------------------------------
-    # dispatch
+    # ---- dispatch ------------------------------------------------------------------------------
     def fail(self, group: Group, status: RolloutStatus, message: str, version: int) -> Finished:
         """``group`` as rows of ``status`` saying ``message`` (counted in
         ``samples_failed_by_faults``)."""

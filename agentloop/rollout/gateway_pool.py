@@ -45,8 +45,8 @@ class GatewayPool:
         """Start the gateway actors (``rollout.gateway``) unless started, and hand them to the
         workers; returns the actor handles."""
         if not self.handles:
-            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a gateway
-            # agent
+            # heavy (the gateway's HTTP stack, fastapi): loaded only once a batch uses a
+            # gateway agent
             from agentloop.gateway.actor import start_gateways
 
             self.handles = start_gateways(sections, self.server_handles, self.balancer)

@@ -126,8 +126,8 @@ class AgentLoopWorker:
         self.agent, self.engine, model = sections.agent, sections.engine, sections.model_config
         # Ray starts actors at nice 15
         self.priority = restore_normal_priority(self.engine.normal_priority)
-        # transformers 4's apply_chat_template(tokenize=True) -> ids, which verl 0.6/0.7 loops rely
-        # on
+        # transformers 4's apply_chat_template(tokenize=True) -> ids, which verl 0.6/0.7 loops
+        # rely on
         self.tokenizer = with_list_chat_template(
             tokenizer if tokenizer is not None else load_tokenizer(model)
         )
@@ -307,8 +307,8 @@ class AgentLoopWorker:
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         for g, wait in enumerate(waits):
             wait.add_done_callback(functools.partial(_put_group, finished, g))
-        # at the deadline every sample still running is cancelled: each then finishes as a timeout
-        # row
+        # at the deadline every sample still running is cancelled: each then finishes as a
+        # timeout row
         deadline = (
             asyncio.get_running_loop().call_later(timeout, _cancel, tasks) if timeout else None
         )

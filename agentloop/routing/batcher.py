@@ -56,10 +56,8 @@ class ServerCallBatcher:
         self.num_calls += 1
         self.num_requests += len(batch)
         # The Ray call is submitted here, synchronously, not in the task's first step: that step
-        # would
-        # only run after every task already queued in this loop iteration (e.g. the rest of a
-        # batch's
-        # agent loops rendering their prompts).
+        # would only run after every task already queued in this loop iteration (e.g. the rest of
+        # a batch's agent loops rendering their prompts).
         if len(batch) == 1:
             task = asyncio.ensure_future(
                 self._run_one(self.handle.generate.remote(**batch[0][0]), batch[0][1])

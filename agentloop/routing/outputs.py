@@ -63,9 +63,8 @@ def join_pieces(pieces: list[TokenOutput]) -> TokenOutput:
     )
     if all(p.extra_fields.get("global_steps") is not None for p in pieces):
         versions = [int(p.extra_fields["global_steps"]) for p in pieces]
-        # a piece cut before its first token sampled nothing with its weights: it does not widen the
-        # range
-        # a piece may span an update
+        # a piece cut before its first token sampled nothing with its weights: it does not widen
+        # the range; a piece may span an update
         per_token = [p.extra_fields.get("weight_versions") or [v] * len(p.token_ids)
                      for p, v in zip(pieces, versions, strict=True)]  # (server.weight_update: keep)
         sampled = [v for vs in per_token for v in vs] or versions

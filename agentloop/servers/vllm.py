@@ -294,8 +294,8 @@ class VLLMServer(WeightUpdateMethods):
             return 0
         n = self.gate.close(for_update)
         # The engine's own pause aborts what runs (their final outputs carry the tokens so far) and
-        # queues any
-        # request already past the gate but not yet in the engine, so nothing runs until resume().
+        # queues any request already past the gate but not yet in the engine, so nothing runs until
+        # resume().
         try:
             await self._engine_call(
                 self.engine.pause_generation(mode="abort", clear_cache=False), "pause"

@@ -61,9 +61,8 @@ def engine_args(engine: EngineConfig, server: ServerConfig, model: ModelConfig, 
         "disable_log_stats": engine.disable_log_stats,
         "tensor_parallel_size": engine.tensor_model_parallel_size,
         # On CPU this is the fraction of the NUMA node's memory that must be free at start-up
-        # (vLLM's
-        # default 0.92 fails as soon as the page cache holds a GiB); the KV cache itself is sized by
-        # VLLM_CPU_KVCACHE_SPACE.
+        # (vLLM's default 0.92 fails as soon as the page cache holds a GiB); the KV cache itself is
+        # sized by VLLM_CPU_KVCACHE_SPACE.
         "gpu_memory_utilization": engine.gpu_memory_utilization,
     }
     if model.local_tokenizer_path:

@@ -121,8 +121,7 @@ class MlflowBackend:
         self._queue.put(None)
         self._thread.join(timeout=60)
 
-    # ------------------------------------------------------------------------------------- writer
-    # thread
+    # ------------------------------------------------------------------------------ writer thread
     def _drain(self) -> None:
         while True:
             tree = self._queue.get()
