@@ -209,15 +209,16 @@ def test_a_group_survives_only_max_sample_retries_deaths(fake_ray):
     assert dispatcher.fault_counts["worker_restarts"] == len(spawned) - 2 >= 2
 
 
-def test_on_last_fires_once_before_the_last_group_is_fetched(fake_ray, monkeypatch):
-    """generate_sequences sends its servers' health probes through ``on_last``: once the only group
-    left is ready, before its rows are fetched (no worker dies here)."""
+def _on_last_calls(monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[tuple[int, int]]]:
+    """Roll 8 rows out over 2 healthy workers; returns the number of groups and, per ``on_last``
+    call, how many groups had been waited for and fetched by then."""
     spawned: list[FakeWorker] = []
     dispatcher = Dispatcher(spawn=lambda i, w: spawned.append(FakeWorker(False)) or spawned[-1],
                             num_workers=2, error_rows=error_rows)
     dispatcher.start()
     fetched: list[int] = []
-    get = ray.get
+    waited: list[int] = []
+    get, wait = ray.get, ray.wait
 
     def counting_get(refs: Any, timeout: float | None = None) -> Any:
         out = get(refs, timeout)
@@ -225,11 +226,25 @@ def test_on_last_fires_once_before_the_last_group_is_fetched(fake_ray, monkeypat
             fetched.append(out[0])
         return out
 
+    def counting_wait(refs: Any, **kwargs: Any) -> Any:
+        ready, rest = wait(refs, **kwargs)
+        waited.extend([0] * len(ready))
+        return ready, rest
+
     monkeypatch.setattr(ray, "get", counting_get)
-    fired: list[int] = []
-    parts = dispatcher.run(prompts(8), on_last=lambda: fired.append(len(fetched)))
+    monkeypatch.setattr(ray, "wait", counting_wait)
+    fired: list[tuple[int, int]] = []
+    parts = dispatcher.run(prompts(8), on_last=lambda: fired.append((len(waited), len(fetched))))
     groups = dispatcher.chunks_per_worker * 2
-    assert len(parts) == groups and fired == [groups - 1]
+    assert len(parts) == groups
+    return groups, fired
+
+
+def test_on_last_fires_once_before_the_last_group_is_fetched(fake_ray, monkeypatch):
+    """generate_sequences sends its servers' health probes through ``on_last``: once, when only one
+    group is left out, before its rows are fetched (no worker dies here)."""
+    groups, fired = _on_last_calls(monkeypatch)
+    assert fired == [(groups - 1, groups - 1)]  # before the wait for the last group
 
 
 def test_on_last_fires_again_when_the_early_call_is_stale(fake_ray, monkeypatch):
@@ -239,25 +254,9 @@ def test_on_last_fires_again_when_the_early_call_is_stale(fake_ray, monkeypatch)
     from agentloop.rollout import dispatcher as dispatcher_module
 
     monkeypatch.setattr(dispatcher_module, "ON_LAST_FRESH_S", -1.0)  # every early call is stale
-    spawned: list[FakeWorker] = []
-    dispatcher = Dispatcher(spawn=lambda i, w: spawned.append(FakeWorker(False)) or spawned[-1],
-                            num_workers=2, error_rows=error_rows)
-    dispatcher.start()
-    fetched: list[int] = []
-    get = ray.get
-
-    def counting_get(refs: Any, timeout: float | None = None) -> Any:
-        out = get(refs, timeout)
-        if isinstance(out, tuple):
-            fetched.append(out[0])
-        return out
-
-    monkeypatch.setattr(ray, "get", counting_get)
-    fired: list[int] = []
-    parts = dispatcher.run(prompts(8), on_last=lambda: fired.append(len(fetched)))
-    groups = dispatcher.chunks_per_worker * 2
+    groups, fired = _on_last_calls(monkeypatch)
     # once when the last group is the only one out, again when it is ready (not fetched yet)
-    assert len(parts) == groups and fired == [groups - 1, groups - 1]
+    assert fired == [(groups - 1, groups - 1), (groups, groups - 1)]
 
 
 def test_on_last_fires_again_when_a_fault_reran_groups_after_it(fake_ray):
