@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from agentloop.loops.base import AgentLoopBase, register
     from agentloop.loops.single_turn import SingleTurnAgentLoop
     from agentloop.rollout.manager import AgentLoopManager
+    from agentloop.rollout.rollouter import Rollouter
     from agentloop.rollout.worker import AgentLoopWorker
     from agentloop.routing import AsyncLLMServerManager
     from agentloop.types import (
@@ -47,6 +48,7 @@ _LAZY = {
     "AgentLoopOutput": "agentloop.types", "RolloutStatus": "agentloop.types",
     "MultiTrajectoryAgentLoopOutput": "agentloop.types", "StopReason": "agentloop.types",
     "TokenOutput": "agentloop.types", "AgentLoopWorker": "agentloop.rollout.worker",
+    "Rollouter": "agentloop.rollout.rollouter",
 }
 
 
@@ -66,6 +68,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AgentLoopBase", "AgentLoopError", "AgentLoopManager", "AgentLoopMetrics", "AgentLoopOutput",
     "AgentLoopWorker", "AsyncLLMServerManager", "ConfigError", "DataProto", "DatasetError",
-    "MultiTrajectoryAgentLoopOutput", "RolloutStatus", "ServerError", "SingleTurnAgentLoop",
+    "MultiTrajectoryAgentLoopOutput", "RolloutStatus", "Rollouter", "ServerError",
+    "SingleTurnAgentLoop",
     "StopReason", "TokenOutput", "UnknownAgentError", "register",
 ]
