@@ -8,6 +8,8 @@ Rendered prompts repeat most of their pieces (the system prompt and tool schemas
 the role headers, earlier turns), so :class:`SegmentEncoder` encodes each distinct piece once: a
 191-token tool-agent prompt took ~234 µs to encode whole on this machine, its system piece being
 nearly all of it.
+A new piece is encoded word by word where that is exact, the words remembered too
+(:mod:`agentloop.tokenization.words`).
 
 Exactness is checked, not assumed: the first :data:`VERIFY_FIRST` encodes of each encoder are also
 encoded whole, and one difference turns the piecewise path off for that tokenizer for good (a
@@ -23,12 +25,17 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from agentloop.tokenization.words import word_encoder
+
 logger = logging.getLogger(__name__)
 
 PIECE_CACHE_SIZE = 4096
 """Distinct pieces remembered per tokenizer backend."""
 VERIFY_FIRST = 64
 """Encodes per backend checked against a whole-text encode before the check stops."""
+WORD_SPLIT = True
+"""New pieces encoded word by word where exact (:mod:`agentloop.tokenization.words`); False:
+each new piece by the backend (the previous path; benchmarks compare the two)."""
 
 _encoders: weakref.WeakKeyDictionary[Any, SegmentEncoder | None] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -52,6 +59,8 @@ class SegmentEncoder:
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._checks_left = VERIFY_FIRST
         self.enabled = True
+        self.words = word_encoder(backend)
+        """New pieces word by word, where exact (None: whole)."""
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` (no special tokens added), as ``backend.encode`` gives them."""
@@ -67,7 +76,7 @@ class SegmentEncoder:
                 continue
             known = pieces.get(piece)
             if known is None:
-                known = tuple(self.backend.encode(piece, add_special_tokens=False).ids)
+                known = self._encode_piece(piece)
                 with _lock:
                     pieces[piece] = known
                     if len(pieces) > PIECE_CACHE_SIZE:
@@ -76,6 +85,15 @@ class SegmentEncoder:
         if self._checks_left > 0:
             return self._checked(text, ids)
         return ids
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        """A piece seen for the first time: word by word where that is exact
+        (:mod:`agentloop.tokenization.words`), else by the backend."""
+        if self.words is not None and WORD_SPLIT:
+            ids = self.words.encode(piece)
+            if ids is not None:
+                return tuple(ids)
+        return tuple(self.backend.encode(piece, add_special_tokens=False).ids)
 
     def _checked(self, text: str, ids: list[int]) -> list[int]:
         """The whole-text ids; a difference from ``ids`` turns the piecewise path off."""
