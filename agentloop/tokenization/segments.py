@@ -25,7 +25,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
-from agentloop.tokenization.words import word_encoder
+from agentloop.tokenization.words import per_backend, word_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +135,9 @@ def _clean_cuts(backend: Any) -> dict[str, int] | None:
 def segment_encoder(backend: Any) -> SegmentEncoder | None:
     """The piecewise encoder of a ``tokenizers.Tokenizer`` (one per backend), or None when its
     added tokens do not all cut cleanly (then encode whole)."""
-    try:
-        return _encoders[backend]
-    except KeyError:
-        pass
-    except TypeError:  # not weak-referenceable
-        return None
+    return per_backend(_encoders, backend, _build)
+
+
+def _build(backend: Any) -> SegmentEncoder | None:
     added = _clean_cuts(backend)
-    encoder = SegmentEncoder(backend, added) if added else None
-    with _lock:
-        _encoders[backend] = encoder
-    return encoder
+    return SegmentEncoder(backend, added) if added else None

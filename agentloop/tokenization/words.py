@@ -119,27 +119,38 @@ def split_pattern(backend: Any) -> str | None:
     return pattern if _plain(pattern) else None
 
 
-def word_encoder(backend: Any) -> WordEncoder | None:
-    """The word-by-word encoder of a ``tokenizers.Tokenizer`` (one per backend), or None where it
-    would not be exact, or the ``regex`` module cannot compile the tokenizer's pattern."""
+def per_backend(cache: weakref.WeakKeyDictionary[Any, Any], backend: Any,
+                build: Callable[[Any], Any]) -> Any:
+    """``build(backend)``, made once per backend and remembered in ``cache`` (weakly, with the
+    backend); None, unremembered, for a backend that takes no weak reference."""
     try:
-        return _encoders[backend]
+        return cache[backend]
     except KeyError:
         pass
     except TypeError:  # not weak-referenceable
         return None
-    pattern = split_pattern(backend)
-    encoder = None
-    if pattern is not None:
-        try:
-            import regex  # transformers' own dependency; Unicode classes \p{L}, \p{N}
-        except ImportError:  # pragma: no cover - installed with transformers
-            regex = None
-        if regex is not None:
-            try:
-                encoder = WordEncoder(backend, regex.compile(pattern).findall)
-            except regex.error as e:
-                logger.debug("pre-tokenizer pattern not compiled by regex (%s): encode whole", e)
+    value = build(backend)
     with _lock:
-        _encoders[backend] = encoder
-    return encoder
+        cache[backend] = value
+    return value
+
+
+def word_encoder(backend: Any) -> WordEncoder | None:
+    """The word-by-word encoder of a ``tokenizers.Tokenizer`` (one per backend), or None where it
+    would not be exact, or the ``regex`` module cannot compile the tokenizer's pattern."""
+    return per_backend(_encoders, backend, _build)
+
+
+def _build(backend: Any) -> WordEncoder | None:
+    pattern = split_pattern(backend)
+    if pattern is None:
+        return None
+    try:
+        import regex  # transformers' own dependency; Unicode classes \p{L}, \p{N}
+    except ImportError:  # pragma: no cover - installed with transformers
+        return None
+    try:
+        return WordEncoder(backend, regex.compile(pattern).findall)
+    except regex.error as e:
+        logger.debug("pre-tokenizer pattern not compiled by regex (%s): encode whole", e)
+        return None
