@@ -10,9 +10,9 @@ a piece, so this is most of what a batch of new prompts costs before its request
 
 Used only where both ways are sure to give the same ids:
 
-* the tokenizer: no normalizer, or a Unicode normal form (which leaves ASCII as it is); its
-  pre-tokenizer one regex ``Split`` (``Isolated``, not inverted) followed by a ``ByteLevel`` step
-  that adds no prefix space and runs no regex of its own; a pattern with no anchors, no
+* the tokenizer: no BPE dropout; no normalizer, or a Unicode normal form (which leaves ASCII as
+  it is); its pre-tokenizer one regex ``Split`` (``Isolated``, not inverted) followed by a
+  ``ByteLevel`` step that adds no prefix space and runs no regex of its own; a pattern with no anchors, no
   back-references and no lookaround but ``(?!\\S)`` (then a word encoded alone is cut as it is in
   its text: see ``tests/unit/test_word_encoder.py``);
 * the piece: printable ASCII, tabs and line breaks, where Python's ``regex`` and the tokenizer's
@@ -95,6 +95,8 @@ def _plain(pattern: str) -> bool:
 def split_pattern(backend: Any) -> str | None:
     """The regular expression that cuts ``backend``'s text into words, when word-by-word encoding
     is exact for it (see the module docstring); else None."""
+    if getattr(getattr(backend, "model", None), "dropout", None):
+        return None  # BPE dropout: a word's ids differ call to call
     normalizer = getattr(backend, "normalizer", None)
     if normalizer is not None:
         spec = _state(normalizer)

@@ -132,6 +132,15 @@ def test_tokenizers_that_could_cut_a_word_differently_get_no_word_encoder(pre, n
     assert word_encoder(backend) is None, why
 
 
+def test_bpe_dropout_gets_no_word_encoder():
+    backend = _byte_level_bpe(pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]))
+    backend.model = models.BPE(dropout=0.1)
+    assert split_pattern(backend) is None
+
+
 def test_the_qwen2_shape_is_accepted():
     backend = _byte_level_bpe(pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2), behavior="isolated"),
