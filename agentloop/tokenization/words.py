@@ -12,9 +12,9 @@ Used only where both ways are sure to give the same ids:
 
 * the tokenizer: no BPE dropout; no normalizer, or a Unicode normal form (which leaves ASCII as
   it is); its pre-tokenizer one regex ``Split`` (``Isolated``, not inverted) followed by a
-  ``ByteLevel`` step that adds no prefix space and runs no regex of its own; a pattern with no anchors, no
-  back-references and no lookaround but ``(?!\\S)`` (then a word encoded alone is cut as it is in
-  its text: see ``tests/unit/test_word_encoder.py``);
+  ``ByteLevel`` step that adds no prefix space and runs no regex of its own; a pattern with no
+  anchors, no back-references and no lookaround but ``(?!\\S)`` (then a word encoded alone is cut
+  as it is in its text: see ``tests/unit/test_word_encoder.py``);
 * the piece: printable ASCII, tabs and line breaks, where Python's ``regex`` and the tokenizer's
   Oniguruma agree on ``\\s``, ``\\p{L}`` and ``\\p{N}``. Other pieces are encoded whole, as before.
 
