@@ -33,9 +33,6 @@ PIECE_CACHE_SIZE = 4096
 """Distinct pieces remembered per tokenizer backend."""
 VERIFY_FIRST = 64
 """Encodes per backend checked against a whole-text encode before the check stops."""
-WORD_SPLIT = True
-"""New pieces encoded word by word where exact (:mod:`agentloop.tokenization.words`); False:
-each new piece by the backend (the previous path; benchmarks compare the two)."""
 
 _encoders: weakref.WeakKeyDictionary[Any, SegmentEncoder | None] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -89,7 +86,7 @@ class SegmentEncoder:
     def _encode_piece(self, piece: str) -> tuple[int, ...]:
         """A piece seen for the first time: word by word where that is exact
         (:mod:`agentloop.tokenization.words`), else by the backend."""
-        if self.words is not None and WORD_SPLIT:
+        if self.words is not None:
             ids = self.words.encode(piece)
             if ids is not None:
                 return tuple(ids)

@@ -107,7 +107,7 @@ def split_pattern(backend: Any) -> str | None:
     if spec is None:
         return None
     steps = spec.get("pretokenizers") if spec.get("type") == "Sequence" else [spec]
-    if not steps or len(steps) != 2:
+    if len(steps or ()) != 2:
         return None
     split, byte_level = steps
     pattern = (split.get("pattern") or {}).get("Regex")
