@@ -16,7 +16,7 @@ import array
 from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter, methodcaller
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -174,7 +174,9 @@ def _check_lengths(outputs: list[AgentLoopOutput], calculate_log_probs: bool) ->
     if not calculate_log_probs:
         return
     logprobs = [o.response_logprobs for o in outputs]
-    if all(v is not None for v in logprobs) and not (_lengths(logprobs) != n_ids).any():
+    if all(v is not None for v in logprobs) and not (
+        _lengths(cast("list[list[float]]", logprobs)) != n_ids
+    ).any():
         return  # every row has log-probs of the right length: one vector compare
     _check_aligned(logprobs, n_ids, "response_logprobs", "0.0")
 

@@ -388,7 +388,8 @@ class DispatchRun:
 
     def _take(self, dispatch: Dispatch) -> list[Finished]:
         if self.on_last is not None and not self.retry and self._left() == 1:
-            self.on_last, on_last = None, self.on_last
+            on_last = self.on_last
+            self.on_last = None
             if self.on_last_at is None or time.monotonic() - self.on_last_at > ON_LAST_FRESH_S:
                 on_last()
         finished = self._fetch(dispatch)
