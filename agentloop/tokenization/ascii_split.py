@@ -10,9 +10,9 @@ for a 50-character user turn on this machine.
 
 :func:`ascii_split` rewrites only what it knows (the Unicode properties in :data:`ASCII_RANGES`,
 inside or outside a character class) and refuses anything else (``\\P{..}``, a property it does not
-know, a property with no ASCII member outside a class, a class left empty).  The rewrite is then
-checked: both compiled patterns must cut every text of a fixed sample the same way, else the
-``regex`` version is kept.
+know, a property with no ASCII member outside a class, a class left empty, a set nested in a
+class).  The rewrite is then checked: both compiled patterns must cut every text of a fixed sample
+the same way, else the ``regex`` version is kept.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def translate(pattern: str) -> str | None:
                 out.append(ranges if in_class else f"[{ranges}]")
             i = prop.end()
             continue
-        if c == "[" and not in_class:
+        if c == "[" and in_class:
+            return None  # a nested set or a POSIX class ([[:alpha:]]): re reads it otherwise
+        if c == "[":
             in_class = True
             out.append(c)
             i += 1

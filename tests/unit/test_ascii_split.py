@@ -55,6 +55,7 @@ def test_translate_rewrites_unicode_classes_as_ascii_ranges(pattern, rewritten):
         (r"[\p{Lo}\p{M}]+", "a class left empty"),
         (r"[]a]", "a literal ] first in a class"),
         (r"[a-z", "an unclosed class"),
+        (r"[[:alpha:]]+", "a POSIX class (a nested set to re)"),
     ],
 )
 def test_translate_refuses_what_has_no_plain_rewrite(pattern, why):
