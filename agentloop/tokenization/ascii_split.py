@@ -21,7 +21,7 @@ import random
 import re
 from collections.abc import Callable
 
-__all__ = ["ASCII_RANGES", "ascii_split", "translate"]
+__all__ = ["ASCII_RANGES", "SAMPLE_PARTS", "ascii_split", "translate"]
 
 ASCII_RANGES = {
     "L": "A-Za-z", "Lu": "A-Z", "Ll": "a-z", "Lt": "", "Lm": "", "Lo": "", "M": "", "Mn": "",
@@ -31,14 +31,16 @@ ASCII_RANGES = {
 
 _PROPERTY = re.compile(r"\\[pP]\{(\w+)\}")
 
-# texts the rewrite is checked on: pieces of what split patterns treat specially
-_SAMPLE_PARTS = [
+SAMPLE_PARTS = [
     "what", "What", "IS", " plus", "Step", " ", "  ", "   ", "\n", "\n\n", " \n", "  \n  ", "\t",
     "\r\n", "\r", "'s", "'S", "'ll", "'LL", "'re", "'Ve", "'d", "'M", "'T", "don't", "1", "12",
     "123", "1234", "12345", "3.14", "?", "!", "...", ":", " (#", ")", "-", "_x_", "\"", "{", "}",
     "[1, 2]", "<", ">", "/", "\\", "a", "Z", "x2", "2x", "  #", "~", "`", "@@", " $", "%", "^",
     "aB", "Ab", "ABc", "abC", " /", "/\n", ".\n", "\t\n", " \t ", "'", "''", "'x",
 ]
+"""Pieces of text that split patterns treat specially (runs of spaces before a word or a line break,
+digit runs, contractions in both cases, punctuation glued to line breaks): random joins of them are
+what a rewrite is checked on (and what ``tests/unit/test_word_encoder.py`` encodes both ways)."""
 
 
 def translate(pattern: str) -> str | None:
@@ -90,7 +92,7 @@ def translate(pattern: str) -> str | None:
 def _sample(count: int = 400) -> list[str]:
     rng = random.Random(0)
     return [
-        "".join(rng.choice(_SAMPLE_PARTS) for _ in range(rng.randint(1, 16))) for _ in range(count)
+        "".join(rng.choice(SAMPLE_PARTS) for _ in range(rng.randint(1, 16))) for _ in range(count)
     ]
 
 

@@ -1,12 +1,12 @@
 """Word-by-word encoding of new prompt pieces (agentloop.tokenization.words) gives exactly the
 backend's ids.
 
-Random ASCII text built from the cases where a regex split depends on what follows (runs of spaces
-before a word or a line break, digits in runs longer than three, contractions in both cases,
-punctuation glued to line breaks, tabs, carriage returns) is encoded both ways with the tiny model's
-tokenizer and the template families' (Qwen2, Llama 3 and o200k split patterns); text outside the
-safe ASCII set goes to the backend; tokenizers whose pre-tokenizer or normalizer could cut or
-change a word differently alone get no word encoder.
+Random ASCII text built from the cases where a regex split depends on what follows
+(``ascii_split.SAMPLE_PARTS``: runs of spaces before a word or a line break, digit runs,
+contractions in both cases, punctuation glued to line breaks, tabs, carriage returns) is encoded
+both ways with the tiny model's tokenizer and the template families' (Qwen2, Llama 3 and o200k
+split patterns); text outside the safe ASCII set goes to the backend; tokenizers whose
+pre-tokenizer or normalizer could cut or change a word differently alone get no word encoder.
 """
 
 from __future__ import annotations
@@ -22,21 +22,17 @@ from agentloop.loops.prompt import apply_chat_template, clear_render_cache
 from agentloop.testing.templates import FAMILIES, make_template_tokenizer
 from agentloop.testing.tiny_model import ensure_tiny_model
 from agentloop.tokenization import segments
+from agentloop.tokenization.ascii_split import SAMPLE_PARTS
 from agentloop.tokenization.fast import fast_backend
 from agentloop.tokenization.loader import load_tokenizer
 from agentloop.tokenization.words import WordEncoder, split_pattern, word_encoder
 
-FRAGMENTS = [
-    "what", "What", "IS", " plus", "Step", " ", "  ", "   ", "\n", "\n\n", " \n", "  \n  ", "\t",
-    "\r\n", "'s", "'S", "'ll", "'LL", "'re", "'d", "don't", "1", "12", "123", "12345", "3.14",
-    "?", "!", "...", ":", " (#", ")", "-", "_x_", "\"", "{", "}", "[1, 2]", "<", ">", "/", "\\",
-    "a", "Z", "x2", "2x", "  #", "~", "`", "@@", " $", "%", "^",
-]
-
 
 def texts(seed: int, count: int) -> list[str]:
     rng = random.Random(seed)
-    return ["".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 24))) for _ in range(count)]
+    return [
+        "".join(rng.choice(SAMPLE_PARTS) for _ in range(rng.randint(1, 24))) for _ in range(count)
+    ]
 
 
 @functools.cache
