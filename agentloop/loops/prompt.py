@@ -50,10 +50,71 @@ _render_caches: weakref.WeakKeyDictionary[Any, OrderedDict[_Key, array.array]] =
 _render_lock = threading.Lock()
 
 
+_last_render: tuple[Any, ...] | None = None
+"""The last render the cache took, to compare the next one with before any key is built: GRPO
+batches hold each prompt ``rollout.n`` times in a row, and their renders run one after another
+(:func:`_same_as_last`)."""
+
+
 def clear_render_cache() -> None:
     """Forget every remembered render (all tokenizers)."""
+    global _last_render
     with _render_lock:
         _render_caches.clear()
+        _last_render = None
+
+
+def _remember_last(
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], key: _Key,
+    ids: array.array,
+) -> None:
+    """Keep this render as the last one when ``key`` holds its messages and keywords themselves
+    (:func:`_plain_key`: strings or None, no tools), which the comparison in :func:`_same_as_last`
+    relies on; otherwise forget the last one."""
+    global _last_render
+    if len(key) != 4 or key[3] is not None:  # a digest, or tool schemas
+        _last_render = None
+        return
+    try:
+        ref = weakref.ref(tokenizer)
+    except TypeError:
+        return
+    _last_render = (
+        ref, getattr(tokenizer, "chat_template", None), _vocab_size(tokenizer),
+        [dict(m) for m in messages], [tuple(m) for m in messages],
+        dict(kwargs), [type(v) for v in kwargs.values()], ids,
+    )
+
+
+def _same_as_last(
+    tokenizer: Any, messages: Any, kwargs: dict[str, Any]
+) -> array.array | None:
+    """The ids of the last render when this one is the same: the same tokenizer, template
+    attribute and vocabulary size, messages equal to the last ones with their keys in the same
+    order, and keywords equal with the same types (Jinja renders ``True`` and ``1`` differently).
+    The last messages were plain (strings or None), so equal ones render the same text."""
+    last = _last_render
+    if last is None or type(messages) is not list or last[0]() is not tokenizer:
+        return None
+    (_, template, size, last_messages, last_keys, last_kwargs, last_types, ids) = last
+    if (
+        messages == last_messages
+        and kwargs == last_kwargs
+        and [type(v) for v in kwargs.values()] == last_types
+        and list(kwargs) == list(last_kwargs)
+        and getattr(tokenizer, "chat_template", None) is template
+        and [tuple(m) for m in messages] == last_keys
+        and _vocab_size(tokenizer) == size
+    ):
+        return ids
+    return None
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
 
 
 def _refuse(value: Any) -> Any:
@@ -114,10 +175,7 @@ def _render_key(tokenizer: Any, messages: Any, kwargs: dict[str, Any]) -> _Key |
         template = json.dumps(template, sort_keys=True)
     if template is not None and _reads_clock(template):
         return None
-    try:
-        size = len(tokenizer)
-    except TypeError:
-        size = None
+    size = _vocab_size(tokenizer)
     tools = kwargs.get("tools")
     rest = kwargs if tools is None else {k: v for k, v in kwargs.items() if k != "tools"}
     try:  # a loop's tool schemas: their JSON remembered per list (schema_json)
@@ -150,7 +208,12 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
     template and the messages): GRPO batches hold every prompt ``rollout.n`` times in a row, and the
     copies after the first cost a lookup instead of a Jinja render and an encode.
     """
-    key = _render_key(tokenizer, messages, kwargs) if RENDER_CACHE_SIZE > 0 else None
+    if RENDER_CACHE_SIZE <= 0:
+        return _render(tokenizer, messages, kwargs)
+    same = _same_as_last(tokenizer, messages, kwargs)
+    if same is not None:
+        return same.tolist()
+    key = _render_key(tokenizer, messages, kwargs)
     if key is None:
         return _render(tokenizer, messages, kwargs)
     with _render_lock:  # loops may render from threads (the verl helpers use an executor)
@@ -163,12 +226,15 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs
         hit = cache.get(key)
         if hit is not None:
             cache.move_to_end(key)
+            _remember_last(tokenizer, messages, kwargs, key, hit)
             return hit.tolist()
     ids = _render(tokenizer, messages, kwargs)
+    stored = array.array("q", ids)
     with _render_lock:
-        cache[key] = array.array("q", ids)
+        cache[key] = stored
         while len(cache) > RENDER_CACHE_SIZE:
             cache.popitem(last=False)
+        _remember_last(tokenizer, messages, kwargs, key, stored)
     return ids
 
 

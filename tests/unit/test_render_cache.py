@@ -151,3 +151,33 @@ def test_renders_from_many_threads_at_once_stay_exact(monkeypatch):
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda t: apply_chat_template(tok, chat(t)), texts))
     assert got == [FakeTokenizer().apply_chat_template(chat(t)) for t in texts]
+
+
+def test_a_render_the_same_as_the_one_before_is_checked_as_strictly_as_the_key():
+    # the copies of a GRPO prompt render one after another: the comparison with the last render
+    # must tell apart whatever the cache key tells apart
+    tok = CountingTokenizer("template A")
+    messages = chat("q")
+    apply_chat_template(tok, messages)
+    apply_chat_template(tok, chat("q"))  # equal messages: not rendered again
+    assert tok.renders == 1
+    apply_chat_template(tok, [{"content": m["content"], "role": m["role"]} for m in messages])
+    assert tok.renders == 2  # the keys in another order (a template may iterate them)
+    apply_chat_template(tok, messages)  # remembered from the first call
+    tok.chat_template = "template B"
+    apply_chat_template(tok, messages)
+    assert tok.renders == 3  # the template changed in between
+
+
+def test_a_conversation_changed_after_its_render_is_rendered_anew():
+    # a multi-turn loop keeps its message list and appends to it, or edits a message in place
+    tok = CountingTokenizer()
+    messages = chat("q")
+    first = apply_chat_template(tok, messages)
+    messages[1]["content"] = "another question"
+    edited = apply_chat_template(tok, messages)
+    messages.append({"role": "assistant", "content": "an answer"})
+    longer = apply_chat_template(tok, messages)
+    assert tok.renders == 3
+    assert edited != first and longer != edited
+    assert longer == FakeTokenizer().apply_chat_template(messages)
