@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, cast
 
 from ray.actor import ActorHandle
 
@@ -109,14 +109,16 @@ class AsyncLLMServerManager:
         self.num_resumes = 0
         """Generations re-issued after a server pause interrupted them (``partial_rollout``)."""
 
-    async def _acquire(
+    def _acquire(
         self, request_id: str, prompt_len: int, prefix: tuple[int, ...] = ()
-    ) -> int:
+    ) -> int | Awaitable[int]:
+        """The server for a request: its index from this client's own balancer at once, or an
+        awaitable of it from a shared balancer actor."""
         if self._client is not None:
-            return await self._client.acquire(request_id, prompt_len, prefix)
+            return self._client.acquire(request_id, prompt_len, prefix)
         if prefix:
-            return self.balancer.acquire(request_id, prompt_len, prefix=prefix)
-        return self.balancer.acquire(request_id, prompt_len)
+            return cast(int, self.balancer.acquire(request_id, prompt_len, prefix=prefix))
+        return cast(int, self.balancer.acquire(request_id, prompt_len))
 
     def _release_nowait(self, server: int, *, cancelled: bool = False) -> None:
         """Release without awaiting; on cancellation an actor release is submitted at once."""
@@ -128,6 +130,12 @@ class AsyncLLMServerManager:
     async def _call(self, server: int, method: str, **kwargs: Any) -> Any:
         """Call ``method`` on server ``server``, awaiting an actor call or a local coroutine
         alike."""
+        return await self._start(server, method, kwargs)
+
+    def _start(self, server: int, method: str, kwargs: dict[str, Any]) -> Awaitable[Any]:
+        """Start ``method`` on server ``server``: what to await for its result (an actor call's
+        reference, the batcher's future, a local server's coroutine).  The router's hot path
+        awaits it directly, one coroutine less per call than :meth:`_call`."""
         if not 0 <= server < len(self.server_handles):
             raise RoutingError(
                 f"the balancer chose server {server} but this manager has "
@@ -136,16 +144,20 @@ class AsyncLLMServerManager:
             )
         handle = self.server_handles[server]
         if method == "generate" and server in self._batchers:
-            future = self._batchers[server].submit(kwargs)
-            try:
-                return await future
-            # the caller gave up (timeout, abort): stop the engine too
-            except asyncio.CancelledError:
-                handle.abort.remote(request_id=kwargs["request_id"])
-                raise
+            return self._batched(handle, self._batchers[server].submit(kwargs), kwargs)
         if isinstance(handle, ActorHandle):
-            return await getattr(handle, method).remote(**kwargs)
-        return await getattr(handle, method)(**kwargs)
+            return cast(Awaitable[Any], getattr(handle, method).remote(**kwargs))
+        return cast(Awaitable[Any], getattr(handle, method)(**kwargs))
+
+    @staticmethod
+    async def _batched(handle: Any, future: Awaitable[Any], kwargs: dict[str, Any]) -> Any:
+        """A batched generate call's result; when the caller gives up (timeout, abort) the engine
+        request is aborted too."""
+        try:
+            return await future
+        except asyncio.CancelledError:
+            handle.abort.remote(request_id=kwargs["request_id"])
+            raise
 
     async def generate(
         self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -253,14 +265,15 @@ class AsyncLLMServerManager:
             try:
                 prefix = prefix_keys(prompt_ids) if self._prefix else ()
                 # _slot's work, inline (one generator-based context manager less per call)
-                server = await self._acquire(key, len(prompt_ids), prefix)
+                chosen = self._acquire(key, len(prompt_ids), prefix)
+                server = chosen if isinstance(chosen, int) else await chosen
                 cancelled = False
                 try:
                     start = timing.now()
-                    output = await self._call(
-                        server, "generate", prompt_ids=prompt_ids, sampling_params=sampling_params,
-                        request_id=request_id, **media,
-                    )
+                    output = await self._start(server, "generate", {
+                        "prompt_ids": prompt_ids, "sampling_params": sampling_params,
+                        "request_id": request_id, **media,
+                    })
                 except asyncio.CancelledError:
                     cancelled = True
                     raise
@@ -421,7 +434,8 @@ class AsyncLLMServerManager:
         the server propagates as the server raised it (out of Ray's task-error wrapper:
         :func:`~agentloop.routing.server_errors.translated`).
         """
-        server = await self._acquire(key, prompt_len, prefix)
+        chosen = self._acquire(key, prompt_len, prefix)
+        server = chosen if isinstance(chosen, int) else await chosen
         cancelled = False
         try:
             yield server

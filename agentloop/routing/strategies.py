@@ -181,6 +181,12 @@ class StickySession:
         if track is not None:
             track(in_flight)
 
+    @property
+    def follows_counts(self) -> bool:
+        """Whether the fallback keeps its own view of the in-flight counts (only then does the
+        balancer tell this strategy of each change)."""
+        return getattr(self.fallback, "moved", None) is not None
+
     def moved(self, server: int, old: int, new: int) -> None:
         moved = getattr(self.fallback, "moved", None)
         if moved is not None:
@@ -205,7 +211,9 @@ class Balancer:
         self.healthy = [True] * num_servers
         self._owned: dict[str, list[int]] = {}
         track = getattr(strategy, "track", None)
-        self._moved = getattr(strategy, "moved", None)
+        self._moved = (
+            getattr(strategy, "moved", None) if getattr(strategy, "follows_counts", True) else None
+        )
         """Told of every in-flight count change, for a strategy that keeps its own ordered view."""
         if track is not None:
             track(self.in_flight)

@@ -197,7 +197,8 @@ def _timed_acquire(router: Any) -> None:
 
     async def acquire(request_id: str, prompt_len: int, *args: Any, **kwargs: Any) -> int:
         start = time.perf_counter()
-        server = await inner(request_id, prompt_len, *args, **kwargs)
+        chosen = inner(request_id, prompt_len, *args, **kwargs)  # an index, or an awaitable of one
+        server = chosen if isinstance(chosen, int) else await chosen
         _ACQUIRE_S.append(time.perf_counter() - start)
         return server
 
