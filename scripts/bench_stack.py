@@ -11,8 +11,10 @@ the render cache on (shipped) and off (``RENDER_CACHE_SIZE = 0``: the previous d
 ``--agent tool_agent``: each row makes one calculator call (the real tool) and then answers, so a
 tool turn's encoding is measured too.
 
-``--compare gc``: the start-up heap frozen (what worker and vLLM server actors do,
-``rollout.gc_freeze``) vs not.
+The process's garbage collector is set as a worker actor sets its own (``rollout.gc_freeze``: the
+start-up heap frozen; ``rollout.gc_threshold``: the young generation's threshold;
+:func:`agentloop.utils.gcheap.tune_collector`), so the figures are the worker's as it runs in its
+actor.  ``--compare gc``: those settings (shipped) vs CPython's defaults, the render cache on.
 
     python scripts/bench_stack.py [--num-prompts 256] [--n 1 8] [--repeats 15] [--agent tool_agent]
     [--compare gc]
@@ -47,9 +49,8 @@ def main() -> None:
         "--compare",
         choices=["cache", "gc"],
         default="cache",
-        help="cache: render cache on vs off; gc: start-up heap frozen (what "
-        "worker actors do, "
-        "rollout.gc_freeze) vs not, cache on",
+        help="cache: render cache on vs off; gc: the collector as worker actors set it "
+        "(rollout.gc_freeze, rollout.gc_threshold) vs CPython's defaults, cache on",
     )
     parser.add_argument(
         "--agent",
@@ -69,6 +70,7 @@ def main() -> None:
     from agentloop.testing import ScriptedServer
     from agentloop.testing.tiny_model import ensure_tiny_model
     from agentloop.tokenization.loader import load_tokenizer
+    from agentloop.utils.gcheap import tune_collector
 
     cfg = default_config()
     OmegaConf.update(cfg, "actor_rollout_ref.model.path", str(ensure_tiny_model()))
@@ -140,8 +142,10 @@ def main() -> None:
             prompt.RENDER_CACHE_SIZE = setting
         elif setting:
             gc.freeze()  # O(1): the tracked objects move to the permanent generation
+            gc.set_threshold(actor_threshold, *cpython_threshold[1:])
         else:
             gc.unfreeze()
+            gc.set_threshold(*cpython_threshold)
         # the fake records every call: a growing heap would slow later passes' GC
         server.calls.clear()
         called.clear()
@@ -163,14 +167,16 @@ def main() -> None:
             f"{set(first.non_tensor_batch['status'])}, turns "
             f"{set(first.non_tensor_batch['__num_turns__'])} (expected stop, {turns})"
         )
+    cpython_threshold = gc.get_threshold()
+    tune_collector(cfg.actor_rollout_ref.rollout)  # the worker as its actor runs it
+    actor_threshold = gc.get_threshold()[0]
     if args.compare == "cache":
         settings: dict[str, Any] = {
             "cache on (shipped)": prompt.RENDER_CACHE_SIZE,
             "cache off (previous)": 0,
         }
     else:
-        gc.collect()
-        settings = {"heap frozen (actors)": True, "not frozen (previous)": False}
+        settings = {"actor's collector": True, "CPython's (previous)": False}
     shipped, previous = settings
     engine_us: dict[str, list[float]] = {name: [] for name in settings}
 
@@ -210,6 +216,7 @@ def main() -> None:
     if args.compare == "cache":
         prompt.RENDER_CACHE_SIZE = settings[shipped]
     gc.unfreeze()
+    gc.set_threshold(*cpython_threshold)
 
 
 if __name__ == "__main__":

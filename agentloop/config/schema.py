@@ -123,6 +123,7 @@ class EngineConfig(Section):
     logprobs_mode: str
     normal_priority: bool
     gc_freeze: bool
+    gc_threshold: int | None
     enable_rollout_routing_replay: bool
     """Routing replay (R3): the servers return the experts each token was routed to (MoE models
     only; docs/porting-from-verl.md#routing-replay-r3)."""

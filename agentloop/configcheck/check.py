@@ -346,6 +346,7 @@ TYPE_CHECKS: dict[str, Check] = {
             "disable_log_stats": _BOOL,
             "normal_priority": _BOOL,
             "gc_freeze": _BOOL,
+            "gc_threshold": _OPT_POS_INT,
             "cudagraph_capture_sizes": _OPT_SIZES,
             "engine_kwargs": _MAPPING,
             "engine_kwargs.vllm": _OPT_MAPPING,

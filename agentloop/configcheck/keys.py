@@ -262,7 +262,7 @@ _add(ROLLOUT, UNSUPPORTED, "replays dumped rollouts instead of generating", {"sk
      origin="verl-0.6.1")
 
 _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
-    "normal_priority": True, "gc_freeze": True,
+    "normal_priority": True, "gc_freeze": True, "gc_threshold": 50000,
     "multi_turn.tool_timeout": 30, "multi_turn.return_messages": False,
     "multi_turn.context_window": None, "multi_turn.max_context_edits": None,
     "multi_turn.reward_to": "all", "multi_turn.reward_gamma": 0.9,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -222,7 +223,8 @@ class AgentLoopWorker:
     def ready(self) -> dict[str, Any]:
         """Returns once the worker is constructed (tokenizer loaded, loop classes initialised)."""
         return {"pid": os.getpid(), "priority": self.priority, "agent_loops": sorted(self.registry),
-                "init_errors": dict(self.init_errors), "gc_frozen": self.gc_frozen}
+                "init_errors": dict(self.init_errors), "gc_frozen": self.gc_frozen,
+                "gc_threshold": gc.get_threshold()[0]}
 
     async def ping(self) -> bool:
         """Answered by this worker's event loop: the pool's mid-batch look for a loop something

@@ -240,6 +240,7 @@ def test_manager_waits_for_its_workers_and_raises_their_setup_errors(
         assert len(infos) == 2 and all("tool_agent" in i["agent_loops"] for i in infos)
         assert all(i["priority"].startswith("nice") for i in infos)
         assert all(i["gc_frozen"] > 10_000 for i in infos)  # start-up heap out of full collections
+        assert all(i["gc_threshold"] == 50_000 for i in infos)  # few young collections a batch
         from agentloop.batch.data import rows_to_batch
 
         out = manager.generate_sequences(
