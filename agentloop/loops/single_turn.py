@@ -58,11 +58,10 @@ class SingleTurnAgentLoop(AgentLoopBase):
             media["video_data"] = videos
         prompt_ids, dropped = fit_prompt(prompt_ids, self.prompt_length, self.prompt_truncation)
 
-        start, routing = time.perf_counter(), RoutedExpertsTrace()
+        start = time.perf_counter()
         output = await self.server_manager.generate(
             request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params, **media
         )
-        routing.add(prompt_ids, output)
         # built unchecked: every value comes from a validated TokenOutput (types.unchecked)
         metrics = unchecked(
             AgentLoopMetrics, generate_sequences=time.perf_counter() - start,
@@ -71,12 +70,13 @@ class SingleTurnAgentLoop(AgentLoopBase):
 
         response_ids = output.token_ids[: self.response_length]
         versions = output.extra_fields.get("weight_versions")
-        status = {
-            StopReason.LENGTH: RolloutStatus.LENGTH,
-            StopReason.ABORTED: RolloutStatus.ABORTED,
-        }.get(output.stop_reason, RolloutStatus.STOP)
-        if len(output.token_ids) > self.response_length:
+        reason = output.stop_reason
+        if reason is StopReason.LENGTH or len(output.token_ids) > self.response_length:
             status = RolloutStatus.LENGTH
+        elif reason is StopReason.ABORTED:
+            status = RolloutStatus.ABORTED
+        else:
+            status = RolloutStatus.STOP
         return unchecked(
             AgentLoopOutput,
             prompt_ids=prompt_ids,
@@ -88,7 +88,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_weight_versions=list(versions[: self.response_length])
             if versions is not None
             else None,
-            routed_experts=routing.rows_for(prompt_ids, response_ids),
+            routed_experts=None if output.routed_experts is None
+            else _routed_rows(prompt_ids, output, response_ids),
             num_turns=2,
             metrics=metrics,
             multi_modal_data={"image": images} if images else None,
@@ -99,3 +100,11 @@ class SingleTurnAgentLoop(AgentLoopBase):
             },
             status=status,
         )
+
+
+def _routed_rows(prompt_ids: list[int], output: Any, response_ids: list[int]) -> Any:
+    """The routed experts of ``prompt_ids + response_ids`` from the call's output (routing
+    replay)."""
+    routing = RoutedExpertsTrace()
+    routing.add(prompt_ids, output)
+    return routing.rows_for(prompt_ids, response_ids)

@@ -41,7 +41,13 @@ from agentloop.compat.rollout_trace import (
 )
 from agentloop.config import ModelConfig, WorkerSections
 from agentloop.config.routing_replay import check_routing_replay
-from agentloop.loops.base import DictConfigWrap, ResolvedAgentLoop, ToolListWrap, resolve_registry
+from agentloop.loops.base import (
+    DictConfigWrap,
+    LoopInstances,
+    ResolvedAgentLoop,
+    ToolListWrap,
+    resolve_registry,
+)
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
@@ -178,6 +184,7 @@ class AgentLoopWorker:
             "dataset_cls": None, "data_config": DictConfigWrap(trainer_config.get("data") or {}),
             "hf_model_type": self.hf_model_type, "tools": ToolListWrap(self.tools),
         }
+        self._loops = LoopInstances(self._loop_args, self._loop_kwargs)
         # last: everything start-up made stays out of full GCs
         self.gc_frozen = freeze_startup_heap(self.engine)
 
@@ -401,10 +408,10 @@ class AgentLoopWorker:
                 )
             ]
         try:
-            loop = entry.cls(*self._loop_args, **{**self._loop_kwargs, **entry.kwargs})
+            loop = self._loops.new(entry)
             coro = loop.run(dict(sampling_params), trajectory_info=info, **sample)
             if not trace_enabled():  # the hot path: rollout_trace_attr would do nothing
-                output = await within(coro, timeout)
+                output = await (within(coro, timeout) if timeout else coro)
             else:
                 with rollout_trace_attr(
                     step=info["step"], sample_index=info["sample_index"],
