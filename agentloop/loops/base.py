@@ -287,7 +287,7 @@ class ResolvedAgentLoop:
     ``kwargs``.
 
     The worker calls ``cls.init_class`` once per worker, then builds one instance per sample as
-    ``cls(*loop_args, **kwargs)`` (verl's constructor contract).
+    ``cls(*loop_args, **kwargs)`` (verl's constructor contract; :class:`LoopInstances`).
     """
 
     name: str
