@@ -296,42 +296,47 @@ class ResolvedAgentLoop:
 
 
 class LoopInstances:
-    """The worker's one loop instance per sample, as ``entry.cls(*args, **kwargs, **entry.kwargs)``
-    builds it (verl's constructor contract).
+    """The worker's one loop instance per sample, as ``entry.cls(*args, **{**kwargs,
+    **entry.kwargs})`` builds it (verl's constructor contract).
 
     A class that keeps :class:`AgentLoopBase`'s constructor (and ``object.__new__``) gets a copy of
     an instance built once in the running event loop: the same attributes, with its keyword dicts
     (``apply_chat_template_kwargs``, ``mm_processor_kwargs``) copied as the constructor copies them
-    (~0.5 µs a sample instead of ~2 µs).  A class with its own ``__init__`` is constructed every
+    (~1.1 µs a sample instead of ~2.1 µs).  A class with its own ``__init__`` is constructed every
     time.
     """
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.args, self.kwargs = args, kwargs
-        self._kwargs_of: dict[str, dict[str, Any]] = {}
-        self._built: dict[str, AgentLoopBase] = {}
+        self._built: dict[int, tuple[ResolvedAgentLoop, AgentLoopBase]] = {}
+        """The instance copied for each entry (by identity: a replaced entry is built afresh)."""
 
     def new(self, entry: ResolvedAgentLoop) -> AgentLoopBase:
         """A fresh instance of ``entry``'s class for one sample."""
         cls = entry.cls
-        kwargs = self._kwargs_of.get(entry.name)
-        if kwargs is None:
-            kwargs = self._kwargs_of[entry.name] = {**self.kwargs, **entry.kwargs}
         running = asyncio._get_running_loop()
         if (
             running is None or cls.__init__ is not AgentLoopBase.__init__
             or cls.__new__ is not object.__new__
         ):
-            return cls(*self.args, **kwargs)
-        built = self._built.get(entry.name)
-        if built is None or type(built) is not cls or built.loop is not running:
-            built = self._built[entry.name] = cls(*self.args, **kwargs)
+            return self._construct(entry)
+        held = self._built.get(id(entry))
+        # built afresh for a replaced entry (or class) or a new batch's event loop
+        if (
+            held is None or held[0] is not entry or type(held[1]) is not cls
+            or held[1].loop is not running
+        ):
+            held = self._built[id(entry)] = (entry, self._construct(entry))
+        built = held[1]
         fresh = object.__new__(cls)
         state = fresh.__dict__
         state.update(built.__dict__)
         state["apply_chat_template_kwargs"] = dict(built.apply_chat_template_kwargs)
         state["mm_processor_kwargs"] = dict(built.mm_processor_kwargs)
         return fresh
+
+    def _construct(self, entry: ResolvedAgentLoop) -> AgentLoopBase:
+        return entry.cls(*self.args, **{**self.kwargs, **entry.kwargs})
 
 
 def load_registry_file(path: str) -> dict[str, dict[str, Any]]:

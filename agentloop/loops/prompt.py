@@ -82,7 +82,7 @@ def _remember_last(
     _last_render = (
         ref, getattr(tokenizer, "chat_template", None), _vocab_size(tokenizer),
         [dict(m) for m in messages], [tuple(m) for m in messages],
-        dict(kwargs), [type(v) for v in kwargs.values()], ids,
+        dict(kwargs), [(k, type(v)) for k, v in kwargs.items()], ids,
     )
 
 
@@ -100,8 +100,7 @@ def _same_as_last(
     if (
         messages == last_messages
         and kwargs == last_kwargs
-        and [type(v) for v in kwargs.values()] == last_types
-        and list(kwargs) == list(last_kwargs)
+        and [(k, type(v)) for k, v in kwargs.items()] == last_types
         and getattr(tokenizer, "chat_template", None) is template
         and [tuple(m) for m in messages] == last_keys
         and _vocab_size(tokenizer) == size
