@@ -7,24 +7,26 @@ last one is the stack's own: padding, pickling and shipping each chunk, the driv
 servers' health check, the metrics. Passes take turns between the code before (every column sent
 as it is, in the driver and the worker alike; the health probes sent after the concat), the derived
 columns left out (``agentloop.batch.protocol_wire.elide``) with the probes sent before the concat,
-the padding runs trimmed too (``protocol_wire.trim_runs``), and the shipped code (runs of finished
-samples padded while the rest run, ``agentloop.rollout.group_padding``); per kind it prints
-medians of:
+the padding runs trimmed too (``protocol_wire.trim_runs``), runs of finished samples padded while
+the rest run (``agentloop.rollout.group_padding``), and the shipped code (those runs encoded for
+the wire then too, ``group_padding.ENCODE_AHEAD``; ``--kinds 3 4`` alternates these two only);
+per kind it prints medians of:
 
 * ``after``: ``agent_loop/serial/after_last_sample``;
 * ``recv_last``: from the last sample's end to the driver holding the last chunk (worker padding,
   pickling, Ray's transfer, unpickling);
 * ``concat``, ``check``: ``DataProto.concat`` and ``supervisor.check`` in the driver;
-* ``w_pad``, ``w_pickle``: the worker's padding and pickling of the chunks still to come when the
-  last sample finished; ``w_last_out``: from that moment to the end of the last chunk's pickling;
+* ``w_pad``, ``w_pickle``: the worker's padding and wire encoding (pickling, or runs encoded
+  ahead) of the chunks still to come when the last sample finished; ``w_last_out``: from that
+  moment to the end of the last wire encoding;
 * ``ray_gap``: ``recv_last - w_last_out`` (Ray's hand-over of the last chunk, the driver's
-  unpickling);
+  unpickling; with runs encoded ahead also the join of their states and Ray's pickling of it);
 * ``wire``: the pickled size of one chunk's rows (KB) and its parts (tensors, non-tensor columns,
   per-row metrics).
 
     RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \\
         python scripts/bench_after_last.py [--passes 30] [--warmup 3] [--rows 256] [--chunk 128]
-        [--spread 0.05]
+        [--spread 0.05] [--kinds 3 4]
 """
 
 from __future__ import annotations
@@ -55,30 +57,33 @@ EOS = 2
 
 NEVER = 1 << 30
 KINDS = {
-    "old (every column, late probe)": (False, False, NEVER),
-    "derived left out, early probe": (True, False, NEVER),
-    "new (+ padding runs trimmed)": (True, True, NEVER),
-    "+ padded as they finish (shipped)": (True, True, group_padding.MIN_RUN),
+    "old (every column, late probe)": (False, False, NEVER, False),
+    "derived left out, early probe": (True, False, NEVER, False),
+    "new (+ padding runs trimmed)": (True, True, NEVER, False),
+    "+ padded as they finish": (True, True, group_padding.MIN_RUN, False),
+    "+ runs encoded ahead (shipped)": (True, True, group_padding.MIN_RUN, True),
 }
 """Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``,
-``group_padding.MIN_RUN``: NEVER pads each group only when it is done)."""
+``group_padding.MIN_RUN``: NEVER pads each group only when it is done,
+``group_padding.ENCODE_AHEAD``)."""
 
 
-def _set_switches(_actor: Any, elide: bool, trim_runs: bool, min_run: int) -> None:
+def _set_switches(_actor: Any, elide: bool, trim_runs: bool, min_run: int, encode: bool) -> None:
     """Run in a worker actor (``__ray_call__``; cloudpickle imports the module there by name), or
     here with None: the pickling's and the early padding's switches."""
     protocol_wire.elide, protocol_wire.trim_runs = elide, trim_runs
-    group_padding.MIN_RUN = min_run
+    group_padding.MIN_RUN, group_padding.ENCODE_AHEAD = min_run, encode
 
 
 def _trace_worker(actor: Any) -> None:
     """Run in a worker actor (``__ray_call__``): record ``time.time()`` around each group's padding
-    (``_postprocess``) and each DataProto pickling, in ``actor._bench_marks``."""
+    (``_postprocess``) and each wire encoding (``DataProto.wire_state``: a pickling, or a run
+    encoded ahead), in ``actor._bench_marks``."""
     from agentloop.batch.protocol import DataProto as Proto  # the worker process's own class
 
     marks: list[tuple[str, float, float]] = []
     actor._bench_marks = marks
-    pad, getstate = actor._postprocess, Proto.__getstate__
+    pad, getstate = actor._postprocess, Proto.wire_state
 
     def timed_pad(*a: Any, **k: Any) -> Any:
         t = time.time()
@@ -86,14 +91,14 @@ def _trace_worker(actor: Any) -> None:
         marks.append(("pad", t, time.time()))
         return out
 
-    def timed_getstate(self: Any) -> Any:
+    def timed_getstate(self: Any, *a: Any, **k: Any) -> Any:
         t = time.time()
-        out = getstate(self)
+        out = getstate(self, *a, **k)
         marks.append(("pickle", t, time.time()))
         return out
 
     actor._postprocess = timed_pad
-    Proto.__getstate__ = timed_getstate
+    Proto.wire_state = timed_getstate
 
 
 def _take_marks(actor: Any) -> list[tuple[str, float, float]]:
@@ -217,7 +222,11 @@ def main() -> None:
     ap.add_argument("--spread", type=float, default=0.0,
                     help="seconds over which the samples finish (each answers 1 to --tokens "
                     "tokens at random, one per spread / tokens seconds); 0: all in one wave")
+    ap.add_argument("--kinds", nargs="*", type=int, default=None,
+                    help="pass kinds to alternate, by number (0-4, in the order printed by "
+                    "default); all when not given")
     args = ap.parse_args()
+    kinds = [k for i, k in enumerate(KINDS) if args.kinds is None or i in args.kinds]
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     manager = build(args)
     times: dict[str, float] = {}
@@ -227,11 +236,11 @@ def main() -> None:
     ray.get([h.__ray_call__.remote(_trace_worker) for h in manager.workers.handles])
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for step in range(args.warmup + args.passes):
-        kind = list(KINDS)[step % len(KINDS)]
-        elide, trim_runs, min_run = KINDS[kind]
-        _set_switches(None, elide, trim_runs, min_run)
-        mode["late_probe"] = not elide
-        ray.get([h.__ray_call__.remote(_set_switches, elide, trim_runs, min_run)
+        kind = kinds[step % len(kinds)]
+        switches = KINDS[kind]
+        _set_switches(None, *switches)
+        mode["late_probe"] = not switches[0]
+        ray.get([h.__ray_call__.remote(_set_switches, *switches)
                  for h in manager.workers.handles])
         sample = one_pass(manager, step, args.rows, times, got)
         if step >= args.warmup:

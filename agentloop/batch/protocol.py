@@ -68,9 +68,11 @@ __all__ = [
 ]
 
 
-def _trimmed(packed: tuple[np.ndarray, torch.dtype]) -> tuple[Any, torch.dtype]:
+def _trimmed(
+    packed: tuple[np.ndarray, torch.dtype], pads: tuple[Any, Any] | None = None
+) -> tuple[Any, torch.dtype]:
     """A packed column without its padding runs (:func:`~agentloop.batch.protocol_wire.trim`)."""
-    return trim(packed[0]), packed[1]
+    return trim(packed[0], pads), packed[1]
 
 
 @dataclass
@@ -146,15 +148,30 @@ class DataProto(DataProtoColumnsMixin, DataProtoReshapeMixin):
         :data:`~agentloop.batch.protocol_wire.SHRINK_ABOVE` bytes: below it the checks' fixed cost
         (~0.2 ms a pickle and load) outweighs the bytes saved.
         """
+        return self.wire_state()
+
+    def wire_state(
+        self, shrink: bool | None = None, pads: dict[str, tuple[Any, Any]] | None = None
+    ) -> dict[str, Any]:
+        """What :meth:`__getstate__` returns; ``shrink`` True / False forces the derived columns'
+        and padding runs' checks on or off (None: only from
+        :data:`~agentloop.batch.protocol_wire.SHRINK_ABOVE` bytes), and ``pads`` (per column, the
+        padding values another run's state chose) fixes those columns' padding values, so that
+        runs of one group encoded apart take the same form (:mod:`agentloop.batch.wire_runs`)."""
         batch: Any = self.batch
         if batch is not None and all(packable(v) for v in batch.values()):
             tensors = dict(batch.items())
             packed = {k: pack_tensor(v) for k, v in tensors.items()}
             batch = {"batch_size": list(batch.batch_size), "tensors": packed}
-            if sum(a.nbytes for a, _ in packed.values()) >= protocol_wire.SHRINK_ABOVE:
+            if shrink is None:
+                shrink = sum(a.nbytes for a, _ in packed.values()) >= protocol_wire.SHRINK_ABOVE
+            if shrink:
                 arrays = {k: v.detach().numpy() for k, v in tensors.items()}
                 left_out, recipe = split_derived(arrays)
-                batch["tensors"] = {k: _trimmed(p) for k, p in packed.items() if k not in left_out}
+                pads = pads or {}
+                batch["tensors"] = {
+                    k: _trimmed(p, pads.get(k)) for k, p in packed.items() if k not in left_out
+                }
                 if left_out:
                     batch["derived"] = recipe
         return {

@@ -172,13 +172,34 @@ def _keep_mask(lead: np.ndarray, trail: np.ndarray, width: int) -> np.ndarray:
     return (col >= lead.astype(np.int32)[:, None]) & (col < width - trail.astype(np.int32)[:, None])
 
 
-def trim(arr: np.ndarray) -> np.ndarray | tuple[Any, ...]:
+def _pads_as(pads: tuple[Any, ...], dtype: np.dtype) -> tuple[Any, Any] | None:
+    """``pads`` (``(dtype string, leading bits, trailing bits)``) as raw bits of ``dtype``: the
+    same values when the dtypes are integers and both fit; None when they do not."""
+    source = np.dtype(pads[0])
+    unsigned = np.dtype(f"u{dtype.itemsize}")
+    if source == dtype:
+        return np.array(pads[1], unsigned)[()], np.array(pads[2], unsigned)[()]
+    if source.kind not in "iu" or dtype.kind not in "iu":
+        return None
+    values = [int(np.array(v, f"u{source.itemsize}").view(source)) for v in pads[1:]]
+    info = np.iinfo(dtype)
+    if not all(info.min <= v <= info.max for v in values):
+        return None
+    left, right = (np.array(v, dtype).view(unsigned)[()] for v in values)
+    return left, right
+
+
+def trim(arr: np.ndarray, pads: tuple[Any, Any] | None = None) -> np.ndarray | tuple[Any, ...]:
     """``arr`` without each row's leading run of one value and trailing run of another, when that
     leaves at most :data:`TRIM_KEEP` of its cells; else ``arr`` itself.
 
     Args:
         arr: any numpy array; only 2-D ones with cells are trimmed (values compared as raw bits,
             so floats' signed zeros and NaNs come back exactly).
+        pads: ``(dtype string, leading bits, trailing bits)`` of another run's :func:`trim` (its
+            tuple's second, fourth and fifth items), so that the two join
+            (:mod:`agentloop.batch.wire_runs`); then ``arr`` is trimmed whatever it saves (when
+            the values fit its dtype; else as without ``pads``).
     Returns:
         ``arr`` or the tuple :func:`untrim` takes.
     """
@@ -188,10 +209,15 @@ def trim(arr: np.ndarray) -> np.ndarray | tuple[Any, ...]:
     ):
         return arr
     bits = np.ascontiguousarray(arr).view(f"u{arr.dtype.itemsize}")
-    left, right = _majority(bits[:, 0]), _majority(bits[:, -1])
+    fixed = None if pads is None else _pads_as(pads, arr.dtype)
+    if fixed is None:
+        pads = None
+        left, right = _majority(bits[:, 0]), _majority(bits[:, -1])
+    else:
+        left, right = fixed
     lead = _runs(bits, left)
     trail = np.minimum(_runs(bits[:, ::-1], right), bits.shape[1] - lead)
-    if bits.size - int(lead.sum()) - int(trail.sum()) > TRIM_KEEP * bits.size:
+    if pads is None and bits.size - int(lead.sum()) - int(trail.sum()) > TRIM_KEEP * bits.size:
         return arr
     width = bits.shape[1]
     narrow = np.int16 if width < 2**15 else np.int32

@@ -324,7 +324,7 @@ class DispatchRun:
             )
         timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
         ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(
-            batch, starts, timeout=timeout
+            batch, starts, timeout=timeout, encoded=True
         )
         dispatch = Dispatch(groups, slot, slot.handle, ref, self.dispatcher.weight_version())
         self.open[ref] = dispatch

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from agentloop.batch.multimodal import add_multimodal_outputs
 from agentloop.batch.postprocess import postprocess
 from agentloop.batch.protocol import DataProto
+from agentloop.batch.wire_runs import EncodedRows
 from agentloop.compat.chat_template import with_list_chat_template
 from agentloop.compat.rollout_trace import (
     RolloutTraceConfig,
@@ -92,7 +93,9 @@ class WorkerStats:
     rolled out."""
 
     @classmethod
-    def take(cls, rows: DataProto, server_failovers: int = 0, done_at: float = 0.0) -> WorkerStats:
+    def take(
+        cls, rows: DataProto | EncodedRows, server_failovers: int = 0, done_at: float = 0.0
+    ) -> WorkerStats:
         """The stats of freshly padded ``rows``: their per-row metrics move out of ``meta_info`` (a
         list per part, which ``DataProto.concat`` would fold into a dict) into the stats."""
         return cls(server_failovers, rows.meta_info.pop("metrics", None) or [], done_at)
@@ -294,19 +297,23 @@ class AgentLoopWorker:
             async for _, rows, stats in self.generate_sequences_stream(batch, [0], timeout)
         ]
         rows, stats = parts[0]
+        assert isinstance(rows, DataProto)  # not encoded: encoded=False
         rows.meta_info["metrics"] = stats.metrics
         return rows
 
     async def generate_sequences_stream(
-        self, batch: DataProto, group_starts: list[int], timeout: float | None = None
-    ) -> AsyncIterator[tuple[int, DataProto, WorkerStats]]:
+        self, batch: DataProto, group_starts: list[int], timeout: float | None = None,
+        encoded: bool = False,
+    ) -> AsyncIterator[tuple[int, DataProto | EncodedRows, WorkerStats]]:
         """Roll out ``batch`` (already checked: the dispatcher's caller checks a batch once) and
         yield ``(group, rows, stats)`` for each group as soon as all of its samples are done (a Ray
         streaming generator in the actor).  Groups are contiguous row ranges starting at
         ``group_starts`` (ascending, first 0); an empty group is yielded at once.  Samples still
         running at ``timeout`` seconds are cancelled (``timeout`` rows); closing the stream cancels
         every sample still running (engine requests aborted). ``stats``: the group's per-row metrics
-        and the server failovers since the previous group."""
+        and the server failovers since the previous group.  ``encoded`` (the dispatcher's stream
+        to the driver): a group may come as :class:`~agentloop.batch.wire_runs.EncodedRows`, its
+        runs encoded for the wire while the rest ran, which loads as the DataProto."""
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
@@ -329,7 +336,7 @@ class AgentLoopWorker:
         # runs of finished samples padded while the rest run (not with tracing, which flushes
         # before a group is padded, nor with a processor, which adds columns per group)
         early = not trace_enabled() and self.processor is None
-        padder = GroupPadder(tasks, bounds, pad, early=early)
+        padder = GroupPadder(tasks, bounds, pad, early=early, encode=encoded)
         try:
             for _ in waits:
                 g = await finished.get()
