@@ -53,11 +53,14 @@ class GroupPadder:
         min_run: the fewest samples of a run padded ahead (default :data:`MIN_RUN`).
         encode: encode the runs padded ahead for the wire too (see the module docstring; off
             when :data:`ENCODE_AHEAD` is False).
+        on_done: called with a group's number as soon as all its samples are done (an empty group:
+            in the event loop's next turn), in that order.
     """
 
     def __init__(
         self, tasks: Sequence[asyncio.Task], bounds: Sequence[int], pad: Pad, early: bool = True,
         min_run: int | None = None, encode: bool = False,
+        on_done: Callable[[int], object] | None = None,
     ) -> None:
         min_run = MIN_RUN if min_run is None else min_run
         self.encode = encode and ENCODE_AHEAD
@@ -73,6 +76,11 @@ class GroupPadder:
         self.early = [early and bounds[g + 1] - bounds[g] > min_run for g in range(groups)]
         self.dirty: set[int] = set()
         self.loop = asyncio.get_running_loop()
+        self.on_done = on_done
+        self.left = [bounds[g + 1] - bounds[g] for g in range(groups)]  # samples still running
+        for g in range(groups):
+            if not self.left[g] and on_done is not None:
+                self.loop.call_soon(on_done, g)
         for i, task in enumerate(tasks):
             task.add_done_callback(functools.partial(self._finished, i))
 
@@ -80,13 +88,17 @@ class GroupPadder:
         return bisect.bisect_right(self.bounds, row) - 1
 
     def _finished(self, row: int, _: asyncio.Task) -> None:
-        """Done-callback of a sample's task: the time, and a look at its group next turn."""
+        """Done-callback of a sample's task: the time, a look at its group next turn, and
+        ``on_done`` when it was the group's last."""
         g = self._group(row)
         self.done_at[g] = time.time()
+        self.left[g] -= 1
         if self.early[g]:
             if not self.dirty:
                 self.loop.call_soon(self._advance)
             self.dirty.add(g)
+        if not self.left[g] and self.on_done is not None:
+            self.on_done(g)
 
     def _advance(self) -> None:
         """Pad the runs of finished samples long enough, in the groups that changed."""

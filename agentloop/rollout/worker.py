@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import gc
 import logging
 import os
@@ -317,12 +316,9 @@ class AgentLoopWorker:
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
-        # groups whose samples are all done, in that order
+        # groups whose samples are all done, in that order (counted by the padder's done-callback
+        # per sample: no gather, one callback per sample less)
         finished: asyncio.Queue[int] = asyncio.Queue()
-        waits = [asyncio.gather(*tasks[a:b], return_exceptions=True)
-                 for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        for g, wait in enumerate(waits):
-            wait.add_done_callback(functools.partial(_put_group, finished, g))
         # at the deadline every sample still running is cancelled: each then finishes as a
         # timeout row
         deadline = (
@@ -336,9 +332,11 @@ class AgentLoopWorker:
         # runs of finished samples padded while the rest run (not with tracing, which flushes
         # before a group is padded, nor with a processor, which adds columns per group)
         early = not trace_enabled() and self.processor is None
-        padder = GroupPadder(tasks, bounds, pad, early=early, encode=encoded)
+        padder = GroupPadder(
+            tasks, bounds, pad, early=early, encode=encoded, on_done=finished.put_nowait
+        )
         try:
-            for _ in waits:
+            for _ in group_starts:
                 g = await finished.get()
                 # the mlflow backend writes from a thread: done before the group is
                 if trace_enabled():
@@ -465,8 +463,3 @@ def _cancel(tasks: list[asyncio.Task]) -> None:
         if not task.done():
             task.cancel()
 
-
-def _put_group(finished: asyncio.Queue[int], group: int, _: Any) -> None:
-    """Done-callback of a group's gather: queue the group as finished (its last sample's time:
-    :class:`~agentloop.rollout.group_padding.GroupPadder`)."""
-    finished.put_nowait(group)

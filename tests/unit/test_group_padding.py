@@ -135,3 +135,29 @@ def test_padder_error_is_raised_by_one_call() -> None:
     outputs[3] = outputs[3].model_copy(update={"response_mask": [1] * 20})
     with pytest.raises(DatasetError, match="output 3:"):
         asyncio.run(_stream(outputs, [0, 30], [list(range(10)), list(range(10, 30))], 5))
+
+
+def test_padder_reports_each_group_once_when_done_empty_groups_first() -> None:
+    async def run() -> list[int]:
+        gates = [asyncio.get_running_loop().create_future() for _ in range(5)]
+
+        async def sample(i: int) -> int:
+            await gates[i]
+            return i
+
+        tasks = [asyncio.create_task(sample(i)) for i in range(5)]
+        done: list[int] = []
+        GroupPadder(tasks, [0, 0, 2, 5, 5], lambda a, b: _pad([_output(i) for i in range(5)], a, b),
+                    on_done=done.append)
+        await asyncio.sleep(0)
+        assert done == [0, 3]  # the empty groups, in the next turn
+        for i in (2, 3, 0, 4):
+            gates[i].set_result(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert done == [0, 3, 2]  # group 2 (rows 2-4) is done, group 1 waits for row 1
+        gates[1].set_result(None)
+        await asyncio.gather(*tasks)
+        return done
+
+    assert asyncio.run(run()) == [0, 3, 2, 1]
