@@ -367,13 +367,16 @@ class AgentLoopWorker:
             else set()
         )
         tasks = []
-        for i in range(len(batch)):
-            sample = {k: v[i] for k, v in fields.items()}
-            sample["agent_name"] = str(names[i])
+        keys = list(fields)
+        # each row's values as ``v[i]`` gives them (``list`` of an array walks it the same way),
+        # zipped per row: one pass per column instead of an index per cell
+        columns = [list(v) for v in fields.values()]
+        rows = zip(*columns, strict=True) if keys else ((),) * len(batch)
+        for i, (values, name) in enumerate(zip(rows, names.tolist(), strict=True)):
+            sample = dict(zip(keys, values, strict=False))  # one value per key
+            sample["agent_name"] = name = str(name)
             infos[i]["trace"] = i in traced
-            tasks.append(
-                asyncio.create_task(self._sample(str(names[i]), sampling_params, sample, infos[i]))
-            )
+            tasks.append(asyncio.create_task(self._sample(name, sampling_params, sample, infos[i])))
         return names, fields, tasks
 
     async def _sample(
