@@ -7,15 +7,14 @@ import asyncio
 import random
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 
-from agentloop.batch.postprocess import join_padded, postprocess
+from agentloop.batch.postprocess import join_padded
 from agentloop.batch.protocol import DataProto
 from agentloop.errors import DatasetError
 from agentloop.rollout.group_padding import GroupPadder
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
+from tests.unit.padding_helpers import assert_same_rows, pad_range
 
 
 def _output(i: int, extra: dict[str, Any] | None = None) -> AgentLoopOutput:
@@ -34,25 +33,9 @@ def _output(i: int, extra: dict[str, Any] | None = None) -> AgentLoopOutput:
 
 
 def _pad(outputs: list[AgentLoopOutput], a: int, b: int) -> DataProto:
-    return postprocess(
-        outputs[a:b], prompt_length=6, response_length=7, pad_token_id=0,
-        sample_fields={"uid": np.asarray([f"u{i}" for i in range(a, b)], dtype=object)},
-        calculate_log_probs=True,
-    )
+    return pad_range(outputs, a, b, prompt_length=6)
 
 
-def _assert_same(got: DataProto, want: DataProto) -> None:
-    assert got.batch is not None and want.batch is not None
-    assert list(got.batch.keys()) == list(want.batch.keys())
-    for key in want.batch.keys():  # noqa: SIM118 - iterating a TensorDict walks rows
-        assert got.batch[key].dtype == want.batch[key].dtype
-        assert torch.equal(got.batch[key], want.batch[key]), key
-    assert list(got.non_tensor_batch) == list(want.non_tensor_batch)
-    for key, col in want.non_tensor_batch.items():
-        assert got.non_tensor_batch[key].dtype == col.dtype
-        assert got.non_tensor_batch[key].shape == col.shape
-        assert got.non_tensor_batch[key].tolist() == col.tolist(), key
-    assert got.meta_info == want.meta_info
 
 
 @pytest.mark.parametrize("cuts", [[0, 40], [0, 1, 40], [0, 13, 27, 40], [0, 39, 40]])
@@ -61,7 +44,7 @@ def test_joined_runs_equal_one_call(cuts: list[int]) -> None:
     parts = [_pad(outputs, a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
     joined = join_padded(parts)
     assert joined is not None
-    _assert_same(joined, _pad(outputs, 0, 40))
+    assert_same_rows(joined, _pad(outputs, 0, 40))
 
 
 def test_runs_with_other_columns_are_not_joined() -> None:
@@ -109,8 +92,8 @@ def test_padder_pads_runs_ahead_and_joins_them_exactly() -> None:
     groups, padded = asyncio.run(_stream(outputs, [0, 30, 60], waves, min_run=10))
     # ahead: 0-12 and 12-25 in group 0, 30-45 and 45-58 in group 1; then each group's rest
     assert padded == [(0, 12), (30, 45), (12, 25), (45, 58), (25, 30), (58, 60)]
-    _assert_same(groups[0], _pad(outputs, 0, 30))
-    _assert_same(groups[1], _pad(outputs, 30, 60))
+    assert_same_rows(groups[0], _pad(outputs, 0, 30))
+    assert_same_rows(groups[1], _pad(outputs, 30, 60))
 
 
 def test_padder_off_or_small_groups_pad_once() -> None:
@@ -127,7 +110,7 @@ def test_padder_repads_when_layouts_differ() -> None:
     groups, padded = asyncio.run(_stream(outputs, [0, 30], [list(range(15)), list(range(15, 30))],
                                          min_run=10))
     assert padded == [(0, 15), (15, 30), (0, 30)]
-    _assert_same(groups[0], _pad(outputs, 0, 30))
+    assert_same_rows(groups[0], _pad(outputs, 0, 30))
 
 
 def test_padder_error_is_raised_by_one_call() -> None:

@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from agentloop.batch.postprocess import join_padded, postprocess
+from agentloop.batch.postprocess import join_padded
 from agentloop.batch.protocol import DataProto
 from agentloop.batch.wire_runs import EncodedRows, decode_state, merge_states, state_pads
 from agentloop.rollout.group_padding import GroupPadder
 from agentloop.types import AgentLoopMetrics, AgentLoopOutput, RolloutStatus
+from tests.unit.padding_helpers import assert_same_rows, pad_range
 
 
 def _output(i: int, top: int = 99, full: bool = False) -> AgentLoopOutput:
@@ -36,11 +36,7 @@ def _output(i: int, top: int = 99, full: bool = False) -> AgentLoopOutput:
 
 
 def _pad(outputs: list[AgentLoopOutput], a: int, b: int) -> DataProto:
-    return postprocess(
-        outputs[a:b], prompt_length=12, response_length=7, pad_token_id=0,
-        sample_fields={"uid": np.asarray([f"u{i}" for i in range(a, b)], dtype=object)},
-        calculate_log_probs=True,
-    )
+    return pad_range(outputs, a, b, prompt_length=12)
 
 
 def _bare(rows: DataProto) -> DataProto:
@@ -48,17 +44,6 @@ def _bare(rows: DataProto) -> DataProto:
                      {k: v for k, v in rows.meta_info.items() if k != "metrics"})
 
 
-def _assert_same(got: DataProto, want: DataProto) -> None:
-    assert got.batch is not None and want.batch is not None
-    assert list(got.batch.keys()) == list(want.batch.keys())
-    for key in want.batch.keys():  # noqa: SIM118 - iterating a TensorDict walks rows
-        assert got.batch[key].dtype == want.batch[key].dtype, key
-        assert torch.equal(got.batch[key], want.batch[key]), key
-    assert list(got.non_tensor_batch) == list(want.non_tensor_batch)
-    for key, col in want.non_tensor_batch.items():
-        assert got.non_tensor_batch[key].dtype == col.dtype
-        assert got.non_tensor_batch[key].tolist() == col.tolist(), key
-    assert got.meta_info == want.meta_info
 
 
 def _states(parts: list[DataProto]) -> list[dict[str, Any]]:
@@ -77,7 +62,7 @@ def _check_merge(parts: list[DataProto]) -> dict[str, Any]:
     assert state is not None
     joined = join_padded(parts)
     assert joined is not None
-    _assert_same(decode_state(state), _bare(joined))
+    assert_same_rows(decode_state(state), _bare(joined))
     return state
 
 
@@ -140,4 +125,4 @@ def test_padder_encodes_runs_ahead_and_they_load_exactly() -> None:
     assert isinstance(rows, EncodedRows) and len(rows) == 40
     want = _pad(outputs, 0, 40)
     assert rows.meta_info["metrics"] == want.meta_info["metrics"]  # stays with the worker
-    _assert_same(pickle.loads(pickle.dumps(rows)), _bare(want))
+    assert_same_rows(pickle.loads(pickle.dumps(rows)), _bare(want))
