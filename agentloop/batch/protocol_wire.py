@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DERIVED", "SHRINK_ABOVE", "join_derived", "split_derived", "trim", "untrim"]
+__all__ = [
+    "DERIVED", "SHRINK_ABOVE", "is_trimmed", "join_derived", "split_derived", "trim", "untrim",
+]
 
 DERIVED = ("input_ids", "attention_mask", "position_ids")
 """The columns that may be left out, in the order they are tried."""
@@ -226,6 +228,11 @@ def trim(arr: np.ndarray, pads: tuple[Any, Any] | None = None) -> np.ndarray | t
             trail.astype(narrow), kept)
 
 
+def is_trimmed(packed: Any) -> bool:
+    """Whether ``packed`` is :func:`trim`'s tuple (not an array kept whole)."""
+    return isinstance(packed, tuple) and len(packed) == 8 and packed[0] == "trim"
+
+
 def untrim(packed: np.ndarray | tuple[Any, ...]) -> np.ndarray:
     """Inverse of :func:`trim` (an array passes through).
 
@@ -234,7 +241,7 @@ def untrim(packed: np.ndarray | tuple[Any, ...]) -> np.ndarray:
     """
     if isinstance(packed, np.ndarray):
         return packed
-    if not (isinstance(packed, tuple) and len(packed) == 8 and packed[0] == "trim"):
+    if not is_trimmed(packed):
         raise ValueError(f"untrim: not an array nor a trimmed column: {type(packed).__name__}")
     _, dtype, shape, left, right, lead, trail, kept = packed
     col = np.arange(shape[1], dtype=np.int32)[None, :]

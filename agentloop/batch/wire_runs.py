@@ -20,15 +20,9 @@ from typing import Any
 import numpy as np
 
 from agentloop.batch.protocol import DataProto
+from agentloop.batch.protocol_wire import is_trimmed
 
 __all__ = ["EncodedRows", "decode_state", "merge_states", "state_pads"]
-
-_TRIM_LEN = 8
-
-
-def _is_trim(entry: Any) -> bool:
-    return isinstance(entry, tuple) and len(entry) == _TRIM_LEN and entry[0] == "trim"
-
 
 def _widen(entry: Any, dtype: np.dtype) -> Any:
     """A packed column (array or trim tuple) of a narrower integer dtype as ``dtype``."""
@@ -72,11 +66,11 @@ def _merge_column(entries: list[Any]) -> Any:
         if len({e.shape[1:] for e in entries}) != 1:
             return None
         return np.concatenate(entries)
-    trims = [e for e in entries if _is_trim(e)]
+    trims = [e for e in entries if is_trimmed(e)]
     if len(trims) < len(entries):  # some runs' padding was not worth trimming: kept whole
-        if not all(_is_trim(e) or (isinstance(e, np.ndarray) and e.ndim == 2) for e in entries):
+        if not all(is_trimmed(e) or (isinstance(e, np.ndarray) and e.ndim == 2) for e in entries):
             return None
-        entries = [e if _is_trim(e) else _untrimmed(e, trims[0]) for e in entries]
+        entries = [e if is_trimmed(e) else _untrimmed(e, trims[0]) for e in entries]
         first = entries[0]
     if len({(e[2][1:], e[3].tobytes(), e[4].tobytes(), e[5].dtype, e[6].dtype)
             for e in entries}) != 1:
@@ -109,7 +103,7 @@ def state_pads(state: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
     batch = state.get("batch")
     if not isinstance(batch, dict):
         return {}
-    return {k: (e[1], e[3], e[4]) for k, (e, _) in batch["tensors"].items() if _is_trim(e)}
+    return {k: (e[1], e[3], e[4]) for k, (e, _) in batch["tensors"].items() if is_trimmed(e)}
 
 
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -179,10 +173,6 @@ class EncodedRows:
 
     def __len__(self) -> int:
         return self.rows
-
-    def decode(self) -> DataProto:
-        """The rows as a DataProto, in this process (``meta_info`` as it travels)."""
-        return decode_state(self.state)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return decode_state, (self.state,)
