@@ -24,14 +24,20 @@ per kind it prints medians of:
 * ``wire``: the pickled size of one chunk's rows (KB) and its parts (tensors, non-tensor columns,
   per-row metrics).
 
+``--floor N``: then N passes of the hand-over alone, the floor under ``ray_gap``: an async actor's
+streaming generator yields, after ``--delay`` seconds, 64 KB of bytes or the last chunk as the
+worker yields it (its wire state, per-row metrics and all), in turn, and the driver waits for it,
+takes it and loads it as the dispatcher does; printed: ms from the yield to the driver holding it.
+
     RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \\
         python scripts/bench_after_last.py [--passes 30] [--warmup 3] [--rows 256] [--chunk 128]
-        [--spread 0.05] [--kinds 3 4]
+        [--spread 0.05] [--kinds 3 4] [--floor 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import pickle
 import random
 import statistics
@@ -39,18 +45,21 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import ray
 from omegaconf import OmegaConf
 
 from agentloop.batch import protocol_wire
 from agentloop.batch.data import rows_to_batch
 from agentloop.batch.protocol import DataProto
+from agentloop.batch.wire_runs import EncodedRows
 from agentloop.cluster.placement import ServerGroup
 from agentloop.config import default_config
 from agentloop.rollout import dispatcher, group_padding
 from agentloop.rollout.manager import AgentLoopManager
 from agentloop.testing import ScriptedServer
 from agentloop.testing.tiny_model import ensure_tiny_model
+from agentloop.utils.process import restore_normal_priority
 
 EOS = 2
 
@@ -211,6 +220,42 @@ def one_pass(manager: AgentLoopManager, step: int, rows: int, times: dict[str, f
     }
 
 
+@ray.remote(num_cpus=0)
+class _Floor:
+    """Yields one item after a delay, stamped with ``time.time()`` at the yield."""
+
+    def __init__(self, state: dict[str, Any], rows: int, stats: Any) -> None:
+        restore_normal_priority(True)  # as a worker actor does (Ray starts actors at nice 15)
+        # encoded here (built from its state): Ray pickles it at the yield as it is
+        self.chunk = (0, EncodedRows(state, {}, rows), stats)
+
+    async def stream(self, delay: float, kind: str) -> Any:
+        await asyncio.sleep(delay)
+        yield time.time(), np.zeros(64_000, np.uint8) if kind == "bytes" else self.chunk
+
+
+def floor(part: Any, passes: int, delay: float) -> None:
+    """The hand-over alone (``--floor``): 64 KB of bytes and the last chunk received (``part``),
+    in turn."""
+    actor = _Floor.remote(  # type: ignore[attr-defined]
+        part.rows.wire_state(), len(part.rows), part.stats
+    )
+    kinds = {"64 KB of bytes": "bytes", "the last chunk (wire state, metrics)": "chunk"}
+    took: dict[str, list[float]] = defaultdict(list)
+    for i in range(2 * (passes + 2)):
+        name = list(kinds)[i % 2]
+        stream = actor.stream.options(num_returns="streaming").remote(delay, kinds[name])
+        ray.wait([stream], num_returns=1)  # as the dispatcher takes an item
+        yielded, _ = ray.get(next(stream))
+        if i >= 4:
+            took[name].append((time.time() - yielded) * 1e3)
+    print(f"hand-over alone, {passes} passes each in turn: yield -> the driver holding it")
+    for name, values in took.items():
+        print(f"  {name:38s} {statistics.median(values):6.2f} ms  "
+              f"({min(values):.2f}-{max(values):.2f})")
+    ray.kill(actor)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=30, help="timed passes (kinds take turns)")
@@ -225,6 +270,8 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", type=int, default=None,
                     help="pass kinds to alternate, by number (0-4, in the order printed by "
                     "default); all when not given")
+    ap.add_argument("--floor", type=int, default=0,
+                    help="then this many passes of the hand-over alone (the floor under ray_gap)")
     args = ap.parse_args()
     kinds = [k for i, k in enumerate(KINDS) if args.kinds is None or i in args.kinds]
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
@@ -254,6 +301,8 @@ def main() -> None:
             unit = "KB" if key.startswith("wire") else "ms"
             print(f"  {key:16s} {statistics.median(values):7.2f} {unit}  "
                   f"({min(values):.2f}-{max(values):.2f})")
+    if args.floor:
+        floor(got[-1][1], args.floor, args.delay)
     manager.shutdown()
     ray.shutdown()
 
