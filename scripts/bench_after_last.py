@@ -238,7 +238,7 @@ def floor(part: Any, passes: int, delay: float) -> None:
     """The hand-over alone (``--floor``): 64 KB of bytes and the last chunk received (``part``),
     in turn."""
     actor = _Floor.remote(  # type: ignore[attr-defined]
-        part.rows.wire_state(), len(part.rows), part.stats
+        part.rows.wire_state(shrink=True), len(part.rows), part.stats  # as the worker encodes it
     )
     kinds = {"64 KB of bytes": "bytes", "the last chunk (wire state, metrics)": "chunk"}
     took: dict[str, list[float]] = defaultdict(list)
