@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from agentloop.errors import ServerError
 from agentloop.routing import AsyncLLMServerManager, create_global_balancer
 from agentloop.testing import ScriptedServer
+from agentloop.testing.kill import kill_and_wait
 from agentloop.types import StopReason
 
 pytestmark = pytest.mark.integration
@@ -115,7 +116,7 @@ def test_dead_server_is_a_server_error_and_releases(ray_session):
     servers = server_actors(ray, 1, delay=0.0)
     balancer = create_global_balancer(1)
     mgr = AsyncLLMServerManager(servers, balancer)
-    ray.kill(servers[0])
+    kill_and_wait(servers[0])  # ray.kill returns before the actor is gone
     with pytest.raises(ServerError, match=r"server 0 died .* request dead"):
         asyncio.run(mgr.generate("dead", prompt_ids=[1], sampling_params={}))
     # out of routing

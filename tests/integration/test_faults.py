@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from agentloop.cluster.placement import ServerGroup
 from agentloop.loops.base import AgentLoopBase, register
 from agentloop.testing import ScriptedServer
+from agentloop.testing.kill import kill_and_wait
 from agentloop.types import AgentLoopOutput
 
 pytestmark = pytest.mark.integration
@@ -204,22 +205,6 @@ def wait_until(predicate, timeout: float = 60.0) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def kill_and_wait(actor: Any, method: str, timeout: float = 30.0) -> None:
-    """ray.kill the actor and wait until a call to it fails (the kill itself is asynchronous)."""
-    import ray
-    import ray.exceptions
-
-    ray.kill(actor)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ray.get(getattr(actor, method).remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{actor} still answers {timeout} s after ray.kill")
 
 
 def faults(out) -> dict[str, float]:

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.testing.kill import kill_and_wait
+
 pytestmark = pytest.mark.integration
 
 SERVERS, WORKERS, TURNS = 3, 2, 3
@@ -82,7 +84,7 @@ def test_worker_local_routing_through_the_manager(ray_session):
         workers = manager.agent_loop_workers
         assert ray.get([w.ensure_cache_capacity.remote(0) for w in workers]) == [20, 20]
 
-        ray.kill(handles[1])
+        kill_and_wait(handles[1])  # ray.kill returns before the actor is gone
         assert manager.supervisor.check() == [1]  # taken out and pushed to every worker's router
         before = calls_by_request(ray, [handles[0], handles[2]])
         nxt = manager.generate_sequences(fleet_batch(12))
