@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import ray
+import ray.exceptions
+
 
 def kill_and_wait(actor: Any, method: str = "check_health", timeout: float = 30.0) -> None:
     """``ray.kill(actor)``, then call ``actor.<method>()`` until Ray says the actor died."""
-    import ray
-    import ray.exceptions
-
     ray.kill(actor)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
