@@ -100,16 +100,16 @@ def server(ray_session: Any) -> Iterator[Any]:
         stop_servers(group)
 
 
-@pytest.fixture(scope="module")
-def keep_server(ray_session: Any) -> Iterator[Any]:
-    """A second server with ``server.weight_update: keep``."""
-    from agentloop.cluster.placement import stop_servers
-
-    group = start_server("keep")
+@pytest.fixture
+def keep_server(server: Any, ray_session: Any) -> Iterator[Any]:
+    """The same server switched to ``server.weight_update: keep`` (``set_weight_update``, as the
+    manager's ``set_weight_update`` switches it between updates; a second engine would cost its
+    start-up), and back to ``drain`` after the test."""
+    ray_session.get(server.set_weight_update.remote("keep"))
     try:
-        yield group.handles[0]
+        yield server
     finally:
-        stop_servers(group)
+        ray_session.get(server.set_weight_update.remote("drain"))
 
 
 # any ids of the tiny model's 2048-token vocabulary
