@@ -9,7 +9,9 @@ as it is, in the driver and the worker alike; the health probes sent after the c
 columns left out (``agentloop.batch.protocol_wire.elide``) with the probes sent before the concat,
 the padding runs trimmed too (``protocol_wire.trim_runs``), runs of finished samples padded while
 the rest run (``agentloop.rollout.group_padding``), and the shipped code (those runs encoded for
-the wire then too, ``group_padding.ENCODE_AHEAD``; ``--kinds 3 4`` alternates these two only);
+the wire then too, ``group_padding.ENCODE_AHEAD``; ``--kinds 3 4`` alternates these two only), and
+those rows sent on the TCP result channel instead of Ray's stream (``agent.result_channel: tcp``,
+``agentloop.rollout.result_channel``; ``--kinds 4 5`` alternates Ray's stream and the channel);
 per kind it prints medians of:
 
 * ``after``: ``agent_loop/serial/after_last_sample``;
@@ -28,6 +30,9 @@ per kind it prints medians of:
 streaming generator yields, after ``--delay`` seconds, 64 KB of bytes or the last chunk as the
 worker yields it (its wire state, per-row metrics and all), in turn, and the driver waits for it,
 takes it and loads it as the dispatcher does; printed: ms from the yield to the driver holding it.
+In turn with those, the same two items pickled by the actor and written to a plain TCP connection on
+loopback, read and loaded by the driver: what the hand-over costs outside Ray (a measurement only;
+the stack's results go through Ray).
 
     RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \\
         python scripts/bench_after_last.py [--passes 30] [--warmup 3] [--rows 256] [--chunk 128]
@@ -40,6 +45,7 @@ import argparse
 import asyncio
 import pickle
 import random
+import socket
 import statistics
 import time
 from collections import defaultdict
@@ -71,10 +77,13 @@ KINDS = {
     "new (+ padding runs trimmed)": (True, True, NEVER, False),
     "+ padded as they finish": (True, True, group_padding.MIN_RUN, False),
     "+ runs encoded ahead (shipped)": (True, True, group_padding.MIN_RUN, True),
+    "+ rows on the TCP result channel": (True, True, group_padding.MIN_RUN, True),
 }
 """Pass kinds, in turn: (``protocol_wire.elide``, ``protocol_wire.trim_runs``,
 ``group_padding.MIN_RUN``: NEVER pads each group only when it is done,
-``group_padding.ENCODE_AHEAD``)."""
+``group_padding.ENCODE_AHEAD``); the last kind also sends the rows on the result channel
+(``agent.result_channel: tcp``; the others through Ray's stream)."""
+CHANNEL_KIND = "+ rows on the TCP result channel"
 
 
 def _set_switches(_actor: Any, elide: bool, trim_runs: bool, min_run: int, encode: bool) -> None:
@@ -137,6 +146,7 @@ def build(args: argparse.Namespace) -> AgentLoopManager:
     rollout = cfg.actor_rollout_ref.rollout
     for key, value in {
         "agent.num_workers": 1, "free_cache_engine": False, "calculate_log_probs": True,
+        "agent.result_channel": "tcp",  # opened and connected; used by CHANNEL_KIND's passes only
     }.items():
         OmegaConf.update(rollout, key, value)
     manager = AgentLoopManager(cfg, servers=group)
@@ -167,8 +177,8 @@ def instrument(
         times["check"] = time.perf_counter() - t
         return out
 
-    def timed_take(run: Any, dispatch: Any) -> list[Any]:
-        out = take(run, dispatch)
+    def timed_take(run: Any, dispatch: Any, fetch: Any = None) -> list[Any]:
+        out = take(run, dispatch, fetch)
         got.extend((time.time(), f) for f in out)
         return out
 
@@ -233,6 +243,30 @@ class _Floor:
         await asyncio.sleep(delay)
         yield time.time(), np.zeros(64_000, np.uint8) if kind == "bytes" else self.chunk
 
+    async def connect(self, port: int) -> None:
+        """Open the plain TCP connection :meth:`send` writes to (the driver listens)."""
+        _, self.writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send(self, delay: float, kind: str) -> None:
+        """The same item, pickled here and written to the TCP connection (length first): what
+        the hand-over costs outside Ray's streaming generator, pickling and loading included."""
+        await asyncio.sleep(delay)
+        item = (time.time(), np.zeros(64_000, np.uint8) if kind == "bytes" else self.chunk)
+        data = pickle.dumps(item, protocol=5)
+        self.writer.write(len(data).to_bytes(8, "big") + data)
+        await self.writer.drain()
+
+
+def _recv(conn: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("the floor actor closed its connection")
+        got += k
+    return buf
+
 
 def floor(part: Any, passes: int, delay: float) -> None:
     """The hand-over alone (``--floor``): 64 KB of bytes and the last chunk received (``part``),
@@ -241,17 +275,31 @@ def floor(part: Any, passes: int, delay: float) -> None:
         part.rows.wire_state(shrink=True), len(part.rows), part.stats  # as the worker encodes it
     )
     kinds = {"64 KB of bytes": "bytes", "the last chunk (wire state, metrics)": "chunk"}
+    listener = socket.create_server(("127.0.0.1", 0))
+    connected = actor.connect.remote(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    ray.get(connected)
     took: dict[str, list[float]] = defaultdict(list)
-    for i in range(2 * (passes + 2)):
+    for i in range(4 * (passes + 2)):
         name = list(kinds)[i % 2]
-        stream = actor.stream.options(num_returns="streaming").remote(delay, kinds[name])
-        ray.wait([stream], num_returns=1)  # as the dispatcher takes an item
-        yielded, _ = ray.get(next(stream))
-        if i >= 4:
+        if i % 4 < 2:
+            stream = actor.stream.options(num_returns="streaming").remote(delay, kinds[name])
+            ray.wait([stream], num_returns=1)  # as the dispatcher takes an item
+            yielded, _ = ray.get(next(stream))
+        else:
+            sent = actor.send.remote(delay, kinds[name])
+            yielded, _ = pickle.loads(_recv(conn, int.from_bytes(_recv(conn, 8), "big")))
+            name = f"{name}, plain TCP (pickled)"
+        if i >= 8:
             took[name].append((time.time() - yielded) * 1e3)
+        if i % 4 >= 2:
+            ray.get(sent)
+    conn.close()
+    listener.close()
     print(f"hand-over alone, {passes} passes each in turn: yield -> the driver holding it")
     for name, values in took.items():
-        print(f"  {name:38s} {statistics.median(values):6.2f} ms  "
+        print(f"  {name:58s} {statistics.median(values):6.2f} ms  "
               f"({min(values):.2f}-{max(values):.2f})")
     ray.kill(actor)
 
@@ -268,7 +316,7 @@ def main() -> None:
                     help="seconds over which the samples finish (each answers 1 to --tokens "
                     "tokens at random, one per spread / tokens seconds); 0: all in one wave")
     ap.add_argument("--kinds", nargs="*", type=int, default=None,
-                    help="pass kinds to alternate, by number (0-4, in the order printed by "
+                    help="pass kinds to alternate, by number (0-5, in the order printed by "
                     "default); all when not given")
     ap.add_argument("--floor", type=int, default=0,
                     help="then this many passes of the hand-over alone (the floor under ray_gap)")
@@ -276,6 +324,7 @@ def main() -> None:
     kinds = [k for i, k in enumerate(KINDS) if args.kinds is None or i in args.kinds]
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     manager = build(args)
+    channel = manager.workers.channel
     times: dict[str, float] = {}
     got: list[Any] = []
     mode = {"late_probe": False}
@@ -285,6 +334,7 @@ def main() -> None:
     for step in range(args.warmup + args.passes):
         kind = kinds[step % len(kinds)]
         switches = KINDS[kind]
+        manager.workers.channel = channel if kind == CHANNEL_KIND else None
         _set_switches(None, *switches)
         mode["late_probe"] = not switches[0]
         ray.get([h.__ray_call__.remote(_set_switches, *switches)
@@ -303,6 +353,7 @@ def main() -> None:
                   f"({min(values):.2f}-{max(values):.2f})")
     if args.floor:
         floor(got[-1][1], args.floor, args.delay)
+    manager.workers.channel = channel  # closed with the workers
     manager.shutdown()
     ray.shutdown()
 

@@ -119,7 +119,13 @@ def _episode_metrics(output: DataProto) -> dict[str, float]:
     )
     if index is None or count is None:
         return {}
-    per_sample = [
+    if index.dtype.kind in "iu" and count.dtype.kind in "iu":  # as postprocess builds them
+        firsts = count[index == 0]
+        if not len(firsts):
+            return {}
+        return {"agent_loop/trajectories_per_sample/mean": float(firsts.mean()),
+                "agent_loop/trajectories_per_sample/max": float(firsts.max())}
+    per_sample = [  # object columns: None where no trajectory was rolled out
         int(n)
         for i, n in zip(index.tolist(), count.tolist(), strict=True)
         if i == 0 and n is not None

@@ -49,6 +49,20 @@ def check_balancer_mode(value: Any) -> None:
         )
 
 
+RESULT_CHANNELS: tuple[str, ...] = ("tcp", "ray")
+"""``agent.result_channel``: how a worker's rows come back to the driver."""
+
+
+def check_result_channel(value: Any) -> None:
+    """Raise the ConfigError for an ``agent.result_channel`` not in :data:`RESULT_CHANNELS`."""
+    if value not in RESULT_CHANNELS:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.agent.result_channel must be 'tcp' (rows on one "
+            f"authenticated TCP connection per worker, docs/faults.md#result-channel) or 'ray' "
+            f"(as the items of Ray's streaming generator), got {value!r}"
+        )
+
+
 ROUTING_MODES: tuple[str, ...] = ("sticky", "prefix")
 """``server.routing``: verl's sticky least-in-flight, or KV-cache-aware prefix affinity."""
 

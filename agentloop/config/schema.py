@@ -28,6 +28,7 @@ from agentloop.config.checks import (
     check_gateway_reward_to,
     check_max_context_edits,
     check_prompt_truncation,
+    check_result_channel,
     check_reward_block,
     check_reward_gamma,
     check_reward_to,
@@ -274,9 +275,10 @@ class AgentConfig(Section):
     restart_preempted: bool
     strict_config: bool | None
     max_failure_fraction: float | None
+    result_channel: str
 
     PRECHECKS: ClassVar[dict[str, Callable[[Any], None]]] = {
-        "prompt_truncation": check_prompt_truncation
+        "prompt_truncation": check_prompt_truncation, "result_channel": check_result_channel,
     }
 
 

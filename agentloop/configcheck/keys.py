@@ -268,7 +268,7 @@ _add(ROLLOUT, HONOURED, "agentloop's own key (see docs/config.md)", {
     "multi_turn.reward_to": "all", "multi_turn.reward_gamma": 0.9,
     "multi_turn.tool_executor": "thread", "multi_turn.tool_max_workers": 32,
     "agent.prompt_truncation": "left", "agent.sample_timeout": None, "agent.strict_config": None,
-    "agent.max_failure_fraction": 0.5,
+    "agent.max_failure_fraction": 0.5, "agent.result_channel": "tcp",
     "agent.batch_timeout": None, "agent.max_sample_retries": 1, "agent.restart_preempted": False,
     "agent.record_timing": None, "agent.stall_timeout": 300, "server.max_failovers": None,
     "server.restart_dead": True, "server.weight_update_timeout": 600, "server.stall_timeout": 300,

@@ -13,6 +13,7 @@ says what was done.  The behaviour in full: docs/faults.md.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,75 +25,19 @@ import ray.exceptions
 
 from agentloop.batch.protocol import DataProto
 from agentloop.errors import first_line
+from agentloop.rollout.dispatch_channel import ChannelPolling
+from agentloop.rollout.dispatch_parts import Dispatch, Finished, Group, split_groups
+from agentloop.rollout.result_channel import ResultChannel, wait_connected
 from agentloop.rollout.worker import WorkerStats
 from agentloop.rollout.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
 from agentloop.types import RolloutStatus
 
+__all__ = [
+    "Dispatch", "DispatchRun", "Dispatcher", "ErrorRows", "Finished", "Group", "split_groups",
+]
+
 ErrorRows = Callable[[DataProto, RolloutStatus, str], DataProto]
 """``error_rows(chunk, status, message)``: the padded rows of samples no worker could roll out."""
-
-
-def split_groups(batch: DataProto, group_by: str | None) -> list[DataProto]:
-    """``batch`` split into its groups (rows sharing ``non_tensor_batch[group_by]``; each row alone
-    when ``group_by`` is None or not a column), groups in the order of their first row.
-    ``global_steps`` is left out of each part's meta_info: groups of different batches may be
-    dispatched together, the dispatch sets it."""
-    keys = batch.non_tensor_batch.get(group_by) if group_by else None
-    if keys is None:
-        parts = [batch.slice(i, i + 1) for i in range(len(batch))]
-    else:
-        rows: dict[Any, list[int]] = {}
-        for i, k in enumerate(keys.tolist()):
-            rows.setdefault(k, []).append(i)
-        parts = [batch.select_idxs(np.asarray(idx)) for idx in rows.values()]
-    for part in parts:
-        part.meta_info = {k: v for k, v in part.meta_info.items() if k != "global_steps"}
-    return parts
-
-
-@dataclass(eq=False)
-class Group:
-    """Prompt rows handed out and returned together (a GRPO prompt's ``n`` samples, or a range of
-    a batch)."""
-
-    rows: DataProto
-    key: Any = None
-    """The caller's name for it (a group number, a row range's index)."""
-    retries: int = 0
-    """Times it was rolled out again because its worker died (reset when it finishes)."""
-
-
-@dataclass
-class Finished:
-    """A group's padded rows: rolled out, or made by the dispatcher when no worker could roll it
-    out."""
-
-    group: Group
-    rows: DataProto
-    stats: WorkerStats
-    version: int
-    """The weight version when its dispatch started."""
-    fault: str = ""
-    """Why the dispatcher gave up on it (its rows are ``error`` / ``timeout`` rows); empty when
-    rolled out."""
-
-
-@dataclass(eq=False)
-class Dispatch:
-    """One streaming call: groups sent to one worker together."""
-
-    groups: list[Group]
-    slot: WorkerSlot
-    handle: Any
-    """The worker actor it was sent to (the slot may run a replacement later)."""
-    ref: Any
-    """The Ray streaming generator."""
-    version: int
-    finished: set[int] = field(default_factory=set)
-
-    def unfinished(self) -> list[Group]:
-        """Its groups not yet returned."""
-        return [g for i, g in enumerate(self.groups) if i not in self.finished]
 
 
 @dataclass
@@ -113,7 +58,9 @@ class Dispatcher:
         tick, tick_s: ``tick()`` runs every ``tick_s`` seconds while rows stream, after the look for
         hung workers. hang_s: ``agent.stall_timeout``: a streaming worker leaving a ping unanswered
         this long is killed. weight_version: the weight version the servers serve (recorded per
-        dispatch).
+        dispatch). result_channel: ``agent.result_channel``: ``tcp`` (rows come back on a
+        :class:`~agentloop.rollout.result_channel.ResultChannel` opened by :meth:`start`) or
+        ``ray`` (as the stream's items).
 
     Spec: docs/async.md#streaming-complete-groups, docs/faults.md.
     """
@@ -132,7 +79,11 @@ class Dispatcher:
     hang_s: float | None = None
     weight_version: Callable[[], int] = lambda: 0
     fault_counts: dict[str, int] = field(default_factory=fresh_fault_counts)
+    result_channel: str = "ray"
     pool: WorkerSlots = field(init=False, repr=False)
+    channel: ResultChannel | None = field(default=None, init=False, repr=False)
+    tokens: Iterator[int] = field(default_factory=lambda: itertools.count(1), repr=False)
+    """Result-channel tokens, one per dispatch (0 is a connection's hello)."""
 
     def __post_init__(self) -> None:
         self.pool = WorkerSlots(
@@ -144,8 +95,18 @@ class Dispatcher:
     # the workers
     def start(self) -> list[dict[str, Any]]:
         """Start every worker and wait for it (:meth:`WorkerSlots.start`; a failed start is a
-        ConfigError)."""
-        return self.pool.start()
+        ConfigError); with ``result_channel: tcp``, opens the channel and connects every worker
+        (and every later one) to it."""
+        infos = self.pool.start()
+        if self.result_channel == "tcp":
+            self.channel = ResultChannel()
+            endpoint = self.channel.endpoint
+            self.pool.on_ready.append(("connect_results", endpoint))
+            slots = self.pool.live(must=False)
+            joined = ray.get([s.handle.connect_results.remote(*endpoint) for s in slots])
+            ids = [s.worker_id for s, ok in zip(slots, joined, strict=True) if ok]
+            wait_connected(self.channel, ids, 10.0)
+        return infos
 
     @property
     def handles(self) -> list[Any]:
@@ -195,8 +156,10 @@ class Dispatcher:
             self.tick()
 
     def shutdown(self) -> None:
-        """Kill every worker."""
+        """Kill every worker (and close the result channel)."""
         self.pool.shutdown()
+        if self.channel is not None:
+            self.channel.close()
 
     # ---- dispatch ------------------------------------------------------------------------------
     def fail(self, group: Group, status: RolloutStatus, message: str, version: int) -> Finished:
@@ -263,7 +226,7 @@ servers' health probes then come back while the last group is still on its way (
 0.6 ms of the 8 ms after the last sample on a 2-core host); later, they are sent again."""
 
 
-class DispatchRun:
+class DispatchRun(ChannelPolling):
     """Dispatches in flight, polled by one thread (a batch of the manager's, or the Rollouter's)."""
 
     def __init__(
@@ -278,6 +241,7 @@ class DispatchRun:
         :data:`ON_LAST_FRESH_S` old."""
         self.on_last_at: float | None = None
         self.open: dict[Any, Dispatch] = {}  # streaming generator -> its dispatch
+        self.by_token: dict[int, Dispatch] = {}  # result-channel token -> its dispatch
         self.retry: list[Group] = []
         """Groups of dead workers to roll out again (:meth:`take_retries`)."""
         self.next_look = time.monotonic() + dispatcher.tick_s
@@ -323,12 +287,26 @@ class DispatchRun:
                 {**batch.meta_info, "global_steps": global_steps},
             )
         timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
+        channel = self.dispatcher.channel
+        token = None if channel is None else next(self.dispatcher.tokens)
+        extra = {} if token is None else {"channel_token": token}
         ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(
-            batch, starts, timeout=timeout, encoded=True
+            batch, starts, timeout=timeout, encoded=True, **extra
         )
-        dispatch = Dispatch(groups, slot, slot.handle, ref, self.dispatcher.weight_version())
+        dispatch = Dispatch(groups, slot, slot.handle, ref, self.dispatcher.weight_version(),
+                            token=token, worker_id=slot.worker_id)
         self.open[ref] = dispatch
+        if channel is not None and token is not None:
+            channel.expect(token)
+            self.by_token[token] = dispatch
         return dispatch
+
+    def _drop(self, dispatch: Dispatch) -> None:
+        """``dispatch`` is no longer waited for (done, dead, cancelled)."""
+        self.open.pop(dispatch.ref, None)
+        if dispatch.token is not None and self.by_token.pop(dispatch.token, None) is not None:
+            assert self.dispatcher.channel is not None
+            self.dispatcher.channel.forget(dispatch.token)
 
     def spread(self, groups: list[Group], global_steps: int | None = None) -> None:
         """Send ``groups`` over the live workers in contiguous shares, one dispatch each."""
@@ -344,14 +322,14 @@ class DispatchRun:
     def cancel(self, dispatch: Dispatch) -> list[Group]:
         """Stop ``dispatch`` (its engine requests are aborted); returns its unfinished groups."""
         ray.cancel(dispatch.ref)
-        self.open.pop(dispatch.ref, None)
+        self._drop(dispatch)
         return dispatch.unfinished()
 
     def close(self) -> None:
         """Cancel every dispatch still streaming."""
-        for ref in self.open:
-            ray.cancel(ref)
-        self.open.clear()
+        for dispatch in list(self.open.values()):
+            ray.cancel(dispatch.ref)
+            self._drop(dispatch)
 
     def look_if_due(self) -> None:
         """The dispatcher's periodic look (hung workers among these dispatches', then its ``tick``),
@@ -377,6 +355,8 @@ class DispatchRun:
             waits.append(timeout)
         if not self.open:
             return []
+        if self.by_token:
+            return self._poll_channel(waits, end)
         ready, _ = ray.wait(
             list(self.open), num_returns=1, timeout=max(0.0, min(waits)) if waits else None
         )
@@ -386,13 +366,15 @@ class DispatchRun:
             return self._hung_past_deadline()
         return []
 
-    def _take(self, dispatch: Dispatch) -> list[Finished]:
+    def _take(
+        self, dispatch: Dispatch, fetch: Callable[[], list[Finished]] | None = None
+    ) -> list[Finished]:
         if self.on_last is not None and not self.retry and self._left() == 1:
             on_last = self.on_last
             self.on_last = None
             if self.on_last_at is None or time.monotonic() - self.on_last_at > ON_LAST_FRESH_S:
                 on_last()
-        finished = self._fetch(dispatch)
+        finished = self._fetch(dispatch) if fetch is None else fetch()
         if (
             finished and self.on_last is not None and self.on_last_at is None
             and not self.retry and self._left() == 1
@@ -405,16 +387,27 @@ class DispatchRun:
         try:
             local, rows, stats = ray.get(next(dispatch.ref))
         except StopIteration:
-            del self.open[dispatch.ref]
+            if dispatch.token is not None and dispatch.unfinished():
+                dispatch.ended_at = time.monotonic()  # its last frames are on the way
+            else:
+                self._drop(dispatch)
             return []
         except ray.exceptions.RayActorError as e:
-            del self.open[dispatch.ref]
+            self._drop(dispatch)
             return self._lost(dispatch, dispatch.slot.hung or first_line(e))
+        return self._finish(dispatch, local, rows, stats)
+
+    def _finish(
+        self, dispatch: Dispatch, local: int, rows: DataProto, stats: WorkerStats
+    ) -> list[Finished]:
+        """Group ``local`` of ``dispatch`` is back (from its stream or its channel frame)."""
+        if local in dispatch.finished:
+            return []
         dispatch.finished.add(local)
         if len(dispatch.finished) == len(dispatch.groups):
             # every group is in: no round trip to learn that the stream ended (its end is left to
             # Ray; nothing is cancelled)
-            del self.open[dispatch.ref]
+            self._drop(dispatch)
         group = dispatch.groups[local]
         group.retries = 0
         return [Finished(group, rows, stats, dispatch.version)]
@@ -480,5 +473,5 @@ class DispatchRun:
                         dispatch.version,
                     )
                 )
-        self.open.clear()
+            self._drop(dispatch)
         return failed

@@ -138,7 +138,7 @@ class AgentLoopManager:
             balancer=self.balancer, max_sample_retries=agent.max_sample_retries,
             batch_timeout=agent.batch_timeout or None,
             tick=self._watch if server.stall_timeout else None, hang_s=agent.stall_timeout or None,
-            weight_version=lambda: self.weights.version,
+            weight_version=lambda: self.weights.version, result_channel=agent.result_channel,
         )
         # started on the first batch that has a gateway agent (openai_agent)
         self.gateway_pool = GatewayPool(self.server_handles, self.balancer, self.workers)

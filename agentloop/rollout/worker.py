@@ -53,6 +53,7 @@ from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
 from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
 from agentloop.rollout.group_padding import GroupPadder
+from agentloop.rollout.result_channel import ResultSender
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
 from agentloop.rollout.worker_setup import hf_model_type, load_rollout_tools, start_tracing
 from agentloop.routing import build_router
@@ -147,6 +148,9 @@ class AgentLoopWorker:
         )
         for index in down_servers:
             self.server_manager.mark_down(index)
+        self.worker_id = worker_id or ""
+        self.results: ResultSender | None = None
+        """The connection to the driver's result channel (:meth:`connect_results`), if any."""
         self.sampling = {False: sections.sampling, True: sections.val_sampling}
         """Sampling by ``meta_info["validate"]`` (verl's ``val_kwargs`` when validating)."""
         self.record_timing = bool(self.agent.record_timing)
@@ -240,6 +244,21 @@ class AgentLoopWorker:
         blocks."""
         return True
 
+    async def connect_results(self, host: str, port: int, authkey: bytes) -> bool:
+        """Connect to the driver's result channel (``agent.result_channel: tcp``); False (rows
+        then go through Ray's stream, as with ``ray``) when it cannot be reached."""
+        sender = ResultSender(host, port, authkey, self.worker_id)
+        try:
+            await sender.connect()
+        except (OSError, TimeoutError) as e:
+            logger.warning("agent-loop worker %s cannot reach the driver's result channel at "
+                           "%s:%d (%s); its rows go through Ray", self.worker_id, host, port, e)
+            return False
+        if self.results is not None:
+            self.results.close()
+        self.results = sender
+        return True
+
     def attach_gateways(self, gateways: list[Any]) -> None:
         """Give loops that declare ``requires_gateway`` a GatewayManager over these gateway
         actors."""
@@ -302,7 +321,7 @@ class AgentLoopWorker:
 
     async def generate_sequences_stream(
         self, batch: DataProto, group_starts: list[int], timeout: float | None = None,
-        encoded: bool = False,
+        encoded: bool = False, channel_token: int | None = None,
     ) -> AsyncIterator[tuple[int, DataProto | EncodedRows, WorkerStats]]:
         """Roll out ``batch`` (already checked: the dispatcher's caller checks a batch once) and
         yield ``(group, rows, stats)`` for each group as soon as all of its samples are done (a Ray
@@ -312,7 +331,9 @@ class AgentLoopWorker:
         every sample still running (engine requests aborted). ``stats``: the group's per-row metrics
         and the server failovers since the previous group.  ``encoded`` (the dispatcher's stream
         to the driver): a group may come as :class:`~agentloop.batch.wire_runs.EncodedRows`, its
-        runs encoded for the wire while the rest ran, which loads as the DataProto."""
+        runs encoded for the wire while the rest ran, which loads as the DataProto.
+        ``channel_token``: each group is sent on the result channel (:meth:`connect_results`) as
+        that dispatch's frame instead of yielded; yielded only when it cannot be sent."""
         failovers = self.server_manager.num_failovers
         names, fields, tasks = self._start_samples(batch)
         bounds = [*group_starts, len(batch)]
@@ -343,7 +364,12 @@ class AgentLoopWorker:
                     await asyncio.to_thread(trace_flush)
                 rows, done_at = padder.take(g)
                 before, failovers = failovers, self.server_manager.num_failovers
-                yield g, rows, WorkerStats.take(rows, failovers - before, done_at)
+                stats = WorkerStats.take(rows, failovers - before, done_at)
+                if channel_token is not None and self.results is not None and (
+                    await self.results.send(channel_token, (g, rows, stats))
+                ):
+                    continue
+                yield g, rows, stats
         finally:
             if deadline is not None:
                 deadline.cancel()
