@@ -10,7 +10,7 @@ prompt. Prints both throughputs and the ratio agentloop / raw (goal: >= 0.97).
 
     python scripts/bench_overhead.py [--num-prompts 256] [--max-tokens 64] [--repeats 7] [--n 1]
     [--num-workers 1]
-                                     [--compare-unbatched]
+                                     [--compare-unbatched] [--compare-channel]
     python scripts/bench_overhead.py --device cuda     # on a GPU: the CUDA build of vLLM, bfloat16,
     CUDA graphs
 
@@ -155,8 +155,11 @@ class AgentLoopPath:
     call minus the longest engine wait any sample saw (rendering before the first request,
     postprocessing and transfers after the last result)."""
 
-    def __init__(self, manager, num_prompts: int, group: int) -> None:
+    def __init__(self, manager, num_prompts: int, group: int, via_ray: bool = False) -> None:
         self.manager, self.num_prompts, self.group = manager, num_prompts, group
+        self.via_ray = via_ray
+        """The rows come through Ray's stream (``agent.result_channel: ray``) in this path's
+        passes: the manager's result channel is set aside for them."""
         self.serial_ms: list[float] = []
         self.after_ms: list[float] = []
         """Per pass: the part of the serial time after the batch's last sample finished (its rows
@@ -167,17 +170,24 @@ class AgentLoopPath:
     def rate(self) -> float:
         self.step += 1
         batch = make_batch(self.num_prompts, self.group, self.step)
-        t0 = time.perf_counter()
-        out = self.manager.generate_sequences(batch)
-        wall = time.perf_counter() - t0
+        channel = self.manager.workers.channel
+        if self.via_ray:
+            self.manager.workers.channel = None
+        try:
+            t0 = time.perf_counter()
+            out = self.manager.generate_sequences(batch)
+            wall = time.perf_counter() - t0
+        finally:
+            self.manager.workers.channel = channel
         timing = out.meta_info["timing"]
         self.serial_ms.append(1000 * (wall - timing["agent_loop/generate_sequences/max"]))
         after = timing.get("agent_loop/serial/after_last_sample")
         self.after_ms.append(float("nan") if after is None else 1000 * after)
+        via = " (via Ray)" if self.via_ray else ""
         print(
-            f"  agentloop pass {self.step}: serial {self.serial_ms[-1]:.1f} ms = before the first "
-            f"request and per-sample work {self.serial_ms[-1] - self.after_ms[-1]:.1f} ms + after "
-            f"the last sample {self.after_ms[-1]:.1f} ms", flush=True,
+            f"  agentloop{via} pass {self.step}: serial {self.serial_ms[-1]:.1f} ms = before the "
+            f"first request and per-sample work {self.serial_ms[-1] - self.after_ms[-1]:.1f} ms "
+            f"+ after the last sample {self.after_ms[-1]:.1f} ms", flush=True,
         )
         return float(out.batch["response_mask"].sum()) / wall
 
@@ -198,6 +208,11 @@ def main() -> None:
     parser.add_argument(
         "--compare-unbatched", action="store_true",
         help="also run with rollout.server.batch_calls=false (one Ray call per request)",
+    )
+    parser.add_argument(
+        "--compare-channel", action="store_true",
+        help="also run passes whose rows come through Ray's stream (agent.result_channel: ray) "
+        "on the same manager and server, in turn with the others",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
@@ -237,6 +252,10 @@ def main() -> None:
         agentloop_paths["  … batch_calls=false"] = AgentLoopPath(
             AgentLoopManager(unbatched_cfg), args.num_prompts, args.n
         )
+    if args.compare_channel:
+        agentloop_paths["  … result_channel=ray"] = AgentLoopPath(
+            ours_path.manager, args.num_prompts, args.n, via_ray=True
+        )
     paths = {"raw AsyncLLM": raw.rate, **{name: p.rate for name, p in agentloop_paths.items()}}
     rates: dict[str, list[float]] = {name: [] for name in paths}
     try:
@@ -257,7 +276,8 @@ def main() -> None:
                 rates[name].append(fn())
     finally:
         for p in agentloop_paths.values():
-            p.manager.shutdown()
+            if not p.via_ray:  # shares the first path's manager
+                p.manager.shutdown()
         raw.close()
         ray.shutdown()
 
@@ -290,6 +310,10 @@ def main() -> None:
         f"{np.median(after):.1f} ms (max {after.max():.1f} ms); before the first request and "
         f"per-sample work: median {np.median(serial - after):.1f} ms"
     )
+    for name, p in agentloop_paths.items():
+        if p is not ours_path:
+            print(f"{name.strip()}: after the last sample median "
+                  f"{np.median(p.after_ms[-args.repeats:]):.1f} ms")
     pairs = ours / raw_rates
     q25, q50, q75 = np.percentile(pairs, [25, 50, 75])
     print(f"ratio agentloop/raw: {ratio:.3f} (medians); paired passes: median {q50:.3f}, "
