@@ -36,6 +36,9 @@ __all__ = [
     "Dispatch", "DispatchRun", "Dispatcher", "ErrorRows", "Finished", "Group", "split_groups",
 ]
 
+CONNECT_WAIT_S = 10.0
+"""How long :meth:`Dispatcher.start` waits for the workers' hellos on the result channel."""
+
 ErrorRows = Callable[[DataProto, RolloutStatus, str], DataProto]
 """``error_rows(chunk, status, message)``: the padded rows of samples no worker could roll out."""
 
@@ -105,7 +108,12 @@ class Dispatcher:
             slots = self.pool.live(must=False)
             joined = ray.get([s.handle.connect_results.remote(*endpoint) for s in slots])
             ids = [s.worker_id for s, ok in zip(slots, joined, strict=True) if ok]
-            wait_connected(self.channel, ids, 10.0)
+            if not ids:  # unreachable from the workers: no replacement waits on it either
+                self.pool.on_ready.remove(("connect_results", endpoint))
+                self.channel.close()
+                self.channel = None
+            else:
+                wait_connected(self.channel, ids, CONNECT_WAIT_S)
         return infos
 
     @property
@@ -288,6 +296,8 @@ class DispatchRun(ChannelPolling):
             )
         timeout = None if self.deadline is None else max(0.001, self.deadline - time.monotonic())
         channel = self.dispatcher.channel
+        if channel is not None and channel.closed:  # its reader stopped: through the streams
+            channel = None
         token = None if channel is None else next(self.dispatcher.tokens)
         extra = {} if token is None else {"channel_token": token}
         ref = slot.handle.generate_sequences_stream.options(num_returns="streaming").remote(

@@ -83,7 +83,8 @@ class ResultChannel:
 
             host = ray.util.get_node_ip_address()
         self.authkey = secrets.token_bytes(32)
-        self._listener = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family)
         self._listener.setblocking(False)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._selector = selectors.DefaultSelector()
@@ -106,6 +107,11 @@ class ResultChannel:
         """What a worker needs to connect: host, port and key."""
         return (*self.address, self.authkey)
 
+    @property
+    def closed(self) -> bool:
+        """Closed, or its reader thread stopped: no more rows come this way."""
+        return self._closed
+
     def connected(self, worker_id: str) -> bool:
         """Whether the worker ``worker_id`` has an open, authenticated connection."""
         with self._cond:
@@ -122,12 +128,12 @@ class ResultChannel:
 
     def take(self, tokens: set[int], timeout: float | None) -> list[tuple[int, bytes]]:
         """Frames (token, payload) for any of ``tokens``, waiting up to ``timeout`` seconds for one
-        (None: until one comes, a connection closes or the channel is closed)."""
+        (None: until one comes or a connection closes; a closed channel waits out ``timeout``)."""
         with self._cond:
             pokes = self.pokes
 
             def ready() -> bool:
-                return self._closed or self.pokes != pokes or any(t in self._inbox for t in tokens)
+                return self.pokes != pokes or any(t in self._inbox for t in tokens)
 
             if timeout != 0 and not ready():
                 self._cond.wait_for(ready, timeout)
@@ -249,7 +255,7 @@ class ResultSender:
     def up(self) -> bool:
         return self._sock is not None
 
-    async def connect(self, timeout: float = 10.0) -> None:
+    async def connect(self, timeout: float = 5.0) -> None:
         """Connect, prove the key, say who this worker is.
 
         Raises:

@@ -60,8 +60,8 @@ class FakeWorker:
     """An AgentLoopWorker actor handle; ``dies``: its streams end with an actor error (the actor
     is dead)."""
 
-    def __init__(self, dies: bool) -> None:
-        self.dies = dies
+    def __init__(self, dies: bool, loses_frames: bool = False) -> None:
+        self.dies, self.loses_frames = dies, loses_frames
         self.streams: list[list[Any]] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -75,7 +75,11 @@ class FakeWorker:
                 if name == "generate_sequences_stream":
                     batch, starts = args
                     worker.streams.append(batch.non_tensor_batch["index"].tolist())
+                    if worker.loses_frames and "channel_token" in kwargs:
+                        return iter(())  # "sent" every group on the channel; none arrives
                     return Stream(batch, starts, worker.dies)
+                if name == "connect_results":  # reachable only for a worker that loses frames
+                    return Value(worker.loses_frames)
                 return Value({})
 
         return Method()
@@ -265,3 +269,47 @@ def test_on_last_fires_again_when_a_fault_reran_groups_after_it(fake_ray):
     out = dispatcher.run(prompts(8), on_last=lambda: fired.append(dict(dispatcher.fault_counts)))
     assert sum(len(p.rows) for p in out) == 8
     assert fired and fired[-1] == dispatcher.fault_counts  # the last probe saw every fault
+
+
+def test_with_a_result_channel_no_worker_can_reach_the_rows_come_through_the_streams(fake_ray):
+    spawned: list[FakeWorker] = []
+
+    def spawn(index: int, worker_id: str) -> FakeWorker:
+        spawned.append(FakeWorker(dies=False))
+        return spawned[-1]
+
+    dispatcher = Dispatcher(spawn=spawn, num_workers=2, error_rows=error_rows,
+                            result_channel="tcp")
+    dispatcher.start()
+    # the channel is closed again and no replacement will try it
+    assert dispatcher.channel is None and dispatcher.pool.on_ready == []
+    parts = dispatcher.run(prompts(8))
+    rows = DataProto.concat([p.rows for p in parts])
+    assert rows.non_tensor_batch["index"].tolist() == list(range(8))
+    assert set(rows.non_tensor_batch["status"]) == {"stop"}
+
+
+def test_groups_whose_channel_frames_never_arrive_run_again(fake_ray, monkeypatch):
+    from agentloop.rollout import dispatch_channel, dispatcher as dispatcher_module
+
+    monkeypatch.setattr(dispatch_channel, "CHANNEL_GRACE_S", 0.2)
+    monkeypatch.setattr(dispatcher_module, "CONNECT_WAIT_S", 0.1)
+    spawned: list[FakeWorker] = []
+
+    def spawn(index: int, worker_id: str) -> FakeWorker:
+        spawned.append(FakeWorker(dies=False, loses_frames=not spawned))  # the first one only
+        return spawned[-1]
+
+    dispatcher = Dispatcher(spawn=spawn, num_workers=2, error_rows=error_rows,
+                            result_channel="tcp", max_sample_retries=1)
+    dispatcher.start()
+    try:
+        assert dispatcher.channel is not None  # the first worker "connected"
+        parts = dispatcher.run(prompts(8))
+    finally:
+        dispatcher.shutdown()
+    rows = DataProto.concat([p.rows for p in parts])
+    assert rows.non_tensor_batch["index"].tolist() == list(range(8))
+    assert set(rows.non_tensor_batch["status"]) == {"stop"}  # rolled out again, not lost
+    assert dispatcher.fault_counts["sample_retries"] == 4 and dispatcher.fault_counts[
+        "worker_restarts"] == 1  # its worker is taken for broken and replaced
