@@ -290,7 +290,8 @@ def test_with_a_result_channel_no_worker_can_reach_the_rows_come_through_the_str
 
 
 def test_groups_whose_channel_frames_never_arrive_run_again(fake_ray, monkeypatch):
-    from agentloop.rollout import dispatch_channel, dispatcher as dispatcher_module
+    from agentloop.rollout import dispatch_channel
+    from agentloop.rollout import dispatcher as dispatcher_module
 
     monkeypatch.setattr(dispatch_channel, "CHANNEL_GRACE_S", 0.2)
     monkeypatch.setattr(dispatcher_module, "CONNECT_WAIT_S", 0.1)
