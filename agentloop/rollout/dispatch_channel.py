@@ -36,6 +36,8 @@ class ChannelPolling:
     _lost: Callable[[Dispatch, str], list[Finished]]
     _drop: Callable[[Dispatch], None]
     _hung_past_deadline: Callable[[], list[Finished]]
+    _streams_looked_at: float = 0.0
+    """When :meth:`_poll_channel` last looked at the streams (``time.monotonic()``)."""
 
     def _poll_channel(self, waits: list[float], end: float | None) -> list[Finished]:
         """:meth:`poll` while rows come on the result channel: wait on it (it wakes for rows and
@@ -54,8 +56,6 @@ class ChannelPolling:
                 finished += self._take(
                     dispatch, lambda d=dispatch, a=(local, rows, stats): self._finish(d, *a)
                 )
-        if finished:
-            return finished
         now = time.monotonic()
         for dispatch in [x for x in self.open.values() if x.ended_at is not None]:
             if now - dispatch.ended_at > CHANNEL_GRACE_S:  # type: ignore[operator]
@@ -63,12 +63,14 @@ class ChannelPolling:
                 finished += self._lost(
                     dispatch, f"its stream ended and the rows it sent on the result channel did "
                     f"not arrive within {CHANNEL_GRACE_S:g} s")
-        if finished:
-            return finished
-        refs = [r for r, x in self.open.items() if x.ended_at is None]
-        ready = ray.wait(refs, num_returns=1, timeout=0)[0] if refs else []
-        if ready:
-            return self._take(self.open[ready[0]])
-        if end is not None and time.monotonic() >= end:
+        # the streams too: when no frame came, or at least every CHANNEL_LOOK_S while frames keep
+        # coming (a dead worker's groups must not wait for a quiet moment)
+        if not finished or now - self._streams_looked_at >= CHANNEL_LOOK_S:
+            self._streams_looked_at = now
+            refs = [r for r, x in self.open.items() if x.ended_at is None]
+            ready = ray.wait(refs, num_returns=1, timeout=0)[0] if refs else []
+            if ready:
+                finished += self._take(self.open[ready[0]])
+        if not finished and end is not None and time.monotonic() >= end:
             return self._hung_past_deadline()
-        return []
+        return finished
