@@ -27,7 +27,7 @@ from agentloop.batch.protocol import DataProto
 from agentloop.errors import first_line
 from agentloop.rollout.dispatch_channel import ChannelPolling
 from agentloop.rollout.dispatch_parts import Dispatch, Finished, Group, split_groups
-from agentloop.rollout.result_channel import ResultChannel, wait_connected
+from agentloop.rollout.result_channel import ResultChannel
 from agentloop.rollout.worker import WorkerStats
 from agentloop.rollout.worker_slots import Spawn, WorkerSlot, WorkerSlots, fresh_fault_counts
 from agentloop.types import RolloutStatus
@@ -113,7 +113,7 @@ class Dispatcher:
                 self.channel.close()
                 self.channel = None
             else:
-                wait_connected(self.channel, ids, CONNECT_WAIT_S)
+                self.channel.wait_connected(ids, CONNECT_WAIT_S)
         return infos
 
     @property

@@ -34,16 +34,12 @@ import selectors
 import socket
 import struct
 import threading
-import time
 from collections import defaultdict
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESULT_CHANNELS", "ResultChannel", "ResultSender"]
-
-RESULT_CHANNELS = ("tcp", "ray")
-"""``rollout.agent.result_channel`` values: ``tcp`` (this module), ``ray`` (the stream's items)."""
+__all__ = ["ResultChannel", "ResultSender"]
 
 NONCE_BYTES = 32
 HEADER = struct.Struct("!QQ")
@@ -116,6 +112,12 @@ class ResultChannel:
         """Whether the worker ``worker_id`` has an open, authenticated connection."""
         with self._cond:
             return worker_id in self._workers
+
+    def wait_connected(self, worker_ids: list[str], timeout: float) -> bool:
+        """Wait until every worker in ``worker_ids`` has said hello (True), at most ``timeout``
+        seconds (the reader thread notifies on each hello)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._workers.issuperset(worker_ids), timeout)
 
     def expect(self, token: int) -> None:
         with self._cond:
@@ -313,14 +315,3 @@ class ResultSender:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-def wait_connected(channel: ResultChannel, worker_ids: list[str], timeout: float) -> bool:
-    """Wait until every worker in ``worker_ids`` has said hello (True), at most ``timeout``
-    seconds."""
-    end = time.monotonic() + timeout
-    while not all(channel.connected(w) for w in worker_ids):
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.005)
-    return True

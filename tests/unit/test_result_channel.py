@@ -17,7 +17,7 @@ import pytest
 
 from agentloop.config.checks import check_result_channel
 from agentloop.errors import ConfigError
-from agentloop.rollout.result_channel import ResultChannel, ResultSender, wait_connected
+from agentloop.rollout.result_channel import ResultChannel, ResultSender
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def loop() -> Iterator[Loop]:
 def connected_sender(channel: ResultChannel, loop: Loop, worker_id: str = "w1") -> ResultSender:
     sender = ResultSender(*channel.endpoint, worker_id=worker_id)
     loop.run(sender.connect())
-    assert wait_connected(channel, [worker_id], 5.0)
+    assert channel.wait_connected([worker_id], 5.0)
     return sender
 
 
