@@ -63,6 +63,12 @@ def _lift_control_keys(data: Any) -> Any:
     return {**lifted, **data, "extra_fields": rest}
 
 
+# BaseModel's slots written through their descriptors (what object.__setattr__ finds for
+# these names, without the lookup: ~0.06 µs a write less)
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+
 _Spec = tuple[dict[str, Any], tuple[tuple[str, Any], ...], frozenset[str]]
 _UNCHECKED_SPECS: dict[type, _Spec] = {}
 
@@ -97,10 +103,11 @@ def unchecked(cls: type[_M], /, **values: Any) -> _M:
         raise TypeError(f"{cls.__name__}: no field(s) {unknown}; required field(s) {missing}")
     model = cls.__new__(cls)
     object.__setattr__(model, "__dict__", state)
-    object.__setattr__(model, "__pydantic_fields_set__", set(values))
-    object.__setattr__(model, "__pydantic_extra__", None)
-    object.__setattr__(model, "__pydantic_private__", None)
+    _set_fields_set(model, set(values))
+    _set_extra(model, None)
+    _set_private(model, None)
     return model
+
 
 
 def replaced(model: _M, /, **changes: Any) -> _M:
@@ -116,10 +123,31 @@ def replaced(model: _M, /, **changes: Any) -> _M:
         raise TypeError(f"{type(model).__name__}: no field(s) {sorted(changes.keys() - state)}")
     copy = type(model).__new__(type(model))
     object.__setattr__(copy, "__dict__", {**state, **changes})
-    fields_set = model.__pydantic_fields_set__ | changes.keys()
-    object.__setattr__(copy, "__pydantic_fields_set__", fields_set)
-    object.__setattr__(copy, "__pydantic_extra__", model.__pydantic_extra__)
-    object.__setattr__(copy, "__pydantic_private__", model.__pydantic_private__)
+    _set_fields_set(copy, model.__pydantic_fields_set__ | changes.keys())
+    _set_extra(copy, model.__pydantic_extra__)
+    _set_private(copy, model.__pydantic_private__)
+    return copy
+
+
+def with_field(model: _M, name: str, value: Any, /) -> _M:
+    """``replaced(model, **{name: value})`` for one field, without the keyword dict: the router's
+    per-call copy (~0.35 µs less).
+
+    Raises:
+        TypeError: ``name`` is not a field of the model.
+    """
+    state = model.__dict__
+    if name not in state:
+        raise TypeError(f"{type(model).__name__}: no field {name!r}")
+    copy = type(model).__new__(type(model))
+    copied = state.copy()
+    copied[name] = value
+    object.__setattr__(copy, "__dict__", copied)
+    fields_set = set(model.__pydantic_fields_set__)
+    fields_set.add(name)
+    _set_fields_set(copy, fields_set)
+    _set_extra(copy, model.__pydantic_extra__)
+    _set_private(copy, model.__pydantic_private__)
     return copy
 
 
@@ -354,3 +382,27 @@ class MultiTrajectoryAgentLoopOutput(BaseModel):
         if value is not None and not 0.0 <= value <= 1.0:
             raise ValueError(f"reward_gamma must be in [0, 1], got {value}")
         return value
+
+
+_PLAIN_ASSIGNMENT: dict[type, bool] = {}
+
+
+def assign_field(model: BaseModel, name: str, value: Any) -> None:
+    """``setattr(model, name, value)`` for a field of ``model``: for a model whose class keeps
+    pydantic's ``__setattr__`` and neither validates assignments nor is frozen, what that
+    ``__setattr__`` does for a plain field (the value into ``__dict__``, the name into the fields
+    set) without its dispatch, for per-sample hot paths; else ``setattr``."""
+    cls = type(model)
+    plain = _PLAIN_ASSIGNMENT.get(cls)
+    if plain is None:
+        config = cls.model_config
+        plain = _PLAIN_ASSIGNMENT[cls] = (
+            cls.__setattr__ is BaseModel.__setattr__
+            and not config.get("validate_assignment") and not config.get("frozen")
+        )
+    state = model.__dict__
+    if plain and name in state:
+        state[name] = value
+        model.__pydantic_fields_set__.add(name)
+    else:
+        setattr(model, name, value)

@@ -23,9 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agentloop.rewards.columns import REWARD_ERROR, REWARD_EXTRA_INFO, UNFINISHED
-from agentloop.rewards.episode import EpisodeRewardConfig, reward_shares
+from agentloop.rewards.episode import REWARD_TO_MODES, EpisodeRewardConfig, reward_shares
 from agentloop.rewards.loader import RewardFunctionConfig, load_reward_function
-from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput
+from agentloop.types import (
+    AgentLoopOutput,
+    MultiTrajectoryAgentLoopOutput,
+    assign_field,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,20 +89,32 @@ class TrajectoryScorer:
         rewards)."""
         return self.fn is not None or self.config.add_tool_rewards
 
+    def unscored(
+        self, outputs: list[AgentLoopOutput] | MultiTrajectoryAgentLoopOutput
+    ) -> list[AgentLoopOutput] | None:
+        """What :meth:`score` returns when there is nothing to score (no reward function, no tool
+        rewards, one plain trajectory: it keeps its own ``reward_score``, recorded as set), without
+        a coroutine: the worker's hot path calls it first.  None: :meth:`score` has work to do."""
+        if (
+            self.fn is not None or self.config.add_tool_rewards or type(outputs) is not list
+            or len(outputs) != 1 or type(outputs[0]) is not AgentLoopOutput
+        ):
+            return None
+        if self.episode.reward_to not in REWARD_TO_MODES:  # the mode's error, as score raises it
+            reward_shares(1, self.episode.reward_to, self.episode.reward_gamma)
+        final = outputs[0]
+        assign_field(final, "reward_score", final.reward_score)
+        return outputs
+
     async def score(self, outputs: list[AgentLoopOutput] | MultiTrajectoryAgentLoopOutput,
                     sample: Mapping[str, Any]) -> list[AgentLoopOutput]:
         """Set ``reward_score`` (and ``reward_error`` / ``reward_extra_info`` /
         ``metrics.compute_score``) on each of a sample's trajectories (one episode, final last), in
         place, by the reward rule; returns them.  An episode's own ``reward_to`` / ``reward_gamma``
         win over the config's. Never raises for a scorer's failure."""
-        if (
-            self.fn is None and not self.config.add_tool_rewards and type(outputs) is list
-            and len(outputs) == 1 and type(outputs[0]) is AgentLoopOutput
-        ):  # nothing to score: the one trajectory keeps its own score (recorded as set)
-            reward_shares(1, self.episode.reward_to, self.episode.reward_gamma)  # checks the mode
-            final = outputs[0]
-            final.reward_score = final.reward_score
-            return [final]
+        unscored = self.unscored(outputs)
+        if unscored is not None:
+            return unscored
         episode = outputs if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else None
         trajectories = list(
             outputs.trajectories if isinstance(outputs, MultiTrajectoryAgentLoopOutput) else outputs

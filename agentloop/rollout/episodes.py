@@ -15,7 +15,12 @@ from agentloop.batch.postprocess import postprocess
 from agentloop.batch.protocol import DataProto
 from agentloop.config import EngineConfig
 from agentloop.rollout.samples import agent_names
-from agentloop.types import AgentLoopOutput, MultiTrajectoryAgentLoopOutput, RolloutStatus
+from agentloop.types import (
+    AgentLoopOutput,
+    MultiTrajectoryAgentLoopOutput,
+    RolloutStatus,
+    assign_field,
+)
 from agentloop.utils.ids import fresh_hex
 
 # the worker's logger: these records are the worker's, as before the split
@@ -66,6 +71,22 @@ def error_batch(chunk: DataProto, status: RolloutStatus, message: str, *, engine
     return output
 
 
+def loop_failure(
+    error: Exception, name: str, sample_index: Any, timeout: float | None
+) -> list[AgentLoopOutput]:
+    """The one row of a sample whose loop ``name`` raised ``error``: ``timeout`` for a timeout (as
+    ``sample_timeout`` expiring gives it), else ``error``; logged as a warning."""
+    if isinstance(error, asyncio.TimeoutError):
+        logger.warning("sample %s (%s) timed out after %ss", sample_index, name, timeout)
+        return [
+            failed_output(
+                RolloutStatus.TIMEOUT, f"agent loop {name!r} exceeded sample_timeout={timeout}s"
+            )
+        ]
+    logger.warning("sample %s (%s) failed: %r", sample_index, name, error)
+    return [failed_output(RolloutStatus.ERROR, f"{type(error).__name__}: {error}")]
+
+
 def to_episode(
     output: Any, name: str
 ) -> MultiTrajectoryAgentLoopOutput | list[AgentLoopOutput]:
@@ -110,22 +131,9 @@ def to_episode(
     return episode.model_copy(update={"trajectories": outputs, "session_id": session_id})
 
 
-# AgentLoopOutput's fields are set as BaseModel.__setattr__ sets a plain field (the value into
-# __dict__, the name into the fields set) unless assignments are validated or frozen
-_PLAIN_FIELDS = not (
-    AgentLoopOutput.model_config.get("validate_assignment")
-    or AgentLoopOutput.model_config.get("frozen")
-)
-
-
 def _set_extra_fields(output: AgentLoopOutput, fields: dict[str, Any]) -> None:
-    """``output.extra_fields = fields``; for a plain AgentLoopOutput what pydantic's ``__setattr__``
-    does (the value into ``__dict__``, the name into the fields set) without its dispatch."""
-    if type(output) is AgentLoopOutput and _PLAIN_FIELDS:
-        output.__dict__["extra_fields"] = fields
-        output.__pydantic_fields_set__.add("extra_fields")
-    else:
-        output.extra_fields = fields
+    """``output.extra_fields = fields`` (:func:`~agentloop.types.assign_field`)."""
+    assign_field(output, "extra_fields", fields)
 
 
 def checked_output(output: AgentLoopOutput, name: str) -> AgentLoopOutput:

@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,13 @@ from agentloop.loops.base import (
 from agentloop.report.timing import attach_generate_calls, collect_generate_calls
 from agentloop.rewards.episode import EpisodeRewardConfig
 from agentloop.rewards.scoring import TrajectoryScorer
-from agentloop.rollout.episodes import error_batch, failed_output, task_outputs, to_episode
+from agentloop.rollout.episodes import (
+    error_batch,
+    failed_output,
+    loop_failure,
+    task_outputs,
+    to_episode,
+)
 from agentloop.rollout.group_padding import GroupPadder
 from agentloop.rollout.result_channel import ResultSender
 from agentloop.rollout.samples import agent_names, check_batch, trajectory_info
@@ -414,13 +421,28 @@ class AgentLoopWorker:
         trajectory given its reward (:mod:`agentloop.rewards.scoring`).  With
         ``agent.record_timing`` each engine call's server and times go on the first trajectory
         (``generate_calls``, for ``agentloop report``)."""
-        if not self.record_timing:  # the hot path: no context manager per sample
+        if self.record_timing or self.sample_timeout or name in self.init_errors or trace_enabled():
+            return await self._sample_traced(name, sampling_params, sample, info)
+        # the hot path in one coroutine: the loop awaited here; a sample with nothing to score
+        # is not scored in a coroutine of its own
+        entry = self.registry[name]
+        try:
+            loop = self._loops.new(entry)
+            output = await loop.run(dict(sampling_params), trajectory_info=info, **sample)
+        except Exception as e:  # noqa: BLE001 - a failed sample is data, not a crash
+            output = loop_failure(e, name, info["sample_index"], self.sample_timeout)
+        episode = to_episode(output, name)
+        unscored = self.rewards.unscored(episode)
+        return unscored if unscored is not None else await self.rewards.score(episode, sample)
+
+    async def _sample_traced(
+        self, name: str, sampling_params: dict[str, Any], sample: dict[str, Any],
+        info: dict[str, Any],
+    ) -> list[AgentLoopOutput]:
+        """:meth:`_sample` with a timer, a trace, a ``sample_timeout`` or a loop's init error."""
+        with collect_generate_calls() if self.record_timing else nullcontext() as calls:
             episode = to_episode(await self._run_loop(name, sampling_params, sample, info), name)
-        else:
-            with collect_generate_calls() as calls:
-                episode = to_episode(
-                    await self._run_loop(name, sampling_params, sample, info), name
-                )
+        if calls is not None:
             attach_generate_calls(episode, calls)
         return await self.rewards.score(episode, sample)
 
@@ -433,18 +455,12 @@ class AgentLoopWorker:
         entry = self.registry[name]
         timeout = self.sample_timeout
         if name in self.init_errors:
-            return [
-                failed_output(
-                    RolloutStatus.ERROR,
-                    f"agent loop {name!r} "
-                    f"({entry.cls.__qualname__}) failed to "
-                    f"initialise: {self.init_errors[name]}",
-                )
-            ]
+            why = f"({entry.cls.__qualname__}) failed to initialise: {self.init_errors[name]}"
+            return [failed_output(RolloutStatus.ERROR, f"agent loop {name!r} {why}")]
         try:
             loop = self._loops.new(entry)
             coro = loop.run(dict(sampling_params), trajectory_info=info, **sample)
-            if not trace_enabled():  # the hot path: rollout_trace_attr would do nothing
+            if not trace_enabled():
                 output = await (within(coro, timeout) if timeout else coro)
             else:
                 with rollout_trace_attr(
@@ -453,18 +469,8 @@ class AgentLoopWorker:
                     trace=bool(info.get("trace")),
                 ):
                     output = await within(coro, timeout)
-        except asyncio.TimeoutError:
-            logger.warning(
-                "sample %s (%s) timed out after %ss", info["sample_index"], name, timeout
-            )
-            return [
-                failed_output(
-                    RolloutStatus.TIMEOUT, f"agent loop {name!r} exceeded sample_timeout={timeout}s"
-                )
-            ]
         except Exception as e:  # noqa: BLE001 - a failed sample is data, not a crash
-            logger.warning("sample %s (%s) failed: %r", info["sample_index"], name, e)
-            return [failed_output(RolloutStatus.ERROR, f"{type(e).__name__}: {e}")]
+            return loop_failure(e, name, info["sample_index"], timeout)
         return output
 
     def _postprocess(

@@ -11,11 +11,10 @@ verl's extra keywords): docs/routing.md#the-router-asyncllmservermanager.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Sequence
+from typing import Any, NoReturn, cast
 
 from ray.actor import ActorHandle
 
@@ -33,14 +32,21 @@ from agentloop.routing.server_errors import (  # noqa: F401 (server_cause, serve
     translated,
 )
 from agentloop.routing.strategies import Balancer
+from agentloop.routing.streaming import StreamingRouting
 from agentloop.servers.base import ServerDeadError
 from agentloop.trace import enabled as trace_enabled
-from agentloop.types import StopReason, TokenDelta, TokenOutput, replaced
+from agentloop.types import (
+    StopReason,
+    TokenDelta,
+    TokenOutput,
+    assign_field,
+    with_field,
+)
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLMServerManager:
+class AsyncLLMServerManager(StreamingRouting):
     """Routes token-in/token-out requests over several servers.
 
     Args:
@@ -188,16 +194,35 @@ class AsyncLLMServerManager:
                 "videos to the "
                 "engine but not audio yet (docs/porting-from-verl.md, 'Remaining differences')"
             )
-        media = {"image_data": image_data, **({"video_data": video_data} if video_data else {})}
+        media = {"image_data": image_data}
+        if video_data:
+            media["video_data"] = video_data
         key = sticky_key or request_id
         if self.priority is not None:  # the engines run with scheduling_policy=priority
             rank = int(priority) or int(self.priority(key, len(prompt_ids)))
             if rank:
                 sampling_params = {**sampling_params, "priority": rank}
         try:
-            output, server = await self._generate_once(
-                request_id, key, prompt_ids, sampling_params, media
-            )
+            try:  # the first attempt inline (one coroutine less per call); failovers below
+                server = self._acquire(
+                    key, len(prompt_ids), prefix_keys(prompt_ids) if self._prefix else ()
+                )
+                if not isinstance(server, int):
+                    server = await server
+                start = timing.now()
+                try:
+                    output = await self._start(server, "generate", {
+                        "prompt_ids": prompt_ids, "sampling_params": sampling_params,
+                        "request_id": request_id, **media,
+                    })
+                except BaseException as e:
+                    self._call_failed(e, server, request_id)
+                self._release_nowait(server)
+                self._record(request_id, server, start, prompt_ids, output)
+            except ServerDeadError as e:
+                output, server = await self._generate_once(
+                    request_id, key, prompt_ids, sampling_params, media, dead=e
+                )
         except TypeError as e:  # a server whose generate() has no video_data keyword
             if video_data and "video_data" in str(e):
                 raise NotImplementedError(
@@ -215,7 +240,12 @@ class AsyncLLMServerManager:
                 request_id, key, prompt_ids, sampling_params, media, output, server
             )
         output = join_pieces(pieces) if self.partial_rollout or len(pieces) > 1 else pieces[0]
-        return replaced(output, extra_fields=with_versions(output.extra_fields, server))
+        fields = with_versions(output.extra_fields, server)
+        if output is pieces[0] and isinstance(self.server_handles[server], ActorHandle):
+            # unpickled for this call: no one else holds it
+            assign_field(output, "extra_fields", fields)
+            return output
+        return with_field(output, "extra_fields", fields)
 
     async def _resume(
         self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
@@ -257,34 +287,30 @@ class AsyncLLMServerManager:
 
     async def _generate_once(
         self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-        media: dict[str, Any],
+        media: dict[str, Any], dead: ServerDeadError | None = None,
     ) -> tuple[TokenOutput, int]:
-        """One server call, failing over to another server when the chosen one is dead."""
+        """One server call, failing over to another server when the chosen one is dead (``dead``:
+        the first attempt's server was)."""
         attempt = 0
         while True:
             try:
-                prefix = prefix_keys(prompt_ids) if self._prefix else ()
-                # _slot's work, inline (one generator-based context manager less per call)
-                chosen = self._acquire(key, len(prompt_ids), prefix)
+                if dead is not None:
+                    error, dead = dead, None
+                    raise error
+                chosen = self._acquire(
+                    key, len(prompt_ids), prefix_keys(prompt_ids) if self._prefix else ()
+                )
                 server = chosen if isinstance(chosen, int) else await chosen
-                cancelled = False
+                start = timing.now()
                 try:
-                    start = timing.now()
                     output = await self._start(server, "generate", {
                         "prompt_ids": prompt_ids, "sampling_params": sampling_params,
                         "request_id": request_id, **media,
                     })
-                except asyncio.CancelledError:
-                    cancelled = True
-                    raise
-                except SERVER_CALL_ERRORS as e:
-                    reraise_translated(e, server, request_id)
-                finally:
-                    self._release_nowait(server, cancelled=cancelled)
-                # for `agentloop report`
-                timing.record_generate(server, start, len(prompt_ids), output)
-                if trace_enabled():
-                    trace_generate(request_id, server, start, prompt_ids, output)
+                except BaseException as e:
+                    self._call_failed(e, server, request_id)
+                self._release_nowait(server)
+                self._record(request_id, server, start, prompt_ids, output)
                 return output, server
             except ServerDeadError as e:
                 await self._mark_down(e)
@@ -293,6 +319,22 @@ class AsyncLLMServerManager:
                 attempt += 1
                 self.num_failovers += 1
                 logger.warning("request %s: %s; failing over to another server", request_id, e)
+
+    def _call_failed(self, error: BaseException, server: int, request_id: str) -> NoReturn:
+        """A call to ``server`` raised ``error``: its slot released (at once to a shared balancer
+        when cancelled), then ``error`` raised, translated (:func:`reraise_translated`)."""
+        self._release_nowait(server, cancelled=isinstance(error, asyncio.CancelledError))
+        if isinstance(error, SERVER_CALL_ERRORS):
+            reraise_translated(error, server, request_id)
+        raise error
+
+    @staticmethod
+    def _record(
+        request_id: str, server: int, start: float, prompt_ids: list[int], output: TokenOutput
+    ) -> None:
+        timing.record_generate(server, start, len(prompt_ids), output)  # for `agentloop report`
+        if trace_enabled():
+            trace_generate(request_id, server, start, prompt_ids, output)
 
     async def _mark_down(self, error: ServerDeadError) -> None:
         """Take the dead server out of routing, for this client and (shared balancer) every
@@ -330,128 +372,6 @@ class AsyncLLMServerManager:
         self.down.discard(index)
         if not self._remote_balancer:
             self.balancer.mark_up(index)  # a shared balancer actor is told once, by the manager
-
-    async def generate_stream(
-        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
-        image_data: list[Any] | None = None, sticky_key: str | None = None,
-    ) -> AsyncIterator[TokenDelta]:
-        """Stream a generation from the server chosen for ``request_id`` (same routing as
-        :meth:`generate`).
-
-        The in-flight slot is held until the stream ends, fails, or the consumer stops iterating;
-        a consumer that stops early should :meth:`abort` the request so the engine stops too.
-
-        With ``partial_rollout`` a stream a server pause cut goes on after the resume, as
-        :meth:`generate` does: the tokens of the cut piece are passed on as an ordinary chunk and
-        the request is re-issued with ``prompt_ids`` plus every token so far and the rest of
-        ``max_tokens``; the consumer sees one stream whose last chunk has the last piece's stop
-        reason and, in ``extra_fields``, ``num_preempted`` and the ``min_global_steps`` /
-        ``max_global_steps`` over the pieces. (``restart_preempted`` does not apply to streams:
-        tokens already streamed cannot be taken back, so a cut stream ends ``aborted``.)
-        """
-        generated: list[int] = []
-        # per piece: its weight version, the tokens it sampled
-        pieces: list[tuple[int | None, int]] = []
-        params = dict(sampling_params)
-        limit = sampling_params.get("max_tokens")
-        while True:
-            final, before = None, len(generated)
-            async for delta in self._stream_once(
-                request_id, sticky_key, list(prompt_ids) + generated, params, image_data
-            ):
-                if delta.finished:
-                    final = delta
-                    continue
-                generated += delta.token_ids
-                yield delta
-            if final is None:
-                return
-            version = final.extra_fields.get("global_steps")
-            pieces.append(
-                (
-                    None if version is None else int(version),
-                    len(generated) - before + len(final.token_ids),
-                )
-            )
-            extra = dict(final.extra_fields)
-            if len(pieces) > 1:
-                extra["num_preempted"] = len(pieces) - 1
-                known = [(v, n) for v, n in pieces if v is not None]
-                # a piece cut before any token
-                sampled = [v for v, n in known if n] or [v for v, _ in known]
-                # does not widen the range
-                if sampled:
-                    extra.update(min_global_steps=min(sampled), max_global_steps=max(sampled))
-            if not self._resumes(final):
-                yield (
-                    final
-                    if len(pieces) == 1
-                    else final.model_copy(update={"extra_fields": extra, **UNCUT})
-                )
-                return
-            generated += final.token_ids
-            # the cut piece's last tokens: an ordinary chunk, the stream goes on
-            if final.token_ids:
-                yield TokenDelta(token_ids=final.token_ids, log_probs=final.log_probs)
-            limit = limit if limit is not None else final.max_tokens
-            # cut after its last allowed token
-            if limit is not None and int(limit) - len(generated) <= 0:
-                yield TokenDelta(
-                    token_ids=[], log_probs=None if final.log_probs is None else [], finished=True,
-                    stop_reason=StopReason.LENGTH, extra_fields=extra,
-                )
-                return
-            if limit is not None:
-                params["max_tokens"] = int(limit) - len(generated)
-            self.num_resumes += 1
-
-    async def _stream_once(self, request_id: str, sticky_key: str | None, prompt_ids: list[int],
-                           sampling_params: dict[str, Any], image_data: list[Any] | None
-                           ) -> AsyncIterator[TokenDelta]:
-        kwargs = {
-            "prompt_ids": prompt_ids, "sampling_params": sampling_params, "request_id": request_id,
-            "image_data": image_data,
-        }
-        prefix = prefix_keys(prompt_ids) if self._prefix else ()
-        async with self._slot(
-            sticky_key or request_id, len(prompt_ids), request_id, prefix
-        ) as server:
-            handle = self.server_handles[server]
-            if isinstance(handle, ActorHandle):
-                refs: Any = handle.generate_stream.options(num_returns="streaming").remote(**kwargs)
-                async for ref in refs:
-                    yield self._tag(await ref, server)
-            else:
-                async for delta in handle.generate_stream(**kwargs):
-                    yield self._tag(delta, server)
-
-    @contextlib.asynccontextmanager
-    async def _slot(
-        self, key: str, prompt_len: int, request_id: str, prefix: tuple[int, ...] = ()
-    ) -> AsyncIterator[int]:
-        """Hold an in-flight slot on the server chosen for ``key``; released on success, error and
-        cancellation alike.  A dead server actor becomes a ServerDeadError; an error raised inside
-        the server propagates as the server raised it (out of Ray's task-error wrapper:
-        :func:`~agentloop.routing.server_errors.translated`).
-        """
-        chosen = self._acquire(key, prompt_len, prefix)
-        server = chosen if isinstance(chosen, int) else await chosen
-        cancelled = False
-        try:
-            yield server
-        except (asyncio.CancelledError, GeneratorExit):
-            cancelled = True
-            raise
-        except SERVER_CALL_ERRORS as e:
-            reraise_translated(e, server, request_id)
-        finally:
-            self._release_nowait(server, cancelled=cancelled)
-
-    @staticmethod
-    def _tag(delta: TokenDelta, server: int) -> TokenDelta:
-        if not delta.finished:
-            return delta
-        return replaced(delta, extra_fields=with_versions(delta.extra_fields, server))
 
     async def abort(self, request_id: str, sticky_key: str | None = None) -> None:
         """Abort ``request_id`` on the server it is bound to (no-op if unknown); pass the
