@@ -46,7 +46,10 @@ class SingleTurnAgentLoop(AgentLoopBase):
         # run_in_executor cost ~5% throughput in scripts/bench_overhead.py).
         prompt_ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True,
                                          **self.apply_chat_template_kwargs)
-        images, videos = sample_media(kwargs), sample_media(kwargs, "video")
+        images: list[Any] = []
+        videos: list[Any] = []
+        if kwargs.get("multi_modal_data") is not None:  # else no media to look for
+            images, videos = sample_media(kwargs), sample_media(kwargs, "video")
         media: dict[str, Any] = {}
         if images:
             # a vision-language model: pixels decoded, placeholders expanded
@@ -59,9 +62,15 @@ class SingleTurnAgentLoop(AgentLoopBase):
         prompt_ids, dropped = fit_prompt(prompt_ids, self.prompt_length, self.prompt_truncation)
 
         start = time.perf_counter()
-        output = await self.server_manager.generate(
-            request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params, **media
-        )
+        if media:
+            output = await self.server_manager.generate(
+                request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params,
+                **media,
+            )
+        else:  # no keyword dict to unpack
+            output = await self.server_manager.generate(
+                request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params
+            )
         # built unchecked: every value comes from a validated TokenOutput (types.unchecked)
         metrics = unchecked(
             AgentLoopMetrics, generate_sequences=time.perf_counter() - start,

@@ -209,6 +209,9 @@ class Balancer:
         self.in_flight = [0] * num_servers
         self.routed = [0] * num_servers
         self.healthy = [True] * num_servers
+        self._num_down = 0
+        """Servers marked down (kept with :attr:`healthy`: a decision checks a count, not every
+        server)."""
         self._owned: dict[str, list[int]] = {}
         track = getattr(strategy, "track", None)
         self._moved = (
@@ -224,15 +227,16 @@ class Balancer:
     ) -> int:
         """Choose a healthy server for a request starting now and count it in flight (for
         ``owner`` too); ``prefix``: :attr:`RouteContext.prefix`."""
-        if all(self.healthy):
+        if not self._num_down:
             server = self.strategy.choose(
                 RouteContext(request_id, prompt_len, prefix), self.in_flight
             )
         else:
             server = self._choose_healthy(RouteContext(request_id, prompt_len, prefix))
-        self.in_flight[server] += 1
+        count = self.in_flight[server]
+        self.in_flight[server] = count + 1
         if self._moved is not None:
-            self._moved(server, self.in_flight[server] - 1, self.in_flight[server])
+            self._moved(server, count, count + 1)
         self.routed[server] += 1
         if owner is not None:
             self._owned.setdefault(owner, [0] * self.num_servers)[server] += 1
@@ -272,7 +276,10 @@ class Balancer:
             if owned is None or owned[server] <= 0:
                 return
             owned[server] -= 1
-        self._set(server, max(0, self.in_flight[server] - 1))
+        count = self.in_flight[server]  # _set's work, inline (once per request)
+        self.in_flight[server] = count - 1 if count > 0 else 0
+        if self._moved is not None:
+            self._moved(server, count, self.in_flight[server])
 
     def _set(self, server: int, count: int) -> None:
         before, self.in_flight[server] = self.in_flight[server], count
@@ -291,10 +298,14 @@ class Balancer:
 
     def mark_down(self, server: int) -> None:
         """Stop routing to ``server`` (its engine died)."""
+        if self.healthy[server]:
+            self._num_down += 1
         self.healthy[server] = False
 
     def mark_up(self, server: int) -> None:
         """Route to ``server`` again (restarted and checked); its old in-flight count is dropped."""
+        if not self.healthy[server]:
+            self._num_down -= 1
         self.healthy[server] = True
         self._set(server, 0)
         for owned in self._owned.values():
