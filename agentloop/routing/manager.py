@@ -203,26 +203,9 @@ class AsyncLLMServerManager(StreamingRouting):
             if rank:
                 sampling_params = {**sampling_params, "priority": rank}
         try:
-            try:  # the first attempt inline (one coroutine less per call); failovers below
-                server = self._acquire(
-                    key, len(prompt_ids), prefix_keys(prompt_ids) if self._prefix else ()
-                )
-                if not isinstance(server, int):
-                    server = await server
-                start = timing.now()
-                try:
-                    output = await self._start(server, "generate", {
-                        "prompt_ids": prompt_ids, "sampling_params": sampling_params,
-                        "request_id": request_id, **media,
-                    })
-                except BaseException as e:
-                    self._call_failed(e, server, request_id)
-                self._release_nowait(server)
-                self._record(request_id, server, start, prompt_ids, output)
-            except ServerDeadError as e:
-                output, server = await self._generate_once(
-                    request_id, key, prompt_ids, sampling_params, media, dead=e
-                )
+            output, server = await self._generate_once(
+                request_id, key, prompt_ids, sampling_params, media
+            )
         except TypeError as e:  # a server whose generate() has no video_data keyword
             if video_data and "video_data" in str(e):
                 raise NotImplementedError(
@@ -287,16 +270,12 @@ class AsyncLLMServerManager(StreamingRouting):
 
     async def _generate_once(
         self, request_id: str, key: str, prompt_ids: list[int], sampling_params: dict[str, Any],
-        media: dict[str, Any], dead: ServerDeadError | None = None,
+        media: dict[str, Any],
     ) -> tuple[TokenOutput, int]:
-        """One server call, failing over to another server when the chosen one is dead (``dead``:
-        the first attempt's server was)."""
+        """One server call, failing over to another server when the chosen one is dead."""
         attempt = 0
         while True:
             try:
-                if dead is not None:
-                    error, dead = dead, None
-                    raise error
                 chosen = self._acquire(
                     key, len(prompt_ids), prefix_keys(prompt_ids) if self._prefix else ()
                 )
