@@ -30,7 +30,7 @@ from agentloop.types import (
     AgentLoopOutput,
     RolloutStatus,
     StopReason,
-    unchecked,
+    unchecked_builder,
 )
 from agentloop.utils.ids import fresh_hex
 
@@ -71,10 +71,8 @@ class SingleTurnAgentLoop(AgentLoopBase):
             output = await self.server_manager.generate(
                 request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params
             )
-        # built unchecked: every value comes from a validated TokenOutput (types.unchecked)
-        metrics = unchecked(
-            AgentLoopMetrics, generate_sequences=time.perf_counter() - start,
-            num_preempted=output.num_preempted,
+        metrics = _metrics(
+            generate_sequences=time.perf_counter() - start, num_preempted=output.num_preempted
         )
 
         response_ids = output.token_ids[: self.response_length]
@@ -86,8 +84,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
             status = RolloutStatus.ABORTED
         else:
             status = RolloutStatus.STOP
-        return unchecked(
-            AgentLoopOutput,
+        return _output(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             response_mask=[1] * len(response_ids),
@@ -109,6 +106,15 @@ class SingleTurnAgentLoop(AgentLoopBase):
             },
             status=status,
         )
+
+
+# built unchecked (types.unchecked_builder): every value comes from a validated TokenOutput
+_metrics = unchecked_builder(AgentLoopMetrics, "generate_sequences", "num_preempted")
+_output = unchecked_builder(
+    AgentLoopOutput, "prompt_ids", "response_ids", "response_mask", "response_logprobs",
+    "response_weight_versions", "routed_experts", "num_turns", "metrics", "multi_modal_data",
+    "extra_fields", "status",
+)
 
 
 def _routed_rows(prompt_ids: list[int], output: Any, response_ids: list[int]) -> Any:

@@ -25,6 +25,7 @@ from agentloop.types import (
     assign_field,
     replaced,
     unchecked,
+    unchecked_builder,
     with_field,
 )
 
@@ -44,6 +45,30 @@ def test_with_field_equals_replaced_and_leaves_the_original_alone():
     assert pickle.loads(pickle.dumps(copy)) == copy
     with pytest.raises(TypeError, match="no field 'nope'"):
         with_field(out, "nope", 1)
+
+
+def test_unchecked_builder_builds_what_unchecked_builds():
+    build = unchecked_builder(
+        AgentLoopOutput, "prompt_ids", "response_ids", "response_mask", "num_turns", "status"
+    )
+    values: dict[str, Any] = {"prompt_ids": [1, 2], "response_ids": [3], "response_mask": [1],
+                              "num_turns": 2, "status": RolloutStatus.STOP}
+    built, plain = build(**values), unchecked(AgentLoopOutput, **values)
+    assert built == plain == AgentLoopOutput(**values)
+    assert built.model_fields_set == plain.model_fields_set == set(values)
+    assert list(built.__dict__) == list(AgentLoopOutput.model_fields)
+    assert built.model_dump() == plain.model_dump()
+    assert pickle.loads(pickle.dumps(built)) == built
+    other = build(**values)  # fields left out: each instance gets its own factory-made value
+    assert other.extra_fields is not built.extra_fields and other.metrics is not built.metrics
+    metrics = unchecked_builder(AgentLoopMetrics, "generate_sequences")(generate_sequences=0.5)
+    assert metrics == AgentLoopMetrics(generate_sequences=0.5)
+    with pytest.raises(TypeError, match="unknown"):
+        unchecked_builder(AgentLoopOutput, "prompt_ids", "nope")
+    with pytest.raises(TypeError, match="required"):
+        unchecked_builder(AgentLoopOutput, "prompt_ids")  # response_ids etc. are required
+    with pytest.raises(TypeError):
+        build(prompt_ids=[1])  # a keyword the builder was made with is missing
 
 
 class _Validated(BaseModel):
