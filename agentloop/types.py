@@ -102,7 +102,6 @@ def unchecked(cls: type[_M], /, **values: Any) -> _M:
     return model
 
 
-
 def _spec(cls: type[BaseModel]) -> _Spec:
     """Every field of ``cls`` in declaration order (dumps and reprs keep it) with its default, the
     fields with a default factory, and the required fields."""
@@ -173,12 +172,7 @@ def replaced(model: _M, /, **changes: Any) -> _M:
     state = model.__dict__
     if not changes.keys() <= state.keys():
         raise TypeError(f"{type(model).__name__}: no field(s) {sorted(changes.keys() - state)}")
-    copy = type(model).__new__(type(model))
-    object.__setattr__(copy, "__dict__", {**state, **changes})
-    _set_fields_set(copy, model.__pydantic_fields_set__ | changes.keys())
-    _set_extra(copy, model.__pydantic_extra__)
-    _set_private(copy, model.__pydantic_private__)
-    return copy
+    return _copy(model, {**state, **changes}, model.__pydantic_fields_set__ | changes.keys())
 
 
 def with_field(model: _M, name: str, value: Any, /) -> _M:
@@ -191,16 +185,46 @@ def with_field(model: _M, name: str, value: Any, /) -> _M:
     state = model.__dict__
     if name not in state:
         raise TypeError(f"{type(model).__name__}: no field {name!r}")
-    copy = type(model).__new__(type(model))
     copied = state.copy()
     copied[name] = value
-    object.__setattr__(copy, "__dict__", copied)
     fields_set = set(model.__pydantic_fields_set__)
     fields_set.add(name)
+    return _copy(model, copied, fields_set)
+
+
+def _copy(model: _M, state: dict[str, Any], fields_set: set[str]) -> _M:
+    """A new instance of ``model``'s class with this ``__dict__`` and fields set, and ``model``'s
+    extra and private values."""
+    copy = type(model).__new__(type(model))
+    object.__setattr__(copy, "__dict__", state)
     _set_fields_set(copy, fields_set)
     _set_extra(copy, model.__pydantic_extra__)
     _set_private(copy, model.__pydantic_private__)
     return copy
+
+
+_PLAIN_ASSIGNMENT: dict[type, bool] = {}
+
+
+def assign_field(model: BaseModel, name: str, value: Any) -> None:
+    """``setattr(model, name, value)`` for a field of ``model``: for a model whose class keeps
+    pydantic's ``__setattr__`` and neither validates assignments nor is frozen, what that
+    ``__setattr__`` does for a plain field (the value into ``__dict__``, the name into the fields
+    set) without its dispatch, for per-sample hot paths; else ``setattr``."""
+    cls = type(model)
+    plain = _PLAIN_ASSIGNMENT.get(cls)
+    if plain is None:
+        config = cls.model_config
+        plain = _PLAIN_ASSIGNMENT[cls] = (
+            cls.__setattr__ is BaseModel.__setattr__
+            and not config.get("validate_assignment") and not config.get("frozen")
+        )
+    state = model.__dict__
+    if plain and name in state:
+        state[name] = value
+        model.__pydantic_fields_set__.add(name)
+    else:
+        setattr(model, name, value)
 
 
 class StopReason(str, Enum):
@@ -434,27 +458,3 @@ class MultiTrajectoryAgentLoopOutput(BaseModel):
         if value is not None and not 0.0 <= value <= 1.0:
             raise ValueError(f"reward_gamma must be in [0, 1], got {value}")
         return value
-
-
-_PLAIN_ASSIGNMENT: dict[type, bool] = {}
-
-
-def assign_field(model: BaseModel, name: str, value: Any) -> None:
-    """``setattr(model, name, value)`` for a field of ``model``: for a model whose class keeps
-    pydantic's ``__setattr__`` and neither validates assignments nor is frozen, what that
-    ``__setattr__`` does for a plain field (the value into ``__dict__``, the name into the fields
-    set) without its dispatch, for per-sample hot paths; else ``setattr``."""
-    cls = type(model)
-    plain = _PLAIN_ASSIGNMENT.get(cls)
-    if plain is None:
-        config = cls.model_config
-        plain = _PLAIN_ASSIGNMENT[cls] = (
-            cls.__setattr__ is BaseModel.__setattr__
-            and not config.get("validate_assignment") and not config.get("frozen")
-        )
-    state = model.__dict__
-    if plain and name in state:
-        state[name] = value
-        model.__pydantic_fields_set__.add(name)
-    else:
-        setattr(model, name, value)

@@ -62,15 +62,9 @@ class SingleTurnAgentLoop(AgentLoopBase):
         prompt_ids, dropped = fit_prompt(prompt_ids, self.prompt_length, self.prompt_truncation)
 
         start = time.perf_counter()
-        if media:
-            output = await self.server_manager.generate(
-                request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params,
-                **media,
-            )
-        else:  # no keyword dict to unpack
-            output = await self.server_manager.generate(
-                request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params
-            )
+        output = await self.server_manager.generate(
+            request_id=fresh_hex(), prompt_ids=prompt_ids, sampling_params=sampling_params, **media
+        )
         metrics = _metrics(
             generate_sequences=time.perf_counter() - start, num_preempted=output.num_preempted
         )

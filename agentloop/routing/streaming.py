@@ -16,7 +16,7 @@ from ray.actor import ActorHandle
 from agentloop.routing.outputs import UNCUT, with_versions
 from agentloop.routing.prefix_affinity import prefix_keys
 from agentloop.routing.server_errors import SERVER_CALL_ERRORS, reraise_translated
-from agentloop.types import StopReason, TokenDelta, TokenOutput, replaced
+from agentloop.types import StopReason, TokenDelta, TokenOutput, with_field
 
 
 class StreamingRouting:
@@ -150,5 +150,5 @@ class StreamingRouting:
     def _tag(delta: TokenDelta, server: int) -> TokenDelta:
         if not delta.finished:
             return delta
-        return replaced(delta, extra_fields=with_versions(delta.extra_fields, server))
+        return with_field(delta, "extra_fields", with_versions(delta.extra_fields, server))
 
