@@ -177,3 +177,21 @@ def test_a_batch_below_the_threshold_travels_as_before(monkeypatch: pytest.Monke
     data, back, state = _round_trip(_rollout(rows=128, prompt=128, response=64))
     assert "derived" in state["batch"]
     _assert_identical(data, back)
+
+
+@pytest.mark.parametrize("shrink", [True, False])
+def test_a_forced_shrink_gives_what_the_threshold_gives(
+    monkeypatch: pytest.MonkeyPatch, shrink: bool
+) -> None:
+    """``wire_state(shrink=...)`` (a worker's runs) builds the state the size threshold would
+    choose, and it loads bit-identical; the columns left out are not packed first."""
+    data = DataProto.from_dict(_rollout(rows=64, prompt=48, response=16))
+    monkeypatch.setattr(protocol_wire, "SHRINK_ABOVE", 0 if shrink else 1 << 60)
+    by_size = data.wire_state()
+    forced = data.wire_state(shrink=shrink)
+    assert pickle.dumps(forced, protocol=5) == pickle.dumps(by_size, protocol=5)
+    assert ("derived" in forced["batch"]) is shrink
+    assert len(forced["batch"]["tensors"]) == (4 if shrink else 7)
+    back = DataProto.__new__(DataProto)
+    back.__setstate__(forced)
+    _assert_identical(data, back)
