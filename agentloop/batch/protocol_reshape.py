@@ -20,10 +20,10 @@ from agentloop.batch.protocol_merge import merge_meta_info
 from agentloop.batch.protocol_ops import DataProtoLike, split_rows
 from agentloop.batch.protocol_utils import DataProtoConfig, check_same_keys
 
-__all__ = ["DataProtoReshapeMixin"]
+__all__ = ["DataProtoReshapeMixin", "plain_rows"]
 
 
-def _plain_rows(batch: Any) -> bool:
+def plain_rows(batch: Any) -> bool:
     """Whether ``batch`` is a plain 1-D TensorDict of CPU tensors with numpy dtypes (no grad, no
     dimension names)."""
     return (
@@ -34,13 +34,13 @@ def _plain_rows(batch: Any) -> bool:
 
 
 def _cat_batches(batches: list[TensorDict]) -> TensorDict:
-    """``torch.cat(batches, dim=0)``; plain batches (:func:`_plain_rows`, same keys, dtypes and
+    """``torch.cat(batches, dim=0)``; plain batches (:func:`plain_rows`, same keys, dtypes and
     row shapes) are joined by numpy instead: torch copies large tensors on its intra-op thread
     pool, whose wake-up cost 30-50 ms per concat of a 256-row rollout on a loaded 2-core host
     (measured; issue 33), and numpy gives the same values and dtypes."""
     first = batches[0]
     keys = list(first.keys())
-    if all(_plain_rows(b) for b in batches) and all(list(b.keys()) == keys for b in batches):
+    if all(plain_rows(b) for b in batches) and all(list(b.keys()) == keys for b in batches):
         shapes = {k: (first[k].dtype, first[k].shape[1:]) for k in keys}
         if all((b[k].dtype, b[k].shape[1:]) == shapes[k] for b in batches[1:] for k in keys):
             tensors = {

@@ -202,9 +202,13 @@ class Dispatcher:
         finally:
             run.close()
 
-    def run(self, batch: DataProto, on_last: Callable[[], Any] | None = None) -> list[Finished]:
+    def run(
+        self, batch: DataProto, on_last: Callable[[], Any] | None = None,
+        on_part: Callable[[int, Finished], Any] | None = None,
+    ) -> list[Finished]:
         """Roll ``batch`` out in ``chunks_per_worker`` row ranges per live worker; returns the
-        ranges in row order (the fault handling is :meth:`stream`'s).
+        ranges in row order (the fault handling is :meth:`stream`'s). ``on_part(first_row,
+        finished)`` is called as each range comes back, with the range's first input row.
 
         ``on_last()`` is called when only one group is left out, and again once its rows are
         ready (before they are fetched) unless the first call is under :data:`ON_LAST_FRESH_S`
@@ -221,7 +225,11 @@ class Dispatcher:
             if on_last is not None:
                 on_last()
 
-        parts = {f.group.key: f for f in self.stream(groups, on_last=last)}
+        parts: dict[int, Finished] = {}
+        for f in self.stream(groups, on_last=last):
+            parts[f.group.key] = f
+            if on_part is not None:
+                on_part(bounds[f.group.key], f)
         if on_last is not None and (not fired or fired[-1] != self.fault_counts):
             on_last()  # never fired, or faults after it: the servers are probed again now
         return [parts[k] for k in sorted(parts)]

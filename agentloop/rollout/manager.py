@@ -2,8 +2,8 @@
 
 Builds, on the current Ray cluster: the server actors (standalone placement), one GlobalBalancer
 actor shared by every worker, and ``rollout.agent.num_workers`` AgentLoopWorker actors spread
-round-robin over alive nodes.  ``generate_sequences(batch)`` chunks the batch over the workers,
-concatenates the chunks and adds timing metrics.
+round-robin over alive nodes. ``generate_sequences(batch)`` chunks it over the workers, joins the
+chunks as they come back (:mod:`agentloop.batch.assembly`) and adds timing metrics.
 
 Usage from a trainer::
 
@@ -27,7 +27,8 @@ from typing import Any
 import ray
 from omegaconf import DictConfig
 
-from agentloop.batch.metrics import after_last_sample, align_keys, performance_metrics
+from agentloop.batch.assembly import RowAssembler
+from agentloop.batch.metrics import after_last_sample, performance_metrics
 from agentloop.batch.protocol import DataProto
 from agentloop.cluster.placement import ServerGroup, sleep_support, stop_servers
 from agentloop.cluster.supervisor import ServerSupervisor
@@ -204,9 +205,7 @@ class AgentLoopManager:
         """Worker set-up (imports, tokenizer, tools) must neither land in the first batch's timing
         (it was ~7 s of the demo's first batch) nor fail only when the first batch is sent."""
         infos = self.workers.start()
-        self.init_errors: dict[str, str] = {
-            k: v for info in infos for k, v in info.get("init_errors", {}).items()
-        }
+        self.init_errors = {k: v for info in infos for k, v in info.get("init_errors", {}).items()}
         for name, error in sorted(self.init_errors.items()):
             logger.warning(
                 "agent loop %r failed to initialise (%s); samples that use it will come back with "
@@ -221,23 +220,24 @@ class AgentLoopManager:
         return load_tokenizer(self.config.model)
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Roll out ``prompts`` (one row per sample; ``raw_prompt`` required) and return padded
-        trajectories.
+        """Roll out ``prompts`` (a row per sample, ``raw_prompt`` required); padded trajectories.
 
         ``meta_info["global_steps"]`` (verl's trainer sets it; traces and trajectory info carry it)
         defaults to the version of the weights being served (what :meth:`update_weights` returned
         last; 0 before it). Built on the same worker stream as :meth:`generate_sequences_stream`
-        (row ranges instead of groups, put back in the batch's order), so both share one fault path
-        (docs/faults.md).
+        (row ranges instead of groups, put back in the batch's order: each copied into the batch as
+        it comes), so both share one fault path (docs/faults.md).
         """
         t0 = time.perf_counter()
         prompts = self.prepare(prompts)
         probes: list[Any] = []  # health probes sent as the last rows arrive: overlap the transfer
+        rows = RowAssembler(len(prompts))
         parts = self.workers.run(prompts, on_last=(
-            (lambda: probes.append(self.supervisor.probe())) if self._owns_servers else None))
+            (lambda: probes.append(self.supervisor.probe())) if self._owns_servers else None),
+            on_part=lambda first, f: rows.add(first, len(f.group.rows), f.rows))
         failovers = sum(p.stats.server_failovers for p in parts)
         metrics = [m for p in parts for m in p.stats.metrics]  # a list in row order, not folded
-        output = DataProto.concat(align_keys([p.rows for p in parts]))
+        output = rows.join([p.rows for p in parts])
         if probes:
             self.supervisor.check(probes[-1])
         if self.config.engine.free_cache_engine:

@@ -314,3 +314,17 @@ def test_groups_whose_channel_frames_never_arrive_run_again(fake_ray, monkeypatc
     assert set(rows.non_tensor_batch["status"]) == {"stop"}  # rolled out again, not lost
     assert dispatcher.fault_counts["sample_retries"] == 4 and dispatcher.fault_counts[
         "worker_restarts"] == 1  # its worker is taken for broken and replaced
+
+
+def test_on_part_gives_each_range_once_with_its_first_row(fake_ray):
+    """``run(on_part=...)`` (the manager copies each range into the batch as it comes): every range
+    once, a dead worker's included, with the input row it starts at."""
+    dispatcher, _ = make_dispatcher(retries=1)
+    seen: list[tuple[int, list[int]]] = []
+    parts = dispatcher.run(
+        prompts(8), on_part=lambda first, f: seen.append(
+            (first, f.rows.non_tensor_batch["index"].tolist()))
+    )
+    assert sorted(first for first, _ in seen) == [0, 2, 4, 6]
+    assert all(rows == list(range(first, first + 2)) for first, rows in seen)
+    assert len(seen) == len(parts) == 4

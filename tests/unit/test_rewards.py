@@ -24,7 +24,7 @@ from agentloop.rewards import (
     load_reward_function,
     parse_result,
 )
-from agentloop.rollout.manager import align_keys, performance_metrics
+from agentloop.batch.metrics import align_keys, performance_metrics
 from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer

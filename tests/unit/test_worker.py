@@ -178,7 +178,7 @@ def test_missing_agent_name_values_use_default():
 
 
 def test_chunks_with_different_columns_concatenate():
-    from agentloop.rollout.manager import align_keys
+    from agentloop.batch.metrics import align_keys
 
     ok = make_worker(ScriptedServer(lambda ids, p, rid: [70, IM_END], eos_token_id=IM_END))
     bad = make_worker(ScriptedServer(lambda ids, p, rid: (_ for _ in ()).throw(RuntimeError("x"))))
