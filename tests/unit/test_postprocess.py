@@ -193,8 +193,8 @@ def test_pad_rows_matches_a_naive_reference() -> None:
 
 
 def test_align_keys_builds_reward_columns_by_the_rule_and_never_zero_fills() -> None:
-    from agentloop.batch.protocol import DataProto
     from agentloop.batch.metrics import align_keys
+    from agentloop.batch.protocol import DataProto
 
     scored = three_outputs()
     scored[0].extra_fields = {"reward_extra_info": {"score": 1.0, "acc": 1.0}}
@@ -228,8 +228,8 @@ def test_stream_parts_with_their_own_timing_concatenate() -> None:
     """docs/async.md: `DataProto.concat(align_keys(parts))` joins `generate_sequences_stream` parts,
     each of which carries its own `meta_info["timing"]` (before, concat refused the differing
     values)."""
-    from agentloop.batch.protocol import DataProto
     from agentloop.batch.metrics import align_keys
+    from agentloop.batch.protocol import DataProto
 
     a, b = run(three_outputs()), run(three_outputs())
     a.meta_info["timing"], b.meta_info["timing"] = (

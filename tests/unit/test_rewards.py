@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from agentloop.batch.metrics import align_keys, performance_metrics
 from agentloop.batch.protocol import DataProto, split_rows
 from agentloop.config import default_config
 from agentloop.errors import ConfigError
@@ -24,7 +25,6 @@ from agentloop.rewards import (
     load_reward_function,
     parse_result,
 )
-from agentloop.batch.metrics import align_keys, performance_metrics
 from agentloop.rollout.worker import AgentLoopWorker
 from agentloop.testing import ScriptedServer
 from agentloop.testing.fake_tokenizer import IM_END, FakeTokenizer
