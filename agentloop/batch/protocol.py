@@ -161,26 +161,23 @@ class DataProto(DataProtoColumnsMixin, DataProtoReshapeMixin):
         batch: Any = self.batch
         if batch is not None and all(packable(v) for v in batch.values()):
             tensors = dict(batch.items())
-            size = list(batch.batch_size)
+            packed: dict[str, Any] = {}  # with shrink forced, the columns left out are never packed
             if shrink is None:
                 packed = {k: pack_tensor(v) for k, v in tensors.items()}
                 shrink = sum(a.nbytes for a, _ in packed.values()) >= protocol_wire.SHRINK_ABOVE
-                batch = {"batch_size": size, "tensors": packed}
-            else:  # the columns left out are not packed (narrowed) only to be dropped
-                packed = {}
+            batch = {"batch_size": list(batch.batch_size)}
             if shrink:
                 arrays = {k: v.detach().numpy() for k, v in tensors.items()}
                 left_out, recipe = split_derived(arrays)
                 pads = pads or {}
-                batch = {"batch_size": size, "tensors": {
+                batch["tensors"] = {
                     k: _trimmed(packed.get(k) or pack_tensor(v), pads.get(k))
                     for k, v in tensors.items() if k not in left_out
-                }}
+                }
                 if left_out:
                     batch["derived"] = recipe
-            elif not packed:
-                batch = {"batch_size": size,
-                         "tensors": {k: pack_tensor(v) for k, v in tensors.items()}}
+            else:
+                batch["tensors"] = packed or {k: pack_tensor(v) for k, v in tensors.items()}
         return {
             "batch": batch, "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info,
         }
